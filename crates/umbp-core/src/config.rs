@@ -1,0 +1,243 @@
+//! Pool configuration and its validation.
+//!
+//! Option names in errors are the connector's (`capacity_bytes`, `dram_high_watermark`, ...),
+//! which the standalone server's environment variables map onto one to one.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::CoreError;
+
+/// 1 MiB.
+pub const MIB: u64 = 1 << 20;
+/// 1 GiB.
+pub const GIB: u64 = 1 << 30;
+
+/// Huge page sizes the pool can ask the kernel for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HugepageSize {
+    /// 2 MiB pages.
+    #[default]
+    Size2MiB,
+    /// 1 GiB pages.
+    Size1GiB,
+}
+
+impl HugepageSize {
+    /// Bytes in one page of this size.
+    pub fn bytes(self) -> u64 {
+        match self {
+            HugepageSize::Size2MiB => 2 * MIB,
+            HugepageSize::Size1GiB => GIB,
+        }
+    }
+}
+
+impl fmt::Display for HugepageSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HugepageSize::Size2MiB => "2MiB",
+            HugepageSize::Size1GiB => "1GiB",
+        })
+    }
+}
+
+impl FromStr for HugepageSize {
+    type Err = CoreError;
+
+    /// Accepts `2M`, `2MB`, `2MiB`, `1G`, `1GB`, `1GiB` (any case) or the size in bytes.
+    fn from_str(s: &str) -> Result<Self, CoreError> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "2m" | "2mb" | "2mib" | "2097152" => Ok(HugepageSize::Size2MiB),
+            "1g" | "1gb" | "1gib" | "1073741824" => Ok(HugepageSize::Size1GiB),
+            _ => Err(CoreError::option(
+                "dram_hugepage_size",
+                format!("{s:?} is not a supported huge page size; use \"2MiB\" or \"1GiB\""),
+            )),
+        }
+    }
+}
+
+/// How the pool's memory is obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemoryBacking {
+    /// Private anonymous memory (the embedded default).
+    #[default]
+    Anonymous,
+    /// A memfd, shareable with other processes by passing its descriptor (the standalone server).
+    Memfd,
+}
+
+/// Everything that shapes one host-DRAM pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolConfig {
+    /// Pool size in bytes.
+    pub capacity_bytes: u64,
+    /// Occupancy (fraction of capacity) above which background eviction starts.
+    pub high_watermark: f64,
+    /// Occupancy background eviction brings the pool down to.
+    pub low_watermark: f64,
+    /// Ask for huge pages (falls back to normal pages with a warning when the kernel has none).
+    pub use_hugepages: bool,
+    /// Which huge page size to ask for.
+    pub hugepage_size: HugepageSize,
+    /// Bind the pool's memory to this NUMA node.
+    pub numa_node: Option<u32>,
+    /// Touch every page up front so copies never take page faults.
+    pub prefault: bool,
+    /// Threads used to prefault (0: as many as the machine has, at most 8).
+    pub prefault_threads: usize,
+    /// Anonymous or memfd-backed memory.
+    pub backing: MemoryBacking,
+    /// Size of the allocator's segments (0: derived from the capacity).
+    pub segment_bytes: u64,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            capacity_bytes: 64 * GIB,
+            high_watermark: 0.9,
+            low_watermark: 0.7,
+            use_hugepages: false,
+            hugepage_size: HugepageSize::Size2MiB,
+            numa_node: None,
+            prefault: true,
+            prefault_threads: 0,
+            backing: MemoryBacking::Anonymous,
+            segment_bytes: 0,
+        }
+    }
+}
+
+impl PoolConfig {
+    /// A default configuration of `capacity_bytes`.
+    pub fn with_capacity(capacity_bytes: u64) -> Self {
+        PoolConfig {
+            capacity_bytes,
+            ..PoolConfig::default()
+        }
+    }
+
+    /// Checks every option that can be checked without asking the system.
+    pub fn validate(&self) -> Result<(), CoreError> {
+        if self.capacity_bytes == 0 {
+            return Err(CoreError::option(
+                "capacity_bytes",
+                "must be greater than 0; set the pool size in bytes (e.g. 68719476736 for 64 GiB)",
+            ));
+        }
+        if self.capacity_bytes < MIB {
+            return Err(CoreError::option(
+                "capacity_bytes",
+                format!(
+                    "{} bytes is below the 1 MiB minimum; set at least 1048576",
+                    self.capacity_bytes
+                ),
+            ));
+        }
+        for (name, v) in [
+            ("dram_high_watermark", self.high_watermark),
+            ("dram_low_watermark", self.low_watermark),
+        ] {
+            if !(v > 0.0 && v <= 1.0) {
+                return Err(CoreError::option(
+                    name,
+                    format!("{v} is outside (0, 1]; give a fraction of capacity such as 0.9"),
+                ));
+            }
+        }
+        if self.low_watermark >= self.high_watermark {
+            return Err(CoreError::option(
+                "dram_low_watermark",
+                format!(
+                    "{} must be below dram_high_watermark ({}); lower it or raise the high watermark",
+                    self.low_watermark, self.high_watermark
+                ),
+            ));
+        }
+        if self.segment_bytes != 0
+            && (!self.segment_bytes.is_power_of_two() || self.segment_bytes < 64 * 1024)
+        {
+            return Err(CoreError::option(
+                "segment_bytes",
+                format!(
+                    "{} must be a power of two of at least 65536, or 0 to derive it",
+                    self.segment_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The segment size in use: the configured one, or 1/64 of the capacity clamped to
+    /// 1 MiB..=64 MiB and rounded down to a power of two.
+    pub fn effective_segment_bytes(&self) -> u64 {
+        if self.segment_bytes != 0 {
+            return self.segment_bytes;
+        }
+        let target = (self.capacity_bytes / 64).clamp(MIB, 64 * MIB);
+        1u64 << (63 - target.leading_zeros())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        PoolConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn errors_name_the_option() {
+        let e = PoolConfig::with_capacity(0).validate().unwrap_err();
+        assert!(e.to_string().contains("capacity_bytes"), "{e}");
+        let c = PoolConfig {
+            low_watermark: 0.9,
+            high_watermark: 0.9,
+            ..PoolConfig::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("dram_low_watermark") && e.contains("below"), "{e}");
+        let c = PoolConfig {
+            high_watermark: 1.5,
+            ..PoolConfig::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("dram_high_watermark"));
+        let e = "4M".parse::<HugepageSize>().unwrap_err().to_string();
+        assert!(e.contains("dram_hugepage_size") && e.contains("2MiB"), "{e}");
+    }
+
+    #[test]
+    fn hugepage_sizes_parse() {
+        assert_eq!("2MiB".parse::<HugepageSize>().unwrap(), HugepageSize::Size2MiB);
+        assert_eq!("1g".parse::<HugepageSize>().unwrap(), HugepageSize::Size1GiB);
+        assert_eq!(
+            "2097152".parse::<HugepageSize>().unwrap(),
+            HugepageSize::Size2MiB
+        );
+    }
+
+    #[test]
+    fn segment_size_is_derived() {
+        assert_eq!(
+            PoolConfig::with_capacity(64 * GIB).effective_segment_bytes(),
+            64 * MIB
+        );
+        assert_eq!(
+            PoolConfig::with_capacity(16 * MIB).effective_segment_bytes(),
+            MIB
+        );
+        assert_eq!(
+            PoolConfig::with_capacity(3 * GIB).effective_segment_bytes(),
+            32 * MIB
+        );
+    }
+}

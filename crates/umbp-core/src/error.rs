@@ -1,0 +1,43 @@
+use thiserror::Error;
+
+/// Errors raised while building keys, layouts or configuration.
+///
+/// Every variant that a user can cause names the option or value to change.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum CoreError {
+    /// A configuration option has a value that cannot be used.
+    #[error("invalid option `{option}`: {message}")]
+    InvalidOption {
+        /// The option's name as the user spells it.
+        option: String,
+        /// What is wrong and what to change.
+        message: String,
+    },
+    /// A KV layout description is inconsistent.
+    #[error("invalid KV layout: {0}")]
+    InvalidLayout(String),
+    /// A block id is outside the layout's blocks.
+    #[error("block id {block_id} is out of range: the layout has {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// The offending block id.
+        block_id: u64,
+        /// Blocks the layout describes.
+        num_blocks: u64,
+    },
+    /// A block hash is empty or longer than a key can hold.
+    #[error("block hash of {len} bytes cannot be keyed: hashes must be 1..=32 bytes")]
+    InvalidHash {
+        /// The hash length given.
+        len: usize,
+    },
+}
+
+impl CoreError {
+    /// Shorthand for [`CoreError::InvalidOption`].
+    pub fn option(option: impl Into<String>, message: impl Into<String>) -> Self {
+        CoreError::InvalidOption {
+            option: option.into(),
+            message: message.into(),
+        }
+    }
+}

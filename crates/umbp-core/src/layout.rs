@@ -1,0 +1,368 @@
+//! KV cache layouts and range planning.
+//!
+//! An engine's KV cache for one cache group is a set of layers. For layer `l` and block `b` the
+//! block's bytes are one contiguous run of `block_bytes` at `base_addr + b * block_stride`. One
+//! pool object holds one block of one group: the runs of every layer, concatenated in layer order.
+//! [`GroupLayout::plan`] turns block ids into the scatter/gather ranges that move those bytes,
+//! merging runs that are adjacent on both sides (a block-first layout becomes one range per block).
+
+use crate::CoreError;
+
+/// One layer's view of the KV cache: where block 0 starts, how far apart blocks are, and how
+/// many bytes one block of this layer holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSpec {
+    /// Address of block 0 of this layer.
+    pub base_addr: u64,
+    /// Number of blocks the cache holds.
+    pub num_blocks: u64,
+    /// Distance in bytes between consecutive blocks of this layer.
+    pub block_stride: u64,
+    /// Bytes of one block of this layer (one contiguous run).
+    pub block_bytes: u64,
+}
+
+impl LayerSpec {
+    /// First byte past the last block of this layer.
+    fn end(&self) -> Option<u64> {
+        (self.num_blocks - 1)
+            .checked_mul(self.block_stride)?
+            .checked_add(self.block_bytes)?
+            .checked_add(self.base_addr)
+    }
+}
+
+/// One contiguous piece of a copy: `len` bytes at `host_addr` in the engine's memory and at
+/// `object_offset` inside a pool object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRange {
+    /// Address in registered engine memory.
+    pub host_addr: u64,
+    /// Offset inside the pool object.
+    pub object_offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// The ranges of many blocks: block `i`'s ranges are `ranges[starts[i]..starts[i + 1]]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RangePlan {
+    /// Every range, block after block.
+    pub ranges: Vec<CopyRange>,
+    /// Where each block's ranges start; one more entry than blocks.
+    pub starts: Vec<usize>,
+    /// Size of one block's object.
+    pub object_bytes: u64,
+}
+
+impl RangePlan {
+    /// Number of blocks planned.
+    pub fn num_blocks(&self) -> usize {
+        self.starts.len().saturating_sub(1)
+    }
+
+    /// The ranges of the `i`-th planned block.
+    pub fn block(&self, i: usize) -> &[CopyRange] {
+        &self.ranges[self.starts[i]..self.starts[i + 1]]
+    }
+}
+
+/// The layout of one KV cache group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupLayout {
+    layers: Vec<LayerSpec>,
+    object_offsets: Vec<u64>,
+    object_bytes: u64,
+    num_blocks: u64,
+}
+
+impl GroupLayout {
+    /// Validates `layers` and computes where each layer's run sits in an object.
+    pub fn new(layers: Vec<LayerSpec>) -> Result<Self, CoreError> {
+        let Some(first) = layers.first() else {
+            return Err(CoreError::InvalidLayout(
+                "a cache group needs at least one layer".into(),
+            ));
+        };
+        let num_blocks = first.num_blocks;
+        let mut object_offsets = Vec::with_capacity(layers.len());
+        let mut object_bytes: u64 = 0;
+        for (i, l) in layers.iter().enumerate() {
+            if l.num_blocks == 0 || l.block_bytes == 0 {
+                return Err(CoreError::InvalidLayout(format!(
+                    "layer {i}: num_blocks and block_bytes must be > 0 (got {} and {})",
+                    l.num_blocks, l.block_bytes
+                )));
+            }
+            if l.num_blocks != num_blocks {
+                return Err(CoreError::InvalidLayout(format!(
+                    "layer {i} has {} blocks but layer 0 has {num_blocks}: layers of one group share block ids",
+                    l.num_blocks
+                )));
+            }
+            if l.num_blocks > 1 && l.block_stride < l.block_bytes {
+                return Err(CoreError::InvalidLayout(format!(
+                    "layer {i}: block_stride {} is smaller than block_bytes {}, so blocks would overlap",
+                    l.block_stride, l.block_bytes
+                )));
+            }
+            if l.end().is_none() {
+                return Err(CoreError::InvalidLayout(format!(
+                    "layer {i}: the last block ends past the address space"
+                )));
+            }
+            object_offsets.push(object_bytes);
+            object_bytes = object_bytes.checked_add(l.block_bytes).ok_or_else(|| {
+                CoreError::InvalidLayout("object size overflows 64 bits".into())
+            })?;
+        }
+        Ok(GroupLayout {
+            layers,
+            object_offsets,
+            object_bytes,
+            num_blocks,
+        })
+    }
+
+    /// The layers, in object order.
+    pub fn layers(&self) -> &[LayerSpec] {
+        &self.layers
+    }
+
+    /// Bytes of one block's object.
+    pub fn object_bytes(&self) -> u64 {
+        self.object_bytes
+    }
+
+    /// Blocks in the cache.
+    pub fn num_blocks(&self) -> u64 {
+        self.num_blocks
+    }
+
+    /// Checks every layer's whole span against `covered(addr, len)`, which says whether
+    /// `[addr, addr + len)` lies inside one registered memory region.
+    pub fn validate_within(&self, covered: impl Fn(u64, u64) -> bool) -> Result<(), CoreError> {
+        for (i, l) in self.layers.iter().enumerate() {
+            let end = l.end().expect("checked in new");
+            if !covered(l.base_addr, end - l.base_addr) {
+                return Err(CoreError::InvalidLayout(format!(
+                    "layer {i}: bytes {:#x}..{end:#x} are not inside one registered memory region; \
+                     register the KV cache tensor before the layout",
+                    l.base_addr
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans the ranges of `block_ids`, merging runs adjacent in both memories.
+    pub fn plan(&self, block_ids: &[u64]) -> Result<RangePlan, CoreError> {
+        let mut plan = RangePlan {
+            ranges: Vec::with_capacity(block_ids.len() * self.layers.len().min(64)),
+            starts: Vec::with_capacity(block_ids.len() + 1),
+            object_bytes: self.object_bytes,
+        };
+        for &b in block_ids {
+            if b >= self.num_blocks {
+                return Err(CoreError::BlockOutOfRange {
+                    block_id: b,
+                    num_blocks: self.num_blocks,
+                });
+            }
+            plan.starts.push(plan.ranges.len());
+            let block_start = plan.ranges.len();
+            for (l, &off) in self.layers.iter().zip(&self.object_offsets) {
+                let addr = l.base_addr + b * l.block_stride;
+                if plan.ranges.len() > block_start {
+                    let last = plan.ranges.last_mut().expect("non-empty");
+                    if last.host_addr + last.len == addr && last.object_offset + last.len == off {
+                        last.len += l.block_bytes;
+                        continue;
+                    }
+                }
+                plan.ranges.push(CopyRange {
+                    host_addr: addr,
+                    object_offset: off,
+                    len: l.block_bytes,
+                });
+            }
+        }
+        plan.starts.push(plan.ranges.len());
+        Ok(plan)
+    }
+}
+
+/// Every cache group's layout; group `g` is `groups()[g]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvLayout {
+    groups: Vec<GroupLayout>,
+}
+
+impl KvLayout {
+    /// A layout of one or more groups.
+    pub fn new(groups: Vec<GroupLayout>) -> Result<Self, CoreError> {
+        if groups.is_empty() {
+            return Err(CoreError::InvalidLayout(
+                "a KV layout needs at least one cache group".into(),
+            ));
+        }
+        Ok(KvLayout { groups })
+    }
+
+    /// The groups, indexed by group id.
+    pub fn groups(&self) -> &[GroupLayout] {
+        &self.groups
+    }
+
+    /// One group's layout.
+    pub fn group(&self, group: u32) -> Result<&GroupLayout, CoreError> {
+        self.groups.get(group as usize).ok_or_else(|| {
+            CoreError::InvalidLayout(format!(
+                "cache group {group} does not exist: the layout has {} groups",
+                self.groups.len()
+            ))
+        })
+    }
+
+    /// Checks every group with [`GroupLayout::validate_within`].
+    pub fn validate_within(&self, covered: impl Fn(u64, u64) -> bool) -> Result<(), CoreError> {
+        self.groups
+            .iter()
+            .try_for_each(|g| g.validate_within(&covered))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A layer-first cache: `layers` layers, each `num_blocks * stride` bytes, back to back.
+    fn layer_first(layers: u64, num_blocks: u64, block_bytes: u64) -> GroupLayout {
+        let layer_bytes = num_blocks * block_bytes;
+        GroupLayout::new(
+            (0..layers)
+                .map(|l| LayerSpec {
+                    base_addr: 0x10_0000 + l * layer_bytes,
+                    num_blocks,
+                    block_stride: block_bytes,
+                    block_bytes,
+                })
+                .collect(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn layer_first_gives_one_range_per_layer() {
+        let g = layer_first(4, 10, 256);
+        assert_eq!(g.object_bytes(), 1024);
+        let plan = g.plan(&[3, 7]).unwrap();
+        assert_eq!(plan.num_blocks(), 2);
+        assert_eq!(plan.block(0).len(), 4);
+        assert_eq!(
+            plan.block(1)[2],
+            CopyRange {
+                host_addr: 0x10_0000 + 2 * 2560 + 7 * 256,
+                object_offset: 512,
+                len: 256
+            }
+        );
+    }
+
+    #[test]
+    fn block_first_merges_into_one_range() {
+        // All layers of one block are adjacent: stride = layers * block_bytes.
+        let layers = (0..8)
+            .map(|l| LayerSpec {
+                base_addr: 0x1000 + l * 128,
+                num_blocks: 5,
+                block_stride: 8 * 128,
+                block_bytes: 128,
+            })
+            .collect();
+        let g = GroupLayout::new(layers).unwrap();
+        let plan = g.plan(&[4, 0]).unwrap();
+        assert_eq!(
+            plan.block(0),
+            &[CopyRange {
+                host_addr: 0x1000 + 4 * 1024,
+                object_offset: 0,
+                len: 1024
+            }]
+        );
+        assert_eq!(plan.block(1).len(), 1);
+    }
+
+    #[test]
+    fn invalid_layouts_are_rejected() {
+        assert!(GroupLayout::new(vec![]).is_err());
+        let l = LayerSpec {
+            base_addr: 0,
+            num_blocks: 4,
+            block_stride: 10,
+            block_bytes: 20,
+        };
+        assert!(GroupLayout::new(vec![l]).is_err(), "overlapping blocks");
+        let l = LayerSpec {
+            base_addr: u64::MAX - 5,
+            num_blocks: 2,
+            block_stride: 10,
+            block_bytes: 10,
+        };
+        assert!(GroupLayout::new(vec![l]).is_err(), "overflow");
+        let g = layer_first(2, 4, 8);
+        assert_eq!(
+            g.plan(&[4]),
+            Err(CoreError::BlockOutOfRange {
+                block_id: 4,
+                num_blocks: 4
+            })
+        );
+        assert!(KvLayout::new(vec![]).is_err());
+        assert!(KvLayout::new(vec![g]).unwrap().group(1).is_err());
+    }
+
+    #[test]
+    fn validation_checks_registrations() {
+        let g = layer_first(2, 4, 8);
+        // One region covering exactly both layers.
+        let covered = |a: u64, n: u64| a >= 0x10_0000 && a + n <= 0x10_0000 + 64;
+        assert!(g.validate_within(covered).is_ok());
+        let short = |a: u64, n: u64| a >= 0x10_0000 && a + n <= 0x10_0000 + 63;
+        assert!(g.validate_within(short).is_err());
+    }
+
+    proptest! {
+        /// Whatever the layout, planned ranges cover exactly each layer's run of each block, in
+        /// object order, with no gaps.
+        #[test]
+        fn plan_covers_every_byte(
+            layers in 1u64..6, num_blocks in 1u64..20, block_bytes in 1u64..64,
+            pad in 0u64..3, blocks in proptest::collection::vec(0u64..20, 0..10),
+            block_first in any::<bool>()
+        ) {
+            let stride = if block_first { layers * block_bytes + pad } else { block_bytes + pad };
+            let specs: Vec<_> = (0..layers).map(|l| LayerSpec {
+                base_addr: if block_first { 4096 + l * block_bytes } else { 4096 + l * num_blocks * stride },
+                num_blocks, block_stride: stride, block_bytes,
+            }).collect();
+            let g = GroupLayout::new(specs.clone()).unwrap();
+            let blocks: Vec<u64> = blocks.into_iter().filter(|b| *b < num_blocks).collect();
+            let plan = g.plan(&blocks).unwrap();
+            for (i, &b) in blocks.iter().enumerate() {
+                let mut expect = Vec::new();
+                for (l, s) in specs.iter().enumerate() {
+                    for j in 0..block_bytes {
+                        expect.push((s.base_addr + b * stride + j, l as u64 * block_bytes + j));
+                    }
+                }
+                let mut got = Vec::new();
+                for r in plan.block(i) {
+                    for j in 0..r.len { got.push((r.host_addr + j, r.object_offset + j)); }
+                }
+                prop_assert_eq!(got, expect);
+            }
+        }
+    }
+}
