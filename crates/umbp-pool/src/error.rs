@@ -1,0 +1,41 @@
+use thiserror::Error;
+use umbp_core::CoreError;
+
+/// Errors of the host-DRAM pool.
+#[derive(Debug, Error)]
+pub enum PoolError {
+    /// A configuration option is invalid.
+    #[error(transparent)]
+    Config(#[from] CoreError),
+    /// The kernel refused the memory.
+    #[error("could not map {bytes} bytes of pool memory ({what}): {source}; lower capacity_bytes or free memory")]
+    Map {
+        /// How many bytes were asked for.
+        bytes: u64,
+        /// Which call failed.
+        what: &'static str,
+        /// The system error.
+        source: std::io::Error,
+    },
+    /// The pool has no room for the object, even after evicting everything it may evict.
+    #[error("pool full: no room for an object of {requested} bytes (pool capacity {capacity}, {pinned_or_writing} bytes pinned or being written); retry later")]
+    Full {
+        /// Bytes requested.
+        requested: u64,
+        /// Usable capacity.
+        capacity: u64,
+        /// Bytes held by pinned objects and open reservations.
+        pinned_or_writing: u64,
+    },
+    /// The object can never fit.
+    #[error("an object of {requested} bytes can never fit in this pool (largest possible object {max} bytes); raise capacity_bytes")]
+    TooLarge {
+        /// Bytes requested.
+        requested: u64,
+        /// The largest object the pool can hold.
+        max: u64,
+    },
+    /// The pool was closed.
+    #[error("the pool is closed")]
+    Closed,
+}

@@ -1,0 +1,24 @@
+//! The UMBP host-DRAM pool.
+//!
+//! * [`region`]: one mapping of the configured capacity (anonymous or memfd), huge pages with a
+//!   logged fallback, NUMA binding, and a parallel prefault with progress.
+//! * [`alloc`]: a segmented slab allocator. Objects are rounded to size classes (at most 12.5%
+//!   waste); each segment serves one class at a time and returns to the free list as soon as it
+//!   empties, so a long churn of mixed sizes cannot strand memory in the wrong class. Objects
+//!   larger than a segment take a run of whole segments.
+//! * [`Pool`]: a sharded index (no global lock on the hot path) with reserve → write → commit,
+//!   pinned reads, remove and clear; exact LRU eviction by watermarks in a background thread, and
+//!   just-enough synchronous eviction when an allocation cannot be met at once; stats and a stream
+//!   of stored/removed key events.
+
+pub mod alloc;
+mod error;
+mod index;
+mod pool;
+pub mod region;
+
+pub use error::PoolError;
+pub use pool::{
+    CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation,
+};
+pub use region::Placement;

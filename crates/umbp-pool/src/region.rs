@@ -1,0 +1,426 @@
+//! The pool's memory: one mapping of the configured capacity.
+//!
+//! Huge pages are asked for explicitly (`MAP_HUGETLB` / `MFD_HUGETLB`) without `MAP_NORESERVE`,
+//! so a machine without enough of them refuses at map time (never with a `SIGBUS` later); the
+//! region then falls back to normal pages with transparent huge pages advised, logs a warning,
+//! and records what was asked and what was got in its [`Placement`].
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use umbp_core::{CoreError, HugepageSize, MemoryBacking, PoolConfig};
+
+use crate::PoolError;
+
+const PAGE: u64 = 4096;
+const MAP_HUGE_SHIFT: i32 = 26;
+const MPOL_BIND: i32 = 2;
+const MPOL_MF_STRICT: u32 = 1;
+const MPOL_MF_MOVE: u32 = 2;
+
+/// Where and how the pool's memory was placed: what was asked and what was got.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    /// Bytes mapped.
+    pub bytes: u64,
+    /// Anonymous or memfd.
+    pub backing: MemoryBacking,
+    /// Huge page size asked for, if any.
+    pub hugepages_requested: Option<HugepageSize>,
+    /// Huge page size in use, if any (None after a fallback).
+    pub hugepages_used: Option<HugepageSize>,
+    /// Why huge pages were not used, when they were asked for and refused.
+    pub hugepage_fallback: Option<String>,
+    /// NUMA node the memory is bound to.
+    pub numa_node: Option<u32>,
+    /// Whether every page was touched up front.
+    pub prefaulted: bool,
+    /// Seconds the prefault took.
+    pub prefault_seconds: f64,
+}
+
+/// One mapping of pool memory. Unmapped on drop.
+#[derive(Debug)]
+pub struct Region {
+    base: NonNull<u8>,
+    len: usize,
+    fd: Option<OwnedFd>,
+    placement: Placement,
+}
+
+// SAFETY: the region is plain memory owned by this value; it is only unmapped in `drop`, which
+// needs exclusive ownership. Concurrent access to its bytes is coordinated by the pool.
+unsafe impl Send for Region {}
+// SAFETY: as above; `&Region` hands out only the base address and length.
+unsafe impl Sync for Region {}
+
+fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+/// Checks that NUMA node `node` exists on this machine.
+pub fn check_numa_node(node: u32) -> Result<(), CoreError> {
+    let root = Path::new("/sys/devices/system/node");
+    if root.join(format!("node{node}")).exists() {
+        return Ok(());
+    }
+    let online = std::fs::read_to_string(root.join("online"))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".to_owned());
+    Err(CoreError::option(
+        "dram_numa_node",
+        format!("NUMA node {node} does not exist on this machine (online nodes: {online}); pick one of those or leave it unset"),
+    ))
+}
+
+impl Region {
+    /// Maps, binds and (optionally) prefaults the pool's memory as `cfg` says.
+    pub fn map(cfg: &PoolConfig) -> Result<Region, PoolError> {
+        cfg.validate()?;
+        if let Some(node) = cfg.numa_node {
+            check_numa_node(node)?;
+        }
+        let requested = cfg.use_hugepages.then_some(cfg.hugepage_size);
+        let (mut region, fallback) = match requested {
+            Some(size) => match Self::map_raw(cfg, Some(size)) {
+                Ok(r) => (r, None),
+                Err(e) => {
+                    let why = e.to_string();
+                    log::warn!(
+                        "umbp: huge pages of {size} were asked for ({} bytes) but the kernel refused them ({why}); \
+                         falling back to normal pages with transparent huge pages advised. Reserve them with \
+                         `echo N > /sys/kernel/mm/hugepages/hugepages-{}kB/nr_hugepages` to get them",
+                        cfg.capacity_bytes,
+                        size.bytes() / 1024
+                    );
+                    (Self::map_raw(cfg, None)?, Some(why))
+                }
+            },
+            None => (Self::map_raw(cfg, None)?, None),
+        };
+        region.placement.hugepages_requested = requested;
+        region.placement.hugepage_fallback = fallback;
+        if let Some(node) = cfg.numa_node {
+            region.bind(node)?;
+        }
+        if cfg.prefault {
+            let threads = if cfg.prefault_threads == 0 {
+                std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+                    .min(8)
+            } else {
+                cfg.prefault_threads
+            };
+            region.prefault(threads);
+        }
+        Ok(region)
+    }
+
+    fn map_raw(cfg: &PoolConfig, huge: Option<HugepageSize>) -> Result<Region, PoolError> {
+        let page = huge.map_or(PAGE, HugepageSize::bytes);
+        let bytes = round_up(cfg.capacity_bytes, page);
+        let len = usize::try_from(bytes).map_err(|_| PoolError::Map {
+            bytes,
+            what: "size",
+            source: std::io::Error::from_raw_os_error(libc::EOVERFLOW),
+        })?;
+        let huge_flag = |shift_bits: u32| -> i32 {
+            match huge {
+                Some(s) => (s.bytes().trailing_zeros() as i32) << shift_bits,
+                None => 0,
+            }
+        };
+        let fd = match cfg.backing {
+            MemoryBacking::Anonymous => None,
+            MemoryBacking::Memfd => {
+                let name = CString::new("umbp-pool").expect("no NUL");
+                let mut flags = libc::MFD_CLOEXEC;
+                if huge.is_some() {
+                    flags |= libc::MFD_HUGETLB | huge_flag(MAP_HUGE_SHIFT as u32) as u32;
+                }
+                // SAFETY: `name` is a valid NUL-terminated string; flags are plain bits.
+                let raw = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+                if raw < 0 {
+                    return Err(PoolError::Map {
+                        bytes,
+                        what: "memfd_create",
+                        source: std::io::Error::last_os_error(),
+                    });
+                }
+                // SAFETY: `raw` is a fresh descriptor that nothing else owns.
+                let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+                // SAFETY: `fd` is a valid memfd; ftruncate only sets its size.
+                if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
+                    return Err(PoolError::Map {
+                        bytes,
+                        what: "ftruncate",
+                        source: std::io::Error::last_os_error(),
+                    });
+                }
+                Some(fd)
+            }
+        };
+        let (flags, raw_fd) = match &fd {
+            None => {
+                let mut f = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+                if huge.is_some() {
+                    f |= libc::MAP_HUGETLB | huge_flag(MAP_HUGE_SHIFT as u32);
+                } else {
+                    f |= libc::MAP_NORESERVE;
+                }
+                (f, -1)
+            }
+            Some(fd) => (libc::MAP_SHARED, fd.as_raw_fd()),
+        };
+        // SAFETY: a fresh mapping at an address of the kernel's choosing; no existing memory is
+        // touched. The result is checked against MAP_FAILED.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                raw_fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(PoolError::Map {
+                bytes,
+                what: "mmap",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        if huge.is_none() {
+            // SAFETY: advising the mapping just created; failure is harmless and ignored.
+            unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+        }
+        Ok(Region {
+            base: NonNull::new(ptr.cast()).expect("mmap returned a non-null address"),
+            len,
+            fd,
+            placement: Placement {
+                bytes,
+                backing: cfg.backing,
+                hugepages_requested: huge,
+                hugepages_used: huge,
+                hugepage_fallback: None,
+                numa_node: None,
+                prefaulted: false,
+                prefault_seconds: 0.0,
+            },
+        })
+    }
+
+    fn bind(&mut self, node: u32) -> Result<(), PoolError> {
+        let mut mask = [0u64; 16];
+        let word = (node / 64) as usize;
+        if word >= mask.len() {
+            return Err(CoreError::option("dram_numa_node", format!("node {node} is beyond 1023")).into());
+        }
+        mask[word] = 1u64 << (node % 64);
+        // SAFETY: mbind on our own mapping with a mask buffer of `mask.len() * 64` bits.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.base.as_ptr(),
+                self.len,
+                MPOL_BIND,
+                mask.as_ptr(),
+                (mask.len() * 64) as libc::c_ulong,
+                MPOL_MF_STRICT | MPOL_MF_MOVE,
+            )
+        };
+        if rc != 0 {
+            return Err(PoolError::Map {
+                bytes: self.len as u64,
+                what: "mbind (dram_numa_node)",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        self.placement.numa_node = Some(node);
+        Ok(())
+    }
+
+    /// Touches one byte of every page with `threads` threads, logging progress every two
+    /// seconds for regions of 1 GiB or more.
+    fn prefault(&mut self, threads: usize) {
+        let start = Instant::now();
+        let page = self.placement.hugepages_used.map_or(PAGE, HugepageSize::bytes) as usize;
+        let pages = self.len / page;
+        let threads = threads.clamp(1, pages.max(1));
+        let done = AtomicU64::new(0);
+        let base = self.base.as_ptr() as usize;
+        let total = self.len as u64;
+        let loud = total >= (1 << 30);
+        if loud {
+            log::info!(
+                "umbp: prefaulting {:.1} GiB with {threads} threads",
+                total as f64 / (1u64 << 30) as f64
+            );
+        }
+        std::thread::scope(|s| {
+            let done = &done;
+            let per = pages.div_ceil(threads);
+            let mut workers = Vec::new();
+            for t in 0..threads {
+                let (first, last) = (t * per, ((t + 1) * per).min(pages));
+                workers.push(s.spawn(move || {
+                    let mut touched = 0u64;
+                    for p in first..last {
+                        // SAFETY: `p < pages`, so the byte lies inside our mapping; the pool
+                        // is not yet shared, so nothing else writes it.
+                        unsafe { std::ptr::write_volatile((base + p * page) as *mut u8, 0) };
+                        touched += 1;
+                        if touched == 256 {
+                            done.fetch_add(touched * page as u64, Ordering::Relaxed);
+                            touched = 0;
+                        }
+                    }
+                    done.fetch_add(touched * page as u64, Ordering::Relaxed);
+                }));
+            }
+            if loud {
+                let mut last_log = Instant::now();
+                while workers.iter().any(|w| !w.is_finished()) {
+                    std::thread::sleep(Duration::from_millis(50));
+                    if last_log.elapsed() >= Duration::from_secs(2) {
+                        last_log = Instant::now();
+                        let d = done.load(Ordering::Relaxed);
+                        log::info!(
+                            "umbp: prefault {:.0}% ({:.1} of {:.1} GiB)",
+                            100.0 * d as f64 / total as f64,
+                            d as f64 / (1u64 << 30) as f64,
+                            total as f64 / (1u64 << 30) as f64
+                        );
+                    }
+                }
+            }
+        });
+        let secs = start.elapsed().as_secs_f64();
+        if loud {
+            log::info!(
+                "umbp: prefault done in {secs:.2}s ({:.3} s/GiB)",
+                secs / (total as f64 / (1u64 << 30) as f64)
+            );
+        }
+        self.placement.prefaulted = true;
+        self.placement.prefault_seconds = secs;
+    }
+
+    /// Address of the first byte.
+    pub fn base(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty (never, once mapped).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The memfd behind the region, for sharing with other processes.
+    pub fn fd(&self) -> Option<&OwnedFd> {
+        self.fd.as_ref()
+    }
+
+    /// What was asked for and what was got.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in `map_raw`; nothing can use it after
+        // drop because the pool owns the region for as long as any object refers to it.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(bytes: u64) -> PoolConfig {
+        PoolConfig {
+            prefault_threads: 2,
+            ..PoolConfig::with_capacity(bytes)
+        }
+    }
+
+    #[test]
+    fn maps_and_prefaults() {
+        let r = Region::map(&cfg(8 << 20)).unwrap();
+        assert_eq!(r.len(), 8 << 20);
+        assert!(r.placement().prefaulted);
+        // SAFETY: the region is 8 MiB and owned by this test.
+        unsafe {
+            r.base().add(r.len() - 1).write(7);
+            assert_eq!(*r.base().add(r.len() - 1), 7);
+        }
+    }
+
+    #[test]
+    fn memfd_backing_has_a_descriptor() {
+        let r = Region::map(&PoolConfig {
+            backing: MemoryBacking::Memfd,
+            ..cfg(2 << 20)
+        })
+        .unwrap();
+        assert!(r.fd().is_some());
+        assert_eq!(r.placement().backing, MemoryBacking::Memfd);
+    }
+
+    #[test]
+    fn hugepage_request_falls_back_when_refused() {
+        // 1 GiB pages are never reserved on CI machines, so this exercises the fallback; where
+        // they are, the mapping must report them as used.
+        let r = Region::map(&PoolConfig {
+            use_hugepages: true,
+            hugepage_size: HugepageSize::Size1GiB,
+            prefault: false,
+            ..cfg(1 << 30)
+        })
+        .unwrap();
+        let p = r.placement();
+        assert_eq!(p.hugepages_requested, Some(HugepageSize::Size1GiB));
+        assert!(
+            p.hugepages_used.is_some() != p.hugepage_fallback.is_some(),
+            "either used or fell back with a reason: {p:?}"
+        );
+    }
+
+    #[test]
+    fn missing_numa_node_names_the_option() {
+        let e = Region::map(&PoolConfig {
+            numa_node: Some(4000),
+            ..cfg(2 << 20)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("dram_numa_node") && e.contains("4000"), "{e}");
+    }
+
+    #[test]
+    fn existing_numa_node_binds() {
+        if check_numa_node(0).is_err() {
+            return; // no sysfs NUMA information in this sandbox
+        }
+        let r = Region::map(&PoolConfig {
+            numa_node: Some(0),
+            ..cfg(4 << 20)
+        })
+        .unwrap();
+        assert_eq!(r.placement().numa_node, Some(0));
+    }
+}
