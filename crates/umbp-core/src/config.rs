@@ -201,7 +201,10 @@ mod tests {
             ..PoolConfig::default()
         };
         let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("dram_low_watermark") && e.contains("below"), "{e}");
+        assert!(
+            e.contains("dram_low_watermark") && e.contains("below"),
+            "{e}"
+        );
         let c = PoolConfig {
             high_watermark: 1.5,
             ..PoolConfig::default()
@@ -212,13 +215,22 @@ mod tests {
             .to_string()
             .contains("dram_high_watermark"));
         let e = "4M".parse::<HugepageSize>().unwrap_err().to_string();
-        assert!(e.contains("dram_hugepage_size") && e.contains("2MiB"), "{e}");
+        assert!(
+            e.contains("dram_hugepage_size") && e.contains("2MiB"),
+            "{e}"
+        );
     }
 
     #[test]
     fn hugepage_sizes_parse() {
-        assert_eq!("2MiB".parse::<HugepageSize>().unwrap(), HugepageSize::Size2MiB);
-        assert_eq!("1g".parse::<HugepageSize>().unwrap(), HugepageSize::Size1GiB);
+        assert_eq!(
+            "2MiB".parse::<HugepageSize>().unwrap(),
+            HugepageSize::Size2MiB
+        );
+        assert_eq!(
+            "1g".parse::<HugepageSize>().unwrap(),
+            HugepageSize::Size1GiB
+        );
         assert_eq!(
             "2097152".parse::<HugepageSize>().unwrap(),
             HugepageSize::Size2MiB

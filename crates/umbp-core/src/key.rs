@@ -222,7 +222,7 @@ impl KeyBuilder {
         packed: &[u8],
         hash_len: usize,
     ) -> Result<Vec<BlockKey>, CoreError> {
-        if hash_len == 0 || hash_len > MAX_HASH_BYTES || packed.len() % hash_len != 0 {
+        if hash_len == 0 || hash_len > MAX_HASH_BYTES || !packed.len().is_multiple_of(hash_len) {
             return Err(CoreError::InvalidHash { len: hash_len });
         }
         self.keys(group, packed.chunks_exact(hash_len))
@@ -287,11 +287,12 @@ mod tests {
         let base = b.key(0, &[1; 32]).unwrap();
         assert_ne!(base, b.key(1, &[1; 32]).unwrap());
         assert_ne!(base, b.key(0, &[2; 32]).unwrap());
-        assert_ne!(base, b.key(0, &[1; 31]).unwrap(), "hash length is part of the key");
-        let other_rank = b.with_ranks(RankTopology {
-            tp: 4,
-            ..b.ranks()
-        });
+        assert_ne!(
+            base,
+            b.key(0, &[1; 31]).unwrap(),
+            "hash length is part of the key"
+        );
+        let other_rank = b.with_ranks(RankTopology { tp: 4, ..b.ranks() });
         assert_ne!(base, other_rank.key(0, &[1; 32]).unwrap());
         let other_ns = KeyBuilder::new("llama-8b-abd", b.ranks()).unwrap();
         assert_ne!(base, other_ns.key(0, &[1; 32]).unwrap());

@@ -112,9 +112,9 @@ impl GroupLayout {
                 )));
             }
             object_offsets.push(object_bytes);
-            object_bytes = object_bytes.checked_add(l.block_bytes).ok_or_else(|| {
-                CoreError::InvalidLayout("object size overflows 64 bits".into())
-            })?;
+            object_bytes = object_bytes
+                .checked_add(l.block_bytes)
+                .ok_or_else(|| CoreError::InvalidLayout("object size overflows 64 bits".into()))?;
         }
         Ok(GroupLayout {
             layers,

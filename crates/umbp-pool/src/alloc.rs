@@ -291,8 +291,15 @@ impl Allocator {
                         slab.live as usize + slab.free.len(),
                         slab.next_unused as usize
                     );
-                    let listed = self.partial.get(&slab.class).is_some_and(|p| p.contains(&i));
-                    assert_eq!(listed, slab.live < slab.slots, "segment {i} partial listing");
+                    let listed = self
+                        .partial
+                        .get(&slab.class)
+                        .is_some_and(|p| p.contains(&i));
+                    assert_eq!(
+                        listed,
+                        slab.live < slab.slots,
+                        "segment {i} partial listing"
+                    );
                     used += u64::from(slab.live) * slab.class;
                 }
                 Segment::SpanHead { segments, .. } => {
@@ -312,7 +319,19 @@ mod tests {
 
     #[test]
     fn size_classes_bound_waste() {
-        for size in [1, 63, 64, 65, 4095, 4096, 4097, 32 << 10, 48 << 10, 100_000, 3 << 20] {
+        for size in [
+            1,
+            63,
+            64,
+            65,
+            4095,
+            4096,
+            4097,
+            32 << 10,
+            48 << 10,
+            100_000,
+            3 << 20,
+        ] {
             let c = size_class(size);
             assert!(c >= size);
             if size > 4096 {
@@ -328,7 +347,10 @@ mod tests {
     fn slots_do_not_overlap_and_segments_return() {
         let mut a = Allocator::new(1 << 20, 8);
         let mut slots: Vec<Slot> = (0..128).map(|_| a.alloc(64 << 10).unwrap()).collect();
-        assert!(a.alloc(64 << 10).is_none(), "8 MiB hold exactly 128 × 64 KiB");
+        assert!(
+            a.alloc(64 << 10).is_none(),
+            "8 MiB hold exactly 128 × 64 KiB"
+        );
         slots.sort_by_key(|s| s.offset);
         for w in slots.windows(2) {
             assert!(w[0].offset + w[0].bytes <= w[1].offset);
@@ -351,7 +373,14 @@ mod tests {
     fn mixed_size_churn_does_not_fragment_into_uselessness() {
         let seg = 1u64 << 20;
         let mut a = Allocator::new(seg, 64);
-        let sizes = [4u64 << 10, 16 << 10, 64 << 10, 200 << 10, 512 << 10, 2 << 20];
+        let sizes = [
+            4u64 << 10,
+            16 << 10,
+            64 << 10,
+            200 << 10,
+            512 << 10,
+            2 << 20,
+        ];
         let mut rng = StdRng::seed_from_u64(7);
         let mut live: Vec<Slot> = Vec::new();
         let mut failures_with_room = 0;
@@ -380,7 +409,9 @@ mod tests {
         }
         a.check_invariants();
         let occupancy = a.used() as f64 / a.capacity() as f64;
-        println!("after churn: occupancy {occupancy:.2}, small-object failures {failures_with_room}");
+        println!(
+            "after churn: occupancy {occupancy:.2}, small-object failures {failures_with_room}"
+        );
         // At 75% occupancy a slab allocation may fail only if every segment is partly used by
         // other classes; with segments returning when empty this must stay rare.
         assert!(failures_with_room < 2_000, "{failures_with_room} failures");

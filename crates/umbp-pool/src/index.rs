@@ -91,9 +91,8 @@ impl Shard {
             }
         };
         let entries = &self.entries;
-        self.table.insert_unique(fp, idx, |&i| {
-            entries[i as usize].key.fingerprint()
-        });
+        self.table
+            .insert_unique(fp, idx, |&i| entries[i as usize].key.fingerprint());
         self.push_tail(idx);
         self.live += 1;
         idx

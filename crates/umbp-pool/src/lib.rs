@@ -18,7 +18,5 @@ mod pool;
 pub mod region;
 
 pub use error::PoolError;
-pub use pool::{
-    CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation,
-};
+pub use pool::{CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation};
 pub use region::Placement;

@@ -227,7 +227,10 @@ impl Drop for Reservation {
         if let Some(slot) = self.slot.take() {
             self.inner.alloc.lock().free(slot);
         }
-        self.inner.counters.reservations.fetch_sub(1, Ordering::Relaxed);
+        self.inner
+            .counters
+            .reservations
+            .fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -487,10 +490,7 @@ impl Pool {
         let mut hits = 0u64;
         for k in keys {
             let fp = k.fingerprint();
-            let hit = self.inner.shards[shard_of(fp)]
-                .read()
-                .find(k, fp)
-                .is_some();
+            let hit = self.inner.shards[shard_of(fp)].read().find(k, fp).is_some();
             hits += u64::from(hit);
             out.push(hit);
         }
@@ -503,11 +503,7 @@ impl Pool {
         let mut n = 0;
         for k in keys {
             let fp = k.fingerprint();
-            if self.inner.shards[shard_of(fp)]
-                .read()
-                .find(k, fp)
-                .is_none()
-            {
+            if self.inner.shards[shard_of(fp)].read().find(k, fp).is_none() {
                 break;
             }
             n += 1;
@@ -563,7 +559,10 @@ impl Pool {
         };
         let freed = shard.remove(idx);
         drop(shard);
-        inner.finish_removals(freed.into_iter().collect(), vec![(*key, RemoveCause::Removed)]);
+        inner.finish_removals(
+            freed.into_iter().collect(),
+            vec![(*key, RemoveCause::Removed)],
+        );
         true
     }
 
@@ -611,8 +610,11 @@ impl Pool {
     pub fn stats(&self) -> PoolStats {
         let inner = &self.inner;
         let c = &inner.counters;
-        let mut metadata = inner.shards.iter().map(|s| s.read().metadata_bytes()).sum::<usize>()
-            as u64;
+        let mut metadata = inner
+            .shards
+            .iter()
+            .map(|s| s.read().metadata_bytes())
+            .sum::<usize>() as u64;
         let (used, free_segments, segment_bytes, alloc_meta) = {
             let a = inner.alloc.lock();
             // owner tags (8 bytes per slot) and segment records
@@ -656,7 +658,10 @@ impl Pool {
     #[doc(hidden)]
     pub fn check_invariants(&self) {
         let live: usize = self.inner.shards.iter().map(|s| s.read().live()).sum();
-        assert_eq!(live as u64, self.inner.counters.objects.load(Ordering::Relaxed));
+        assert_eq!(
+            live as u64,
+            self.inner.counters.objects.load(Ordering::Relaxed)
+        );
         self.inner.alloc.lock().check_invariants();
     }
 }
@@ -985,10 +990,22 @@ mod tests {
         assert_eq!(
             evs,
             vec![
-                PoolEvent::Stored { key: key(1), bytes: 100 },
-                PoolEvent::Removed { key: key(1), cause: RemoveCause::Removed },
-                PoolEvent::Stored { key: key(2), bytes: 100 },
-                PoolEvent::Removed { key: key(2), cause: RemoveCause::Cleared },
+                PoolEvent::Stored {
+                    key: key(1),
+                    bytes: 100
+                },
+                PoolEvent::Removed {
+                    key: key(1),
+                    cause: RemoveCause::Removed
+                },
+                PoolEvent::Stored {
+                    key: key(2),
+                    bytes: 100
+                },
+                PoolEvent::Removed {
+                    key: key(2),
+                    cause: RemoveCause::Cleared
+                },
             ]
         );
     }

@@ -221,7 +221,9 @@ impl Region {
         let mut mask = [0u64; 16];
         let word = (node / 64) as usize;
         if word >= mask.len() {
-            return Err(CoreError::option("dram_numa_node", format!("node {node} is beyond 1023")).into());
+            return Err(
+                CoreError::option("dram_numa_node", format!("node {node} is beyond 1023")).into(),
+            );
         }
         mask[word] = 1u64 << (node % 64);
         // SAFETY: mbind on our own mapping with a mask buffer of `mask.len() * 64` bits.
@@ -251,7 +253,10 @@ impl Region {
     /// seconds for regions of 1 GiB or more.
     fn prefault(&mut self, threads: usize) {
         let start = Instant::now();
-        let page = self.placement.hugepages_used.map_or(PAGE, HugepageSize::bytes) as usize;
+        let page = self
+            .placement
+            .hugepages_used
+            .map_or(PAGE, HugepageSize::bytes) as usize;
         let pages = self.len / page;
         let threads = threads.clamp(1, pages.max(1));
         let done = AtomicU64::new(0);
