@@ -1,0 +1,49 @@
+use thiserror::Error;
+use umbp_core::CoreError;
+use umbp_pool::PoolError;
+
+/// Errors of the copy engine.
+#[derive(Debug, Error)]
+pub enum CopyError {
+    /// Bad input from the caller (layout, block ids, hashes).
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    /// The pool failed.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// A memory registration is malformed or collides with another.
+    #[error("cannot register memory {addr:#x}+{len}: {reason}")]
+    BadRegistration {
+        /// Start address.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No registration with this id.
+    #[error(
+        "no memory registration with id {0}; it was never registered or was already deregistered"
+    )]
+    UnknownRegion(u64),
+    /// A registration is still used by transfers in flight.
+    #[error("memory registration {id} is still used by {in_flight} transfer(s) in flight; wait for them or cancel them before deregistering")]
+    RegionBusy {
+        /// The registration.
+        id: u64,
+        /// Jobs holding it.
+        in_flight: usize,
+    },
+    /// A job did not finish in time.
+    #[error("transfer did not finish within {ms} ms; it is still running (poll, wait again or cancel it)")]
+    Timeout {
+        /// The deadline in milliseconds.
+        ms: u64,
+    },
+    /// The engine is shut down.
+    #[error("the copy engine is closed")]
+    Closed,
+    /// Arguments do not fit together.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+}

@@ -1,0 +1,18 @@
+//! The UMBP copy engine.
+//!
+//! * [`MemoryRegistry`]: the engine memory (KV cache allocations) that copies may touch. Every
+//!   range of every job is checked against it before any byte moves; a range outside it fails
+//!   that key with an error, never a crash.
+//! * [`CopyEngine`]: asynchronous store (engine memory → new pool object) and load (pool object →
+//!   engine memory) jobs over planned scatter/gather ranges, run by `num_workers` threads, with
+//!   poll / wait (with timeout) / cancel and one [`KeyResult`] per key.
+//!
+//! The host backend moves bytes with `memcpy`. Device backends plug in behind [`Mover`].
+
+mod engine;
+mod error;
+mod registry;
+
+pub use engine::{CopyEngine, Direction, HostMover, JobHandle, KeyResult, Mover};
+pub use error::CopyError;
+pub use registry::{MemoryKind, MemoryRegistry, RegionId};

@@ -1,0 +1,271 @@
+//! Copy engine jobs over real host buffers laid out like an engine's KV cache.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
+use umbp_copy::{
+    CopyEngine, CopyError, Direction, HostMover, KeyResult, MemoryKind, MemoryRegistry,
+};
+use umbp_core::{BlockKey, GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RankTopology};
+use umbp_pool::Pool;
+
+const LAYERS: u64 = 4;
+const BLOCKS: u64 = 64;
+const PIECE: u64 = 1024;
+
+/// A layer-first KV cache in one allocation, with its layout and registration.
+struct Cache {
+    buf: Vec<u8>,
+    layout: GroupLayout,
+}
+
+impl Cache {
+    fn new(fill: impl Fn(usize) -> u8) -> Self {
+        let buf: Vec<u8> = (0..(LAYERS * BLOCKS * PIECE) as usize).map(fill).collect();
+        let base = buf.as_ptr() as u64;
+        let layout = GroupLayout::new(
+            (0..LAYERS)
+                .map(|l| LayerSpec {
+                    base_addr: base + l * BLOCKS * PIECE,
+                    num_blocks: BLOCKS,
+                    block_stride: PIECE,
+                    block_bytes: PIECE,
+                })
+                .collect(),
+        )
+        .unwrap();
+        Cache { buf, layout }
+    }
+
+    fn block_bytes(&self, b: u64) -> Vec<u8> {
+        (0..LAYERS)
+            .flat_map(|l| {
+                let at = ((l * BLOCKS + b) * PIECE) as usize;
+                self.buf[at..at + PIECE as usize].to_vec()
+            })
+            .collect()
+    }
+}
+
+fn setup(workers: usize) -> (CopyEngine, KeyBuilder) {
+    let pool = Arc::new(
+        Pool::new(PoolConfig {
+            prefault: false,
+            ..PoolConfig::with_capacity(8 << 20)
+        })
+        .unwrap(),
+    );
+    let engine = CopyEngine::new(
+        pool,
+        Arc::new(MemoryRegistry::new()),
+        Arc::new(HostMover),
+        workers,
+    )
+    .unwrap();
+    (
+        engine,
+        KeyBuilder::new("copy-test", RankTopology::default()).unwrap(),
+    )
+}
+
+fn register(engine: &CopyEngine, cache: &Cache) -> u64 {
+    // SAFETY: the buffer outlives every job of the test and is deregistered before it drops.
+    unsafe {
+        engine.registry().register(
+            cache.buf.as_ptr() as u64,
+            cache.buf.len() as u64,
+            MemoryKind::Host,
+        )
+    }
+    .unwrap()
+}
+
+fn keys(kb: &KeyBuilder, blocks: &[u64]) -> Vec<BlockKey> {
+    blocks
+        .iter()
+        .map(|b| kb.key(0, &b.to_le_bytes()).unwrap())
+        .collect()
+}
+
+#[test]
+fn store_then_load_round_trips_random_blocks() {
+    let (engine, kb) = setup(4);
+    let src = Cache::new(|i| (i * 31 % 251) as u8);
+    let mut dst = Cache::new(|_| 0);
+    let (rs, rd) = (register(&engine, &src), register(&engine, &dst));
+    let mut blocks: Vec<u64> = (0..BLOCKS).collect();
+    blocks.shuffle(&mut StdRng::seed_from_u64(1));
+    let chosen = &blocks[..40];
+    let ks = keys(&kb, chosen);
+    let job = engine
+        .submit(
+            Direction::Store,
+            ks.clone(),
+            src.layout.plan(chosen).unwrap(),
+        )
+        .unwrap();
+    let res = job.wait(Duration::from_secs(10)).unwrap();
+    assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
+    // Load into other block ids of the destination cache.
+    let targets: Vec<u64> = chosen.iter().map(|b| BLOCKS - 1 - b).collect();
+    let job = engine
+        .submit(Direction::Load, ks, dst.layout.plan(&targets).unwrap())
+        .unwrap();
+    assert!(job
+        .wait(Duration::from_secs(10))
+        .unwrap()
+        .iter()
+        .all(KeyResult::is_ok));
+    for (b, t) in chosen.iter().zip(&targets) {
+        assert_eq!(src.block_bytes(*b), dst.block_bytes(*t), "block {b}");
+    }
+    engine
+        .registry()
+        .deregister(rs, Duration::from_secs(1))
+        .unwrap();
+    engine
+        .registry()
+        .deregister(rd, Duration::from_secs(1))
+        .unwrap();
+    dst.buf.clear();
+}
+
+#[test]
+fn one_bad_key_does_not_fail_its_siblings() {
+    let (engine, kb) = setup(2);
+    let src = Cache::new(|i| i as u8);
+    register(&engine, &src);
+    // A second cache that is NOT registered: its block's ranges are out of bounds.
+    let stray = Cache::new(|_| 1);
+    let mut plan = src.layout.plan(&[0, 1, 2]).unwrap();
+    let stray_plan = stray.layout.plan(&[5]).unwrap();
+    plan.ranges
+        .splice(plan.starts[1]..plan.starts[2], stray_plan.ranges.clone());
+    let ks = keys(&kb, &[0, 1, 2]);
+    let res = engine
+        .submit(Direction::Store, ks.clone(), plan)
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(res[0], KeyResult::Done);
+    assert!(
+        matches!(&res[1], KeyResult::Failed(m) if m.contains("outside registered memory")),
+        "{res:?}"
+    );
+    assert_eq!(res[2], KeyResult::Done);
+    // Loading: the missing key reports Missing, the others load; storing again is skipped.
+    let res = engine
+        .submit(
+            Direction::Load,
+            ks.clone(),
+            src.layout.plan(&[3, 4, 5]).unwrap(),
+        )
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(
+        res,
+        vec![KeyResult::Done, KeyResult::Missing, KeyResult::Done]
+    );
+    let res = engine
+        .submit(Direction::Store, ks, src.layout.plan(&[0, 1, 2]).unwrap())
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(res[0], KeyResult::AlreadyPresent);
+}
+
+#[test]
+fn size_mismatch_and_bad_arguments_are_errors() {
+    let (engine, kb) = setup(1);
+    let src = Cache::new(|i| i as u8);
+    register(&engine, &src);
+    let k = keys(&kb, &[0]);
+    engine
+        .submit(Direction::Store, k.clone(), src.layout.plan(&[0]).unwrap())
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    // A layout of two layers reads the same key: its object size differs.
+    let half = GroupLayout::new(src.layout.layers()[..2].to_vec()).unwrap();
+    let res = engine
+        .submit(Direction::Load, k.clone(), half.plan(&[0]).unwrap())
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    assert!(
+        matches!(&res[0], KeyResult::Failed(m) if m.contains("layout")),
+        "{res:?}"
+    );
+    let e = engine
+        .submit(Direction::Load, vec![], src.layout.plan(&[0]).unwrap())
+        .unwrap_err();
+    assert!(matches!(e, CopyError::InvalidRequest(_)));
+}
+
+#[test]
+fn cancel_and_timeout() {
+    let (engine, kb) = setup(1);
+    let src = Cache::new(|i| i as u8);
+    register(&engine, &src);
+    let blocks: Vec<u64> = (0..BLOCKS).collect();
+    // Many jobs queued on one worker: cancel the last before it runs.
+    let mut handles = Vec::new();
+    for round in 0..20u64 {
+        let ks: Vec<BlockKey> = blocks
+            .iter()
+            .map(|b| kb.key(round as u32, &b.to_le_bytes()).unwrap())
+            .collect();
+        handles.push(
+            engine
+                .submit(Direction::Store, ks, src.layout.plan(&blocks).unwrap())
+                .unwrap(),
+        );
+    }
+    let last = handles.pop().unwrap();
+    last.cancel();
+    let res = last.wait(Duration::from_secs(30)).unwrap();
+    assert!(
+        res.contains(&KeyResult::Cancelled),
+        "cancelled keys are reported"
+    );
+    assert!(res.iter().all(|r| *r != KeyResult::Pending));
+    // A zero timeout on an unfinished job is a Timeout error that says it is still running.
+    let ks = keys(&kb, &blocks);
+    let h = engine
+        .submit(Direction::Load, ks, src.layout.plan(&blocks).unwrap())
+        .unwrap();
+    if let Err(e) = h.wait(Duration::ZERO) {
+        assert!(e.to_string().contains("still running"), "{e}");
+    }
+    h.wait(Duration::from_secs(30)).unwrap();
+    assert!(h.poll().is_some());
+}
+
+#[test]
+fn deregistration_waits_for_jobs_in_flight() {
+    let (engine, kb) = setup(1);
+    let src = Cache::new(|i| i as u8);
+    let id = register(&engine, &src);
+    let blocks: Vec<u64> = (0..BLOCKS).collect();
+    let h = engine
+        .submit(
+            Direction::Store,
+            keys(&kb, &blocks),
+            src.layout.plan(&blocks).unwrap(),
+        )
+        .unwrap();
+    // Either the job is still running (busy) or already done (deregistered); never both.
+    match engine.registry().deregister(id, Duration::ZERO) {
+        Ok(()) => assert!(h.is_done()),
+        Err(CopyError::RegionBusy { .. }) => {
+            h.wait(Duration::from_secs(30)).unwrap();
+            engine
+                .registry()
+                .deregister(id, Duration::from_secs(1))
+                .unwrap();
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
