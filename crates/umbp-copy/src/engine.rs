@@ -10,6 +10,7 @@ use parking_lot::{Condvar, Mutex};
 use umbp_core::{BlockKey, CopyRange, RangePlan};
 use umbp_pool::{CommitOutcome, Pool, PoolError};
 
+use crate::memcpy;
 use crate::registry::{MemoryRegistry, Registration};
 use crate::CopyError;
 
@@ -66,7 +67,7 @@ pub trait Mover: Send + Sync + std::fmt::Debug {
     unsafe fn scatter(&self, object: *const u8, ranges: &[CopyRange]) -> Result<(), String>;
 }
 
-/// `memcpy` between host memories.
+/// Copies between host memories (streaming stores for large pieces, see [`crate::memcpy`]).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct HostMover;
 
@@ -76,13 +77,14 @@ impl Mover for HostMover {
             // SAFETY: the caller guarantees both sides are valid for `r.len` bytes and do not
             // overlap (one is pool memory, the other registered engine memory).
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    r.host_addr as *const u8,
+                memcpy::copy(
                     object.add(r.object_offset as usize),
+                    r.host_addr as *const u8,
                     r.len as usize,
                 )
             };
         }
+        memcpy::fence();
         Ok(())
     }
 
@@ -90,13 +92,14 @@ impl Mover for HostMover {
         for r in ranges {
             // SAFETY: as in `gather`, in the other direction.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    object.add(r.object_offset as usize),
+                memcpy::copy(
                     r.host_addr as *mut u8,
+                    object.add(r.object_offset as usize),
                     r.len as usize,
                 )
             };
         }
+        memcpy::fence();
         Ok(())
     }
 }

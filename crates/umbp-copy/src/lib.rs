@@ -11,6 +11,7 @@
 
 mod engine;
 mod error;
+pub mod memcpy;
 mod registry;
 
 pub use engine::{CopyEngine, Direction, HostMover, JobHandle, KeyResult, Mover};

@@ -17,6 +17,10 @@ use umbp_core::{CoreError, HugepageSize, MemoryBacking, PoolConfig};
 use crate::PoolError;
 
 const PAGE: u64 = 4096;
+const THP_ALIGN: usize = 2 << 20;
+const MADV_POPULATE_WRITE: i32 = 23;
+/// Bytes one prefault step covers.
+const PREFAULT_CHUNK: usize = 64 << 20;
 const MAP_HUGE_SHIFT: i32 = 26;
 const MPOL_BIND: i32 = 2;
 const MPOL_MF_STRICT: u32 = 1;
@@ -177,25 +181,49 @@ impl Region {
             }
             Some(fd) => (libc::MAP_SHARED, fd.as_raw_fd()),
         };
+        // Normal-page anonymous memory is over-mapped by 2 MiB and trimmed to a 2 MiB boundary,
+        // so transparent huge pages can back all of it.
+        let align_slack = if huge.is_none() && fd.is_none() {
+            THP_ALIGN
+        } else {
+            0
+        };
         // SAFETY: a fresh mapping at an address of the kernel's choosing; no existing memory is
         // touched. The result is checked against MAP_FAILED.
-        let ptr = unsafe {
+        let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                len + align_slack,
                 libc::PROT_READ | libc::PROT_WRITE,
                 flags,
                 raw_fd,
                 0,
             )
         };
-        if ptr == libc::MAP_FAILED {
+        if raw == libc::MAP_FAILED {
             return Err(PoolError::Map {
                 bytes,
                 what: "mmap",
                 source: std::io::Error::last_os_error(),
             });
         }
+        let ptr = if align_slack > 0 {
+            let head = (raw as *mut u8).align_offset(THP_ALIGN);
+            // SAFETY: `head < THP_ALIGN = align_slack`, so both trimmed pieces lie inside the
+            // mapping just created, and the kept part `[head, head + len)` is untouched.
+            unsafe {
+                if head > 0 {
+                    libc::munmap(raw, head);
+                }
+                let tail = align_slack - head;
+                if tail > 0 {
+                    libc::munmap(raw.cast::<u8>().add(head + len).cast(), tail);
+                }
+                raw.cast::<u8>().add(head).cast::<libc::c_void>()
+            }
+        } else {
+            raw
+        };
         if huge.is_none() {
             // SAFETY: advising the mapping just created; failure is harmless and ignored.
             unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
@@ -249,59 +277,68 @@ impl Region {
         Ok(())
     }
 
-    /// Touches one byte of every page with `threads` threads, logging progress every two
-    /// seconds for regions of 1 GiB or more.
+    /// Populates every page with `threads` threads, 64 MiB at a time, logging progress every
+    /// two seconds for regions of 1 GiB or more. Uses `MADV_POPULATE_WRITE`, which allocates
+    /// pages without writing them; kernels older than 5.14 get one byte per page touched.
     fn prefault(&mut self, threads: usize) {
         let start = Instant::now();
         let page = self
             .placement
             .hugepages_used
             .map_or(PAGE, HugepageSize::bytes) as usize;
-        let pages = self.len / page;
-        let threads = threads.clamp(1, pages.max(1));
+        let chunks = self.len.div_ceil(PREFAULT_CHUNK);
+        let threads = threads.clamp(1, chunks.max(1));
+        let next = AtomicU64::new(0);
         let done = AtomicU64::new(0);
         let base = self.base.as_ptr() as usize;
-        let total = self.len as u64;
+        let len = self.len;
+        let total = len as u64;
         let loud = total >= (1 << 30);
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         if loud {
             log::info!(
                 "umbp: prefaulting {:.1} GiB with {threads} threads",
-                total as f64 / (1u64 << 30) as f64
+                gib(total)
             );
         }
         std::thread::scope(|s| {
-            let done = &done;
-            let per = pages.div_ceil(threads);
+            let (next, done) = (&next, &done);
             let mut workers = Vec::new();
-            for t in 0..threads {
-                let (first, last) = (t * per, ((t + 1) * per).min(pages));
-                workers.push(s.spawn(move || {
-                    let mut touched = 0u64;
-                    for p in first..last {
-                        // SAFETY: `p < pages`, so the byte lies inside our mapping; the pool
-                        // is not yet shared, so nothing else writes it.
-                        unsafe { std::ptr::write_volatile((base + p * page) as *mut u8, 0) };
-                        touched += 1;
-                        if touched == 256 {
-                            done.fetch_add(touched * page as u64, Ordering::Relaxed);
-                            touched = 0;
+            for _ in 0..threads {
+                workers.push(s.spawn(move || loop {
+                    let c = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    if c >= chunks {
+                        return;
+                    }
+                    let at = c * PREFAULT_CHUNK;
+                    let n = PREFAULT_CHUNK.min(len - at);
+                    // SAFETY: `[at, at + n)` lies inside our mapping; populating does not
+                    // change its contents.
+                    let rc = unsafe {
+                        libc::madvise((base + at) as *mut libc::c_void, n, MADV_POPULATE_WRITE)
+                    };
+                    if rc != 0 {
+                        for p in (at..at + n).step_by(page) {
+                            // SAFETY: inside the mapping; the pool is not yet shared, so
+                            // nothing else writes it.
+                            unsafe { std::ptr::write_volatile((base + p) as *mut u8, 0) };
                         }
                     }
-                    done.fetch_add(touched * page as u64, Ordering::Relaxed);
+                    done.fetch_add(n as u64, Ordering::Relaxed);
                 }));
             }
             if loud {
                 let mut last_log = Instant::now();
                 while workers.iter().any(|w| !w.is_finished()) {
-                    std::thread::sleep(Duration::from_millis(50));
+                    std::thread::sleep(Duration::from_millis(20));
                     if last_log.elapsed() >= Duration::from_secs(2) {
                         last_log = Instant::now();
                         let d = done.load(Ordering::Relaxed);
                         log::info!(
                             "umbp: prefault {:.0}% ({:.1} of {:.1} GiB)",
                             100.0 * d as f64 / total as f64,
-                            d as f64 / (1u64 << 30) as f64,
-                            total as f64 / (1u64 << 30) as f64
+                            gib(d),
+                            gib(total)
                         );
                     }
                 }
@@ -311,7 +348,7 @@ impl Region {
         if loud {
             log::info!(
                 "umbp: prefault done in {secs:.2}s ({:.3} s/GiB)",
-                secs / (total as f64 / (1u64 << 30) as f64)
+                secs / gib(total)
             );
         }
         self.placement.prefaulted = true;

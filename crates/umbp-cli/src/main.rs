@@ -1,0 +1,3 @@
+fn main() {
+    std::process::exit(umbp_cli::main_with_args(std::env::args_os()));
+}
