@@ -1,0 +1,483 @@
+//! Python bindings: the `umbp._native` extension module.
+//!
+//! Nothing is created at import: no threads, no pools, no runtime. Every call that can block
+//! (pool creation and its prefault, waits, clears, close) releases the GIL. Errors are raised as
+//! the classes of `umbp.errors`.
+
+use std::time::Duration;
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PySlice};
+use umbp_copy::{CopyError, JobHandle, KeyResult};
+use umbp_core::{
+    BlockKey, CoreError, GroupLayout, HugepageSize, KeyBuilder as CoreKeyBuilder, KvLayout,
+    LayerSpec, MemoryBacking, PoolConfig, RankTopology,
+};
+use umbp_pool::PoolError;
+use umbp_store::{EmbeddedStore as CoreStore, StoreConfig, StoreError};
+
+/// Raises `umbp.errors.<class>(message)`.
+fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
+    match py
+        .import("umbp.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|c| c.call1((msg.clone(),)))
+    {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn core_err(py: Python<'_>, e: CoreError) -> PyErr {
+    raise(py, "ConfigError", e.to_string())
+}
+
+fn store_err(py: Python<'_>, e: StoreError) -> PyErr {
+    let msg = e.to_string();
+    let class = match &e {
+        StoreError::Core(_) | StoreError::UnknownLayout(_) => "ConfigError",
+        StoreError::Pool(PoolError::Full { .. }) => "PoolFullError",
+        StoreError::Pool(PoolError::Config(_)) => "ConfigError",
+        StoreError::Pool(PoolError::TooLarge { .. }) => "ConfigError",
+        StoreError::Pool(PoolError::Closed) | StoreError::Closed => "StoreClosedError",
+        StoreError::Pool(PoolError::Map { .. }) => "PoolError",
+        StoreError::Copy(c) => match c {
+            CopyError::Core(_) | CopyError::InvalidRequest(_) => "ConfigError",
+            CopyError::BadRegistration { .. }
+            | CopyError::UnknownRegion(_)
+            | CopyError::RegionBusy { .. } => "RegistrationError",
+            CopyError::Timeout { .. } => "TransferTimeout",
+            CopyError::Closed => "StoreClosedError",
+            CopyError::Pool(_) => "TransferError",
+        },
+    };
+    raise(py, class, msg)
+}
+
+fn status(r: &KeyResult) -> &'static str {
+    match r {
+        KeyResult::Pending => "pending",
+        KeyResult::Done => "done",
+        KeyResult::AlreadyPresent => "already_present",
+        KeyResult::Missing => "missing",
+        KeyResult::PoolFull => "pool_full",
+        KeyResult::Cancelled => "cancelled",
+        KeyResult::Failed(_) => "failed",
+    }
+}
+
+/// An immutable batch of block keys, built in bulk by `KeyBuilder`.
+#[pyclass(module = "umbp._native", frozen)]
+struct Keys {
+    keys: Vec<BlockKey>,
+}
+
+#[pymethods]
+impl Keys {
+    fn __len__(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// `keys[i:j]` (a slice) gives a new `Keys`.
+    fn __getitem__(&self, py: Python<'_>, index: &Bound<'_, PySlice>) -> PyResult<Keys> {
+        let _ = py;
+        let idx = index.indices(self.keys.len() as isize)?;
+        let mut out = Vec::with_capacity(idx.slicelength);
+        let mut i = idx.start;
+        for _ in 0..idx.slicelength {
+            out.push(self.keys[i as usize]);
+            i += idx.step;
+        }
+        Ok(Keys { keys: out })
+    }
+
+    /// The keys' binary form: 64 bytes each, back to back.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let mut buf = Vec::with_capacity(self.keys.len() * 64);
+        for k in &self.keys {
+            buf.extend_from_slice(k.as_bytes());
+        }
+        PyBytes::new(py, &buf)
+    }
+
+    /// Rebuilds keys from `to_bytes()` output.
+    #[staticmethod]
+    fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Keys> {
+        if !data.len().is_multiple_of(64) {
+            return Err(raise(
+                py,
+                "ConfigError",
+                format!("{} bytes is not a whole number of 64-byte keys", data.len()),
+            ));
+        }
+        Ok(Keys {
+            keys: data
+                .chunks_exact(64)
+                .map(|c| BlockKey::from_bytes(c.try_into().expect("64 bytes")))
+                .collect(),
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<umbp.Keys of {} keys>", self.keys.len())
+    }
+}
+
+/// Builds keys for one namespace and one worker's ranks.
+#[pyclass(module = "umbp._native", frozen)]
+struct KeyBuilder {
+    inner: CoreKeyBuilder,
+}
+
+#[pymethods]
+impl KeyBuilder {
+    #[new]
+    #[pyo3(signature = (namespace, *, tp=0, pcp=0, dcp=0, pp=0))]
+    fn new(
+        py: Python<'_>,
+        namespace: &str,
+        tp: u16,
+        pcp: u16,
+        dcp: u16,
+        pp: u16,
+    ) -> PyResult<Self> {
+        let inner = CoreKeyBuilder::new(namespace, RankTopology { tp, pcp, dcp, pp })
+            .map_err(|e| core_err(py, e))?;
+        Ok(KeyBuilder { inner })
+    }
+
+    #[getter]
+    fn namespace(&self) -> &str {
+        self.inner.namespace()
+    }
+
+    /// Keys of `hashes` (each 1..=32 bytes) in cache group `group`.
+    fn keys(&self, py: Python<'_>, group: u32, hashes: Vec<Vec<u8>>) -> PyResult<Keys> {
+        let keys = self
+            .inner
+            .keys(group, hashes.iter().map(Vec::as_slice))
+            .map_err(|e| core_err(py, e))?;
+        Ok(Keys { keys })
+    }
+
+    /// Keys of hashes packed back to back in `packed`, `hash_len` bytes each.
+    fn keys_packed(
+        &self,
+        py: Python<'_>,
+        group: u32,
+        packed: &[u8],
+        hash_len: usize,
+    ) -> PyResult<Keys> {
+        let keys = self
+            .inner
+            .keys_packed(group, packed, hash_len)
+            .map_err(|e| core_err(py, e))?;
+        Ok(Keys { keys })
+    }
+
+    /// The readable form of each key.
+    fn key_strings(&self, keys: &Keys) -> Vec<String> {
+        keys.keys.iter().map(|k| self.inner.key_string(k)).collect()
+    }
+}
+
+/// A transfer in flight. Dropping it does not cancel it.
+#[pyclass(module = "umbp._native", frozen)]
+struct Job {
+    handle: JobHandle,
+    timeout: Duration,
+}
+
+#[pymethods]
+impl Job {
+    /// Per-key statuses once finished, else None. Never blocks.
+    fn poll(&self) -> Option<Vec<&'static str>> {
+        self.handle.poll().map(|r| r.iter().map(status).collect())
+    }
+
+    /// Whether the transfer has finished.
+    #[getter]
+    fn done(&self) -> bool {
+        self.handle.is_done()
+    }
+
+    /// Waits (GIL released) up to `timeout_ms` (default: the store's `timeout_ms`) and returns
+    /// per-key statuses; raises `TransferTimeout` when the job is still running.
+    #[pyo3(signature = (timeout_ms=None))]
+    fn wait(&self, py: Python<'_>, timeout_ms: Option<u64>) -> PyResult<Vec<&'static str>> {
+        let t = timeout_ms.map_or(self.timeout, Duration::from_millis);
+        let h = self.handle.clone();
+        let r = py
+            .detach(move || h.wait(t))
+            .map_err(|e| store_err(py, StoreError::Copy(e)))?;
+        Ok(r.iter().map(status).collect())
+    }
+
+    /// Stops keys that have not started (they end as "cancelled").
+    fn cancel(&self) {
+        self.handle.cancel();
+    }
+
+    /// Messages of keys that ended "failed", by key index (empty until finished).
+    fn errors(&self) -> Vec<(usize, String)> {
+        self.handle
+            .poll()
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, r)| match r {
+                KeyResult::Failed(m) => Some((i, m)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.handle.len()
+    }
+}
+
+/// A private host-DRAM pool with its copy engine (embedded mode).
+#[pyclass(module = "umbp._native", frozen)]
+struct EmbeddedStore {
+    inner: CoreStore,
+}
+
+fn to_u64s(v: Vec<i64>, what: &str, py: Python<'_>) -> PyResult<Vec<u64>> {
+    v.into_iter()
+        .map(|x| {
+            u64::try_from(x)
+                .map_err(|_| raise(py, "ConfigError", format!("{what} must be >= 0, got {x}")))
+        })
+        .collect()
+}
+
+#[pymethods]
+impl EmbeddedStore {
+    #[new]
+    #[pyo3(signature = (capacity_bytes, *, high_watermark=0.9, low_watermark=0.7, use_hugepages=false,
+        hugepage_size="2MiB", numa_node=None, prefault=true, prefault_threads=0, memfd=false,
+        segment_bytes=0, num_workers=4, timeout_ms=30000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        capacity_bytes: u64,
+        high_watermark: f64,
+        low_watermark: f64,
+        use_hugepages: bool,
+        hugepage_size: &str,
+        numa_node: Option<u32>,
+        prefault: bool,
+        prefault_threads: usize,
+        memfd: bool,
+        segment_bytes: u64,
+        num_workers: usize,
+        timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let hugepage_size: HugepageSize = hugepage_size.parse().map_err(|e| core_err(py, e))?;
+        let cfg = StoreConfig {
+            pool: PoolConfig {
+                capacity_bytes,
+                high_watermark,
+                low_watermark,
+                use_hugepages,
+                hugepage_size,
+                numa_node,
+                prefault,
+                prefault_threads,
+                backing: if memfd {
+                    MemoryBacking::Memfd
+                } else {
+                    MemoryBacking::Anonymous
+                },
+                segment_bytes,
+            },
+            num_workers,
+            timeout: Duration::from_millis(timeout_ms),
+        };
+        let inner = py
+            .detach(move || CoreStore::new(cfg))
+            .map_err(|e| store_err(py, e))?;
+        Ok(EmbeddedStore { inner })
+    }
+
+    /// Registers host memory (e.g. a KV cache tensor's `data_ptr()` and byte size). The memory
+    /// must stay alive until `deregister_memory` returns or the store is closed.
+    fn register_memory(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<u64> {
+        // SAFETY: the Python-facing contract (documented above and in the stubs) is that the
+        // caller keeps the memory alive while it is registered; the connector holds the KV
+        // cache tensors for the store's whole life.
+        unsafe { self.inner.register_memory(addr, length) }.map_err(|e| store_err(py, e))
+    }
+
+    /// Removes one registration (waiting for transfers that still use it).
+    fn deregister_memory(&self, py: Python<'_>, region_id: u64) -> PyResult<()> {
+        py.detach(|| self.inner.deregister_memory(region_id))
+            .map_err(|e| store_err(py, e))
+    }
+
+    /// Registers a KV layout: one list per cache group, one
+    /// `(base_addr, num_blocks, block_stride, block_bytes)` tuple per layer. Every layer must
+    /// lie inside registered memory. Returns the layout id.
+    fn register_layout(
+        &self,
+        py: Python<'_>,
+        groups: Vec<Vec<(u64, u64, u64, u64)>>,
+    ) -> PyResult<u32> {
+        let mut gl = Vec::with_capacity(groups.len());
+        for layers in groups {
+            let specs = layers
+                .into_iter()
+                .map(
+                    |(base_addr, num_blocks, block_stride, block_bytes)| LayerSpec {
+                        base_addr,
+                        num_blocks,
+                        block_stride,
+                        block_bytes,
+                    },
+                )
+                .collect();
+            gl.push(GroupLayout::new(specs).map_err(|e| core_err(py, e))?);
+        }
+        let layout = KvLayout::new(gl).map_err(|e| core_err(py, e))?;
+        self.inner
+            .register_layout(layout)
+            .map_err(|e| store_err(py, e))
+    }
+
+    /// Bytes of one block's object in `group` of layout `layout_id`.
+    fn object_bytes(&self, py: Python<'_>, layout_id: u32, group: u32) -> PyResult<u64> {
+        let l = self.inner.layout(layout_id).map_err(|e| store_err(py, e))?;
+        Ok(l.group(group).map_err(|e| core_err(py, e))?.object_bytes())
+    }
+
+    /// Which keys are in the pool. Pins nothing and never refreshes recency.
+    fn exists(&self, keys: &Keys) -> Vec<bool> {
+        self.inner.exists(&keys.keys)
+    }
+
+    /// How many keys, from the first, are in the pool.
+    fn prefix_hits(&self, keys: &Keys) -> usize {
+        self.inner.prefix_hits(&keys.keys)
+    }
+
+    /// Starts copying `block_ids` of cache group `group` into the pool under `keys`.
+    fn store(
+        &self,
+        py: Python<'_>,
+        layout_id: u32,
+        group: u32,
+        block_ids: Vec<i64>,
+        keys: &Keys,
+    ) -> PyResult<Job> {
+        let ids = to_u64s(block_ids, "block ids", py)?;
+        let h = self
+            .inner
+            .store(layout_id, group, &ids, keys.keys.clone())
+            .map_err(|e| store_err(py, e))?;
+        Ok(Job {
+            handle: h,
+            timeout: self.inner.timeout(),
+        })
+    }
+
+    /// Starts copying `keys` from the pool into `block_ids` of cache group `group`.
+    fn load(
+        &self,
+        py: Python<'_>,
+        layout_id: u32,
+        group: u32,
+        block_ids: Vec<i64>,
+        keys: &Keys,
+    ) -> PyResult<Job> {
+        let ids = to_u64s(block_ids, "block ids", py)?;
+        let h = self
+            .inner
+            .load(layout_id, group, &ids, keys.keys.clone())
+            .map_err(|e| store_err(py, e))?;
+        Ok(Job {
+            handle: h,
+            timeout: self.inner.timeout(),
+        })
+    }
+
+    /// Removes every object; returns how many.
+    fn clear(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.inner.clear())
+    }
+
+    /// Counters and placement as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("capacity_bytes", s.capacity_bytes)?;
+        d.set_item("used_bytes", s.used_bytes)?;
+        d.set_item("objects", s.objects)?;
+        d.set_item("puts", s.puts)?;
+        d.set_item("duplicate_puts", s.duplicate_puts)?;
+        d.set_item("gets", s.gets)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("bytes_in", s.bytes_in)?;
+        d.set_item("bytes_out", s.bytes_out)?;
+        d.set_item("reservations", s.reservations)?;
+        d.set_item("pinned", s.pinned)?;
+        d.set_item("events_dropped", s.events_dropped)?;
+        d.set_item("segment_bytes", s.segment_bytes)?;
+        d.set_item("free_segments", s.free_segments)?;
+        d.set_item("metadata_bytes", s.metadata_bytes)?;
+        let p = &s.placement;
+        d.set_item(
+            "hugepages_requested",
+            p.hugepages_requested.map(|h| h.to_string()),
+        )?;
+        d.set_item("hugepages_used", p.hugepages_used.map(|h| h.to_string()))?;
+        d.set_item("hugepage_fallback", p.hugepage_fallback.clone())?;
+        d.set_item("numa_node", p.numa_node)?;
+        d.set_item("prefaulted", p.prefaulted)?;
+        d.set_item("prefault_seconds", p.prefault_seconds)?;
+        d.set_item(
+            "backing",
+            match p.backing {
+                MemoryBacking::Anonymous => "anonymous",
+                MemoryBacking::Memfd => "memfd",
+            },
+        )?;
+        Ok(d)
+    }
+
+    /// Stops the copy workers (after queued transfers) and the evictor. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close());
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
+    }
+}
+
+/// Runs the `umbp` command with `argv` (program name first); returns its exit code.
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
+    py.detach(move || umbp_cli::main_with_args(argv))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Route Rust `log` records to Python's `logging` (logger names start with "umbp").
+    let _ = pyo3_log::try_init();
+    m.add_class::<EmbeddedStore>()?;
+    m.add_class::<Job>()?;
+    m.add_class::<KeyBuilder>()?;
+    m.add_class::<Keys>()?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

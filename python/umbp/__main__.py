@@ -1,0 +1,3 @@
+from umbp._cli import main
+
+main()

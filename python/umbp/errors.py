@@ -1,0 +1,46 @@
+"""Exceptions raised by UMBP. Every error a user can cause says what to change."""
+
+
+class UmbpError(Exception):
+    """Base class of every UMBP error."""
+
+
+class ConfigError(UmbpError, ValueError):
+    """An option, layout, key or argument is invalid."""
+
+
+class PoolError(UmbpError):
+    """The pool's memory could not be set up."""
+
+
+class PoolFullError(UmbpError):
+    """The pool has no room even after eviction (what is left is pinned or being written);
+    retry later."""
+
+
+class RegistrationError(UmbpError):
+    """A memory registration is malformed, unknown, overlapping or still in use."""
+
+
+class TransferError(UmbpError):
+    """A transfer failed."""
+
+
+class TransferTimeout(UmbpError, TimeoutError):
+    """A wait ran past its deadline; the transfer is still running."""
+
+
+class StoreClosedError(UmbpError):
+    """The store was closed."""
+
+
+__all__ = [
+    "UmbpError",
+    "ConfigError",
+    "PoolError",
+    "PoolFullError",
+    "RegistrationError",
+    "TransferError",
+    "TransferTimeout",
+    "StoreClosedError",
+]

@@ -1,0 +1,48 @@
+import numpy as np
+import pytest
+import umbp
+
+LAYERS = 4
+BLOCKS = 64
+PIECE = 2048  # bytes of one layer of one block
+
+
+class KvCache:
+    """A layer-first KV cache in one numpy allocation, as vLLM CPU lays it out."""
+
+    def __init__(self, fill_seed=None, layers=LAYERS, blocks=BLOCKS, piece=PIECE):
+        self.layers, self.blocks, self.piece = layers, blocks, piece
+        if fill_seed is None:
+            self.buf = np.zeros((layers, blocks, piece), dtype=np.uint8)
+        else:
+            rng = np.random.default_rng(fill_seed)
+            self.buf = rng.integers(0, 256, size=(layers, blocks, piece), dtype=np.uint8)
+        self.base = self.buf.ctypes.data
+
+    def layout(self):
+        stride = self.buf.strides
+        return [
+            [
+                (self.base + layer * stride[0], self.blocks, stride[1], self.piece)
+                for layer in range(self.layers)
+            ]
+        ]
+
+    def block(self, b):
+        return self.buf[:, b, :].tobytes()
+
+
+@pytest.fixture
+def store():
+    s = umbp.EmbeddedStore(16 << 20, num_workers=2, prefault=False)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def kb():
+    return umbp.KeyBuilder("pytest-ns", tp=0)
+
+
+def hashes(ids):
+    return [int(i).to_bytes(8, "little") + b"\x5a" * 24 for i in ids]
