@@ -1,0 +1,20 @@
+# Sourced by the other scripts: creates .venv/ at the repo root (if missing), installs the
+# Python tools, and builds + installs the umbp package (Rust extension and the `umbp` command)
+# into it. Needs: python3 (>= 3.9) with venv, and a Rust toolchain (rustup reads
+# rust-toolchain.toml).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ ! -x .venv/bin/python ]; then
+  step "creating .venv/"
+  python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+step "installing Python build and test tools into .venv/"
+python -m pip install -q --upgrade pip
+python -m pip install -q "maturin>=1.5,<2" "pytest>=7" "ruff>=0.5" numpy
+step "building the umbp package (Rust, release) into .venv/"
+maturin develop --release -q
