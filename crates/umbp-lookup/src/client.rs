@@ -1,0 +1,308 @@
+//! The scheduler side: asks every worker of the engine at once.
+
+use std::io::ErrorKind;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::protocol::{self, LookupError, Op, REP_MAGIC, REQ_MAGIC};
+
+/// How long a late answer is waited for in the background before the connection is dropped.
+const DRAIN_LIMIT: Duration = Duration::from_secs(600);
+
+#[derive(Debug)]
+struct Endpoint {
+    path: PathBuf,
+    conn: Mutex<Option<UnixStream>>,
+    /// A request timed out and its answer has not arrived yet.
+    stalled: AtomicBool,
+    last_warning: Mutex<Option<Instant>>,
+}
+
+impl Endpoint {
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn io(&self, source: std::io::Error) -> LookupError {
+        LookupError::Io {
+            path: self.name(),
+            source,
+        }
+    }
+
+    /// Logs at most one warning every 30 s per worker.
+    fn warn(&self, e: &LookupError) {
+        let mut last = self.last_warning.lock();
+        if last.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
+            *last = Some(Instant::now());
+            log::warn!("umbp: lookup counted as a miss: {e}");
+        }
+    }
+
+    fn take_conn(&self) -> Result<UnixStream, LookupError> {
+        if let Some(c) = self.conn.lock().take() {
+            return Ok(c);
+        }
+        UnixStream::connect(&self.path).map_err(|e| self.io(e))
+    }
+
+    fn put_back(&self, c: UnixStream) {
+        let mut slot = self.conn.lock();
+        if slot.is_none() {
+            *slot = Some(c);
+        }
+    }
+}
+
+/// Sends lookups to every worker's service and combines the answers.
+#[derive(Debug)]
+pub struct LookupClient {
+    endpoints: Vec<Arc<Endpoint>>,
+    timeout: Duration,
+}
+
+enum Sent {
+    Ready(UnixStream),
+    Failed(LookupError),
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+impl LookupClient {
+    /// A client of the services at `paths`, each answer awaited at most `timeout`.
+    pub fn new(paths: Vec<PathBuf>, timeout: Duration) -> Self {
+        LookupClient {
+            endpoints: paths
+                .into_iter()
+                .map(|path| {
+                    Arc::new(Endpoint {
+                        path,
+                        conn: Mutex::new(None),
+                        stalled: AtomicBool::new(false),
+                        last_warning: Mutex::new(None),
+                    })
+                })
+                .collect(),
+            timeout,
+        }
+    }
+
+    /// The socket paths, in worker order.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.endpoints.iter().map(|e| e.path.clone()).collect()
+    }
+
+    /// Sends `op` with `body` to every worker, then collects the answers, all within
+    /// `timeout`. A worker that does not answer in time is marked stalled; its answer is
+    /// drained in the background, and until then calls to it fail at once.
+    fn call_all(
+        &self,
+        op: Op,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Vec<Result<Vec<u8>, LookupError>> {
+        let deadline = Instant::now() + timeout;
+        let sent: Vec<Sent> = self
+            .endpoints
+            .iter()
+            .map(|ep| {
+                if ep.stalled.load(Ordering::Acquire) {
+                    return Sent::Failed(LookupError::Timeout {
+                        path: ep.name(),
+                        ms: timeout.as_millis() as u64,
+                    });
+                }
+                let mut c = match ep.take_conn() {
+                    Ok(c) => c,
+                    Err(e) => return Sent::Failed(e),
+                };
+                let r = c
+                    .set_write_timeout(Some(remaining(deadline)))
+                    .and_then(|()| protocol::write_frame(&mut c, REQ_MAGIC, op as u8, body));
+                match r {
+                    Ok(()) => Sent::Ready(c),
+                    Err(e) => Sent::Failed(ep.io(e)),
+                }
+            })
+            .collect();
+        sent.into_iter()
+            .zip(&self.endpoints)
+            .map(|(s, ep)| {
+                let mut c = match s {
+                    Sent::Ready(c) => c,
+                    Sent::Failed(e) => return Err(e),
+                };
+                if let Err(e) = c.set_read_timeout(Some(remaining(deadline))) {
+                    return Err(ep.io(e));
+                }
+                match protocol::read_frame(&mut c, REP_MAGIC) {
+                    Ok(Some((0, body))) => {
+                        ep.put_back(c);
+                        Ok(body)
+                    }
+                    Ok(Some((_, msg))) => {
+                        ep.put_back(c);
+                        Err(LookupError::Remote {
+                            path: ep.name(),
+                            message: String::from_utf8_lossy(&msg).into_owned(),
+                        })
+                    }
+                    Ok(None) => Err(LookupError::Protocol {
+                        path: ep.name(),
+                        message: "the worker closed the connection".into(),
+                    }),
+                    Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                        drain_in_background(Arc::clone(ep), c);
+                        Err(LookupError::Timeout {
+                            path: ep.name(),
+                            ms: timeout.as_millis() as u64,
+                        })
+                    }
+                    Err(e) => Err(ep.io(e)),
+                }
+            })
+            .collect()
+    }
+
+    /// How many blocks, from the first, every worker holds (the smallest answer). Any worker
+    /// that is down, stalled or late makes it 0: a miss, never a hang.
+    pub fn prefix_hits(&self, group: u32, packed_hashes: &[u8], hash_len: usize) -> u32 {
+        if packed_hashes.is_empty() || self.endpoints.is_empty() {
+            return 0;
+        }
+        let body = protocol::hashes_body(group, hash_len as u32, packed_hashes);
+        let mut min = u32::MAX;
+        for (r, ep) in self
+            .call_all(Op::PrefixHits, &body, self.timeout)
+            .into_iter()
+            .zip(&self.endpoints)
+        {
+            match r.and_then(|b| {
+                b.try_into()
+                    .map(u32::from_le_bytes)
+                    .map_err(|_| LookupError::Protocol {
+                        path: ep.name(),
+                        message: "prefix answer is not 4 bytes".into(),
+                    })
+            }) {
+                Ok(n) => min = min.min(n),
+                Err(e) => {
+                    ep.warn(&e);
+                    return 0;
+                }
+            }
+        }
+        min
+    }
+
+    /// Which blocks every worker holds. Any failure makes every block a miss.
+    pub fn exists_all(&self, group: u32, packed_hashes: &[u8], hash_len: usize) -> Vec<bool> {
+        let n = packed_hashes.len() / hash_len.max(1);
+        let body = protocol::hashes_body(group, hash_len as u32, packed_hashes);
+        let mut all = vec![true; n];
+        for (r, ep) in self
+            .call_all(Op::Exists, &body, self.timeout)
+            .into_iter()
+            .zip(&self.endpoints)
+        {
+            match r {
+                Ok(b) if b.len() == n => {
+                    for (a, x) in all.iter_mut().zip(b) {
+                        *a &= x != 0;
+                    }
+                }
+                Ok(_) => {
+                    ep.warn(&LookupError::Protocol {
+                        path: ep.name(),
+                        message: "exists answer has the wrong length".into(),
+                    });
+                    return vec![false; n];
+                }
+                Err(e) => {
+                    ep.warn(&e);
+                    return vec![false; n];
+                }
+            }
+        }
+        all
+    }
+
+    /// Clears every worker's pool; returns the objects removed. Tries every worker, and
+    /// reports the first failure after trying them all.
+    pub fn clear(&self, timeout: Duration) -> Result<u64, LookupError> {
+        let mut total = 0;
+        let mut first_err = None;
+        for r in self.call_all(Op::Clear, &[], timeout) {
+            match r.map(|b| b.try_into().map(u64::from_le_bytes)) {
+                Ok(Ok(n)) => total += n,
+                Ok(Err(_)) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(total), Err)
+    }
+
+    /// Waits until every worker answers a ping, or fails after `timeout` naming the first
+    /// worker that did not.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<Vec<String>, LookupError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let answers = self.call_all(
+                Op::Ping,
+                &[],
+                remaining(deadline).min(Duration::from_secs(1)),
+            );
+            match answers.into_iter().collect::<Result<Vec<_>, _>>() {
+                Ok(v) => {
+                    return Ok(v
+                        .into_iter()
+                        .map(|b| String::from_utf8_lossy(&b).into_owned())
+                        .collect())
+                }
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+fn drain_in_background(ep: Arc<Endpoint>, mut c: UnixStream) {
+    ep.stalled.store(true, Ordering::Release);
+    let spawned = std::thread::Builder::new()
+        .name("umbp-lookup-drain".into())
+        .spawn({
+            let ep = Arc::clone(&ep);
+            move || {
+                let start = Instant::now();
+                let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+                loop {
+                    match protocol::read_frame(&mut c, REP_MAGIC) {
+                        Ok(Some(_)) => {
+                            log::info!("umbp: late lookup answer from {} arrived after {:?}; lookups to it resume", ep.name(), start.elapsed());
+                            ep.put_back(c);
+                            break;
+                        }
+                        Err(e)
+                            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+                                && start.elapsed() < DRAIN_LIMIT => {}
+                        _ => break,
+                    }
+                }
+                ep.stalled.store(false, Ordering::Release);
+            }
+        });
+    if spawned.is_err() {
+        ep.stalled.store(false, Ordering::Release);
+    }
+}

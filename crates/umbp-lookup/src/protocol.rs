@@ -1,0 +1,192 @@
+//! Wire format. Every frame is a 12-byte header followed by `body_len` bytes:
+//!
+//! | bytes | request | reply |
+//! |---|---|---|
+//! | 0..4 | magic `UMBL` | magic `UMBR` |
+//! | 4 | op | status (0 ok, 1 error: body is a UTF-8 message) |
+//! | 5..8 | zero | zero |
+//! | 8..12 | body length, little-endian | body length |
+//!
+//! Request bodies: `PrefixHits` / `Exists`: group `u32`, hash length `u32`, then the packed
+//! hashes. Replies: `PrefixHits`: hits `u32`; `Exists`: one byte per hash (0/1); `Clear`:
+//! removed `u64`; `Ping`: worker description (UTF-8).
+
+use std::io::{Read, Write};
+
+use thiserror::Error;
+
+pub(crate) const REQ_MAGIC: [u8; 4] = *b"UMBL";
+pub(crate) const REP_MAGIC: [u8; 4] = *b"UMBR";
+/// Largest body accepted (64 MiB: two million 32-byte hashes).
+pub(crate) const MAX_BODY: usize = 64 << 20;
+
+/// Operations of the lookup protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    /// Liveness and a description of the worker.
+    Ping = 1,
+    /// How many blocks, from the first, the worker holds.
+    PrefixHits = 2,
+    /// Which blocks the worker holds.
+    Exists = 3,
+    /// Remove every object of the worker's pool.
+    Clear = 4,
+}
+
+impl Op {
+    pub(crate) fn from_u8(v: u8) -> Option<Op> {
+        Some(match v {
+            1 => Op::Ping,
+            2 => Op::PrefixHits,
+            3 => Op::Exists,
+            4 => Op::Clear,
+            _ => return None,
+        })
+    }
+}
+
+/// Errors of the lookup service.
+#[derive(Debug, Error)]
+pub enum LookupError {
+    /// Socket I/O failed.
+    #[error("lookup socket {path}: {source}")]
+    Io {
+        /// The socket.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The peer broke the protocol.
+    #[error("lookup socket {path}: protocol error: {message}")]
+    Protocol {
+        /// The socket.
+        path: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// The worker answered with an error.
+    #[error("lookup socket {path}: the worker reported: {message}")]
+    Remote {
+        /// The socket.
+        path: String,
+        /// Its message.
+        message: String,
+    },
+    /// Another live process already serves this socket.
+    #[error("lookup socket {0} is already served by a live process: another engine uses the same model/namespace, lookup_instance, data-parallel rank and worker rank on this host; give it a different lookup_instance")]
+    InUse(String),
+    /// The worker did not answer in time.
+    #[error("lookup socket {path}: no answer within {ms} ms")]
+    Timeout {
+        /// The socket.
+        path: String,
+        /// The deadline.
+        ms: u64,
+    },
+}
+
+pub(crate) fn header(magic: [u8; 4], code: u8, body_len: usize) -> [u8; 12] {
+    let mut h = [0u8; 12];
+    h[..4].copy_from_slice(&magic);
+    h[4] = code;
+    h[8..12].copy_from_slice(&(body_len as u32).to_le_bytes());
+    h
+}
+
+/// Reads one frame; returns `(code, body)`, or `None` on a clean end of stream.
+///
+/// A read timeout before the first byte is returned as that timeout with nothing consumed, so
+/// callers may poll with short timeouts. Once a frame has started, timeouts are retried (a
+/// peer that stops halfway through a frame for 200 timeouts in a row is an error).
+pub(crate) fn read_frame(
+    r: &mut impl Read,
+    magic: [u8; 4],
+) -> std::io::Result<Option<(u8, Vec<u8>)>> {
+    let mut h = [0u8; 12];
+    if !read_full(r, &mut h, true)? {
+        return Ok(None);
+    }
+    if h[..4] != magic {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "bad magic",
+        ));
+    }
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if len > MAX_BODY {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the {MAX_BODY}-byte limit"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    read_full(r, &mut body, false)?;
+    Ok(Some((h[4], body)))
+}
+
+/// Fills `buf`. Returns false on end of stream before the first byte of a frame start.
+fn read_full(r: &mut impl Read, buf: &mut [u8], frame_start: bool) -> std::io::Result<bool> {
+    use std::io::ErrorKind::{Interrupted, TimedOut, UnexpectedEof, WouldBlock};
+    let mut got = 0;
+    let mut stalls = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) if got == 0 && frame_start => return Ok(false),
+            Ok(0) => return Err(UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                stalls = 0;
+            }
+            Err(e) if e.kind() == Interrupted => {}
+            Err(e) if matches!(e.kind(), WouldBlock | TimedOut) => {
+                if got == 0 && frame_start {
+                    return Err(e);
+                }
+                stalls += 1;
+                if stalls > 200 {
+                    return Err(TimedOut.into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+pub(crate) fn write_frame(
+    w: &mut impl Write,
+    magic: [u8; 4],
+    code: u8,
+    body: &[u8],
+) -> std::io::Result<()> {
+    w.write_all(&header(magic, code, body.len()))?;
+    w.write_all(body)?;
+    w.flush()
+}
+
+/// Encodes a `PrefixHits` / `Exists` body.
+pub(crate) fn hashes_body(group: u32, hash_len: u32, packed: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(8 + packed.len());
+    b.extend_from_slice(&group.to_le_bytes());
+    b.extend_from_slice(&hash_len.to_le_bytes());
+    b.extend_from_slice(packed);
+    b
+}
+
+/// Decodes a `PrefixHits` / `Exists` body into `(group, hash_len, packed)`.
+pub(crate) fn parse_hashes_body(body: &[u8]) -> Result<(u32, usize, &[u8]), String> {
+    if body.len() < 8 {
+        return Err("body shorter than its 8-byte header".into());
+    }
+    let group = u32::from_le_bytes(body[0..4].try_into().expect("4 bytes"));
+    let hash_len = u32::from_le_bytes(body[4..8].try_into().expect("4 bytes")) as usize;
+    let packed = &body[8..];
+    if hash_len == 0 || hash_len > 32 || !packed.len().is_multiple_of(hash_len) {
+        return Err(format!(
+            "{} hash bytes are not a whole number of {hash_len}-byte hashes (1..=32)",
+            packed.len()
+        ));
+    }
+    Ok((group, hash_len, packed))
+}

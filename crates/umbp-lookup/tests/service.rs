@@ -1,0 +1,181 @@
+//! Real lookup services on real Unix sockets.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use umbp_lookup::{socket_path, LookupClient, LookupError, LookupServer, LookupTarget};
+
+/// A worker that holds a set of block hashes and can be told to stall.
+#[derive(Default)]
+struct Worker {
+    held: Mutex<HashSet<Vec<u8>>>,
+    stall_ms: AtomicU64,
+}
+
+impl LookupTarget for Worker {
+    fn prefix_hits(&self, _g: u32, packed: &[u8], hl: usize) -> Result<u32, String> {
+        std::thread::sleep(Duration::from_millis(self.stall_ms.load(Ordering::Relaxed)));
+        let held = self.held.lock();
+        Ok(packed.chunks(hl).take_while(|h| held.contains(*h)).count() as u32)
+    }
+    fn exists(&self, _g: u32, packed: &[u8], hl: usize) -> Result<Vec<bool>, String> {
+        let held = self.held.lock();
+        Ok(packed.chunks(hl).map(|h| held.contains(h)).collect())
+    }
+    fn clear(&self) -> u64 {
+        let mut h = self.held.lock();
+        let n = h.len() as u64;
+        h.clear();
+        n
+    }
+    fn describe(&self) -> String {
+        "test worker".into()
+    }
+}
+
+fn hashes(ids: std::ops::Range<u32>) -> Vec<u8> {
+    ids.flat_map(|i| {
+        let mut h = [0u8; 32];
+        h[..4].copy_from_slice(&i.to_le_bytes());
+        h
+    })
+    .collect()
+}
+
+struct Engine {
+    _dir: PathBuf,
+    workers: Vec<Arc<Worker>>,
+    servers: Vec<LookupServer>,
+    client: LookupClient,
+}
+
+fn engine(name: &str, n: u32, timeout_ms: u64) -> Engine {
+    let dir = std::env::temp_dir().join(format!("umbp-lookup-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut workers = Vec::new();
+    let mut servers = Vec::new();
+    let mut paths = Vec::new();
+    for w in 0..n {
+        let worker = Arc::new(Worker::default());
+        let path = socket_path(&dir, "t", 0, w);
+        servers.push(LookupServer::bind(&path, worker.clone()).unwrap());
+        workers.push(worker);
+        paths.push(path);
+    }
+    let client = LookupClient::new(paths, Duration::from_millis(timeout_ms));
+    Engine {
+        _dir: dir,
+        workers,
+        servers,
+        client,
+    }
+}
+
+fn hold(w: &Worker, ids: std::ops::Range<u32>) {
+    let hs = hashes(ids);
+    w.held.lock().extend(hs.chunks(32).map(<[u8]>::to_vec));
+}
+
+#[test]
+fn a_block_hits_only_when_every_worker_holds_it() {
+    let e = engine("all", 3, 1000);
+    e.client.wait_ready(Duration::from_secs(5)).unwrap();
+    hold(&e.workers[0], 0..100);
+    hold(&e.workers[1], 0..60);
+    hold(&e.workers[2], 0..80);
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..100), 32), 60);
+    let ex = e.client.exists_all(0, &hashes(55..65), 32);
+    assert_eq!(ex, [vec![true; 5], vec![false; 5]].concat());
+    assert_eq!(e.client.clear(Duration::from_secs(5)).unwrap(), 240);
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..100), 32), 0);
+}
+
+#[test]
+fn a_dead_worker_is_a_miss_not_a_hang() {
+    let mut e = engine("dead", 2, 1000);
+    hold(&e.workers[0], 0..10);
+    hold(&e.workers[1], 0..10);
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..10), 32), 10);
+    e.servers.pop().unwrap().shutdown();
+    let t0 = Instant::now();
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..10), 32), 0);
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
+    let err = e.client.wait_ready(Duration::from_millis(200)).unwrap_err();
+    assert!(err.to_string().contains("-w1.sock"), "{err}");
+}
+
+#[test]
+fn a_stalled_worker_misses_at_once_until_its_answer_arrives() {
+    let e = engine("stall", 2, 100);
+    hold(&e.workers[0], 0..10);
+    hold(&e.workers[1], 0..10);
+    e.workers[1].stall_ms.store(600, Ordering::Relaxed);
+    let t0 = Instant::now();
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..10), 32), 0);
+    let first = t0.elapsed();
+    assert!(
+        first >= Duration::from_millis(90) && first < Duration::from_millis(400),
+        "{first:?}"
+    );
+    e.workers[1].stall_ms.store(0, Ordering::Relaxed);
+    let t1 = Instant::now();
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..10), 32), 0);
+    assert!(
+        t1.elapsed() < Duration::from_millis(50),
+        "later lookups miss at once"
+    );
+    // Once the late answer has been drained, the worker answers again.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while e.client.prefix_hits(0, &hashes(0..10), 32) != 10 {
+        assert!(Instant::now() < deadline, "worker never recovered");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn sockets_of_live_engines_are_not_taken_over() {
+    let e = engine("inuse", 1, 1000);
+    let path = e.client.paths()[0].clone();
+    let err = LookupServer::bind(&path, Arc::new(Worker::default())).unwrap_err();
+    assert!(matches!(err, LookupError::InUse(_)));
+    assert!(err.to_string().contains("lookup_instance"));
+    // A stale socket file (its server gone without cleanup) is replaced.
+    let stale = path.with_file_name("umbp-stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let s = LookupServer::bind(&stale, Arc::new(Worker::default())).unwrap();
+    s.shutdown();
+    assert!(!stale.exists(), "shutdown removes the socket");
+}
+
+#[test]
+fn malformed_requests_get_errors_and_the_server_goes_on() {
+    use std::io::{Read, Write};
+    let e = engine("bad", 1, 1000);
+    let path = e.client.paths()[0].clone();
+    let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    // A prefix request whose hashes are not whole 32-byte hashes.
+    let mut frame = b"UMBL".to_vec();
+    frame.extend_from_slice(&[2, 0, 0, 0]);
+    frame.extend_from_slice(&13u32.to_le_bytes());
+    frame.extend_from_slice(&0u32.to_le_bytes());
+    frame.extend_from_slice(&32u32.to_le_bytes());
+    frame.extend_from_slice(&[1, 2, 3, 4, 5]);
+    s.write_all(&frame).unwrap();
+    let mut h = [0u8; 12];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(&h[..4], b"UMBR");
+    assert_eq!(h[4], 1, "error status");
+    // Garbage closes that connection only.
+    s.write_all(b"garbage!garbage!").unwrap();
+    hold(&e.workers[0], 0..3);
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..3), 32), 3);
+}
