@@ -4,9 +4,19 @@ Importing this package creates nothing: no threads, no pools, no runtime. A stor
 prefaults its memory and starts its workers when it is constructed.
 """
 
-from umbp._native import EmbeddedStore, Job, KeyBuilder, Keys, __version__
+from umbp._native import (
+    EmbeddedStore,
+    Job,
+    KeyBuilder,
+    Keys,
+    LookupClient,
+    LookupServer,
+    __version__,
+    socket_path,
+)
 from umbp.errors import (
     ConfigError,
+    LookupServiceError,
     PoolError,
     PoolFullError,
     RegistrationError,
@@ -24,7 +34,11 @@ __all__ = [
     "Job",
     "KeyBuilder",
     "Keys",
+    "LookupClient",
+    "LookupServer",
+    "LookupServiceError",
     "STATUSES",
+    "socket_path",
     "ConfigError",
     "PoolError",
     "PoolFullError",

@@ -1,5 +1,7 @@
 """Type stubs of the Rust extension module."""
 
+import os
+import pathlib
 from collections.abc import Sequence
 from typing import Literal
 
@@ -76,4 +78,37 @@ class EmbeddedStore:
     def __enter__(self) -> EmbeddedStore: ...
     def __exit__(self, *args: object) -> None: ...
 
+class LookupServer:
+    """Serves one worker's lookups and clears on a Unix socket (embedded mode)."""
+
+    def __init__(
+        self,
+        store: EmbeddedStore,
+        path: str | os.PathLike[str],
+        namespace: str,
+        *,
+        tp: int = 0,
+        pcp: int = 0,
+        dcp: int = 0,
+        pp: int = 0,
+        describe: str = "",
+    ) -> None: ...
+    @property
+    def path(self) -> pathlib.Path: ...
+    def shutdown(self) -> None: ...
+
+class LookupClient:
+    """Asks every worker of an engine at once; a failure or late answer is a miss."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], timeout_ms: int = 1000) -> None: ...
+    def prefix_hits(self, group: int, packed_hashes: bytes, hash_len: int) -> int: ...
+    def exists_all(self, group: int, packed_hashes: bytes, hash_len: int) -> list[bool]: ...
+    def clear(self, timeout_ms: int = 10000) -> int: ...
+    def wait_ready(self, timeout_ms: int) -> list[str]: ...
+    @property
+    def paths(self) -> list[pathlib.Path]: ...
+
+def socket_path(
+    dir: str | os.PathLike[str], tag: str, dp_rank: int, worker: int
+) -> pathlib.Path: ...
 def cli_main(argv: list[str]) -> int: ...

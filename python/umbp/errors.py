@@ -34,6 +34,10 @@ class StoreClosedError(UmbpError):
     """The store was closed."""
 
 
+class LookupServiceError(UmbpError):
+    """A lookup service could not start, or its workers could not be reached."""
+
+
 __all__ = [
     "UmbpError",
     "ConfigError",
@@ -43,4 +47,5 @@ __all__ = [
     "TransferError",
     "TransferTimeout",
     "StoreClosedError",
+    "LookupServiceError",
 ]

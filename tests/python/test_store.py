@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 import umbp
 from conftest import KvCache, hashes
 

@@ -9,13 +9,16 @@ use std::time::Duration;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PySlice};
+use std::sync::Arc;
 use umbp_copy::{CopyError, JobHandle, KeyResult};
 use umbp_core::{
     BlockKey, CoreError, GroupLayout, HugepageSize, KeyBuilder as CoreKeyBuilder, KvLayout,
     LayerSpec, MemoryBacking, PoolConfig, RankTopology,
 };
 use umbp_pool::PoolError;
-use umbp_store::{EmbeddedStore as CoreStore, StoreConfig, StoreError};
+
+use umbp_lookup::{LookupClient as CoreLookupClient, LookupServer as CoreLookupServer};
+use umbp_store::{EmbeddedStore as CoreStore, StoreConfig, StoreError, StoreLookup};
 
 /// Raises `umbp.errors.<class>(message)`.
 fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
@@ -241,7 +244,7 @@ impl Job {
 /// A private host-DRAM pool with its copy engine (embedded mode).
 #[pyclass(module = "umbp._native", frozen)]
 struct EmbeddedStore {
-    inner: CoreStore,
+    inner: Arc<CoreStore>,
 }
 
 fn to_u64s(v: Vec<i64>, what: &str, py: Python<'_>) -> PyResult<Vec<u64>> {
@@ -299,7 +302,9 @@ impl EmbeddedStore {
         let inner = py
             .detach(move || CoreStore::new(cfg))
             .map_err(|e| store_err(py, e))?;
-        Ok(EmbeddedStore { inner })
+        Ok(EmbeddedStore {
+            inner: Arc::new(inner),
+        })
     }
 
     /// Registers host memory (e.g. a KV cache tensor's `data_ptr()` and byte size). The memory
@@ -463,6 +468,118 @@ impl EmbeddedStore {
     }
 }
 
+/// Serves one worker's lookups and clears on a Unix socket (embedded mode).
+#[pyclass(module = "umbp._native", frozen)]
+struct LookupServer {
+    inner: CoreLookupServer,
+}
+
+#[pymethods]
+impl LookupServer {
+    /// Answers lookups for keys of `namespace` with this worker's ranks from `store`.
+    #[new]
+    #[pyo3(signature = (store, path, namespace, *, tp=0, pcp=0, dcp=0, pp=0, describe=String::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        store: &EmbeddedStore,
+        path: std::path::PathBuf,
+        namespace: &str,
+        tp: u16,
+        pcp: u16,
+        dcp: u16,
+        pp: u16,
+        describe: String,
+    ) -> PyResult<Self> {
+        let keys = CoreKeyBuilder::new(namespace, RankTopology { tp, pcp, dcp, pp })
+            .map_err(|e| core_err(py, e))?;
+        let target = Arc::new(StoreLookup::new(Arc::clone(&store.inner), keys, describe));
+        let inner = CoreLookupServer::bind(&path, target)
+            .map_err(|e| raise(py, "LookupServiceError", e.to_string()))?;
+        Ok(LookupServer { inner })
+    }
+
+    /// The socket path.
+    #[getter]
+    fn path(&self) -> std::path::PathBuf {
+        self.inner.path().to_owned()
+    }
+
+    /// Stops serving and removes the socket. Idempotent.
+    fn shutdown(&self, py: Python<'_>) {
+        py.detach(|| self.inner.shutdown());
+    }
+}
+
+/// Asks every worker of an engine at once; any failure or late answer is a miss.
+#[pyclass(module = "umbp._native", frozen)]
+struct LookupClient {
+    inner: CoreLookupClient,
+}
+
+#[pymethods]
+impl LookupClient {
+    #[new]
+    #[pyo3(signature = (paths, timeout_ms=1000))]
+    fn new(paths: Vec<std::path::PathBuf>, timeout_ms: u64) -> Self {
+        LookupClient {
+            inner: CoreLookupClient::new(paths, Duration::from_millis(timeout_ms)),
+        }
+    }
+
+    /// Blocks, from the first, that every worker holds (0 on any failure).
+    fn prefix_hits(
+        &self,
+        py: Python<'_>,
+        group: u32,
+        packed_hashes: &[u8],
+        hash_len: usize,
+    ) -> u32 {
+        py.detach(|| self.inner.prefix_hits(group, packed_hashes, hash_len))
+    }
+
+    /// Which blocks every worker holds (all False on any failure).
+    fn exists_all(
+        &self,
+        py: Python<'_>,
+        group: u32,
+        packed_hashes: &[u8],
+        hash_len: usize,
+    ) -> Vec<bool> {
+        py.detach(|| self.inner.exists_all(group, packed_hashes, hash_len))
+    }
+
+    /// Clears every worker's pool; returns the objects removed.
+    #[pyo3(signature = (timeout_ms=10000))]
+    fn clear(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<u64> {
+        py.detach(|| self.inner.clear(Duration::from_millis(timeout_ms)))
+            .map_err(|e| raise(py, "LookupServiceError", e.to_string()))
+    }
+
+    /// Waits until every worker answers; returns their descriptions.
+    fn wait_ready(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<Vec<String>> {
+        py.detach(|| self.inner.wait_ready(Duration::from_millis(timeout_ms)))
+            .map_err(|e| raise(py, "LookupServiceError", e.to_string()))
+    }
+
+    /// The socket paths, in worker order.
+    #[getter]
+    fn paths(&self) -> Vec<std::path::PathBuf> {
+        self.inner.paths()
+    }
+}
+
+/// The socket path of a worker's lookup service.
+#[pyfunction]
+fn socket_path(
+    dir: std::path::PathBuf,
+    tag: &str,
+    dp_rank: u32,
+    worker: u32,
+) -> std::path::PathBuf {
+    umbp_lookup::socket_path(&dir, tag, dp_rank, worker)
+}
+
 /// Runs the `umbp` command with `argv` (program name first); returns its exit code.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
@@ -477,7 +594,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Job>()?;
     m.add_class::<KeyBuilder>()?;
     m.add_class::<Keys>()?;
+    m.add_class::<LookupServer>()?;
+    m.add_class::<LookupClient>()?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(socket_path, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

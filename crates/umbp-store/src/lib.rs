@@ -14,7 +14,7 @@ use thiserror::Error;
 use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
 };
-use umbp_core::{BlockKey, CoreError, KvLayout, PoolConfig};
+use umbp_core::{BlockKey, CoreError, KeyBuilder, KvLayout, PoolConfig};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
 
 pub use umbp_copy::KeyResult;
@@ -253,6 +253,56 @@ impl EmbeddedStore {
 impl Drop for EmbeddedStore {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+/// Answers the scheduler's lookups from one worker's store: keys are built here, with this
+/// worker's ranks, from the block hashes the scheduler sends.
+#[derive(Debug)]
+pub struct StoreLookup {
+    store: Arc<EmbeddedStore>,
+    keys: KeyBuilder,
+    describe: String,
+}
+
+impl StoreLookup {
+    /// Serves `store`'s lookups for keys of `keys`' namespace and ranks.
+    pub fn new(store: Arc<EmbeddedStore>, keys: KeyBuilder, describe: String) -> Self {
+        StoreLookup {
+            store,
+            keys,
+            describe,
+        }
+    }
+}
+
+impl umbp_lookup::LookupTarget for StoreLookup {
+    fn prefix_hits(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<u32, String> {
+        let mut n = 0u32;
+        for h in packed.chunks_exact(hash_len) {
+            let key = self.keys.key(group, h).map_err(|e| e.to_string())?;
+            if !self.store.pool.contains(&key) {
+                break;
+            }
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    fn exists(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {
+        let keys = self
+            .keys
+            .keys_packed(group, packed, hash_len)
+            .map_err(|e| e.to_string())?;
+        Ok(self.store.exists(&keys))
+    }
+
+    fn clear(&self) -> u64 {
+        self.store.clear()
+    }
+
+    fn describe(&self) -> String {
+        self.describe.clone()
     }
 }
 

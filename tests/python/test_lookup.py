@@ -1,0 +1,57 @@
+"""The embedded lookup service: real stores behind real Unix sockets."""
+
+import time
+
+import pytest
+
+import umbp
+from conftest import KvCache, hashes
+
+
+def worker(tmp_path, tp, ns="lk"):
+    store = umbp.EmbeddedStore(16 << 20, num_workers=1, prefault=False)
+    cache = KvCache(fill_seed=tp)
+    store.register_memory(cache.base, cache.buf.nbytes)
+    layout = store.register_layout(cache.layout())
+    path = umbp.socket_path(tmp_path, "eng", 0, tp)
+    server = umbp.LookupServer(store, path, ns, tp=tp, describe=f"tp{tp}")
+    return store, cache, layout, server
+
+
+def test_scheduler_hits_only_blocks_every_rank_holds(tmp_path):
+    ranks = [worker(tmp_path, tp) for tp in range(2)]
+    client = umbp.LookupClient([r[3].path for r in ranks], timeout_ms=1000)
+    assert client.wait_ready(5000) == ["tp0", "tp1"]
+    ids = list(range(10))
+    packed = b"".join(hashes(ids))
+    for tp, (store, _cache, layout, _srv) in enumerate(ranks):
+        n = 10 if tp == 0 else 6
+        keys = umbp.KeyBuilder("lk", tp=tp).keys(0, hashes(ids[:n]))
+        assert set(store.store(layout, 0, ids[:n], keys).wait()) == {"done"}
+    assert client.prefix_hits(0, packed, 32) == 6
+    assert client.exists_all(0, packed, 32) == [True] * 6 + [False] * 4
+    # A rank's keys carry its TP rank: rank 1's service does not see rank 0's objects.
+    other_ns = umbp.LookupClient([ranks[0][3].path], timeout_ms=1000)
+    assert other_ns.prefix_hits(0, packed, 32) == 10
+    assert client.clear() == 16
+    assert client.prefix_hits(0, packed, 32) == 0
+    for store, _c, _l, srv in ranks:
+        srv.shutdown()
+        store.close()
+
+
+def test_engines_with_different_instances_never_answer_each_other(tmp_path):
+    a = umbp.socket_path(tmp_path, "model-a", 0, 0)
+    b = umbp.socket_path(tmp_path, "model-b", 0, 0)
+    assert a != b
+    store = umbp.EmbeddedStore(8 << 20, prefault=False)
+    srv = umbp.LookupServer(store, a, "ns")
+    with pytest.raises(umbp.LookupServiceError, match="lookup_instance"):
+        umbp.LookupServer(store, a, "ns")
+    t0 = time.monotonic()
+    assert umbp.LookupClient([b], timeout_ms=1000).prefix_hits(0, b"h" * 32, 32) == 0
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(umbp.LookupServiceError, match="model-b"):
+        umbp.LookupClient([b]).wait_ready(200)
+    srv.shutdown()
+    store.close()
