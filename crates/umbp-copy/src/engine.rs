@@ -49,22 +49,37 @@ impl KeyResult {
     }
 }
 
-/// Moves bytes between engine memory and pool memory. The host implementation uses `memcpy`;
-/// device implementations plug in here.
-pub trait Mover: Send + Sync + std::fmt::Debug {
-    /// Copies each range from engine memory into the object at `object`.
-    ///
-    /// # Safety
-    /// Every range must lie inside a live registration of the kind this mover serves, and
-    /// `object` must point to at least `max(object_offset + len)` writable bytes that nothing
-    /// else accesses during the call.
-    unsafe fn gather(&self, object: *mut u8, ranges: &[CopyRange]) -> Result<(), String>;
+/// One block's side of a copy: the pool object's address and the engine ranges.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockCopy<'a> {
+    /// First byte of the pool object.
+    pub object: *mut u8,
+    /// Engine ranges, with their offsets inside the object.
+    pub ranges: &'a [CopyRange],
+}
 
-    /// Copies each range from the object at `object` into engine memory.
+/// Moves bytes between engine memory and pool objects, a batch of blocks at a time. The host
+/// implementation uses CPU copies; device implementations plug in here.
+pub trait Mover: Send + Sync + std::fmt::Debug {
+    /// Blocks a worker hands over per call.
+    fn batch_size(&self) -> usize {
+        8
+    }
+
+    /// Copies each block's engine ranges into its object. `after` is the submitter's ordering
+    /// token (0: none), e.g. an event the copies must wait for. Returns one result per block.
     ///
     /// # Safety
-    /// As for [`Mover::gather`], with `object` readable and the engine ranges writable.
-    unsafe fn scatter(&self, object: *const u8, ranges: &[CopyRange]) -> Result<(), String>;
+    /// Every range must lie inside a live registration of the kind this mover serves, and each
+    /// object must point to at least `max(object_offset + len)` writable bytes that nothing else
+    /// accesses during the call.
+    unsafe fn gather(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>>;
+
+    /// Copies each object into its block's engine ranges.
+    ///
+    /// # Safety
+    /// As for [`Mover::gather`], with the objects readable and the engine ranges writable.
+    unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>>;
 }
 
 /// Copies between host memories (streaming stores for large pieces, see [`crate::memcpy`]).
@@ -72,39 +87,43 @@ pub trait Mover: Send + Sync + std::fmt::Debug {
 pub struct HostMover;
 
 impl Mover for HostMover {
-    unsafe fn gather(&self, object: *mut u8, ranges: &[CopyRange]) -> Result<(), String> {
-        for r in ranges {
-            // SAFETY: the caller guarantees both sides are valid for `r.len` bytes and do not
-            // overlap (one is pool memory, the other registered engine memory).
-            unsafe {
-                memcpy::copy(
-                    object.add(r.object_offset as usize),
-                    r.host_addr as *const u8,
-                    r.len as usize,
-                )
-            };
+    unsafe fn gather(&self, blocks: &[BlockCopy<'_>], _after: u64) -> Vec<Result<(), String>> {
+        for b in blocks {
+            for r in b.ranges {
+                // SAFETY: the caller guarantees both sides are valid for `r.len` bytes and do
+                // not overlap (one is pool memory, the other registered engine memory).
+                unsafe {
+                    memcpy::copy(
+                        b.object.add(r.object_offset as usize),
+                        r.host_addr as *const u8,
+                        r.len as usize,
+                    )
+                };
+            }
         }
         memcpy::fence();
-        Ok(())
+        vec![Ok(()); blocks.len()]
     }
 
-    unsafe fn scatter(&self, object: *const u8, ranges: &[CopyRange]) -> Result<(), String> {
-        for r in ranges {
-            // SAFETY: as in `gather`, in the other direction.
-            unsafe {
-                memcpy::copy(
-                    r.host_addr as *mut u8,
-                    object.add(r.object_offset as usize),
-                    r.len as usize,
-                )
-            };
+    unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], _after: u64) -> Vec<Result<(), String>> {
+        for b in blocks {
+            for r in b.ranges {
+                // SAFETY: as in `gather`, in the other direction.
+                unsafe {
+                    memcpy::copy(
+                        r.host_addr as *mut u8,
+                        b.object.add(r.object_offset as usize),
+                        r.len as usize,
+                    )
+                };
+            }
         }
         memcpy::fence();
-        Ok(())
+        vec![Ok(()); blocks.len()]
     }
 }
 
-/// Keys a worker claims at a time.
+/// Keys per worker when spreading a job.
 const CHUNK: usize = 8;
 
 #[derive(Debug)]
@@ -114,6 +133,8 @@ struct JobState {
     plan: RangePlan,
     /// Keys whose ranges failed validation, with the reason; they are never copied.
     invalid: Vec<Option<String>>,
+    /// Ordering token handed to the mover (0: none).
+    after: u64,
     /// Registrations the job touches, held until it finishes.
     regions: Mutex<Vec<Arc<Registration>>>,
     next: AtomicUsize,
@@ -268,6 +289,18 @@ impl CopyEngine {
         keys: Vec<BlockKey>,
         plan: RangePlan,
     ) -> Result<JobHandle, CopyError> {
+        self.submit_after(direction, keys, plan, 0)
+    }
+
+    /// Like [`CopyEngine::submit`], with an ordering token for the mover (for a device mover,
+    /// an event recorded on the engine's stream that the copies must wait for).
+    pub fn submit_after(
+        &self,
+        direction: Direction,
+        keys: Vec<BlockKey>,
+        plan: RangePlan,
+        after: u64,
+    ) -> Result<JobHandle, CopyError> {
         if keys.len() != plan.num_blocks() {
             return Err(CopyError::InvalidRequest(format!(
                 "{} keys for {} planned blocks; pass one key per block id",
@@ -302,6 +335,7 @@ impl CopyEngine {
             keys,
             plan,
             invalid,
+            after,
             regions: Mutex::new(regions),
             next: AtomicUsize::new(0),
             remaining: AtomicUsize::new(n),
@@ -355,73 +389,128 @@ fn worker_loop(rx: &Mutex<Receiver<Arc<JobState>>>, pool: &Pool, mover: &dyn Mov
 
 fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover) {
     let n = job.keys.len();
-    let mut local: Vec<(usize, KeyResult)> = Vec::with_capacity(CHUNK);
+    let batch = mover.batch_size().max(1);
     loop {
-        let first = job.next.fetch_add(CHUNK, Ordering::AcqRel);
+        let first = job.next.fetch_add(batch, Ordering::AcqRel);
         if first >= n {
             return;
         }
-        let last = (first + CHUNK).min(n);
-        local.clear();
-        for i in first..last {
-            let r = if job.cancelled.load(Ordering::Acquire) {
-                KeyResult::Cancelled
-            } else if let Some(why) = &job.invalid[i] {
-                KeyResult::Failed(why.clone())
-            } else {
-                match job.direction {
-                    Direction::Store => store_one(job, i, pool, mover),
-                    Direction::Load => load_one(job, i, pool, mover),
-                }
-            };
-            local.push((i, r));
-        }
+        let last = (first + batch).min(n);
+        let results = if job.cancelled.load(Ordering::Acquire) {
+            vec![KeyResult::Cancelled; last - first]
+        } else {
+            match job.direction {
+                Direction::Store => store_batch(job, first..last, pool, mover),
+                Direction::Load => load_batch(job, first..last, pool, mover),
+            }
+        };
         {
-            let mut results = job.results.lock();
-            for (i, r) in local.drain(..) {
-                results[i] = r;
+            let mut all = job.results.lock();
+            for (i, r) in (first..last).zip(results) {
+                all[i] = r;
             }
         }
         job.finish_keys(last - first);
     }
 }
 
-fn store_one(job: &JobState, i: usize, pool: &Pool, mover: &dyn Mover) -> KeyResult {
-    let key = &job.keys[i];
-    if pool.contains(key) {
-        return KeyResult::AlreadyPresent;
+fn store_batch(
+    job: &JobState,
+    keys: std::ops::Range<usize>,
+    pool: &Pool,
+    mover: &dyn Mover,
+) -> Vec<KeyResult> {
+    let mut results = Vec::with_capacity(keys.len());
+    let mut todo = Vec::new(); // (result index, key index, reservation)
+    for i in keys {
+        let r = if let Some(why) = &job.invalid[i] {
+            KeyResult::Failed(why.clone())
+        } else if pool.contains(&job.keys[i]) {
+            KeyResult::AlreadyPresent
+        } else {
+            match pool.reserve(job.plan.object_bytes) {
+                Ok(res) => {
+                    todo.push((results.len(), i, res));
+                    KeyResult::Pending
+                }
+                Err(PoolError::Full { .. }) => KeyResult::PoolFull,
+                Err(e) => KeyResult::Failed(e.to_string()),
+            }
+        };
+        results.push(r);
     }
-    let mut res = match pool.reserve(job.plan.object_bytes) {
-        Ok(r) => r,
-        Err(PoolError::Full { .. }) => return KeyResult::PoolFull,
-        Err(e) => return KeyResult::Failed(e.to_string()),
-    };
-    // SAFETY: `submit` checked every range of this block against live registrations, which
-    // the job holds until it finishes; the reservation is `object_bytes` long and ours alone.
-    if let Err(e) = unsafe { mover.gather(res.as_mut_ptr(), job.plan.block(i)) } {
-        return KeyResult::Failed(e);
+    if todo.is_empty() {
+        return results;
     }
-    match pool.commit(res, *key) {
-        CommitOutcome::Stored => KeyResult::Done,
-        CommitOutcome::AlreadyPresent => KeyResult::AlreadyPresent,
+    let copies: Vec<BlockCopy<'_>> = todo
+        .iter_mut()
+        .map(|(_, i, res)| BlockCopy {
+            object: res.as_mut_ptr(),
+            ranges: job.plan.block(*i),
+        })
+        .collect();
+    // SAFETY: `submit` checked every range against live registrations, which the job holds
+    // until it finishes; each reservation is `object_bytes` long and ours alone.
+    let outcomes = unsafe { mover.gather(&copies, job.after) };
+    drop(copies);
+    for ((at, i, res), outcome) in todo.into_iter().zip(outcomes) {
+        results[at] = match outcome {
+            Ok(()) => match pool.commit(res, job.keys[i]) {
+                CommitOutcome::Stored => KeyResult::Done,
+                CommitOutcome::AlreadyPresent => KeyResult::AlreadyPresent,
+            },
+            Err(e) => KeyResult::Failed(e),
+        };
     }
+    results
 }
 
-fn load_one(job: &JobState, i: usize, pool: &Pool, mover: &dyn Mover) -> KeyResult {
-    let Some(obj) = pool.get(&job.keys[i]) else {
-        return KeyResult::Missing;
-    };
-    if obj.len() != job.plan.object_bytes {
-        return KeyResult::Failed(format!(
-            "stored object has {} bytes but the layout expects {}; a different layout wrote this key",
-            obj.len(),
-            job.plan.object_bytes
-        ));
+fn load_batch(
+    job: &JobState,
+    keys: std::ops::Range<usize>,
+    pool: &Pool,
+    mover: &dyn Mover,
+) -> Vec<KeyResult> {
+    let mut results = Vec::with_capacity(keys.len());
+    let mut todo = Vec::new(); // (result index, key index, pinned object)
+    for i in keys {
+        let r = if let Some(why) = &job.invalid[i] {
+            KeyResult::Failed(why.clone())
+        } else {
+            match pool.get(&job.keys[i]) {
+                None => KeyResult::Missing,
+                Some(obj) if obj.len() != job.plan.object_bytes => KeyResult::Failed(format!(
+                    "stored object has {} bytes but the layout expects {}; a different layout wrote this key",
+                    obj.len(),
+                    job.plan.object_bytes
+                )),
+                Some(obj) => {
+                    todo.push((results.len(), i, obj));
+                    KeyResult::Pending
+                }
+            }
+        };
+        results.push(r);
     }
-    // SAFETY: ranges were checked against live registrations held by the job; the pinned
-    // object is `object_bytes` long and immutable while pinned.
-    match unsafe { mover.scatter(obj.as_ptr(), job.plan.block(i)) } {
-        Ok(()) => KeyResult::Done,
-        Err(e) => KeyResult::Failed(e),
+    if todo.is_empty() {
+        return results;
     }
+    let copies: Vec<BlockCopy<'_>> = todo
+        .iter()
+        .map(|(_, i, obj)| BlockCopy {
+            object: obj.as_ptr() as *mut u8,
+            ranges: job.plan.block(*i),
+        })
+        .collect();
+    // SAFETY: ranges were checked against live registrations held by the job; each pinned
+    // object is `object_bytes` long and stays allocated (and unwritten) while pinned; the
+    // mover only reads from it.
+    let outcomes = unsafe { mover.scatter(&copies, job.after) };
+    for ((at, _, _obj), outcome) in todo.into_iter().zip(outcomes) {
+        results[at] = match outcome {
+            Ok(()) => KeyResult::Done,
+            Err(e) => KeyResult::Failed(e),
+        };
+    }
+    results
 }
