@@ -1,0 +1,754 @@
+"""`UMBPStoreConnector`: a vLLM V1 KV connector that offloads prefix blocks to UMBP.
+
+vLLM builds the connector twice, in different processes: once with the scheduler role and once
+per worker. This class dispatches to `_SchedulerSide` or `_WorkerSide`; both are thin: keys,
+lookups, range planning and copies happen in Rust (`umbp._native`).
+
+Embedded mode: every worker owns a private pool and serves the scheduler's lookups and clears on
+a Unix socket in `lookup_dir`. A block hits only when every worker of the engine holds it.
+
+Flow of one request:
+- scheduler: `get_num_new_matched_tokens` asks every worker how many of the request's next
+  blocks it holds; `update_state_after_alloc` queues a load into the blocks vLLM allocated;
+  `build_connector_meta` sends the step's loads and the stores of blocks the step completes.
+  Store sources are pinned in vLLM's block pool (`touch`) until every worker reports the
+  store finished (`update_connector_output`), so `request_finished` never has to delay.
+- worker: `start_load_kv` copies restored blocks in (waiting for synchronous loads before the
+  forward pass); `wait_for_save` submits the step's stores after the forward pass;
+  `build_connector_worker_meta` reports finished stores; `get_finished` finished async loads;
+  `get_block_ids_with_load_errors` the blocks that could not be restored, which vLLM
+  recomputes under `kv_load_failure_policy: recompute`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+import umbp
+from umbp.errors import ConfigError
+from umbp.vllm.config import ConnectorConfig
+from umbp.vllm.namespace import derive_namespace, socket_tag
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("umbp.vllm")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata exchanged between the scheduler and the workers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Transfer:
+    """Blocks of one cache group to load or store, with the hashes that key them."""
+
+    group: int
+    block_ids: list[int]
+    hashes: bytes  # packed, `hash_len` bytes each
+    hash_len: int
+    req_id: str = ""
+    store_id: int = -1
+    load_async: bool = False
+
+
+@dataclass
+class UMBPConnectorMetadata(KVConnectorMetadata):
+    """Scheduler → workers: this step's loads and stores."""
+
+    loads: list[_Transfer] = field(default_factory=list)
+    stores: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers → scheduler: stores that finished, counted per worker."""
+
+    finished_stores: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, UMBPWorkerMetadata)
+        merged = dict(self.finished_stores)
+        for k, v in other.finished_stores.items():
+            merged[k] = merged.get(k, 0) + v
+        return UMBPWorkerMetadata(finished_stores=merged)
+
+
+# ---------------------------------------------------------------------------------------------
+# Topology shared by both sides
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Topology:
+    namespace: str
+    tag: str
+    tp_size: int
+    pcp_size: int
+    dcp_size: int
+    dp_rank: int
+    block_size: int
+    num_groups: int
+
+    @property
+    def workers(self) -> int:
+        return self.tp_size * self.pcp_size
+
+    def socket_paths(self, lookup_dir: str) -> list[str]:
+        return [
+            str(umbp.socket_path(lookup_dir, self.tag, self.dp_rank, w))
+            for w in range(self.workers)
+        ]
+
+
+def _topology(cfg: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: Any) -> _Topology:
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"UMBPStoreConnector does not support pipeline parallelism "
+            f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use tensor parallelism, "
+            "or run without the connector"
+        )
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if not groups:
+        raise ConfigError("UMBPStoreConnector needs a KV cache with at least one cache group")
+    sizes = {getattr(g.kv_cache_spec, "block_size", None) for g in groups}
+    if len(sizes) != 1 or None in sizes:
+        raise ConfigError(
+            "UMBPStoreConnector needs every KV cache group to use one block size "
+            f"(got {sorted(map(str, sizes))}); hybrid models with mixed block sizes are not supported"
+        )
+    block_size = sizes.pop()
+    if cfg.enable_partial_hash_hits:
+        unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
+        if unit not in (None, block_size):
+            raise ConfigError(
+                f"option `enable_partial_hash_hits`: the engine matches prefixes every {unit} "
+                f"tokens but UMBP stores whole {block_size}-token blocks; set it to false"
+            )
+    namespace = cfg.key_namespace or derive_namespace(vllm_config, kv_cache_config)
+    return _Topology(
+        namespace=namespace,
+        tag=socket_tag(namespace, cfg.lookup_instance),
+        tp_size=pc.tensor_parallel_size,
+        pcp_size=getattr(pc, "prefill_context_parallel_size", 1),
+        dcp_size=getattr(pc, "decode_context_parallel_size", 1),
+        dp_rank=getattr(pc, "data_parallel_rank", 0) or 0,
+        block_size=block_size,
+        num_groups=len(groups),
+    )
+
+
+def _packed(hashes: list[bytes]) -> tuple[bytes, int]:
+    if not hashes:
+        return b"", 32
+    hash_len = len(hashes[0])
+    packed = b"".join(hashes)
+    if len(packed) != hash_len * len(hashes):
+        raise ValueError("block hashes of different lengths in one request")
+    return packed, hash_len
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    block_ids: list[list[int]]
+    stored_upto: int = 0  # blocks [0, stored_upto) were stored, queued or restored
+    load_start: int = 0
+    load_blocks: int = 0
+
+
+@dataclass
+class _InFlightStore:
+    blocks: list[Any]
+    remaining: int
+    transfer: _Transfer
+
+
+class _SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, topo: _Topology, vllm_config: VllmConfig) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.client = umbp.LookupClient(
+            topo.socket_paths(cfg.lookup_dir), timeout_ms=cfg.lookup_timeout_ms
+        )
+        self.block_pool: BlockPool | None = None
+        self.requests: dict[str, _RequestState] = {}
+        self.pending_loads: list[_Transfer] = []
+        self.in_flight: dict[int, _InFlightStore] = {}
+        self.store_ids = itertools.count(1)
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.events_enabled = bool(
+            kv_events and getattr(kv_events, "enable_kv_cache_events", False)
+        )
+        self.events: list[Any] = []
+        # Tracked stored objects for KV events: hash -> group, bounded by kv_event_max_objects.
+        self.tracked: dict[bytes, int] = {}
+        self.last_recheck = time.monotonic()
+        self.lookup_results: dict[str, int] = {}
+        self.lookup_threads: dict[str, threading.Thread] = {}
+        logger.info(
+            "umbp: scheduler side of %s: namespace %s, %d worker socket(s) in %s",
+            topo.namespace,
+            topo.namespace,
+            topo.workers,
+            cfg.lookup_dir,
+        )
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _lookup_range(self, request: Request, num_computed_tokens: int) -> tuple[int, int]:
+        bs = self.topo.block_size
+        # Leave at least one prompt token for vLLM to compute.
+        last = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        return num_computed_tokens // bs, last
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        packed, hash_len = _packed(hashes)
+        return self.client.prefix_hits(0, packed, hash_len)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            state = _RequestState(
+                request=request, block_ids=[[] for _ in range(self.topo.num_groups)]
+            )
+            self.requests[request.request_id] = state
+        if not self.cfg.restores:
+            return 0, False
+        first, last = self._lookup_range(request, num_computed_tokens)
+        if last <= first:
+            return 0, False
+        hashes = list(request.block_hashes[first:last])
+        if self.cfg.lookup_async:
+            rid = request.request_id
+            if rid in self.lookup_results:
+                hits = self.lookup_results.pop(rid)
+                self.lookup_threads.pop(rid, None)
+            else:
+                if rid not in self.lookup_threads:
+                    t = threading.Thread(
+                        target=lambda: self.lookup_results.__setitem__(rid, self._lookup(hashes)),
+                        name="umbp-lookup-async",
+                        daemon=True,
+                    )
+                    self.lookup_threads[rid] = t
+                    t.start()
+                return None, False
+        else:
+            hits = self._lookup(hashes)
+        if hits <= 0:
+            return 0, False
+        state.load_start, state.load_blocks = first, hits
+        return hits * self.topo.block_size, self.cfg.load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self.requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        n = num_external_tokens // self.topo.block_size
+        first = state.load_start
+        ids_by_group = blocks.get_block_ids()
+        hashes, hash_len = _packed(list(request.block_hashes[first : first + n]))
+        for g, ids in enumerate(ids_by_group):
+            targets = list(ids[first : first + n])
+            if len(targets) != n:
+                logger.warning(
+                    "umbp: request %s: %d blocks allocated for %d restored blocks; not loading group %d",
+                    request.request_id,
+                    len(targets),
+                    n,
+                    g,
+                )
+                continue
+            self.pending_loads.append(
+                _Transfer(
+                    group=g,
+                    block_ids=targets,
+                    hashes=hashes,
+                    hash_len=hash_len,
+                    req_id=request.request_id,
+                    load_async=self.cfg.load_async,
+                )
+            )
+        # Restored blocks are in the pool already: do not store them again.
+        state.stored_upto = max(state.stored_upto, first + n)
+
+    # -- stores ----------------------------------------------------------------------------
+
+    def _scheduled(self, so: SchedulerOutput):
+        """(req_id, new block ids per group or None, resumed, computed tokens before the step)."""
+        for r in so.scheduled_new_reqs:
+            yield r.req_id, r.block_ids, False, r.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        resumed = getattr(c, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(c.req_ids):
+            yield rid, c.new_block_ids[i], rid in resumed, c.num_computed_tokens[i]
+
+    def build_connector_meta(self, so: SchedulerOutput) -> UMBPConnectorMetadata:
+        meta = UMBPConnectorMetadata(loads=self.pending_loads)
+        self.pending_loads = []
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            state = self.requests.get(rid)
+            if state is not None:
+                state.block_ids = [[] for _ in range(self.topo.num_groups)]
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        if not self.cfg.stores or self.block_pool is None:
+            return meta
+        bs = self.topo.block_size
+        for rid, new_ids, resumed, computed in self._scheduled(so):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            if new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    if g >= len(state.block_ids) or ids is None:
+                        continue
+                    if resumed:
+                        state.block_ids[g] = list(ids)
+                    else:
+                        state.block_ids[g].extend(ids)
+            req = state.request
+            done_tokens = computed + so.num_scheduled_tokens.get(rid, 0)
+            full = min(done_tokens // bs, len(req.block_hashes))
+            if not self.cfg.save_decode_cache:
+                full = min(full, req.num_prompt_tokens // bs)
+            first = state.stored_upto
+            if full <= first:
+                continue
+            state.stored_upto = full
+            hashes, hash_len = _packed(list(req.block_hashes[first:full]))
+            for g, ids in enumerate(state.block_ids):
+                block_ids = ids[first:full]
+                if len(block_ids) != full - first or any(b == 0 for b in block_ids):
+                    continue  # blocks of this group are not all materialised (null blocks)
+                blocks = [self.block_pool.blocks[b] for b in block_ids]
+                # Pin the sources until every worker has finished copying them.
+                self.block_pool.touch(blocks)
+                sid = next(self.store_ids)
+                t = _Transfer(
+                    group=g,
+                    block_ids=list(block_ids),
+                    hashes=hashes,
+                    hash_len=hash_len,
+                    req_id=rid,
+                    store_id=sid,
+                )
+                self.in_flight[sid] = _InFlightStore(
+                    blocks=blocks, remaining=self.topo.workers, transfer=t
+                )
+                meta.stores.append(t)
+        return meta
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        wm = getattr(out, "kv_connector_worker_meta", None)
+        if not isinstance(wm, UMBPWorkerMetadata):
+            return
+        finished: list[_Transfer] = []
+        for sid, n in wm.finished_stores.items():
+            st = self.in_flight.get(sid)
+            if st is None:
+                continue
+            st.remaining -= n
+            if st.remaining <= 0:
+                del self.in_flight[sid]
+                assert self.block_pool is not None
+                self.block_pool.free_blocks(st.blocks)
+                finished.append(st.transfer)
+        if finished and self.events_enabled:
+            self._publish_stored(finished)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self.in_flight)
+
+    # -- KV events ---------------------------------------------------------------------------
+
+    def _publish_stored(self, transfers: list[_Transfer]) -> None:
+        from vllm.distributed.kv_events import BlockStored
+
+        for t in transfers:
+            present = self.client.exists_all(t.group, t.hashes, t.hash_len)
+            hashes = [t.hashes[i * t.hash_len : (i + 1) * t.hash_len] for i in range(len(present))]
+            new = [h for h, p in zip(hashes, present) if p and h not in self.tracked]
+            room = self.cfg.kv_event_max_objects - len(self.tracked)
+            new = new[: max(room, 0)]
+            if not new:
+                continue
+            for h in new:
+                self.tracked[h] = t.group
+            self.events.append(
+                BlockStored(
+                    block_hashes=new,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self.topo.block_size,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                    group_idx=t.group,
+                )
+            )
+
+    def _recheck_tracked(self) -> None:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        by_group: dict[int, list[bytes]] = {}
+        for h, g in self.tracked.items():
+            by_group.setdefault(g, []).append(h)
+        for g, hashes in by_group.items():
+            packed, hash_len = _packed(hashes)
+            present = self.client.exists_all(g, packed, hash_len)
+            gone = [h for h, p in zip(hashes, present) if not p]
+            for h in gone:
+                del self.tracked[h]
+            if gone:
+                self.events.append(BlockRemoved(block_hashes=gone, medium="CPU", group_idx=g))
+
+    def take_events(self):
+        if not self.events_enabled:
+            return ()
+        if self.tracked and time.monotonic() - self.last_recheck >= 1.0:
+            self.last_recheck = time.monotonic()
+            self._recheck_tracked()
+        events, self.events = self.events, []
+        return events
+
+    def reset_cache(self) -> bool:
+        try:
+            removed = self.client.clear()
+        except umbp.UmbpError as e:
+            logger.warning("umbp: clearing the workers' pools failed: %s", e)
+            return False
+        logger.info("umbp: cleared %d objects from the workers' pools", removed)
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_ranks() -> tuple[int, int, int]:
+    from vllm.distributed import parallel_state as ps
+
+    def rank(getter: str) -> int:
+        try:
+            return getattr(ps, getter)().rank_in_group
+        except Exception:
+            return 0
+
+    try:
+        tp = ps.get_tensor_model_parallel_rank()
+    except Exception:
+        tp = 0
+    return tp, rank("get_pcp_group"), rank("get_dcp_group")
+
+
+class _WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, topo: _Topology, kv_cache_config: Any) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.kv_cache_config = kv_cache_config
+        self.tp, self.pcp, self.dcp = _local_ranks()
+        self.worker = self.tp + self.topo.tp_size * self.pcp
+        self.keys = umbp.KeyBuilder(topo.namespace, tp=self.tp, pcp=self.pcp, dcp=self.dcp)
+        self.store: umbp.EmbeddedStore | None = None
+        self.server: umbp.LookupServer | None = None
+        self.layout = -1
+        self.async_loads: dict[str, list[tuple[umbp.Job, list[int]]]] = {}
+        self.load_errors: set[int] = set()
+        self.stores: dict[int, umbp.Job] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cfg = self.cfg
+        capacity = cfg.worker_capacity(self.topo.workers)
+        self.store = umbp.EmbeddedStore(
+            capacity,
+            high_watermark=cfg.dram_high_watermark,
+            low_watermark=cfg.dram_low_watermark,
+            use_hugepages=cfg.dram_use_hugepages,
+            hugepage_size=cfg.dram_hugepage_size,
+            numa_node=cfg.dram_numa_node,
+            prefault=cfg.dram_prefault,
+            num_workers=cfg.num_workers,
+            timeout_ms=cfg.timeout_ms,
+        )
+        # Register each backing allocation once (all layers are views into one or a few).
+        seen: set[int] = set()
+        for t in kv_caches.values():
+            if t.device.type != "cpu":
+                raise ConfigError(
+                    f"UMBPStoreConnector: KV cache on {t.device} needs the GPU copy path, "
+                    "which this build does not include; use a CPU engine"
+                )
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                self.store.register_memory(ptr, storage.nbytes())
+        groups = []
+        for g in self.kv_cache_config.kv_cache_groups:
+            page = getattr(g.kv_cache_spec, "page_size_bytes", None)
+            layers = []
+            for name in g.layer_names:
+                t = kv_caches[name]
+                layers.extend(self._layer_runs(name, t, page))
+            groups.append(layers)
+        self.layout = self.store.register_layout(groups)
+        path = umbp.socket_path(self.cfg.lookup_dir, self.topo.tag, self.topo.dp_rank, self.worker)
+        self.server = umbp.LookupServer(
+            self.store,
+            path,
+            self.topo.namespace,
+            tp=self.tp,
+            pcp=self.pcp,
+            dcp=self.dcp,
+            describe=f"pid {os.getpid()} tp{self.tp} pcp{self.pcp} dcp{self.dcp}",
+        )
+        logger.info(
+            "umbp: worker %d: %.2f GiB pool, %d layers registered, lookups on %s",
+            self.worker,
+            capacity / (1 << 30),
+            sum(len(g) for g in groups),
+            path,
+        )
+
+    def _layer_runs(
+        self, name: str, t: torch.Tensor, page: int | None
+    ) -> list[tuple[int, int, int, int]]:
+        """(base, num_blocks, block_stride, block_bytes) runs of one layer's tensor."""
+        num_blocks = self.kv_cache_config.num_blocks
+        es = t.element_size()
+        if t.shape[0] == num_blocks:
+            stride = t.stride(0) * es
+            block_bytes = page or stride
+            return [(t.data_ptr(), num_blocks, stride, min(block_bytes, stride))]
+        if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            # K and V split in front of the block dimension: two runs per block.
+            stride = t.stride(1) * es
+            run = (page // 2) if page else stride
+            return [(t[i].data_ptr(), num_blocks, stride, min(run, stride)) for i in range(2)]
+        raise ConfigError(
+            f"UMBPStoreConnector: KV cache tensor of layer {name} has shape {tuple(t.shape)}; "
+            f"expected the {num_blocks} blocks in dimension 0 (or 1, after K/V)"
+        )
+
+    def _keys(self, t: _Transfer) -> umbp.Keys:
+        return self.keys.keys_packed(t.group, t.hashes, t.hash_len)
+
+    def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
+        assert self.store is not None
+        sync: list[tuple[umbp.Job, list[int]]] = []
+        for t in meta.loads:
+            job = self.store.load(self.layout, t.group, t.block_ids, self._keys(t))
+            if t.load_async:
+                self.async_loads.setdefault(t.req_id, []).append((job, t.block_ids))
+            else:
+                sync.append((job, t.block_ids))
+        for job, ids in sync:
+            try:
+                statuses = job.wait(self.cfg.timeout_ms)
+            except umbp.TransferTimeout as e:
+                # The blocks may still be written: never let the step use them.
+                raise RuntimeError(
+                    f"UMBP: a synchronous load of {len(ids)} blocks did not finish within "
+                    f"timeout_ms={self.cfg.timeout_ms}; failing the step"
+                ) from e
+            self._note_failures(statuses, ids)
+
+    def _note_failures(self, statuses: list[str], ids: list[int]) -> None:
+        failed = [b for s, b in zip(statuses, ids) if s != "done"]
+        if failed:
+            # A block after a failed one is useless for the prefix too: report the rest.
+            first = statuses.index(next(s for s in statuses if s != "done"))
+            self.load_errors.update(ids[first:])
+            logger.info(
+                "umbp: %d of %d restored blocks failed to load; vLLM recomputes them",
+                len(ids) - first,
+                len(ids),
+            )
+
+    def wait_for_save(self, meta: UMBPConnectorMetadata) -> None:
+        assert self.store is not None
+        for t in meta.stores:
+            self.stores[t.store_id] = self.store.store(
+                self.layout, t.group, t.block_ids, self._keys(t)
+            )
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        done: set[str] = set()
+        for rid, jobs in list(self.async_loads.items()):
+            if all(j.done for j, _ in jobs):
+                for j, ids in jobs:
+                    self._note_failures(j.poll() or [], ids)
+                del self.async_loads[rid]
+                done.add(rid)
+        return None, done or None
+
+    def worker_meta(self) -> UMBPWorkerMetadata | None:
+        finished = {sid: 1 for sid, job in self.stores.items() if job.done}
+        for sid in finished:
+            del self.stores[sid]
+        return UMBPWorkerMetadata(finished_stores=finished) if finished else None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+        if self.store is not None:
+            self.store.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The connector
+# ---------------------------------------------------------------------------------------------
+
+
+class UMBPStoreConnector(KVConnectorBase_V1):
+    """Offloads prefix KV blocks to UMBP host-DRAM pools and restores them."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a dropped store is only a future miss.
+        return False
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.cfg = ConnectorConfig.parse(ktc.kv_connector_extra_config, ktc.kv_role)
+        if self.cfg.mode == "standalone":
+            raise ConfigError(
+                'option `mode`: "standalone" needs umbp_standalone_server, which this release '
+                'does not include yet; use "embedded"'
+            )
+        topo = _topology(self.cfg, vllm_config, kv_cache_config)
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self.cfg, topo, vllm_config)
+        else:
+            self._worker = _WorkerSide(self.cfg, topo, kv_cache_config)
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, UMBPConnectorMetadata)
+            if meta.loads:
+                self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before the forward pass (sync) or before scheduling (async)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # stores are submitted once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, UMBPConnectorMetadata)
+            if meta.stores:
+                self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self._scheduler is not None:
+            self._scheduler.block_pool = gpu_block_pool
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Store sources are pinned by the connector itself, so freeing never waits on us.
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def take_events(self):
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None

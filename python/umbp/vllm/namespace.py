@@ -1,0 +1,71 @@
+"""Key namespaces and lookup socket names, derived from the engine's configuration.
+
+The namespace covers everything that makes two engines' KV bytes differ for the same block
+hash: the model and revision, the effective model config (dtype, quantization, the HF config
+with overrides applied), the KV layout and cache groups, the TP/PCP/DCP topology and the draft
+model. The data-parallel rank is deliberately left out so DP ranks share objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except TypeError:
+        if isinstance(obj, dict):
+            return {str(k): _jsonable(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [_jsonable(v) for v in obj]
+        return repr(obj)
+
+
+def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """The inputs of the derived namespace."""
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    pc = vllm_config.parallel_config
+    hf = getattr(mc, "hf_config", None)
+    hf_dict = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else {}
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "model", None) if spec is not None else None
+    groups = []
+    for g in getattr(kv_cache_config, "kv_cache_groups", []) or []:
+        groups.append({"layers": list(g.layer_names), "spec": repr(g.kv_cache_spec)})
+    return {
+        "format": "umbp-kv-v1",
+        "model": mc.model,
+        "revision": getattr(mc, "revision", None),
+        "dtype": str(getattr(mc, "dtype", None)),
+        "quantization": getattr(mc, "quantization", None),
+        "hf_config": _jsonable(hf_dict),
+        "hf_overrides": _jsonable(getattr(mc, "hf_overrides", None)),
+        "cache_dtype": str(getattr(cc, "cache_dtype", None)),
+        "block_size": getattr(cc, "block_size", None),
+        "kv_cache_layout": getattr(cc, "kv_cache_layout", None),
+        "cache_groups": groups,
+        "tp": pc.tensor_parallel_size,
+        "pcp": getattr(pc, "prefill_context_parallel_size", 1),
+        "dcp": getattr(pc, "decode_context_parallel_size", 1),
+        "draft_model": draft,
+    }
+
+
+def derive_namespace(vllm_config: Any, kv_cache_config: Any) -> str:
+    """`<model name>-<16 hex digits of the fields' digest>`."""
+    fields = namespace_fields(vllm_config, kv_cache_config)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    base = str(fields["model"]).rstrip("/").rsplit("/", 1)[-1]
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", base)[:40] or "model"
+    return f"{base}-{digest}"
+
+
+def socket_tag(namespace: str, lookup_instance: str) -> str:
+    """A short tag naming one engine's lookup sockets (namespace + lookup_instance)."""
+    return hashlib.sha256(f"{namespace}\0{lookup_instance}".encode()).hexdigest()[:12]
