@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The main job: builds UMBP into .venv/ and runs its benchmarks on this machine, printing
-# the figures and the ratios measured side by side.
+# The main job: builds UMBP and vLLM CPU into .venv/, then serves a locally built model with
+# `vllm serve` and UMBPStoreConnector (the usage guide's embedded configuration), and shows
+# restored prefixes: cached tokens, time-to-first-token restored vs recomputed, and that the
+# greedy outputs are identical. Extra arguments go to `python -m umbp.demo.serve`.
 source "$(dirname "$0")/venv.sh"
 
-step "umbp bench pool: 100K objects of 32 KiB (reserve/commit, batch lookups, pinned reads, eviction, metadata)"
-umbp bench pool --objects 100000 --object-bytes 32768
-step "umbp bench copy: 1000 random KV blocks (32 layers x 32 KiB pieces) each way vs. a contiguous memcpy"
-umbp bench copy --layers 32 --piece-bytes 32768 --blocks 1000
+step "UMBP demo: vLLM CPU + UMBPStoreConnector (embedded mode)"
+python -m umbp.demo.serve "$@"

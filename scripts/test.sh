@@ -13,6 +13,8 @@ ruff check python tests
 ruff format --check python tests
 step "Rust tests"
 cargo test --workspace -q
-step "Python tests"
-python -m pytest -q tests/python
+step "Python tests (bindings, lookup service, connector options)"
+python -m pytest -q -p no:cacheprovider tests/python
+step "vLLM tests (real vLLM CPU engines; a few minutes)"
+python -m pytest -q -p no:cacheprovider tests/vllm
 step "all checks passed"

@@ -48,7 +48,11 @@ impl Endpoint {
         if let Some(c) = self.conn.lock().take() {
             return Ok(c);
         }
-        UnixStream::connect(&self.path).map_err(|e| self.io(e))
+        let c = UnixStream::connect(&self.path).map_err(|e| self.io(e))?;
+        // A long prompt's hashes are hundreds of KiB: let one write hold them, so the request
+        // to every worker is out before any worker has to be scheduled to drain it.
+        set_buffer(&c, libc::SO_SNDBUF, 4 << 20);
+        Ok(c)
     }
 
     fn put_back(&self, c: UnixStream) {
@@ -274,6 +278,20 @@ impl LookupClient {
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         }
+    }
+}
+
+/// Best-effort socket buffer size (the kernel caps it at its own limit).
+pub(crate) fn set_buffer(s: &UnixStream, opt: libc::c_int, bytes: libc::c_int) {
+    // SAFETY: setsockopt reads one c_int from the pointer we pass with its size.
+    unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(s),
+            libc::SOL_SOCKET,
+            opt,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
     }
 }
 

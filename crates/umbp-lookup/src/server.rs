@@ -170,6 +170,7 @@ fn serve(mut stream: UnixStream, target: &dyn LookupTarget, stop: &AtomicBool) {
     if stream.set_nonblocking(false).is_err() || stream.set_read_timeout(Some(POLL)).is_err() {
         return;
     }
+    crate::client::set_buffer(&stream, libc::SO_RCVBUF, 4 << 20);
     loop {
         if stop.load(Ordering::Acquire) {
             return;

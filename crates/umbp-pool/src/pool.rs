@@ -485,29 +485,68 @@ impl Pool {
     }
 
     /// Which of `keys` are committed. Pins nothing and does not refresh recency.
+    ///
+    /// Keys are grouped by shard so each shard's lock is taken once per batch, not once per
+    /// key: with many lookup threads on few cores, the lock words would otherwise bounce
+    /// between cores on every key.
     pub fn exists_many(&self, keys: &[BlockKey]) -> Vec<bool> {
-        let mut out = Vec::with_capacity(keys.len());
-        let mut hits = 0u64;
-        for k in keys {
-            let fp = k.fingerprint();
-            let hit = self.inner.shards[shard_of(fp)].read().find(k, fp).is_some();
-            hits += u64::from(hit);
-            out.push(hit);
-        }
+        let out = self.presence(keys);
+        let hits = out.iter().filter(|h| **h).count() as u64;
         self.count_lookups(hits, keys.len() as u64 - hits);
         out
     }
 
-    /// How many of `keys`, from the first, are committed (stops at the first miss).
-    pub fn prefix_hits(&self, keys: &[BlockKey]) -> usize {
-        let mut n = 0;
-        for k in keys {
-            let fp = k.fingerprint();
-            if self.inner.shards[shard_of(fp)].read().find(k, fp).is_none() {
-                break;
+    fn presence(&self, keys: &[BlockKey]) -> Vec<bool> {
+        let mut out = vec![false; keys.len()];
+        if keys.len() < 16 {
+            for (o, k) in out.iter_mut().zip(keys) {
+                let fp = k.fingerprint();
+                *o = self.inner.shards[shard_of(fp)].read().find(k, fp).is_some();
             }
-            n += 1;
+            return out;
         }
+        // Counting sort of key indices by shard.
+        let fps: Vec<u64> = keys.iter().map(BlockKey::fingerprint).collect();
+        let mut starts = [0usize; SHARDS + 1];
+        for fp in &fps {
+            starts[shard_of(*fp) + 1] += 1;
+        }
+        for i in 0..SHARDS {
+            starts[i + 1] += starts[i];
+        }
+        let mut next = starts;
+        let mut order = vec![0u32; keys.len()];
+        for (i, fp) in fps.iter().enumerate() {
+            let s = shard_of(*fp);
+            order[next[s]] = i as u32;
+            next[s] += 1;
+        }
+        for s in 0..SHARDS {
+            let idx = &order[starts[s]..starts[s + 1]];
+            if idx.is_empty() {
+                continue;
+            }
+            let shard = self.inner.shards[s].read();
+            for &i in idx {
+                let i = i as usize;
+                out[i] = shard.find(&keys[i], fps[i]).is_some();
+            }
+        }
+        out
+    }
+
+    /// How many of `keys`, from the first, are committed (the prefix up to the first miss).
+    pub fn prefix_hits(&self, keys: &[BlockKey]) -> usize {
+        // A miss on the first block is the common cold case: answer it without the batch.
+        let n = if keys.first().is_some_and(|k| {
+            let fp = k.fingerprint();
+            self.inner.shards[shard_of(fp)].read().find(k, fp).is_some()
+        }) {
+            let present = self.presence(&keys[1..]);
+            1 + present.iter().take_while(|p| **p).count()
+        } else {
+            0
+        };
         self.count_lookups(n as u64, u64::from(n < keys.len()));
         n
     }

@@ -81,10 +81,33 @@ pub fn check_numa_node(node: u32) -> Result<(), CoreError> {
     ))
 }
 
+/// Bytes of memory the kernel says are available (`MemAvailable`), if it says.
+fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 impl Region {
     /// Maps, binds and (optionally) prefaults the pool's memory as `cfg` says.
     pub fn map(cfg: &PoolConfig) -> Result<Region, PoolError> {
         cfg.validate()?;
+        if cfg.prefault && !cfg.use_hugepages {
+            if let Some(avail) = mem_available() {
+                if cfg.capacity_bytes > avail {
+                    return Err(CoreError::option(
+                        "capacity_bytes",
+                        format!(
+                            "{} bytes cannot be prefaulted: only {} bytes of memory are available on this host; \
+                             lower capacity_bytes/total_capacity_bytes, or set dram_prefault false to populate on demand",
+                            cfg.capacity_bytes, avail
+                        ),
+                    )
+                    .into());
+                }
+            }
+        }
         if let Some(node) = cfg.numa_node {
             check_numa_node(node)?;
         }
@@ -439,6 +462,17 @@ mod tests {
         assert!(
             p.hugepages_used.is_some() != p.hugepage_fallback.is_some(),
             "either used or fell back with a reason: {p:?}"
+        );
+    }
+
+    #[test]
+    fn prefaulting_more_than_the_host_has_is_refused() {
+        let e = Region::map(&PoolConfig::with_capacity(1 << 50))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("capacity_bytes") && e.contains("dram_prefault"),
+            "{e}"
         );
     }
 

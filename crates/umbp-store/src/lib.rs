@@ -278,15 +278,11 @@ impl StoreLookup {
 
 impl umbp_lookup::LookupTarget for StoreLookup {
     fn prefix_hits(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<u32, String> {
-        let mut n = 0u32;
-        for h in packed.chunks_exact(hash_len) {
-            let key = self.keys.key(group, h).map_err(|e| e.to_string())?;
-            if !self.store.pool.contains(&key) {
-                break;
-            }
-            n += 1;
-        }
-        Ok(n)
+        let keys = self
+            .keys
+            .keys_packed(group, packed, hash_len)
+            .map_err(|e| e.to_string())?;
+        Ok(self.store.prefix_hits(&keys) as u32)
     }
 
     fn exists(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {
@@ -302,7 +298,11 @@ impl umbp_lookup::LookupTarget for StoreLookup {
     }
 
     fn describe(&self) -> String {
-        self.describe.clone()
+        let s = self.store.stats();
+        format!(
+            "{} objects={} used_bytes={} evictions={}",
+            self.describe, s.objects, s.used_bytes, s.evictions
+        )
     }
 }
 

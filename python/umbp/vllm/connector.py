@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +214,12 @@ class _SchedulerSide:
         self.tracked: dict[bytes, int] = {}
         self.last_recheck = time.monotonic()
         self.lookup_results: dict[str, int] = {}
+        # Lazy offload: a cursor into vLLM's free queue and the hashes already offloaded.
+        self.lazy_cursor: Any = None
+        self.lazy_stored: OrderedDict[bytes, None] = OrderedDict()
+        self.lazy_max = cfg.lazy_offload_max_blocks or max(
+            1, 2 * -(-vllm_config.scheduler_config.max_num_batched_tokens // topo.block_size)
+        )
         self.lookup_threads: dict[str, threading.Thread] = {}
         logger.info(
             "umbp: scheduler side of %s: namespace %s, %d worker socket(s) in %s",
@@ -327,6 +334,9 @@ class _SchedulerSide:
             self.requests.pop(rid, None)
         if not self.cfg.stores or self.block_pool is None:
             return meta
+        if self.cfg.lazy_offload:
+            self._lazy_stores(meta)
+            return meta
         bs = self.topo.block_size
         for rid, new_ids, resumed, computed in self._scheduled(so):
             state = self.requests.get(rid)
@@ -349,28 +359,66 @@ class _SchedulerSide:
             if full <= first:
                 continue
             state.stored_upto = full
-            hashes, hash_len = _packed(list(req.block_hashes[first:full]))
+            hashes = list(req.block_hashes[first:full])
             for g, ids in enumerate(state.block_ids):
                 block_ids = ids[first:full]
                 if len(block_ids) != full - first or any(b == 0 for b in block_ids):
                     continue  # blocks of this group are not all materialised (null blocks)
-                blocks = [self.block_pool.blocks[b] for b in block_ids]
-                # Pin the sources until every worker has finished copying them.
-                self.block_pool.touch(blocks)
-                sid = next(self.store_ids)
-                t = _Transfer(
-                    group=g,
-                    block_ids=list(block_ids),
-                    hashes=hashes,
-                    hash_len=hash_len,
-                    req_id=rid,
-                    store_id=sid,
+                self._add_store(
+                    meta, g, [self.block_pool.blocks[b] for b in block_ids], hashes, rid
                 )
-                self.in_flight[sid] = _InFlightStore(
-                    blocks=blocks, remaining=self.topo.workers, transfer=t
-                )
-                meta.stores.append(t)
         return meta
+
+    def _add_store(
+        self,
+        meta: UMBPConnectorMetadata,
+        group: int,
+        blocks: list[Any],
+        hashes: list[bytes],
+        rid: str,
+    ) -> None:
+        """Pins `blocks` until every worker has stored them, and queues their store."""
+        assert self.block_pool is not None
+        self.block_pool.touch(blocks)
+        packed, hash_len = _packed(hashes)
+        sid = next(self.store_ids)
+        t = _Transfer(
+            group=group,
+            block_ids=[b.block_id for b in blocks],
+            hashes=packed,
+            hash_len=hash_len,
+            req_id=rid,
+            store_id=sid,
+        )
+        self.in_flight[sid] = _InFlightStore(blocks=blocks, remaining=self.topo.workers, transfer=t)
+        meta.stores.append(t)
+
+    def _lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
+        """Stores cached blocks that are next in line for eviction from vLLM's free queue."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        assert self.block_pool is not None
+        queue = self.block_pool.free_block_queue
+        if self.lazy_cursor is not None and self.lazy_cursor.ref_cnt > 0:
+            self.lazy_cursor = None  # the cursor block was reused: start over from the head
+        picked: dict[int, list[Any]] = {}
+        last = self.lazy_cursor
+        for n, node in enumerate(queue.iter_blocks_after(self.lazy_cursor)):
+            if n >= self.lazy_max:
+                break
+            last = node
+            bh = node.block_hash
+            if bh is None or node.is_null or bh in self.lazy_stored:
+                continue
+            picked.setdefault(get_group_id(bh), []).append(node)
+        self.lazy_cursor = last
+        cap = 4 * len(self.block_pool.blocks)
+        for g, nodes in picked.items():
+            for node in nodes:
+                self.lazy_stored[node.block_hash] = None
+            while len(self.lazy_stored) > cap:
+                self.lazy_stored.popitem(last=False)
+            self._add_store(meta, g, nodes, [get_block_hash(n.block_hash) for n in nodes], "")
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         wm = getattr(out, "kv_connector_worker_meta", None)
@@ -397,6 +445,7 @@ class _SchedulerSide:
 
     def _publish_stored(self, transfers: list[_Transfer]) -> None:
         from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         for t in transfers:
             present = self.client.exists_all(t.group, t.hashes, t.hash_len)
@@ -410,7 +459,7 @@ class _SchedulerSide:
                 self.tracked[h] = t.group
             self.events.append(
                 BlockStored(
-                    block_hashes=new,
+                    block_hashes=[maybe_convert_block_hash(h) for h in new],
                     parent_block_hash=None,
                     token_ids=[],
                     block_size=self.topo.block_size,
@@ -423,6 +472,7 @@ class _SchedulerSide:
 
     def _recheck_tracked(self) -> None:
         from vllm.distributed.kv_events import BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         by_group: dict[int, list[bytes]] = {}
         for h, g in self.tracked.items():
@@ -434,7 +484,13 @@ class _SchedulerSide:
             for h in gone:
                 del self.tracked[h]
             if gone:
-                self.events.append(BlockRemoved(block_hashes=gone, medium="CPU", group_idx=g))
+                self.events.append(
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(h) for h in gone],
+                        medium="CPU",
+                        group_idx=g,
+                    )
+                )
 
     def take_events(self):
         if not self.events_enabled:

@@ -1,0 +1,1 @@
+"""The UMBP demo: vLLM CPU serving a locally built model with UMBPStoreConnector."""

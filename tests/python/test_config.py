@@ -1,0 +1,116 @@
+"""Connector option validation (no vLLM needed)."""
+
+import types
+
+import pytest
+
+from umbp import ConfigError
+from umbp.vllm.config import ConnectorConfig, parse_endpoint
+
+
+def test_defaults_match_the_documentation(tmp_path):
+    c = ConnectorConfig.parse({}, "kv_both")
+    assert (c.mode, c.load_async, c.lookup_async, c.enable_lookup) == (
+        "embedded",
+        True,
+        False,
+        True,
+    )
+    assert (c.kv_event_max_objects, c.num_workers, c.timeout_ms) == (65536, 4, 30000)
+    assert (c.save_decode_cache, c.lazy_offload, c.enable_partial_hash_hits) == (
+        False,
+        False,
+        False,
+    )
+    assert c.lookup_dir == "/tmp" and c.worker_capacity(4) == 64 << 30
+    assert c.stores and c.restores
+
+
+def test_total_capacity_is_split_across_workers():
+    c = ConnectorConfig.parse({"total_capacity_bytes": 8 << 30}, "kv_both")
+    assert c.worker_capacity(4) == 2 << 30
+    with pytest.raises(ConfigError, match="total_capacity_bytes"):
+        ConnectorConfig.parse({"total_capacity_bytes": 2 << 20}, None).worker_capacity(4)
+
+
+def test_roles():
+    assert not ConnectorConfig.parse({}, "kv_consumer").stores
+    assert not ConnectorConfig.parse({}, "kv_producer").restores
+    assert not ConnectorConfig.parse({"enable_lookup": False}, "kv_both").restores
+    with pytest.raises(ConfigError, match="kv_role"):
+        ConnectorConfig.parse({}, "kv_sideways")
+
+
+@pytest.mark.parametrize(
+    "extra, option",
+    [
+        ({"capcity_bytes": 1}, "capcity_bytes"),  # unknown (typo)
+        ({"load_async": "yes"}, "load_async"),  # wrong type
+        ({"num_workers": 0}, "num_workers"),  # out of range
+        ({"num_workers": 2.5}, "num_workers"),
+        ({"timeout_ms": -1}, "timeout_ms"),
+        ({"kv_event_max_objects": True}, "kv_event_max_objects"),
+        ({"capacity_bytes": 1 << 30, "total_capacity_bytes": 1 << 31}, "total_capacity_bytes"),
+        ({"capacity_bytes": 10}, "capacity_bytes"),
+        ({"dram_high_watermark": 1.2}, "dram_high_watermark"),
+        ({"dram_low_watermark": 0.95}, "dram_low_watermark"),
+        ({"dram_hugepage_size": "4MiB"}, "dram_hugepage_size"),
+        ({"dram_numa_node": -1}, "dram_numa_node"),
+        ({"lookup_dir": "/nonexistent/dir"}, "lookup_dir"),
+        ({"lookup_instance": "a b"}, "lookup_instance"),
+        ({"key_namespace": "a:b"}, "key_namespace"),
+        ({"mode": "cluster"}, "mode"),
+        ({"endpoint": "/run/x.sock"}, "standalone"),
+        ({"mode": "standalone"}, "endpoint"),
+        (
+            {"mode": "standalone", "endpoint": "/s.sock", "capacity_bytes": 1 << 30},
+            "capacity_bytes",
+        ),
+        ({"mode": "standalone", "endpoint": "/s.sock", "dram_prefault": False}, "dram_prefault"),
+        ({"mode": "standalone", "endpoint": "tcp://1.2.3.4:5"}, "endpoint"),
+        ({"mode": "standalone", "endpoint": "relative.sock"}, "endpoint"),
+    ],
+)
+def test_invalid_options_name_the_option(extra, option):
+    with pytest.raises(ConfigError) as e:
+        ConnectorConfig.parse(extra, "kv_both")
+    assert option in str(e.value)
+
+
+def test_standalone_endpoints():
+    assert parse_endpoint("unix:///run/umbp/node.grpc.sock") == "/run/umbp/node.grpc.sock"
+    assert parse_endpoint("/run/umbp/node.grpc.sock") == "/run/umbp/node.grpc.sock"
+    c = ConnectorConfig.parse({"mode": "standalone", "endpoint": "unix:///r/s.sock"}, "kv_both")
+    assert (c.endpoint, c.startup_timeout_ms, c.lookup_timeout_ms) == ("/r/s.sock", 30000, 1000)
+
+
+def test_pipeline_parallelism_is_rejected():
+    pytest.importorskip("vllm")
+    from umbp.vllm.connector import _topology
+
+    pc = types.SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1)
+    vc = types.SimpleNamespace(parallel_config=pc)
+    with pytest.raises(ConfigError, match="pipeline"):
+        _topology(ConnectorConfig.parse({}, None), vc, None)
+
+
+def test_namespace_covers_the_model_config():
+    from umbp.vllm.namespace import derive_namespace, socket_tag
+
+    def cfg(dtype="bfloat16", tp=1, model="/m/llama-8b"):
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(
+                model=model, revision=None, dtype=dtype, quantization=None, hf_config=None
+            ),
+            cache_config=types.SimpleNamespace(block_size=16, cache_dtype="auto"),
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, data_parallel_rank=0),
+        )
+
+    a = derive_namespace(cfg(), None)
+    assert a.startswith("llama-8b-") and a == derive_namespace(cfg(), None)
+    assert a != derive_namespace(cfg(dtype="float16"), None)
+    assert a != derive_namespace(cfg(tp=2), None)
+    dp1 = cfg()
+    dp1.parallel_config.data_parallel_rank = 1
+    assert a == derive_namespace(dp1, None), "the DP rank is not part of the namespace"
+    assert socket_tag(a, "x") != socket_tag(a, "y")

@@ -1,0 +1,130 @@
+"""Runs one real vLLM CPU engine through a scenario and prints the results as JSON.
+
+Used by the tests through `run_engine()` (conftest.py), which starts it in its own process
+session and kills the whole group afterwards (vLLM's helper processes can outlive it).
+
+    python engine.py '<scenario json>'
+
+Scenario keys: model, connector (kv_connector_extra_config, or null for no connector),
+kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
+kv_events (an ipc:// endpoint to publish KV events to), steps: a list of
+{"generate": [prompt, ...]}, {"reset": bool reset_external}, {"signal": path},
+{"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    sc = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(
+        model=sc["model"],
+        enable_prefix_caching=True,
+        max_model_len=sc.get("max_model_len", 8192),
+        dtype="bfloat16",
+        seed=0,
+        enforce_eager=True,
+        tensor_parallel_size=sc.get("tp", 1),
+    )
+    if sc.get("connector") is not None:
+        from vllm.config import KVTransferConfig
+
+        ktc = dict(
+            kv_connector="UMBPStoreConnector",
+            kv_role=sc.get("kv_role", "kv_both"),
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=sc["connector"],
+        )
+        if sc.get("module_path"):
+            ktc["kv_connector_module_path"] = "umbp.vllm.connector"
+        kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+    events: list = []
+    if sc.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=sc["kv_events"]
+        )
+        threading.Thread(target=collect_events, args=(sc["kv_events"], events), daemon=True).start()
+    t0 = time.time()
+    try:
+        llm = LLM(**kwargs)
+    except Exception as e:  # startup failures are results too
+        print(
+            "UMBP_RESULT " + json.dumps({"startup_error": f"{type(e).__name__}: {e}"}), flush=True
+        )
+        return
+    out: dict = {"startup_s": time.time() - t0, "steps": []}
+    sp = SamplingParams(temperature=0.0, max_tokens=sc.get("max_tokens", 8))
+    for step in sc["steps"]:
+        if "generate" in step:
+            res = []
+            for p in step["generate"]:
+                t = time.time()
+                o = llm.generate([p], sp, use_tqdm=False)[0]
+                res.append(
+                    {
+                        "tokens": list(o.outputs[0].token_ids),
+                        "cached": o.num_cached_tokens or 0,
+                        "prompt_tokens": len(o.prompt_token_ids),
+                        "seconds": time.time() - t,
+                    }
+                )
+            out["steps"].append(res)
+        elif "reset" in step:
+            # vLLM refuses while blocks are held (our in-flight stores pin theirs): retry.
+            ok = False
+            for _ in range(100):
+                ok = llm.reset_prefix_cache(reset_connector=bool(step["reset"]))
+                if ok:
+                    break
+                time.sleep(0.1)
+            out["steps"].append(ok)
+        elif "signal" in step:
+            with open(step["signal"], "w") as f:
+                f.write("ready")
+            out["steps"].append(None)
+        elif "wait_for" in step:
+            deadline = time.time() + 600
+            while not os.path.exists(step["wait_for"]) and time.time() < deadline:
+                time.sleep(0.1)
+            out["steps"].append(None)
+        elif "sleep" in step:
+            time.sleep(step["sleep"])
+            out["steps"].append(None)
+        elif "events" in step:
+            llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)  # flush a step
+            time.sleep(step["events"])
+            out["steps"].append(list(events))
+    print("UMBP_RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # skip vLLM's slow teardown; the harness kills the process group
+
+
+def collect_events(endpoint: str, sink: list) -> None:
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    while True:
+        parts = sub.recv_multipart()
+        batch = dec.decode(parts[-1])
+        for ev in batch.events:
+            name = type(ev).__name__
+            if name in ("BlockStored", "BlockRemoved") and getattr(ev, "medium", None) == "CPU":
+                sink.append({"type": name, "n": len(ev.block_hashes)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""UMBPStoreConnector on real vLLM CPU engines with a model built at test time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import umbp
+from conftest import finish, prompts, run_engine, wait_for
+from umbp.vllm.namespace import socket_tag
+
+BLOCK = 128  # vLLM CPU's default block size
+
+
+def connector(tmp_path: Path, **extra) -> dict:
+    return {
+        "mode": "embedded",
+        "total_capacity_bytes": 64 << 20,
+        "lookup_dir": str(tmp_path),
+        "dram_prefault": False,
+        **extra,
+    }
+
+
+def describe(tmp_path: Path, namespace: str, instance: str = "", workers: int = 1) -> list[dict]:
+    """Each worker's pool counters, read through its lookup socket."""
+    tag = socket_tag(namespace, instance)
+    paths = [umbp.socket_path(tmp_path, tag, 0, w) for w in range(workers)]
+    out = []
+    for d in umbp.LookupClient(paths, 2000).wait_ready(5000):
+        out.append(dict(kv.split("=") for kv in d.split() if "=" in kv))
+    return out
+
+
+def test_restored_prefixes_give_identical_outputs(model, tmp_path):
+    ps = prompts(3)
+    base = run_engine({"model": model, "connector": None, "steps": [{"generate": ps}]})
+    # The usage guide's configuration, through the plugin entry point (no module path).
+    r = run_engine(
+        {
+            "model": model,
+            "connector": connector(tmp_path),
+            "steps": [
+                {"generate": ps},
+                {"reset": False},  # vLLM's own prefix cache only
+                {"generate": ps},
+                {"reset": True},  # reset_external: clears every worker's pool too
+                {"generate": ps},
+            ],
+        }
+    )
+    first, _, restored, _, recomputed = r["steps"]
+    expected = [o["tokens"] for o in base["steps"][0]]
+    for run in (first, restored, recomputed):
+        assert [o["tokens"] for o in run] == expected
+    for o in restored:
+        full_blocks = (o["prompt_tokens"] - 1) // BLOCK
+        assert o["cached"] == full_blocks * BLOCK, restored
+    # The prompts share a 600-token head, so only the first one after the reset is fully cold.
+    assert recomputed[0]["cached"] == 0, "reset_external must clear the pools"
+
+
+def test_small_pool_evicts_and_outputs_stay_identical(model, tmp_path):
+    ps = prompts(6, shared=0, seed=1)
+    base = run_engine({"model": model, "connector": None, "steps": [{"generate": ps}]})
+    # One block object is 4 layers x 32 KiB; 1 MiB holds 8 of the 6 x 8 blocks stored.
+    cfg = connector(tmp_path, key_namespace="small", lookup_instance="small")
+    cfg.pop("total_capacity_bytes")
+    cfg["capacity_bytes"] = 1 << 20
+    r = run_engine(
+        {
+            "model": model,
+            "connector": cfg,
+            "module_path": True,
+            "steps": [
+                {"generate": ps},
+                {"reset": False},
+                {"generate": ps},
+                {"signal": str(tmp_path / "s")},
+            ],
+        }
+    )
+    expected = [o["tokens"] for o in base["steps"][0]]
+    assert [o["tokens"] for o in r["steps"][0]] == expected
+    assert [o["tokens"] for o in r["steps"][2]] == expected
+    hits = sum(o["cached"] for o in r["steps"][2])
+    possible = sum((o["prompt_tokens"] - 1) // BLOCK * BLOCK for o in r["steps"][2])
+    assert hits < possible, "a pool smaller than the working set cannot restore everything"
+
+
+def test_consumer_never_stores_and_disabled_lookup_never_restores(model, tmp_path):
+    ps = prompts(2, shared=0, seed=2)
+    for role, extra, expect_objects in (
+        ("kv_consumer", {}, False),
+        ("kv_both", {"enable_lookup": False}, True),
+    ):
+        ns = f"role-{role}-{len(extra)}"
+        done = tmp_path / f"{ns}.done"
+        proc = run_engine(
+            {
+                "model": model,
+                "kv_role": role,
+                "connector": connector(tmp_path, key_namespace=ns, **extra),
+                "steps": [
+                    {"generate": ps},
+                    {"reset": False},
+                    {"generate": ps},
+                    {"signal": str(tmp_path / f"{ns}.ready")},
+                    {"wait_for": str(done)},
+                ],
+            },
+            background=True,
+        )
+        wait_for(tmp_path / f"{ns}.ready")
+        objects = int(describe(tmp_path, ns)[0]["objects"])
+        done.write_text("go")
+        r = finish(proc)
+        assert (objects > 0) == expect_objects, (role, extra, objects)
+        assert all(o["cached"] == 0 for o in r["steps"][2]), (role, extra, r["steps"][2])
+
+
+def test_engines_with_different_lookup_instances_never_answer_each_other(model, tmp_path):
+    ps = prompts(1, seed=3)
+    ns = "shared-model"
+    a_ready, b_done = tmp_path / "a.ready", tmp_path / "b.done"
+    a = run_engine(
+        {
+            "model": model,
+            "connector": connector(tmp_path, key_namespace=ns, lookup_instance="a"),
+            "steps": [
+                {"generate": ps},
+                {"signal": str(a_ready)},
+                {"wait_for": str(b_done)},
+                {"reset": False},
+                {"generate": ps},
+            ],
+        },
+        background=True,
+    )
+    wait_for(a_ready)
+    b = run_engine(
+        {
+            "model": model,
+            "connector": connector(tmp_path, key_namespace=ns, lookup_instance="b"),
+            "steps": [{"generate": ps}],
+        }
+    )
+    b_done.write_text("done")
+    ra = finish(a)
+    assert b["steps"][0][0]["cached"] == 0, "engine b must not see engine a's pool"
+    assert ra["steps"][4][0]["cached"] > 0, "engine a restores its own blocks"
+    assert b["steps"][0][0]["tokens"] == ra["steps"][0][0]["tokens"]
+
+
+def test_tensor_parallel_2_hits_only_when_both_ranks_hold_the_block(model, tmp_path):
+    ps = prompts(2, shared=0, seed=4)
+    ns = "tp2"
+    stored, cleared = tmp_path / "stored", tmp_path / "cleared"
+    proc = run_engine(
+        {
+            "model": model,
+            "tp": 2,
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            "connector": connector(tmp_path, key_namespace=ns),
+            "steps": [
+                {"generate": ps},
+                {"reset": False},
+                {"generate": ps[:1]},  # both ranks hold prompt 0: restored
+                {"signal": str(stored)},
+                {"wait_for": str(cleared)},
+                {"reset": False},
+                {"generate": ps},  # rank 1 lost everything: no hits
+            ],
+        },
+        background=True,
+        timeout=600,
+    )
+    wait_for(stored, timeout=600)
+    tag = socket_tag(ns, "")
+    sockets = [umbp.socket_path(tmp_path, tag, 0, w) for w in range(2)]
+    assert all(Path(s).exists() for s in sockets), "one lookup socket per worker"
+    stats = describe(tmp_path, ns, workers=2)
+    assert all(int(s["objects"]) > 0 for s in stats), stats
+    assert umbp.LookupClient(sockets[1:], 2000).clear() > 0
+    cleared.write_text("go")
+    r = finish(proc, timeout=600)
+    first, _, restored, _, _, _, after = r["steps"]
+    assert restored[0]["cached"] > 0
+    assert restored[0]["tokens"] == first[0]["tokens"]
+    assert all(o["cached"] == 0 for o in after), after
+    assert [o["tokens"] for o in after] == [o["tokens"] for o in first]
+
+
+def test_invalid_options_fail_engine_startup(model, tmp_path):
+    r = run_engine(
+        {
+            "model": model,
+            "connector": connector(tmp_path, capacity_bytes=1 << 30),  # both capacities
+            "steps": [],
+        }
+    )
+    err = r.get("startup_error", "")
+    assert "capacity_bytes" in err and "total_capacity_bytes" in err, r
+
+
+def test_kv_events_report_stores_and_evictions(model, tmp_path):
+    ps = prompts(6, shared=0, seed=5)
+    cfg = connector(tmp_path, key_namespace="events")
+    cfg.pop("total_capacity_bytes")
+    cfg["capacity_bytes"] = 1 << 20
+    r = run_engine(
+        {
+            "model": model,
+            "connector": cfg,
+            "kv_events": f"ipc://{tmp_path}/events.sock",
+            "steps": [{"generate": ps[:1]}, {"events": 2.0}, {"generate": ps[1:]}, {"events": 3.0}],
+        }
+    )
+    after_first, after_all = r["steps"][1], r["steps"][3]
+    assert any(e["type"] == "BlockStored" for e in after_first), after_first
+    assert any(e["type"] == "BlockRemoved" for e in after_all), after_all
