@@ -90,8 +90,13 @@ def finish(proc: subprocess.Popen, timeout: float = 420) -> dict:
             break
         time.sleep(0.5)
     if result:
+        if "startup_error" in result[0]:
+            # vLLM reports the root cause in its engine process's output, above the exception.
+            result[0]["output"] = "".join(lines)
         return result[0]
-    raise AssertionError("engine produced no result; its output ended with:\n" + "".join(lines)[-4000:])
+    raise AssertionError(
+        "engine produced no result; its output ended with:\n" + "".join(lines)[-4000:]
+    )
 
 
 def wait_for(path: Path, timeout: float = 420) -> None:

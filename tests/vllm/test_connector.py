@@ -198,8 +198,11 @@ def test_invalid_options_fail_engine_startup(model, tmp_path):
             "steps": [],
         }
     )
-    err = r.get("startup_error", "")
-    assert "capacity_bytes" in err and "total_capacity_bytes" in err, r
+    assert "startup_error" in r, r
+    out = r["output"]
+    assert (
+        "ConfigError" in out and "`capacity_bytes` and `total_capacity_bytes` are exclusive" in out
+    ), out[-3000:]
 
 
 def test_kv_events_report_stores_and_evictions(model, tmp_path):

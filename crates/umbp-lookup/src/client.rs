@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::protocol::{self, LookupError, Op, REP_MAGIC, REQ_MAGIC};
+use crate::shm::ShmWriter;
 
 /// How long a late answer is waited for in the background before the connection is dropped.
 const DRAIN_LIMIT: Duration = Duration::from_secs(600);
@@ -17,7 +18,8 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(600);
 #[derive(Debug)]
 struct Endpoint {
     path: PathBuf,
-    conn: Mutex<Option<UnixStream>>,
+    /// An idle connection, and whether the shared hash buffer is attached to it.
+    conn: Mutex<Option<(UnixStream, bool)>>,
     /// A request timed out and its answer has not arrived yet.
     stalled: AtomicBool,
     last_warning: Mutex<Option<Instant>>,
@@ -44,7 +46,7 @@ impl Endpoint {
         }
     }
 
-    fn take_conn(&self) -> Result<UnixStream, LookupError> {
+    fn take_conn(&self) -> Result<(UnixStream, bool), LookupError> {
         if let Some(c) = self.conn.lock().take() {
             return Ok(c);
         }
@@ -52,10 +54,10 @@ impl Endpoint {
         // A long prompt's hashes are hundreds of KiB: let one write hold them, so the request
         // to every worker is out before any worker has to be scheduled to drain it.
         set_buffer(&c, libc::SO_SNDBUF, 4 << 20);
-        Ok(c)
+        Ok((c, false))
     }
 
-    fn put_back(&self, c: UnixStream) {
+    fn put_back(&self, c: (UnixStream, bool)) {
         let mut slot = self.conn.lock();
         if slot.is_none() {
             *slot = Some(c);
@@ -68,11 +70,25 @@ impl Endpoint {
 pub struct LookupClient {
     endpoints: Vec<Arc<Endpoint>>,
     timeout: Duration,
+    /// The shared hash buffer (created on first use; None if it could not be).
+    shm: Mutex<Option<Option<ShmWriter>>>,
 }
 
 enum Sent {
-    Ready(UnixStream),
+    Ready((UnixStream, bool)),
     Failed(LookupError),
+}
+
+/// Requests at least this large send their hashes through the shared buffer.
+const SHM_MIN: usize = 16 << 10;
+
+/// What one call sends.
+#[derive(Clone, Copy)]
+enum Payload<'a> {
+    /// An ordinary frame body.
+    Body(&'a [u8]),
+    /// Hashes already written to the shared buffer: `(group, hash_len, bytes)`.
+    Shared(u32, u32, u64),
 }
 
 fn remaining(deadline: Instant) -> Duration {
@@ -97,6 +113,7 @@ impl LookupClient {
                 })
                 .collect(),
             timeout,
+            shm: Mutex::new(None),
         }
     }
 
@@ -114,6 +131,52 @@ impl LookupClient {
         body: &[u8],
         timeout: Duration,
     ) -> Vec<Result<Vec<u8>, LookupError>> {
+        self.call_all_payload(op, Payload::Body(body), None, timeout)
+    }
+
+    /// Sends a hash request (`PrefixHits` / `Exists`), through the shared buffer when it is
+    /// large and the buffer exists.
+    fn call_hashes(
+        &self,
+        op: Op,
+        group: u32,
+        packed: &[u8],
+        hash_len: usize,
+    ) -> Vec<Result<Vec<u8>, LookupError>> {
+        if packed.len() >= SHM_MIN && packed.len() <= crate::shm::SHM_BYTES {
+            let mut shm = self.shm.lock();
+            let writer = shm.get_or_insert_with(|| match ShmWriter::new() {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    log::warn!(
+                        "umbp: no shared lookup buffer ({e}); hashes go through the sockets"
+                    );
+                    None
+                }
+            });
+            if let Some(w) = writer.as_mut() {
+                w.write(packed);
+                let shm_op = if op == Op::PrefixHits {
+                    Op::PrefixHitsShm
+                } else {
+                    Op::ExistsShm
+                };
+                let payload = Payload::Shared(group, hash_len as u32, packed.len() as u64);
+                // The lock stays held until every answer is in: the buffer is this call's.
+                return self.call_all_payload(shm_op, payload, Some(w.fd()), self.timeout);
+            }
+        }
+        let body = protocol::hashes_body(group, hash_len as u32, packed);
+        self.call_all(op, &body, self.timeout)
+    }
+
+    fn call_all_payload(
+        &self,
+        op: Op,
+        payload: Payload<'_>,
+        shm_fd: Option<std::os::fd::RawFd>,
+        timeout: Duration,
+    ) -> Vec<Result<Vec<u8>, LookupError>> {
         let deadline = Instant::now() + timeout;
         let sent: Vec<Sent> = self
             .endpoints
@@ -125,15 +188,32 @@ impl LookupClient {
                         ms: timeout.as_millis() as u64,
                     });
                 }
-                let mut c = match ep.take_conn() {
+                let (mut c, mut attached) = match ep.take_conn() {
                     Ok(c) => c,
                     Err(e) => return Sent::Failed(e),
                 };
-                let r = c
-                    .set_write_timeout(Some(remaining(deadline)))
-                    .and_then(|()| protocol::write_frame(&mut c, REQ_MAGIC, op as u8, body));
+                if let Err(e) = c.set_write_timeout(Some(remaining(deadline))) {
+                    return Sent::Failed(ep.io(e));
+                }
+                let r = match payload {
+                    Payload::Body(body) => protocol::write_frame(&mut c, REQ_MAGIC, op as u8, body),
+                    Payload::Shared(group, hash_len, len) => {
+                        if !attached {
+                            if let Err(e) = attach(
+                                &mut c,
+                                shm_fd.expect("shared payload has a buffer"),
+                                deadline,
+                            ) {
+                                return Sent::Failed(ep.io(e));
+                            }
+                            attached = true;
+                        }
+                        let body = protocol::shm_body(group, hash_len, 0, len);
+                        protocol::write_frame(&mut c, REQ_MAGIC, op as u8, &body)
+                    }
+                };
                 match r {
-                    Ok(()) => Sent::Ready(c),
+                    Ok(()) => Sent::Ready((c, attached)),
                     Err(e) => Sent::Failed(ep.io(e)),
                 }
             })
@@ -141,14 +221,16 @@ impl LookupClient {
         sent.into_iter()
             .zip(&self.endpoints)
             .map(|(s, ep)| {
-                let mut c = match s {
+                let (mut c, attached) = match s {
                     Sent::Ready(c) => c,
                     Sent::Failed(e) => return Err(e),
                 };
                 if let Err(e) = c.set_read_timeout(Some(remaining(deadline))) {
                     return Err(ep.io(e));
                 }
-                match protocol::read_frame(&mut c, REP_MAGIC) {
+                let reply = protocol::read_frame(&mut c, REP_MAGIC);
+                let c = (c, attached);
+                match reply {
                     Ok(Some((0, body))) => {
                         ep.put_back(c);
                         Ok(body)
@@ -183,13 +265,9 @@ impl LookupClient {
         if packed_hashes.is_empty() || self.endpoints.is_empty() {
             return 0;
         }
-        let body = protocol::hashes_body(group, hash_len as u32, packed_hashes);
         let mut min = u32::MAX;
-        for (r, ep) in self
-            .call_all(Op::PrefixHits, &body, self.timeout)
-            .into_iter()
-            .zip(&self.endpoints)
-        {
+        let answers = self.call_hashes(Op::PrefixHits, group, packed_hashes, hash_len);
+        for (r, ep) in answers.into_iter().zip(&self.endpoints) {
             match r.and_then(|b| {
                 b.try_into()
                     .map(u32::from_le_bytes)
@@ -211,13 +289,9 @@ impl LookupClient {
     /// Which blocks every worker holds. Any failure makes every block a miss.
     pub fn exists_all(&self, group: u32, packed_hashes: &[u8], hash_len: usize) -> Vec<bool> {
         let n = packed_hashes.len() / hash_len.max(1);
-        let body = protocol::hashes_body(group, hash_len as u32, packed_hashes);
         let mut all = vec![true; n];
-        for (r, ep) in self
-            .call_all(Op::Exists, &body, self.timeout)
-            .into_iter()
-            .zip(&self.endpoints)
-        {
+        let answers = self.call_hashes(Op::Exists, group, packed_hashes, hash_len);
+        for (r, ep) in answers.into_iter().zip(&self.endpoints) {
             match r {
                 Ok(b) if b.len() == n => {
                     for (a, x) in all.iter_mut().zip(b) {
@@ -295,7 +369,22 @@ pub(crate) fn set_buffer(s: &UnixStream, opt: libc::c_int, bytes: libc::c_int) {
     }
 }
 
-fn drain_in_background(ep: Arc<Endpoint>, mut c: UnixStream) {
+/// Hands the shared buffer to a worker and waits for its acknowledgement.
+fn attach(c: &mut UnixStream, fd: std::os::fd::RawFd, deadline: Instant) -> std::io::Result<()> {
+    let frame = protocol::header(REQ_MAGIC, Op::AttachShm as u8, 0);
+    crate::shm::send_with_fd(c, &frame, fd)?;
+    c.set_read_timeout(Some(remaining(deadline)))?;
+    match protocol::read_frame(c, REP_MAGIC)? {
+        Some((0, _)) => Ok(()),
+        Some((_, msg)) => Err(std::io::Error::other(
+            String::from_utf8_lossy(&msg).into_owned(),
+        )),
+        None => Err(std::io::ErrorKind::UnexpectedEof.into()),
+    }
+}
+
+fn drain_in_background(ep: Arc<Endpoint>, c: (UnixStream, bool)) {
+    let (mut c, attached) = c;
     ep.stalled.store(true, Ordering::Release);
     let spawned = std::thread::Builder::new()
         .name("umbp-lookup-drain".into())
@@ -308,7 +397,7 @@ fn drain_in_background(ep: Arc<Endpoint>, mut c: UnixStream) {
                     match protocol::read_frame(&mut c, REP_MAGIC) {
                         Ok(Some(_)) => {
                             log::info!("umbp: late lookup answer from {} arrived after {:?}; lookups to it resume", ep.name(), start.elapsed());
-                            ep.put_back(c);
+                            ep.put_back((c, attached));
                             break;
                         }
                         Err(e)

@@ -14,6 +14,7 @@
 mod client;
 mod protocol;
 mod server;
+mod shm;
 
 pub use client::LookupClient;
 pub use protocol::{LookupError, Op};

@@ -32,6 +32,12 @@ pub enum Op {
     Exists = 3,
     /// Remove every object of the worker's pool.
     Clear = 4,
+    /// Attach the client's shared hash buffer (the memfd rides along with `SCM_RIGHTS`).
+    AttachShm = 5,
+    /// `PrefixHits` with the hashes in the shared buffer.
+    PrefixHitsShm = 6,
+    /// `Exists` with the hashes in the shared buffer.
+    ExistsShm = 7,
 }
 
 impl Op {
@@ -41,6 +47,9 @@ impl Op {
             2 => Op::PrefixHits,
             3 => Op::Exists,
             4 => Op::Clear,
+            5 => Op::AttachShm,
+            6 => Op::PrefixHitsShm,
+            7 => Op::ExistsShm,
             _ => return None,
         })
     }
@@ -107,6 +116,19 @@ pub(crate) fn read_frame(
     if !read_full(r, &mut h, true)? {
         return Ok(None);
     }
+    finish_frame(r, magic, h, 12).map(Some)
+}
+
+/// Completes a frame whose first `got` header bytes are already in `h`.
+pub(crate) fn finish_frame(
+    r: &mut impl Read,
+    magic: [u8; 4],
+    mut h: [u8; 12],
+    got: usize,
+) -> std::io::Result<(u8, Vec<u8>)> {
+    if got < 12 {
+        read_full(r, &mut h[got..], false)?;
+    }
     if h[..4] != magic {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -122,7 +144,7 @@ pub(crate) fn read_frame(
     }
     let mut body = vec![0u8; len];
     read_full(r, &mut body, false)?;
-    Ok(Some((h[4], body)))
+    Ok((h[4], body))
 }
 
 /// Fills `buf`. Returns false on end of stream before the first byte of a frame start.
@@ -172,6 +194,29 @@ pub(crate) fn hashes_body(group: u32, hash_len: u32, packed: &[u8]) -> Vec<u8> {
     b.extend_from_slice(&hash_len.to_le_bytes());
     b.extend_from_slice(packed);
     b
+}
+
+/// Encodes a `PrefixHitsShm` / `ExistsShm` body.
+pub(crate) fn shm_body(group: u32, hash_len: u32, offset: u64, len: u64) -> Vec<u8> {
+    let mut b = Vec::with_capacity(24);
+    b.extend_from_slice(&group.to_le_bytes());
+    b.extend_from_slice(&hash_len.to_le_bytes());
+    b.extend_from_slice(&offset.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b
+}
+
+/// Decodes a `PrefixHitsShm` / `ExistsShm` body into `(group, hash_len, offset, len)`.
+pub(crate) fn parse_shm_body(body: &[u8]) -> Result<(u32, u32, u64, u64), String> {
+    if body.len() != 24 {
+        return Err(format!(
+            "shared-buffer request of {} bytes, expected 24",
+            body.len()
+        ));
+    }
+    let u32_at = |i: usize| u32::from_le_bytes(body[i..i + 4].try_into().expect("4 bytes"));
+    let u64_at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().expect("8 bytes"));
+    Ok((u32_at(0), u32_at(4), u64_at(8), u64_at(16)))
 }
 
 /// Decodes a `PrefixHits` / `Exists` body into `(group, hash_len, packed)`.

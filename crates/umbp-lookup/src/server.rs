@@ -11,6 +11,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::protocol::{self, LookupError, Op, REP_MAGIC, REQ_MAGIC};
+use crate::shm::{self, ShmReader};
 
 /// What a lookup server answers from (the worker's store).
 pub trait LookupTarget: Send + Sync + 'static {
@@ -171,19 +172,42 @@ fn serve(mut stream: UnixStream, target: &dyn LookupTarget, stop: &AtomicBool) {
         return;
     }
     crate::client::set_buffer(&stream, libc::SO_RCVBUF, 4 << 20);
+    let mut shared: Option<ShmReader> = None;
     loop {
         if stop.load(Ordering::Acquire) {
             return;
         }
-        let (code, body) = match protocol::read_frame(&mut stream, REQ_MAGIC) {
-            Ok(Some(f)) => f,
-            Ok(None) => return,
+        // The first bytes of a frame are read with recvmsg: an attached memfd arrives there.
+        let mut h = [0u8; 12];
+        let (got, fd) = match shm::recv_with_fd(&stream, &mut h) {
+            Ok((0, _)) => return,
+            Ok(x) => x,
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
+            Err(_) => return,
+        };
+        let (code, body) = match protocol::finish_frame(&mut stream, REQ_MAGIC, h, got) {
+            Ok(f) => f,
             Err(e) => {
                 log::debug!("umbp: lookup connection closed: {e}");
                 return;
             }
         };
+        let hashes_from_shm =
+            |shared: &Option<ShmReader>| -> Result<(u32, usize, Vec<u8>), String> {
+                let (g, hl, off, len) = protocol::parse_shm_body(&body)?;
+                let hl = hl as usize;
+                let buf = shared
+                    .as_ref()
+                    .ok_or("no shared buffer is attached to this connection")?
+                    .read(off, len)?;
+                if hl == 0 || hl > 32 || !buf.len().is_multiple_of(hl) {
+                    return Err(format!(
+                        "{} hash bytes are not whole {hl}-byte hashes (1..=32)",
+                        buf.len()
+                    ));
+                }
+                Ok((g, hl, buf))
+            };
         let reply = match Op::from_u8(code) {
             Some(Op::Ping) => Ok(target.describe().into_bytes()),
             Some(Op::PrefixHits) => protocol::parse_hashes_body(&body)
@@ -193,6 +217,20 @@ fn serve(mut stream: UnixStream, target: &dyn LookupTarget, stop: &AtomicBool) {
                 .and_then(|(g, hl, p)| target.exists(g, p, hl))
                 .map(|v| v.into_iter().map(u8::from).collect()),
             Some(Op::Clear) => Ok(target.clear().to_le_bytes().to_vec()),
+            Some(Op::AttachShm) => match fd.map(ShmReader::map) {
+                Some(Ok(r)) => {
+                    shared = Some(r);
+                    Ok(Vec::new())
+                }
+                Some(Err(e)) => Err(format!("cannot map the shared buffer: {e}")),
+                None => Err("AttachShm carried no descriptor".into()),
+            },
+            Some(Op::PrefixHitsShm) => hashes_from_shm(&shared)
+                .and_then(|(g, hl, p)| target.prefix_hits(g, &p, hl))
+                .map(|n| n.to_le_bytes().to_vec()),
+            Some(Op::ExistsShm) => hashes_from_shm(&shared)
+                .and_then(|(g, hl, p)| target.exists(g, &p, hl))
+                .map(|v| v.into_iter().map(u8::from).collect()),
             None => Err(format!("unknown operation {code}")),
         };
         let sent = match reply {

@@ -90,7 +90,19 @@ fn a_block_hits_only_when_every_worker_holds_it() {
     assert_eq!(e.client.prefix_hits(0, &hashes(0..100), 32), 60);
     let ex = e.client.exists_all(0, &hashes(55..65), 32);
     assert_eq!(ex, [vec![true; 5], vec![false; 5]].concat());
-    assert_eq!(e.client.clear(Duration::from_secs(5)).unwrap(), 240);
+    // Large requests go through the shared buffer; the answers must not change.
+    hold(&e.workers[0], 0..5000);
+    hold(&e.workers[1], 0..4000);
+    hold(&e.workers[2], 0..4500);
+    let big = hashes(0..5000);
+    assert!(big.len() > 16 << 10);
+    assert_eq!(e.client.prefix_hits(0, &big, 32), 4000);
+    let ex = e.client.exists_all(0, &big, 32);
+    assert_eq!(ex.iter().filter(|x| **x).count(), 4000);
+    assert!(!ex[4000]);
+    // And a second large request reuses the attached buffer.
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..3000), 32), 3000);
+    assert_eq!(e.client.clear(Duration::from_secs(5)).unwrap(), 13500);
     assert_eq!(e.client.prefix_hits(0, &hashes(0..100), 32), 0);
 }
 

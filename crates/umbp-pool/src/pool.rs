@@ -497,16 +497,26 @@ impl Pool {
     }
 
     fn presence(&self, keys: &[BlockKey]) -> Vec<bool> {
-        let mut out = vec![false; keys.len()];
-        if keys.len() < 16 {
-            for (o, k) in out.iter_mut().zip(keys) {
+        self.presence_with(keys.len(), |i| keys[i])
+    }
+
+    /// Which of the keys `key(0)..key(n)` are committed; keys are made on the fly (twice), so
+    /// a long batch needs no key buffer.
+    fn presence_with(&self, n: usize, key: impl Fn(usize) -> BlockKey) -> Vec<bool> {
+        let mut out = vec![false; n];
+        if n < 16 {
+            for (i, o) in out.iter_mut().enumerate() {
+                let k = key(i);
                 let fp = k.fingerprint();
-                *o = self.inner.shards[shard_of(fp)].read().find(k, fp).is_some();
+                *o = self.inner.shards[shard_of(fp)]
+                    .read()
+                    .find(&k, fp)
+                    .is_some();
             }
             return out;
         }
-        // Counting sort of key indices by shard.
-        let fps: Vec<u64> = keys.iter().map(BlockKey::fingerprint).collect();
+        // Counting sort of key indices by shard, then one read lock per shard.
+        let fps: Vec<u64> = (0..n).map(|i| key(i).fingerprint()).collect();
         let mut starts = [0usize; SHARDS + 1];
         for fp in &fps {
             starts[shard_of(*fp) + 1] += 1;
@@ -515,7 +525,7 @@ impl Pool {
             starts[i + 1] += starts[i];
         }
         let mut next = starts;
-        let mut order = vec![0u32; keys.len()];
+        let mut order = vec![0u32; n];
         for (i, fp) in fps.iter().enumerate() {
             let s = shard_of(*fp);
             order[next[s]] = i as u32;
@@ -529,26 +539,34 @@ impl Pool {
             let shard = self.inner.shards[s].read();
             for &i in idx {
                 let i = i as usize;
-                out[i] = shard.find(&keys[i], fps[i]).is_some();
+                out[i] = shard.find(&key(i), fps[i]).is_some();
             }
         }
         out
     }
 
-    /// How many of `keys`, from the first, are committed (the prefix up to the first miss).
-    pub fn prefix_hits(&self, keys: &[BlockKey]) -> usize {
-        // A miss on the first block is the common cold case: answer it without the batch.
-        let n = if keys.first().is_some_and(|k| {
+    /// How many keys `key(0)`, `key(1)`, ... of `n` are committed before the first miss.
+    pub fn prefix_hits_with(&self, n: usize, key: impl Fn(usize) -> BlockKey) -> usize {
+        let hits = if n > 0 && {
+            let k = key(0);
             let fp = k.fingerprint();
-            self.inner.shards[shard_of(fp)].read().find(k, fp).is_some()
-        }) {
-            let present = self.presence(&keys[1..]);
+            self.inner.shards[shard_of(fp)]
+                .read()
+                .find(&k, fp)
+                .is_some()
+        } {
+            let present = self.presence_with(n - 1, |i| key(i + 1));
             1 + present.iter().take_while(|p| **p).count()
         } else {
             0
         };
-        self.count_lookups(n as u64, u64::from(n < keys.len()));
-        n
+        self.count_lookups(hits as u64, u64::from(hits < n));
+        hits
+    }
+
+    /// How many of `keys`, from the first, are committed (the prefix up to the first miss).
+    pub fn prefix_hits(&self, keys: &[BlockKey]) -> usize {
+        self.prefix_hits_with(keys.len(), |i| keys[i])
     }
 
     fn count_lookups(&self, hits: u64, misses: u64) {

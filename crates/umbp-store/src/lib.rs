@@ -278,11 +278,19 @@ impl StoreLookup {
 
 impl umbp_lookup::LookupTarget for StoreLookup {
     fn prefix_hits(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<u32, String> {
-        let keys = self
-            .keys
-            .keys_packed(group, packed, hash_len)
-            .map_err(|e| e.to_string())?;
-        Ok(self.store.prefix_hits(&keys) as u32)
+        if hash_len == 0 || hash_len > 32 || !packed.len().is_multiple_of(hash_len) {
+            return Err(format!(
+                "{} bytes are not whole {hash_len}-byte hashes",
+                packed.len()
+            ));
+        }
+        let hashes: Vec<&[u8]> = packed.chunks_exact(hash_len).collect();
+        let n = self.store.pool.prefix_hits_with(hashes.len(), |i| {
+            self.keys
+                .key(group, hashes[i])
+                .expect("hash length checked above")
+        });
+        Ok(n as u32)
     }
 
     fn exists(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {

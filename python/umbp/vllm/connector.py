@@ -217,13 +217,15 @@ class _SchedulerSide:
         # Lazy offload: a cursor into vLLM's free queue and the hashes already offloaded.
         self.lazy_cursor: Any = None
         self.lazy_stored: OrderedDict[bytes, None] = OrderedDict()
+        batched = getattr(
+            getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None
+        )
         self.lazy_max = cfg.lazy_offload_max_blocks or max(
-            1, 2 * -(-vllm_config.scheduler_config.max_num_batched_tokens // topo.block_size)
+            1, 2 * -(-(batched or 8192) // topo.block_size)
         )
         self.lookup_threads: dict[str, threading.Thread] = {}
         logger.info(
-            "umbp: scheduler side of %s: namespace %s, %d worker socket(s) in %s",
-            topo.namespace,
+            "umbp: scheduler side: namespace %s, %d worker socket(s) in %s",
             topo.namespace,
             topo.workers,
             cfg.lookup_dir,

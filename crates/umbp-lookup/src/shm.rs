@@ -1,0 +1,233 @@
+//! Hashes through shared memory.
+//!
+//! A long prompt's block hashes are hundreds of KiB, and the scheduler sends them to every
+//! worker. Copying them through each socket twice (into the kernel and out again) cost more
+//! than the lookups themselves, so the client writes them once into a memfd that every worker
+//! maps read-only; the socket then carries only `(offset, length)`. The memfd is handed to a
+//! worker once per connection with `SCM_RIGHTS`.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::ptr::NonNull;
+
+/// Bytes of the shared buffer (pages are only allocated as they are written).
+pub(crate) const SHM_BYTES: usize = crate::protocol::MAX_BODY;
+
+/// A shared, writable buffer owned by the client.
+#[derive(Debug)]
+pub(crate) struct ShmWriter {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; writers hold the client's lock.
+unsafe impl Send for ShmWriter {}
+// SAFETY: as above; `&ShmWriter` only exposes the descriptor.
+unsafe impl Sync for ShmWriter {}
+
+impl ShmWriter {
+    pub(crate) fn new() -> std::io::Result<Self> {
+        let name = c"umbp-lookup";
+        // SAFETY: a valid NUL-terminated name; plain flags.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a fresh descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: sizing our own memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), SHM_BYTES as libc::off_t) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a new shared mapping of the memfd; checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                SHM_BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(ShmWriter {
+            fd,
+            ptr: NonNull::new(p.cast()).expect("mmap succeeded"),
+        })
+    }
+
+    /// Copies `data` to the start of the buffer (callers hold the client's request lock).
+    pub(crate) fn write(&mut self, data: &[u8]) {
+        assert!(
+            data.len() <= SHM_BYTES,
+            "request larger than the shared buffer"
+        );
+        // SAFETY: the mapping is SHM_BYTES long and `data` fits; `&mut self` serialises writers.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr(), data.len()) };
+    }
+
+    pub(crate) fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+impl Drop for ShmWriter {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), SHM_BYTES) };
+    }
+}
+
+/// A worker's read-only view of a client's buffer.
+#[derive(Debug)]
+pub(crate) struct ShmReader {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl ShmReader {
+    /// Maps `fd` read-only (its size from `fstat`).
+    pub(crate) fn map(fd: OwnedFd) -> std::io::Result<Self> {
+        // SAFETY: `stat` is plain data filled by fstat on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let len = st.st_size as usize;
+        if len == 0 || len > SHM_BYTES {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("shared buffer of {len} bytes"),
+            ));
+        }
+        // SAFETY: a new read-only shared mapping; checked against MAP_FAILED. The descriptor
+        // may be closed afterwards; the mapping stays.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(ShmReader {
+            ptr: NonNull::new(p.cast()).expect("mmap succeeded"),
+            len,
+        })
+    }
+
+    /// A private copy of `[offset, offset + len)`, or an error when it lies outside the buffer.
+    /// (Copied because the client may rewrite the buffer for its next request.)
+    pub(crate) fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, String> {
+        let end = offset
+            .checked_add(len)
+            .filter(|e| *e <= self.len as u64)
+            .ok_or_else(|| {
+                format!(
+                    "range {offset}+{len} is outside the {}-byte shared buffer",
+                    self.len
+                )
+            })?;
+        let mut out = vec![0u8; (end - offset) as usize];
+        // SAFETY: the range was checked against the mapping's length; the source is only read.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset as usize),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(out)
+    }
+}
+
+impl Drop for ShmReader {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Sends `frame` with `fd` attached (`SCM_RIGHTS`).
+pub(crate) fn send_with_fd(s: &UnixStream, frame: &[u8], fd: RawFd) -> std::io::Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: frame.as_ptr() as *mut libc::c_void,
+        iov_len: frame.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: msghdr is plain data; the pointers set below outlive the sendmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer holds one cmsg of CMSG_SPACE(sizeof fd) bytes, as set above.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+    }
+    // SAFETY: `msg` describes valid buffers; the socket is ours.
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if (n as usize) < frame.len() {
+        // The rest of the frame goes as plain bytes.
+        use std::io::Write;
+        let mut w = s;
+        w.write_all(&frame[n as usize..])?;
+    }
+    Ok(())
+}
+
+/// Receives up to `buf.len()` bytes and a descriptor if one is attached.
+pub(crate) fn recv_with_fd(
+    s: &UnixStream,
+    buf: &mut [u8],
+) -> std::io::Result<(usize, Option<OwnedFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: msghdr is plain data; the pointers set below outlive the recvmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` describes valid buffers; MSG_CMSG_CLOEXEC marks received fds close-on-exec.
+    let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fd = None;
+    // SAFETY: walking the control messages the kernel wrote into `cbuf`.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
+                fd = Some(OwnedFd::from_raw_fd(raw));
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((n as usize, fd))
+}
