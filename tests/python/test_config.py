@@ -114,3 +114,26 @@ def test_namespace_covers_the_model_config():
     dp1.parallel_config.data_parallel_rank = 1
     assert a == derive_namespace(dp1, None), "the DP rank is not part of the namespace"
     assert socket_tag(a, "x") != socket_tag(a, "y")
+
+
+def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from umbp.vllm import plugin
+
+    reg = KVConnectorFactory._registry
+    saved = reg.pop("UMBPStoreConnector", None)
+    try:
+
+        class UMBPStoreConnector:  # stands in for vLLM 0.33's dormant in-tree class
+            pass
+
+        reg["UMBPStoreConnector"] = lambda: UMBPStoreConnector
+        plugin.register()
+        plugin.register()  # vLLM runs plugins in every process, sometimes twice
+        cls = reg["UMBPStoreConnector"]()
+        assert cls.__module__ == "umbp.vllm.connector"
+    finally:
+        if saved is not None:
+            reg["UMBPStoreConnector"] = saved
