@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
 use umbp_core::{BlockKey, CopyRange, RangePlan};
 use umbp_pool::{CommitOutcome, Pool, PoolError};
 
 use crate::memcpy;
-use crate::registry::{MemoryRegistry, Registration};
+use crate::registry::{MemoryKind, MemoryRegistry, Registration};
 use crate::CopyError;
 
 /// Which way bytes move.
@@ -80,6 +80,15 @@ pub trait Mover: Send + Sync + std::fmt::Debug {
     /// # Safety
     /// As for [`Mover::gather`], with the objects readable and the engine ranges writable.
     unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>>;
+
+    /// Most workers one job may occupy at once.
+    fn max_workers_per_job(&self) -> usize {
+        usize::MAX
+    }
+
+    /// Called once when the last key of a job submitted with ordering token `after` (non-zero)
+    /// has finished: no call will use the token again.
+    fn release_token(&self, _after: u64) {}
 }
 
 /// Copies between host memories (streaming stores for large pieces, see [`crate::memcpy`]).
@@ -135,6 +144,8 @@ struct JobState {
     invalid: Vec<Option<String>>,
     /// Ordering token handed to the mover (0: none).
     after: u64,
+    /// Whether the job's engine memory is device memory (moved by the device mover).
+    device: bool,
     /// Registrations the job touches, held until it finishes.
     regions: Mutex<Vec<Arc<Registration>>>,
     next: AtomicUsize,
@@ -147,8 +158,12 @@ struct JobState {
 }
 
 impl JobState {
-    fn finish_keys(&self, n: usize) {
-        if self.remaining.fetch_sub(n, Ordering::AcqRel) == n {
+    /// Marks `n` keys finished; after the last ones, runs `on_last` and then reports the job
+    /// done.
+    fn finish_keys(&self, n: usize, on_last: impl FnOnce()) {
+        let last = self.remaining.fetch_sub(n, Ordering::AcqRel) == n;
+        if last {
+            on_last();
             self.regions.lock().clear();
             *self.done.lock() = true;
             self.done_cv.notify_all();
@@ -227,6 +242,7 @@ pub struct CopyEngine {
     pool: Arc<Pool>,
     registry: Arc<MemoryRegistry>,
     mover: Arc<dyn Mover>,
+    device_mover: Arc<RwLock<Option<Arc<dyn Mover>>>>,
     queue: Mutex<Option<Sender<Arc<JobState>>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     num_workers: usize,
@@ -249,14 +265,20 @@ impl CopyEngine {
         }
         let (tx, rx) = channel::<Arc<JobState>>();
         let rx = Arc::new(Mutex::new(rx));
+        let device_mover: Arc<RwLock<Option<Arc<dyn Mover>>>> = Arc::new(RwLock::new(None));
+        // Held while a worker reserves one batch, so a batch's objects are neighbours in the
+        // pool (one DMA can then cover many of them).
+        let reserve = Arc::new(Mutex::new(()));
         let mut workers = Vec::with_capacity(num_workers);
         for i in 0..num_workers {
             let rx = Arc::clone(&rx);
             let pool = Arc::clone(&pool);
             let mover = Arc::clone(&mover);
+            let device = Arc::clone(&device_mover);
+            let reserve = Arc::clone(&reserve);
             let h = std::thread::Builder::new()
                 .name(format!("umbp-copy-{i}"))
-                .spawn(move || worker_loop(&rx, &pool, mover.as_ref()))
+                .spawn(move || worker_loop(&rx, &pool, &mover, &device, &reserve))
                 .map_err(|e| CopyError::InvalidRequest(format!("cannot start a worker: {e}")))?;
             workers.push(h);
         }
@@ -264,6 +286,7 @@ impl CopyEngine {
             pool,
             registry,
             mover,
+            device_mover,
             queue: Mutex::new(Some(tx)),
             workers: Mutex::new(workers),
             num_workers,
@@ -311,24 +334,46 @@ impl CopyEngine {
         let n = keys.len();
         let mut invalid = vec![None; n];
         let mut regions: Vec<Arc<Registration>> = Vec::new();
+        // The kind of memory the job moves: that of its first valid range.
+        let mut kind: Option<MemoryKind> = None;
         for (i, slot) in invalid.iter_mut().enumerate() {
             for r in plan.block(i) {
-                let ok = regions.iter().any(|g| g.covers(r.host_addr, r.len))
-                    || match self.registry.find(r.host_addr, r.len) {
-                        Some(g) => {
-                            regions.push(g);
-                            true
-                        }
-                        None => false,
-                    };
-                if !ok || r.object_offset + r.len > plan.object_bytes {
+                let found = match regions.iter().find(|g| g.covers(r.host_addr, r.len)) {
+                    Some(g) => Some(g.kind),
+                    None => self.registry.find(r.host_addr, r.len).map(|g| {
+                        let k = g.kind;
+                        regions.push(g);
+                        k
+                    }),
+                };
+                if found.is_none() || r.object_offset + r.len > plan.object_bytes {
                     *slot = Some(format!(
                         "range {:#x}+{} is outside registered memory; register the KV cache first",
                         r.host_addr, r.len
                     ));
                     break;
                 }
+                if *kind.get_or_insert(found.expect("checked")) != found.expect("checked") {
+                    *slot = Some(format!(
+                        "range {:#x}+{} is {:?} memory but the job moves {:?} memory; one job moves one kind",
+                        r.host_addr,
+                        r.len,
+                        found.expect("checked"),
+                        kind.expect("set")
+                    ));
+                    break;
+                }
             }
+        }
+        // A job with no valid range still hands its token back to the mover that made it.
+        let device = match kind {
+            Some(k) => matches!(k, MemoryKind::Cuda { .. }),
+            None => after != 0 && self.device_mover.read().is_some(),
+        };
+        if device && self.device_mover.read().is_none() {
+            return Err(CopyError::InvalidRequest(
+                "the job moves device memory but no device mover is installed; register CUDA memory through the store".into(),
+            ));
         }
         let state = Arc::new(JobState {
             direction,
@@ -336,6 +381,7 @@ impl CopyEngine {
             plan,
             invalid,
             after,
+            device,
             regions: Mutex::new(regions),
             next: AtomicUsize::new(0),
             remaining: AtomicUsize::new(n),
@@ -349,7 +395,17 @@ impl CopyEngine {
             let queue = self.queue.lock();
             let tx = queue.as_ref().ok_or(CopyError::Closed)?;
             // Spread big jobs over the workers; small ones take one.
-            let helpers = n.div_ceil(CHUNK * 4).clamp(1, self.num_workers);
+            let limit = if device {
+                self.device_mover
+                    .read()
+                    .as_ref()
+                    .map_or(1, |m| m.max_workers_per_job())
+            } else {
+                self.mover.max_workers_per_job()
+            };
+            let helpers = n
+                .div_ceil(CHUNK * 4)
+                .clamp(1, self.num_workers.min(limit).max(1));
             for _ in 0..helpers {
                 tx.send(Arc::clone(&state)).map_err(|_| CopyError::Closed)?;
             }
@@ -357,9 +413,26 @@ impl CopyEngine {
         Ok(JobHandle { state })
     }
 
-    /// The mover in use.
+    /// The mover of host-memory jobs.
     pub fn mover(&self) -> &Arc<dyn Mover> {
         &self.mover
+    }
+
+    /// Installs the mover of jobs whose engine memory is device memory (once).
+    pub fn set_device_mover(&self, mover: Arc<dyn Mover>) -> Result<(), CopyError> {
+        let mut m = self.device_mover.write();
+        if m.is_some() {
+            return Err(CopyError::InvalidRequest(
+                "a device mover is already installed".into(),
+            ));
+        }
+        *m = Some(mover);
+        Ok(())
+    }
+
+    /// The mover of device-memory jobs, if one is installed.
+    pub fn device_mover(&self) -> Option<Arc<dyn Mover>> {
+        self.device_mover.read().clone()
     }
 
     /// Stops the workers after the jobs already queued.
@@ -377,17 +450,32 @@ impl Drop for CopyEngine {
     }
 }
 
-fn worker_loop(rx: &Mutex<Receiver<Arc<JobState>>>, pool: &Pool, mover: &dyn Mover) {
+fn worker_loop(
+    rx: &Mutex<Receiver<Arc<JobState>>>,
+    pool: &Pool,
+    host: &Arc<dyn Mover>,
+    device: &RwLock<Option<Arc<dyn Mover>>>,
+    reserve: &Mutex<()>,
+) {
     loop {
         let job = match rx.lock().recv() {
             Ok(j) => j,
             Err(_) => return,
         };
-        run_job(&job, pool, mover);
+        let mover = if job.device {
+            // `submit` checked that a device mover is installed; it is never removed.
+            match device.read().clone() {
+                Some(m) => m,
+                None => continue,
+            }
+        } else {
+            Arc::clone(host)
+        };
+        run_job(&job, pool, mover.as_ref(), reserve);
     }
 }
 
-fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover) {
+fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover, reserve: &Mutex<()>) {
     let n = job.keys.len();
     let batch = mover.batch_size().max(1);
     loop {
@@ -400,7 +488,7 @@ fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover) {
             vec![KeyResult::Cancelled; last - first]
         } else {
             match job.direction {
-                Direction::Store => store_batch(job, first..last, pool, mover),
+                Direction::Store => store_batch(job, first..last, pool, mover, reserve),
                 Direction::Load => load_batch(job, first..last, pool, mover),
             }
         };
@@ -410,7 +498,11 @@ fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover) {
                 all[i] = r;
             }
         }
-        job.finish_keys(last - first);
+        job.finish_keys(last - first, || {
+            if job.after != 0 {
+                mover.release_token(job.after);
+            }
+        });
     }
 }
 
@@ -419,9 +511,11 @@ fn store_batch(
     keys: std::ops::Range<usize>,
     pool: &Pool,
     mover: &dyn Mover,
+    reserve: &Mutex<()>,
 ) -> Vec<KeyResult> {
     let mut results = Vec::with_capacity(keys.len());
     let mut todo = Vec::new(); // (result index, key index, reservation)
+    let guard = reserve.lock();
     for i in keys {
         let r = if let Some(why) = &job.invalid[i] {
             KeyResult::Failed(why.clone())
@@ -439,6 +533,7 @@ fn store_batch(
         };
         results.push(r);
     }
+    drop(guard);
     if todo.is_empty() {
         return results;
     }

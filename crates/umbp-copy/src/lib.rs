@@ -14,6 +14,6 @@ mod error;
 pub mod memcpy;
 mod registry;
 
-pub use engine::{CopyEngine, Direction, HostMover, JobHandle, KeyResult, Mover};
+pub use engine::{BlockCopy, CopyEngine, Direction, HostMover, JobHandle, KeyResult, Mover};
 pub use error::CopyError;
 pub use registry::{MemoryKind, MemoryRegistry, RegionId};

@@ -16,6 +16,11 @@ pub type RegionId = u64;
 pub enum MemoryKind {
     /// Host memory this process can read and write directly.
     Host,
+    /// Device memory of CUDA device `device` (moved by the engine's device mover).
+    Cuda {
+        /// The CUDA device ordinal.
+        device: i32,
+    },
 }
 
 /// One registered range. Jobs hold an `Arc` of it while they run, which keeps deregistration

@@ -269,3 +269,136 @@ fn deregistration_waits_for_jobs_in_flight() {
         Err(e) => panic!("{e}"),
     }
 }
+
+/// A device mover for tests: host copies that record the tokens it sees and gets back.
+#[derive(Debug, Default)]
+struct RecordingMover {
+    seen: parking_lot::Mutex<Vec<u64>>,
+    released: parking_lot::Mutex<Vec<u64>>,
+}
+
+impl umbp_copy::Mover for RecordingMover {
+    fn batch_size(&self) -> usize {
+        3
+    }
+
+    unsafe fn gather(
+        &self,
+        blocks: &[umbp_copy::BlockCopy<'_>],
+        after: u64,
+    ) -> Vec<Result<(), String>> {
+        self.seen.lock().push(after);
+        // SAFETY: forwarded contract (the test's "device" memory is host memory).
+        unsafe { umbp_copy::Mover::gather(&HostMover, blocks, after) }
+    }
+
+    unsafe fn scatter(
+        &self,
+        blocks: &[umbp_copy::BlockCopy<'_>],
+        after: u64,
+    ) -> Vec<Result<(), String>> {
+        self.seen.lock().push(after);
+        // SAFETY: forwarded contract.
+        unsafe { umbp_copy::Mover::scatter(&HostMover, blocks, after) }
+    }
+
+    fn release_token(&self, after: u64) {
+        self.released.lock().push(after);
+    }
+}
+
+#[test]
+fn device_memory_jobs_use_the_device_mover_and_return_its_token() {
+    let (engine, kb) = setup(3);
+    let src = Cache::new(|i| (i * 7 % 253) as u8);
+    let mut dst = Cache::new(|_| 0);
+    // "Device" memory for the engine's bookkeeping; the recording mover copies it on the host.
+    // SAFETY: both buffers outlive the engine's jobs (waited below).
+    let ids = unsafe {
+        [
+            engine.registry().register(
+                src.buf.as_ptr() as u64,
+                src.buf.len() as u64,
+                MemoryKind::Cuda { device: 0 },
+            ),
+            engine.registry().register(
+                dst.buf.as_ptr() as u64,
+                dst.buf.len() as u64,
+                MemoryKind::Cuda { device: 0 },
+            ),
+        ]
+    };
+    let blocks: Vec<u64> = (0..10).collect();
+    // Without a device mover, a device job is refused up front.
+    let e = engine
+        .submit_after(
+            Direction::Store,
+            keys(&kb, &blocks),
+            src.layout.plan(&blocks).unwrap(),
+            7,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("device mover"), "{e}");
+    let m = Arc::new(RecordingMover::default());
+    engine.set_device_mover(m.clone()).unwrap();
+    assert!(engine.set_device_mover(m.clone()).is_err(), "only once");
+    let res = engine
+        .submit_after(
+            Direction::Store,
+            keys(&kb, &blocks),
+            src.layout.plan(&blocks).unwrap(),
+            7,
+        )
+        .unwrap()
+        .wait(Duration::from_secs(10))
+        .unwrap();
+    assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
+    let targets: Vec<u64> = blocks.iter().map(|b| b + 20).collect();
+    let res = engine
+        .submit_after(
+            Direction::Load,
+            keys(&kb, &blocks),
+            dst.layout.plan(&targets).unwrap(),
+            9,
+        )
+        .unwrap()
+        .wait(Duration::from_secs(10))
+        .unwrap();
+    assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
+    for (b, t) in blocks.iter().zip(&targets) {
+        assert_eq!(src.block_bytes(*b), dst.block_bytes(*t));
+    }
+    // Every call saw its job's token; each token came back exactly once, after the job.
+    let seen = m.seen.lock().clone();
+    assert!(seen.contains(&7) && seen.contains(&9), "{seen:?}");
+    assert!(seen.iter().all(|t| *t == 7 || *t == 9));
+    let mut released = m.released.lock().clone();
+    released.sort_unstable();
+    assert_eq!(released, vec![7, 9]);
+    // A job mixing host and device memory fails the mixed key alone.
+    let host = Cache::new(|_| 3);
+    register(&engine, &host);
+    let mut plan = src.layout.plan(&[0, 1]).unwrap();
+    let host_plan = host.layout.plan(&[5]).unwrap();
+    plan.ranges.splice(
+        plan.starts[1] + 1..plan.starts[2],
+        host_plan.ranges[1..].to_vec(),
+    );
+    let res = engine
+        .submit(Direction::Store, keys(&kb, &[40, 41]), plan)
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(res[0], KeyResult::Done);
+    assert!(
+        matches!(&res[1], KeyResult::Failed(m) if m.contains("one kind")),
+        "{res:?}"
+    );
+    for id in ids {
+        engine
+            .registry()
+            .deregister(id.unwrap(), Duration::from_secs(1))
+            .unwrap();
+    }
+    dst.buf.clear();
+}
