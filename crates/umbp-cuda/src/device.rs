@@ -1,0 +1,602 @@
+//! A CUDA device with its primary context, and small owned wrappers for streams, events and
+//! memory.
+
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::Arc;
+
+use crate::driver::{driver, Driver};
+use crate::ffi::*;
+use crate::CudaError;
+
+/// One CUDA device and its retained primary context (the context PyTorch uses too).
+#[derive(Debug)]
+pub struct Device {
+    drv: &'static Driver,
+    ordinal: i32,
+    dev: CUdevice,
+    ctx: Ctx,
+    /// `CU_DEVICE_ATTRIBUTE_MAX_PITCH`: the largest pitch of a 2-D / 3-D copy.
+    pub max_pitch: u64,
+    /// Multiprocessors.
+    pub sm_count: u32,
+    /// Copy engines (`ASYNC_ENGINE_COUNT`).
+    pub copy_engines: u32,
+    /// The device's name.
+    pub name: String,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Ctx(CUcontext);
+// SAFETY: a CUcontext handle may be used from any thread (the driver API is thread-safe; a
+// context is made current per thread before use).
+unsafe impl Send for Ctx {}
+// SAFETY: as above; the handle is never mutated through a shared reference.
+unsafe impl Sync for Ctx {}
+
+/// Pops the context pushed by [`Device::scoped`] when dropped.
+#[derive(Debug)]
+pub struct CtxGuard<'a> {
+    dev: &'a Device,
+}
+
+impl Drop for CtxGuard<'_> {
+    fn drop(&mut self) {
+        let mut old: CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context this guard pushed on this thread.
+        let _ = unsafe { (self.dev.drv.ctx_pop_current)(&mut old) };
+    }
+}
+
+impl Device {
+    /// Loads the driver if needed, and retains device `ordinal`'s primary context.
+    pub fn open(ordinal: i32) -> Result<Arc<Device>, CudaError> {
+        let drv = driver()?;
+        let mut count: c_int = 0;
+        // SAFETY: valid out-pointer.
+        drv.check("cuDeviceGetCount", unsafe {
+            (drv.device_get_count)(&mut count)
+        })?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(CudaError::Device {
+                device: ordinal,
+                reason: format!(
+                    "this process sees {count} CUDA device(s) (ordinals 0..{count}); check CUDA_VISIBLE_DEVICES"
+                ),
+            });
+        }
+        let mut dev: CUdevice = 0;
+        // SAFETY: valid out-pointer, ordinal checked.
+        drv.check("cuDeviceGet", unsafe {
+            (drv.device_get)(&mut dev, ordinal)
+        })?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and device handle.
+        drv.check("cuDevicePrimaryCtxRetain", unsafe {
+            (drv.primary_ctx_retain)(&mut ctx, dev)
+        })?;
+        let attr = |a: c_int| -> Result<i64, CudaError> {
+            let mut v: c_int = 0;
+            // SAFETY: valid out-pointer and device handle.
+            drv.check("cuDeviceGetAttribute", unsafe {
+                (drv.device_get_attribute)(&mut v, a, dev)
+            })?;
+            Ok(i64::from(v))
+        };
+        let mut name = [0 as c_char; 128];
+        // SAFETY: the buffer holds 128 bytes and the driver writes a NUL-terminated name.
+        let name = if unsafe { (drv.device_get_name)(name.as_mut_ptr(), 128, dev) } == CUDA_SUCCESS
+        {
+            // SAFETY: NUL-terminated by the driver (and by our zeroed buffer's end).
+            unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        } else {
+            "unknown".into()
+        };
+        let d = Device {
+            drv,
+            ordinal,
+            dev,
+            ctx: Ctx(ctx),
+            max_pitch: attr(CU_DEVICE_ATTRIBUTE_MAX_PITCH)?.max(1) as u64,
+            sm_count: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32,
+            copy_engines: attr(CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT)?.max(0) as u32,
+            name,
+        };
+        log::info!(
+            "umbp: CUDA device {} ({}): {} SMs, {} copy engines, max pitch {}",
+            d.ordinal,
+            d.name,
+            d.sm_count,
+            d.copy_engines,
+            d.max_pitch
+        );
+        Ok(Arc::new(d))
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &'static Driver {
+        self.drv
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Makes the primary context current on this thread (for UMBP's own threads).
+    pub fn bind_thread(&self) -> Result<(), CudaError> {
+        driver()?;
+        // SAFETY: a retained primary context.
+        self.drv.check("cuCtxSetCurrent", unsafe {
+            (self.drv.ctx_set_current)(self.ctx.0)
+        })
+    }
+
+    /// Pushes the primary context on this thread until the guard drops (for callers' threads,
+    /// whose current context is left as it was).
+    pub fn scoped(&self) -> Result<CtxGuard<'_>, CudaError> {
+        driver()?;
+        // SAFETY: a retained primary context; the guard pops it.
+        self.drv.check("cuCtxPushCurrent", unsafe {
+            (self.drv.ctx_push_current)(self.ctx.0)
+        })?;
+        Ok(CtxGuard { dev: self })
+    }
+
+    /// Checks that `[addr, addr + len)` is device memory of this device, inside one allocation.
+    pub fn check_device_range(&self, addr: u64, len: u64) -> Result<(), CudaError> {
+        let bad = |reason: String| CudaError::BadMemory {
+            addr,
+            len,
+            device: self.ordinal,
+            reason,
+        };
+        if addr == 0 || len == 0 {
+            return Err(bad("address and length must be non-zero".into()));
+        }
+        let last = addr
+            .checked_add(len - 1)
+            .ok_or_else(|| bad("the range wraps the address space".into()))?;
+        let _g = self.scoped()?;
+        for p in [addr, last] {
+            let mt = self
+                .attribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p)
+                .map_err(|e| {
+                    bad(format!(
+                        "the driver does not know {p:#x} ({e}); pass a CUDA tensor's data_ptr()"
+                    ))
+                })?;
+            if mt as u32 != CU_MEMORYTYPE_DEVICE {
+                return Err(bad(format!(
+                    "{p:#x} is not device memory (memory type {mt}); register host memory with register_memory"
+                )));
+            }
+            let ord = self
+                .attribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)
+                .map_err(|e| bad(e.to_string()))?;
+            if ord as i32 != self.ordinal {
+                return Err(bad(format!("{p:#x} is memory of CUDA device {ord}")));
+            }
+        }
+        // Where the driver reports the allocation (cuMemAlloc, PyTorch's caching allocator),
+        // the range must lie inside it.
+        if let (Ok(start), Ok(size)) = (
+            self.attribute(CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, addr),
+            self.attribute(CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr),
+        ) {
+            if start != 0 && size != 0 && (addr < start || last >= start + size) {
+                return Err(bad(format!(
+                    "it runs past its allocation {start:#x}+{size}; register the tensor's own bytes"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn attribute(&self, attr: c_int, ptr: u64) -> Result<u64, CudaError> {
+        let mut v: u64 = 0;
+        // SAFETY: every attribute asked for here writes at most 8 bytes into the zeroed u64.
+        self.drv.check("cuPointerGetAttribute", unsafe {
+            (self.drv.pointer_get_attribute)(&mut v as *mut u64 as *mut c_void, attr, ptr)
+        })?;
+        Ok(v)
+    }
+
+    /// A new non-blocking stream (no implicit synchronisation with the legacy default stream).
+    pub fn stream(self: &Arc<Self>) -> Result<Stream, CudaError> {
+        let _g = self.scoped()?;
+        let mut s: CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; a context is current.
+        self.drv.check("cuStreamCreate", unsafe {
+            (self.drv.stream_create)(&mut s, CU_STREAM_NON_BLOCKING)
+        })?;
+        Ok(Stream {
+            dev: Arc::clone(self),
+            raw: s,
+        })
+    }
+
+    /// A new event: `timing` for elapsed-time measurement, else the cheapest kind; completion
+    /// waits yield the CPU instead of spinning.
+    pub fn event(self: &Arc<Self>, timing: bool) -> Result<Event, CudaError> {
+        let _g = self.scoped()?;
+        let flags = if timing {
+            CU_EVENT_BLOCKING_SYNC
+        } else {
+            CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC
+        };
+        let mut e: CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; a context is current.
+        self.drv.check("cuEventCreate", unsafe {
+            (self.drv.event_create)(&mut e, flags)
+        })?;
+        Ok(Event {
+            dev: Arc::clone(self),
+            raw: e,
+        })
+    }
+
+    /// Allocates `len` bytes of device memory.
+    pub fn alloc(self: &Arc<Self>, len: u64) -> Result<DeviceBuffer, CudaError> {
+        let _g = self.scoped()?;
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; a context is current.
+        self.drv.check("cuMemAlloc", unsafe {
+            (self.drv.mem_alloc)(&mut p, len as usize)
+        })?;
+        Ok(DeviceBuffer {
+            dev: Arc::clone(self),
+            ptr: p,
+            len,
+        })
+    }
+
+    /// Allocates `len` bytes of pinned (page-locked) host memory with `cuMemHostAlloc`, mapped
+    /// into the device's address space (see [`HostBuffer::device_ptr`]).
+    pub fn alloc_host(self: &Arc<Self>, len: u64) -> Result<HostBuffer, CudaError> {
+        let _g = self.scoped()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; PORTABLE | DEVICEMAP: pinned for every context and mapped.
+        self.drv.check("cuMemHostAlloc", unsafe {
+            (self.drv.mem_host_alloc)(
+                &mut p,
+                len as usize,
+                CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP,
+            )
+        })?;
+        let mut buf = HostBuffer {
+            dev: Arc::clone(self),
+            ptr: p as *mut u8,
+            len,
+            dptr: 0,
+        };
+        let mut d: CUdeviceptr = 0;
+        // SAFETY: `p` is a mapped allocation of this context; flags must be 0.
+        self.drv.check("cuMemHostGetDevicePointer", unsafe {
+            (self.drv.mem_host_get_device_pointer)(&mut d, p, 0)
+        })?;
+        buf.dptr = d;
+        Ok(buf)
+    }
+
+    /// Sets `len` bytes at device address `ptr` to `value`, in order on `stream`.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be device memory of this device that nothing else uses meanwhile.
+    pub unsafe fn memset(
+        &self,
+        ptr: u64,
+        value: u8,
+        len: u64,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        // SAFETY: forwarded contract.
+        self.drv.check("cuMemsetD8Async", unsafe {
+            (self.drv.memset_d8_async)(ptr, value, len as usize, stream.raw())
+        })
+    }
+
+    /// Copies `len` bytes from host `src` to device `dst`, in order on `stream`.
+    ///
+    /// # Safety
+    /// Both ranges must be valid (host readable, device memory of this device) until the copy
+    /// has completed, and the host side must not be written meanwhile.
+    pub unsafe fn copy_htod(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: u64,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        // SAFETY: forwarded contract.
+        self.drv.check("cuMemcpyHtoDAsync", unsafe {
+            (self.drv.memcpy_htod_async)(dst, src as *const c_void, len as usize, stream.raw())
+        })
+    }
+
+    /// Copies `len` bytes from device `src` to host `dst`, in order on `stream`.
+    ///
+    /// # Safety
+    /// As [`Device::copy_htod`], with the host side writable and untouched until completion.
+    pub unsafe fn copy_dtoh(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        len: u64,
+        stream: &Stream,
+    ) -> Result<(), CudaError> {
+        // SAFETY: forwarded contract.
+        self.drv.check("cuMemcpyDtoHAsync", unsafe {
+            (self.drv.memcpy_dtoh_async)(dst as *mut c_void, src, len as usize, stream.raw())
+        })
+    }
+
+    /// Registers (pins) existing host memory for DMA until the returned guard drops.
+    ///
+    /// # Safety
+    /// The memory must stay mapped until the guard is dropped.
+    pub unsafe fn register_host(
+        self: &Arc<Self>,
+        ptr: *mut u8,
+        len: u64,
+    ) -> Result<HostRegistration, CudaError> {
+        let _g = self.scoped()?;
+        // SAFETY: forwarded contract; PORTABLE | DEVICEMAP as for the pool.
+        self.drv.check("cuMemHostRegister", unsafe {
+            (self.drv.mem_host_register)(
+                ptr as *mut c_void,
+                len as usize,
+                CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP,
+            )
+        })?;
+        Ok(HostRegistration {
+            dev: Arc::clone(self),
+            ptr,
+        })
+    }
+
+    /// Waits for all work on `stream`.
+    pub fn synchronize(&self, stream: &Stream) -> Result<(), CudaError> {
+        // SAFETY: a live stream of this device.
+        self.drv.check("cuStreamSynchronize", unsafe {
+            (self.drv.stream_synchronize)(stream.raw)
+        })
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if driver().is_ok() {
+            // SAFETY: releases the retain taken in `open`.
+            let _ = unsafe { (self.drv.primary_ctx_release)(self.dev) };
+        }
+    }
+}
+
+/// A stream owned by UMBP.
+#[derive(Debug)]
+pub struct Stream {
+    dev: Arc<Device>,
+    raw: CUstream,
+}
+
+// SAFETY: stream handles may be used from any thread; the driver serialises calls on a stream.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// The raw handle.
+    pub fn raw(&self) -> CUstream {
+        self.raw
+    }
+
+    /// Makes later work on this stream wait for `event`'s latest record.
+    pub(crate) fn wait(&self, event: CUevent) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        // SAFETY: live handles of one context.
+        d.check("cuStreamWaitEvent", unsafe {
+            (d.stream_wait_event)(self.raw, event, 0)
+        })
+    }
+
+    /// Waits on the host for all work queued so far.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.dev.synchronize(self)
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if driver().is_ok() {
+            if let Ok(_g) = self.dev.scoped() {
+                // SAFETY: our stream; nothing uses it after drop.
+                unsafe {
+                    (self.dev.drv.stream_synchronize)(self.raw);
+                    (self.dev.drv.stream_destroy)(self.raw);
+                }
+            }
+        }
+    }
+}
+
+/// An event owned by UMBP.
+#[derive(Debug)]
+pub struct Event {
+    dev: Arc<Device>,
+    raw: CUevent,
+}
+
+// SAFETY: event handles may be used from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// The raw handle.
+    pub fn raw(&self) -> CUevent {
+        self.raw
+    }
+
+    /// Records the event on a raw stream handle (any stream of this device's primary context,
+    /// 0 for the legacy default stream).
+    pub(crate) fn record_raw(&self, stream: CUstream) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        // SAFETY: a live event; the caller passes a stream of the same context.
+        d.check("cuEventRecord", unsafe {
+            (d.event_record)(self.raw, stream)
+        })
+    }
+
+    /// Records the event on `stream`.
+    pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
+        self.record_raw(stream.raw)
+    }
+
+    /// Blocks (yielding) until the event's latest record completed.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        // SAFETY: a live event.
+        d.check("cuEventSynchronize", unsafe {
+            (d.event_synchronize)(self.raw)
+        })
+    }
+
+    /// Whether the latest record completed (never blocks).
+    pub fn query(&self) -> Result<bool, CudaError> {
+        let d = self.dev.drv;
+        // SAFETY: a live event.
+        match unsafe { (d.event_query)(self.raw) } {
+            CUDA_SUCCESS => Ok(true),
+            CUDA_ERROR_NOT_READY => Ok(false),
+            rc => d.check("cuEventQuery", rc).map(|_| false),
+        }
+    }
+
+    /// Milliseconds from `start` to this event (both timing events, both completed).
+    pub fn elapsed_ms_since(&self, start: &Event) -> Result<f32, CudaError> {
+        let d = self.dev.drv;
+        let mut ms = 0f32;
+        // SAFETY: valid out-pointer and live events.
+        d.check("cuEventElapsedTime", unsafe {
+            (d.event_elapsed_time)(&mut ms, start.raw, self.raw)
+        })?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if driver().is_ok() {
+            // SAFETY: our event; the driver defers destruction until pending work completes.
+            unsafe { (self.dev.drv.event_destroy)(self.raw) };
+        }
+    }
+}
+
+/// Device memory owned by UMBP.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    dev: Arc<Device>,
+    ptr: CUdeviceptr,
+    len: u64,
+}
+
+impl DeviceBuffer {
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if driver().is_ok() {
+            if let Ok(_g) = self.dev.scoped() {
+                // SAFETY: our allocation; callers synchronise the streams that use it first.
+                unsafe { (self.dev.drv.mem_free)(self.ptr) };
+            }
+        }
+    }
+}
+
+/// Pinned host memory from `cuMemHostAlloc`.
+#[derive(Debug)]
+pub struct HostBuffer {
+    dev: Arc<Device>,
+    ptr: *mut u8,
+    len: u64,
+    dptr: u64,
+}
+
+// SAFETY: plain memory; access is coordinated by its owner.
+unsafe impl Send for HostBuffer {}
+// SAFETY: as above.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// Host address.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The address kernels use to reach it.
+    pub fn device_ptr(&self) -> u64 {
+        self.dptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if driver().is_ok() {
+            if let Ok(_g) = self.dev.scoped() {
+                // SAFETY: our allocation, no longer used.
+                unsafe { (self.dev.drv.mem_free_host)(self.ptr as *mut c_void) };
+            }
+        }
+    }
+}
+
+/// Host memory registered with [`Device::register_host`]; unregistered when dropped.
+#[derive(Debug)]
+pub struct HostRegistration {
+    dev: Arc<Device>,
+    ptr: *mut u8,
+}
+
+// SAFETY: only the address is kept; it is used to unregister.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as above.
+unsafe impl Sync for HostRegistration {}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if driver().is_ok() {
+            if let Ok(_g) = self.dev.scoped() {
+                // SAFETY: the base this guard registered; its user stopped copying.
+                unsafe { (self.dev.drv.mem_host_unregister)(self.ptr as *mut c_void) };
+            }
+        }
+    }
+}

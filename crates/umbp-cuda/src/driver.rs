@@ -1,0 +1,304 @@
+//! The CUDA driver, loaded at run time with `dlopen` on first use (never at import).
+//!
+//! Every entry point is resolved by its exact versioned export name (`cuMemcpyHtoDAsync_v2`,
+//! not the 32-bit-era `cuMemcpyHtoDAsync`). Nothing here panics: a missing library or symbol is
+//! a [`CudaError`] whose message names CUDA.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::OnceLock;
+
+use crate::ffi::*;
+use crate::CudaError;
+
+/// The environment variable that overrides the driver library's path.
+pub const LIBCUDA_ENV: &str = "UMBP_LIBCUDA";
+/// The driver library's SONAME.
+pub const LIBCUDA: &str = "libcuda.so.1";
+
+/// The batched copy entry point, in whichever ABI the driver exports.
+#[derive(Debug, Clone, Copy)]
+pub enum BatchFn {
+    /// CUDA 13.0: `cuMemcpyBatchAsync_v2` (8 arguments).
+    V2(FnMemcpyBatchAsyncV2),
+    /// CUDA 12.8: `cuMemcpyBatchAsync` (9 arguments, with `failIdx`).
+    V1(FnMemcpyBatchAsyncV1),
+}
+
+/// Resolved driver entry points.
+#[derive(Debug)]
+pub struct Driver {
+    /// The library that was loaded.
+    pub lib: String,
+    /// `cuDriverGetVersion` (e.g. 13000).
+    pub version: i32,
+    /// The process that initialised CUDA.
+    pub init_pid: u32,
+    pub(crate) device_get_count: FnDeviceGetCount,
+    pub(crate) device_get: FnDeviceGet,
+    pub(crate) device_get_attribute: FnDeviceGetAttribute,
+    pub(crate) device_get_name: FnDeviceGetName,
+    pub(crate) primary_ctx_retain: FnDevicePrimaryCtxRetain,
+    pub(crate) primary_ctx_release: FnDevicePrimaryCtxRelease,
+    pub(crate) ctx_set_current: FnCtxSetCurrent,
+    pub(crate) ctx_push_current: FnCtxPushCurrent,
+    pub(crate) ctx_pop_current: FnCtxPopCurrent,
+    pub(crate) stream_create: FnStreamCreate,
+    pub(crate) stream_destroy: FnStreamDestroy,
+    pub(crate) stream_synchronize: FnStreamSynchronize,
+    pub(crate) stream_wait_event: FnStreamWaitEvent,
+    pub(crate) stream_is_capturing: FnStreamIsCapturing,
+    pub(crate) event_create: FnEventCreate,
+    pub(crate) event_record: FnEventRecord,
+    pub(crate) event_query: FnEventQuery,
+    pub(crate) event_synchronize: FnEventSynchronize,
+    pub(crate) event_destroy: FnEventDestroy,
+    pub(crate) event_elapsed_time: FnEventElapsedTime,
+    pub(crate) mem_alloc: FnMemAlloc,
+    pub(crate) mem_free: FnMemFree,
+    pub(crate) memset_d8_async: FnMemsetD8Async,
+    pub(crate) mem_host_register: FnMemHostRegister,
+    pub(crate) mem_host_unregister: FnMemHostUnregister,
+    pub(crate) mem_host_alloc: FnMemHostAlloc,
+    pub(crate) mem_free_host: FnMemFreeHost,
+    pub(crate) mem_host_get_device_pointer: FnMemHostGetDevicePointer,
+    pub(crate) memcpy_htod_async: FnMemcpyHtoDAsync,
+    pub(crate) memcpy_dtoh_async: FnMemcpyDtoHAsync,
+    pub(crate) memcpy_2d_async: FnMemcpy2DAsync,
+    pub(crate) memcpy_3d_async: FnMemcpy3DAsync,
+    pub(crate) memcpy_batch_async: Option<BatchFn>,
+    pub(crate) pointer_get_attribute: FnPointerGetAttribute,
+    get_error_name: FnGetErrorString,
+    get_error_string: FnGetErrorString,
+    pub(crate) module_load_data_ex: FnModuleLoadDataEx,
+    pub(crate) module_get_function: FnModuleGetFunction,
+    pub(crate) module_unload: FnModuleUnload,
+    pub(crate) launch_kernel: FnLaunchKernel,
+}
+
+static DRIVER: OnceLock<Result<Driver, CudaError>> = OnceLock::new();
+
+/// The driver, loaded and initialised (`cuInit`) on the first call. Fails with a message that
+/// names CUDA when there is no driver, and with [`CudaError::Forked`] in a forked child of the
+/// process that loaded it.
+pub fn driver() -> Result<&'static Driver, CudaError> {
+    let d = DRIVER
+        .get_or_init(Driver::load)
+        .as_ref()
+        .map_err(Clone::clone)?;
+    let pid = std::process::id();
+    if pid != d.init_pid {
+        return Err(CudaError::Forked {
+            init_pid: d.init_pid,
+            pid,
+        });
+    }
+    Ok(d)
+}
+
+/// Whether this process has loaded the driver (for tests of "no CUDA at import").
+pub fn is_loaded() -> bool {
+    DRIVER.get().is_some()
+}
+
+/// Reinterprets a `dlsym` result as a function pointer of type `T`.
+///
+/// # Safety
+/// `T` must be an `extern "C"` function pointer type matching the symbol's prototype.
+unsafe fn fn_ptr<T: Copy>(p: *mut c_void) -> T {
+    const { assert!(std::mem::size_of::<T>() == std::mem::size_of::<*mut c_void>()) };
+    // SAFETY: same size (checked above); the caller vouches for the prototype.
+    unsafe { std::mem::transmute_copy::<*mut c_void, T>(&p) }
+}
+
+fn dlerror_string() -> String {
+    // SAFETY: dlerror returns null or a NUL-terminated string valid until the next dl* call on
+    // this thread; it is copied at once.
+    unsafe {
+        let e = libc::dlerror();
+        if e.is_null() {
+            "unknown dlopen error".to_owned()
+        } else {
+            CStr::from_ptr(e).to_string_lossy().into_owned()
+        }
+    }
+}
+
+impl Driver {
+    fn load() -> Result<Driver, CudaError> {
+        let lib = std::env::var(LIBCUDA_ENV).unwrap_or_else(|_| LIBCUDA.to_owned());
+        let c_lib = CString::new(lib.clone()).map_err(|_| CudaError::NoDriver {
+            lib: lib.clone(),
+            reason: "the path contains a NUL byte".into(),
+        })?;
+        // SAFETY: a valid NUL-terminated path; RTLD_LOCAL keeps the driver's symbols out of the
+        // global namespace. The handle is never closed: the function pointers live for the
+        // process.
+        let handle = unsafe { libc::dlopen(c_lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return Err(CudaError::NoDriver {
+                lib,
+                reason: dlerror_string(),
+            });
+        }
+        let sym = |name: &CStr| -> Result<*mut c_void, CudaError> {
+            // SAFETY: `handle` is a live dlopen handle and `name` is NUL-terminated.
+            let p = unsafe { libc::dlsym(handle, name.as_ptr()) };
+            if p.is_null() {
+                Err(CudaError::MissingSymbol {
+                    lib: lib.clone(),
+                    symbol: name.to_string_lossy().into_owned(),
+                })
+            } else {
+                Ok(p)
+            }
+        };
+        macro_rules! load {
+            ($name:literal) => {{
+                let p = sym($name)?;
+                // SAFETY: the symbol is the driver export named in cuda.h for this prototype
+                // (see ffi.rs).
+                unsafe { fn_ptr(p) }
+            }};
+        }
+        let init: FnInit = load!(c"cuInit");
+        let get_error_name: FnGetErrorString = load!(c"cuGetErrorName");
+        let get_error_string: FnGetErrorString = load!(c"cuGetErrorString");
+        let driver_get_version: FnDriverGetVersion = load!(c"cuDriverGetVersion");
+        let memcpy_batch_async = if std::env::var_os("UMBP_CUDA_NO_BATCH").is_some() {
+            None
+        } else if let Ok(p) = sym(c"cuMemcpyBatchAsync_v2") {
+            // SAFETY: the CUDA 13.0 export of the 8-argument prototype.
+            Some(BatchFn::V2(unsafe { fn_ptr::<FnMemcpyBatchAsyncV2>(p) }))
+        } else if let Ok(p) = sym(c"cuMemcpyBatchAsync") {
+            // SAFETY: the CUDA 12.8 export of the 9-argument prototype (with failIdx).
+            Some(BatchFn::V1(unsafe { fn_ptr::<FnMemcpyBatchAsyncV1>(p) }))
+        } else {
+            None
+        };
+        let mut d = Driver {
+            lib: lib.clone(),
+            version: 0,
+            init_pid: std::process::id(),
+            device_get_count: load!(c"cuDeviceGetCount"),
+            device_get: load!(c"cuDeviceGet"),
+            device_get_attribute: load!(c"cuDeviceGetAttribute"),
+            device_get_name: load!(c"cuDeviceGetName"),
+            primary_ctx_retain: load!(c"cuDevicePrimaryCtxRetain"),
+            primary_ctx_release: load!(c"cuDevicePrimaryCtxRelease_v2"),
+            ctx_set_current: load!(c"cuCtxSetCurrent"),
+            ctx_push_current: load!(c"cuCtxPushCurrent_v2"),
+            ctx_pop_current: load!(c"cuCtxPopCurrent_v2"),
+            stream_create: load!(c"cuStreamCreate"),
+            stream_destroy: load!(c"cuStreamDestroy_v2"),
+            stream_synchronize: load!(c"cuStreamSynchronize"),
+            stream_wait_event: load!(c"cuStreamWaitEvent"),
+            stream_is_capturing: load!(c"cuStreamIsCapturing"),
+            event_create: load!(c"cuEventCreate"),
+            event_record: load!(c"cuEventRecord"),
+            event_query: load!(c"cuEventQuery"),
+            event_synchronize: load!(c"cuEventSynchronize"),
+            event_destroy: load!(c"cuEventDestroy_v2"),
+            event_elapsed_time: match sym(c"cuEventElapsedTime_v2") {
+                // SAFETY: same prototype as cuEventElapsedTime (CUDA 12.8 renamed the export).
+                Ok(p) => unsafe { fn_ptr::<FnEventElapsedTime>(p) },
+                Err(_) => load!(c"cuEventElapsedTime"),
+            },
+            mem_alloc: load!(c"cuMemAlloc_v2"),
+            mem_free: load!(c"cuMemFree_v2"),
+            memset_d8_async: load!(c"cuMemsetD8Async"),
+            mem_host_register: load!(c"cuMemHostRegister_v2"),
+            mem_host_unregister: load!(c"cuMemHostUnregister"),
+            mem_host_alloc: load!(c"cuMemHostAlloc"),
+            mem_free_host: load!(c"cuMemFreeHost"),
+            mem_host_get_device_pointer: load!(c"cuMemHostGetDevicePointer_v2"),
+            memcpy_htod_async: load!(c"cuMemcpyHtoDAsync_v2"),
+            memcpy_dtoh_async: load!(c"cuMemcpyDtoHAsync_v2"),
+            memcpy_2d_async: load!(c"cuMemcpy2DAsync_v2"),
+            memcpy_3d_async: load!(c"cuMemcpy3DAsync_v2"),
+            memcpy_batch_async,
+            pointer_get_attribute: load!(c"cuPointerGetAttribute"),
+            get_error_name,
+            get_error_string,
+            module_load_data_ex: load!(c"cuModuleLoadDataEx"),
+            module_get_function: load!(c"cuModuleGetFunction"),
+            module_unload: load!(c"cuModuleUnload"),
+            launch_kernel: load!(c"cuLaunchKernel"),
+        };
+        // SAFETY: cuInit takes flags that must be 0.
+        let rc = unsafe { init(0) };
+        if rc == CUDA_ERROR_STUB_LIBRARY {
+            return Err(CudaError::NoDriver {
+                lib,
+                reason: "it is the CUDA toolkit's stub library, not the NVIDIA driver's".into(),
+            });
+        }
+        d.check("cuInit", rc)?;
+        let mut v: c_int = 0;
+        // SAFETY: `v` is a valid out-pointer.
+        d.check("cuDriverGetVersion", unsafe { driver_get_version(&mut v) })?;
+        d.version = v;
+        log::info!(
+            "umbp: loaded the CUDA driver {} (driver API {}), batched copies: {}",
+            d.lib,
+            d.version,
+            match d.memcpy_batch_async {
+                Some(BatchFn::V2(_)) => "cuMemcpyBatchAsync_v2",
+                Some(BatchFn::V1(_)) => "cuMemcpyBatchAsync (12.8)",
+                None => "not used",
+            }
+        );
+        Ok(d)
+    }
+
+    fn error_text(&self, rc: CUresult) -> (String, String) {
+        let read = |f: FnGetErrorString| {
+            let mut p: *const c_char = std::ptr::null();
+            // SAFETY: `p` is a valid out-pointer; the driver returns a static string or fails.
+            let ok = unsafe { f(rc, &mut p) } == CUDA_SUCCESS && !p.is_null();
+            if ok {
+                // SAFETY: the driver's error strings are static NUL-terminated strings.
+                unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+            } else {
+                format!("unknown CUDA error {rc}")
+            }
+        };
+        (read(self.get_error_name), read(self.get_error_string))
+    }
+
+    /// `Ok` when `rc` is `CUDA_SUCCESS`, else an error naming `call`.
+    pub fn check(&self, call: &'static str, rc: CUresult) -> Result<(), CudaError> {
+        if rc == CUDA_SUCCESS {
+            return Ok(());
+        }
+        let (name, mut text) = self.error_text(rc);
+        if rc == CUDA_ERROR_NO_DEVICE {
+            text.push_str(" (no CUDA device is visible: check CUDA_VISIBLE_DEVICES)");
+        }
+        Err(CudaError::Call {
+            call,
+            code: rc,
+            name,
+            text,
+        })
+    }
+
+    /// Whether the driver exports a batched copy entry point UMBP can use.
+    pub fn has_batch_copy(&self) -> bool {
+        self.memcpy_batch_async.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_messages_name_cuda() {
+        let e = CudaError::NoDriver {
+            lib: LIBCUDA.into(),
+            reason: "libcuda.so.1: cannot open shared object file".into(),
+        };
+        let m = e.to_string();
+        assert!(m.contains("CUDA") && m.contains("libcuda.so.1"), "{m}");
+    }
+}

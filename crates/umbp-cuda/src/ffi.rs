@@ -1,0 +1,297 @@
+//! The few CUDA driver API types, constants and structs UMBP uses, mirrored by hand.
+//!
+//! Sizes, offsets and values were checked against `cuda.h` of CUDA 12.8 and 13.0 (x86-64 LP64);
+//! the `const` assertions below keep the struct layouts honest on every build.
+
+#![allow(non_camel_case_types, non_snake_case, dead_code)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::mem::{align_of, offset_of, size_of};
+
+pub type CUresult = c_int;
+pub type CUdevice = c_int;
+pub type CUdeviceptr = u64;
+pub type CUcontext = *mut c_void;
+pub type CUstream = *mut c_void;
+pub type CUevent = *mut c_void;
+pub type CUmodule = *mut c_void;
+pub type CUfunction = *mut c_void;
+pub type CUarray = *mut c_void;
+
+pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+pub const CUDA_ERROR_STUB_LIBRARY: CUresult = 34;
+pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
+pub const CUDA_ERROR_NOT_READY: CUresult = 600;
+pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CUresult = 712;
+
+pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
+pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: c_int = 12;
+
+pub const CU_MEMORYTYPE_HOST: c_uint = 1;
+pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
+
+pub const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 0x1;
+pub const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 0x2;
+
+pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+
+pub const CU_EVENT_DEFAULT: c_uint = 0;
+pub const CU_EVENT_BLOCKING_SYNC: c_uint = 1;
+pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+
+pub const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
+
+pub const CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: c_int = 1;
+pub const CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: c_uint = 1;
+
+pub const CU_DEVICE_ATTRIBUTE_MAX_PITCH: c_int = 11;
+pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
+pub const CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: c_int = 40;
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
+
+pub const CU_JIT_ERROR_LOG_BUFFER: c_int = 5;
+pub const CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES: c_int = 6;
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CUmemLocation {
+    pub type_: c_int,
+    pub id: c_int,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CUmemcpyAttributes {
+    pub srcAccessOrder: c_int,
+    pub srcLocHint: CUmemLocation,
+    pub dstLocHint: CUmemLocation,
+    pub flags: c_uint,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUDA_MEMCPY2D {
+    pub srcXInBytes: usize,
+    pub srcY: usize,
+    pub srcMemoryType: c_uint,
+    pub srcHost: *const c_void,
+    pub srcDevice: CUdeviceptr,
+    pub srcArray: CUarray,
+    pub srcPitch: usize,
+    pub dstXInBytes: usize,
+    pub dstY: usize,
+    pub dstMemoryType: c_uint,
+    pub dstHost: *mut c_void,
+    pub dstDevice: CUdeviceptr,
+    pub dstArray: CUarray,
+    pub dstPitch: usize,
+    pub WidthInBytes: usize,
+    pub Height: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUDA_MEMCPY3D {
+    pub srcXInBytes: usize,
+    pub srcY: usize,
+    pub srcZ: usize,
+    pub srcLOD: usize,
+    pub srcMemoryType: c_uint,
+    pub srcHost: *const c_void,
+    pub srcDevice: CUdeviceptr,
+    pub srcArray: CUarray,
+    pub reserved0: *mut c_void,
+    pub srcPitch: usize,
+    pub srcHeight: usize,
+    pub dstXInBytes: usize,
+    pub dstY: usize,
+    pub dstZ: usize,
+    pub dstLOD: usize,
+    pub dstMemoryType: c_uint,
+    pub dstHost: *mut c_void,
+    pub dstDevice: CUdeviceptr,
+    pub dstArray: CUarray,
+    pub reserved1: *mut c_void,
+    pub dstPitch: usize,
+    pub dstHeight: usize,
+    pub WidthInBytes: usize,
+    pub Height: usize,
+    pub Depth: usize,
+}
+
+impl CUDA_MEMCPY2D {
+    /// All fields zero / null.
+    pub fn zeroed() -> Self {
+        CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: 0,
+            srcHost: std::ptr::null(),
+            srcDevice: 0,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: 0,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: 0,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: 0,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: 0,
+            WidthInBytes: 0,
+            Height: 0,
+        }
+    }
+}
+
+impl CUDA_MEMCPY3D {
+    /// All fields zero / null (the reserved pointers must stay null).
+    pub fn zeroed() -> Self {
+        CUDA_MEMCPY3D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcZ: 0,
+            srcLOD: 0,
+            srcMemoryType: 0,
+            srcHost: std::ptr::null(),
+            srcDevice: 0,
+            srcArray: std::ptr::null_mut(),
+            reserved0: std::ptr::null_mut(),
+            srcPitch: 0,
+            srcHeight: 0,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstZ: 0,
+            dstLOD: 0,
+            dstMemoryType: 0,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: 0,
+            dstArray: std::ptr::null_mut(),
+            reserved1: std::ptr::null_mut(),
+            dstPitch: 0,
+            dstHeight: 0,
+            WidthInBytes: 0,
+            Height: 0,
+            Depth: 0,
+        }
+    }
+}
+
+const _: () = assert!(size_of::<CUDA_MEMCPY2D>() == 128 && align_of::<CUDA_MEMCPY2D>() == 8);
+const _: () = assert!(
+    offset_of!(CUDA_MEMCPY2D, srcMemoryType) == 16 && offset_of!(CUDA_MEMCPY2D, srcHost) == 24
+);
+const _: () = assert!(
+    offset_of!(CUDA_MEMCPY2D, srcPitch) == 48 && offset_of!(CUDA_MEMCPY2D, dstMemoryType) == 72
+);
+const _: () =
+    assert!(offset_of!(CUDA_MEMCPY2D, dstHost) == 80 && offset_of!(CUDA_MEMCPY2D, dstPitch) == 104);
+const _: () = assert!(
+    offset_of!(CUDA_MEMCPY2D, WidthInBytes) == 112 && offset_of!(CUDA_MEMCPY2D, Height) == 120
+);
+const _: () = assert!(size_of::<CUDA_MEMCPY3D>() == 200);
+const _: () = assert!(
+    offset_of!(CUDA_MEMCPY3D, srcMemoryType) == 32 && offset_of!(CUDA_MEMCPY3D, reserved0) == 64
+);
+const _: () = assert!(
+    offset_of!(CUDA_MEMCPY3D, srcHeight) == 80 && offset_of!(CUDA_MEMCPY3D, dstMemoryType) == 120
+);
+const _: () =
+    assert!(offset_of!(CUDA_MEMCPY3D, dstHeight) == 168 && offset_of!(CUDA_MEMCPY3D, Depth) == 192);
+const _: () =
+    assert!(size_of::<CUmemcpyAttributes>() == 24 && align_of::<CUmemcpyAttributes>() == 4);
+const _: () = assert!(
+    offset_of!(CUmemcpyAttributes, srcLocHint) == 4
+        && offset_of!(CUmemcpyAttributes, dstLocHint) == 12
+);
+const _: () = assert!(offset_of!(CUmemcpyAttributes, flags) == 20);
+
+pub type FnInit = unsafe extern "C" fn(c_uint) -> CUresult;
+pub type FnDriverGetVersion = unsafe extern "C" fn(*mut c_int) -> CUresult;
+pub type FnDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> CUresult;
+pub type FnDeviceGet = unsafe extern "C" fn(*mut CUdevice, c_int) -> CUresult;
+pub type FnDeviceGetAttribute = unsafe extern "C" fn(*mut c_int, c_int, CUdevice) -> CUresult;
+pub type FnDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, CUdevice) -> CUresult;
+pub type FnDevicePrimaryCtxRetain = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
+pub type FnDevicePrimaryCtxRelease = unsafe extern "C" fn(CUdevice) -> CUresult;
+pub type FnCtxSetCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
+pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
+pub type FnCtxPushCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
+pub type FnCtxPopCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
+pub type FnStreamCreate = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUresult;
+pub type FnStreamDestroy = unsafe extern "C" fn(CUstream) -> CUresult;
+pub type FnStreamSynchronize = unsafe extern "C" fn(CUstream) -> CUresult;
+pub type FnStreamWaitEvent = unsafe extern "C" fn(CUstream, CUevent, c_uint) -> CUresult;
+pub type FnStreamIsCapturing = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
+pub type FnEventCreate = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
+pub type FnEventRecord = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;
+pub type FnEventQuery = unsafe extern "C" fn(CUevent) -> CUresult;
+pub type FnEventSynchronize = unsafe extern "C" fn(CUevent) -> CUresult;
+pub type FnEventDestroy = unsafe extern "C" fn(CUevent) -> CUresult;
+pub type FnEventElapsedTime = unsafe extern "C" fn(*mut f32, CUevent, CUevent) -> CUresult;
+pub type FnMemAlloc = unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult;
+pub type FnMemFree = unsafe extern "C" fn(CUdeviceptr) -> CUresult;
+pub type FnMemsetD8Async = unsafe extern "C" fn(CUdeviceptr, u8, usize, CUstream) -> CUresult;
+pub type FnMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CUresult;
+pub type FnMemHostGetDevicePointer =
+    unsafe extern "C" fn(*mut CUdeviceptr, *mut c_void, c_uint) -> CUresult;
+pub type FnMemFreeHost = unsafe extern "C" fn(*mut c_void) -> CUresult;
+pub type FnMemHostRegister = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CUresult;
+pub type FnMemHostUnregister = unsafe extern "C" fn(*mut c_void) -> CUresult;
+pub type FnMemcpyHtoDAsync =
+    unsafe extern "C" fn(CUdeviceptr, *const c_void, usize, CUstream) -> CUresult;
+pub type FnMemcpyDtoHAsync =
+    unsafe extern "C" fn(*mut c_void, CUdeviceptr, usize, CUstream) -> CUresult;
+pub type FnMemcpy2DAsync = unsafe extern "C" fn(*const CUDA_MEMCPY2D, CUstream) -> CUresult;
+pub type FnMemcpy3DAsync = unsafe extern "C" fn(*const CUDA_MEMCPY3D, CUstream) -> CUresult;
+/// CUDA 13.0 ABI, exported as `cuMemcpyBatchAsync_v2`.
+pub type FnMemcpyBatchAsyncV2 = unsafe extern "C" fn(
+    *mut CUdeviceptr,
+    *mut CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    CUstream,
+) -> CUresult;
+/// CUDA 12.8 ABI (with `failIdx`), exported as `cuMemcpyBatchAsync`.
+pub type FnMemcpyBatchAsyncV1 = unsafe extern "C" fn(
+    *mut CUdeviceptr,
+    *mut CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    CUstream,
+) -> CUresult;
+pub type FnPointerGetAttribute = unsafe extern "C" fn(*mut c_void, c_int, CUdeviceptr) -> CUresult;
+pub type FnGetErrorString = unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult;
+pub type FnModuleLoadDataEx = unsafe extern "C" fn(
+    *mut CUmodule,
+    *const c_void,
+    c_uint,
+    *mut c_int,
+    *mut *mut c_void,
+) -> CUresult;
+pub type FnModuleGetFunction =
+    unsafe extern "C" fn(*mut CUfunction, CUmodule, *const c_char) -> CUresult;
+pub type FnModuleUnload = unsafe extern "C" fn(CUmodule) -> CUresult;
+pub type FnLaunchKernel = unsafe extern "C" fn(
+    CUfunction,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    CUstream,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CUresult;

@@ -1,0 +1,24 @@
+//! The CUDA backend of UMBP's copy engine.
+//!
+//! * [`driver`]: the NVIDIA driver library, loaded with `dlopen` on first use, never at import.
+//!   Without a driver every entry point returns a [`CudaError`] that names CUDA; nothing panics.
+//! * [`Device`]: a device's primary context (the one PyTorch uses), streams, events, memory.
+//! * [`PoolPinner`]: registers the pool for DMA in chunks on a background thread.
+//! * [`CudaMover`]: the [`umbp_copy::Mover`] between CUDA memory and pool objects: DMA by default
+//!   (merged, 2-D/3-D strided and batched copies), a brief staged gather/scatter for small
+//!   pieces (`auto`), ordering after the submitter's stream through events.
+//! * [`plan`]: the pure planning both methods use (unit-tested without a GPU).
+
+mod device;
+pub mod driver;
+mod error;
+mod ffi;
+mod mover;
+mod pin;
+pub mod plan;
+
+pub use device::{CtxGuard, Device, DeviceBuffer, Event, HostBuffer, HostRegistration, Stream};
+pub use driver::{driver, Driver};
+pub use error::CudaError;
+pub use mover::{CopyMethod, CudaMover, CudaOptions, CudaStats};
+pub use pin::{PinProgress, PinStatus, PoolPinner, SPLIT_BYTES};

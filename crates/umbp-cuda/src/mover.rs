@@ -1,0 +1,1057 @@
+//! [`CudaMover`]: the copy engine's mover between CUDA memory and pool objects.
+//!
+//! Two methods, chosen per batch:
+//!
+//! * **DMA** (`dma`): copy engines only, no GPU compute units. Pieces adjacent on both sides are
+//!   merged, equal pieces at constant strides become one 2-D copy (3-D when a stride is above
+//!   the device's maximum pitch), and what is left is sent in batched copy calls where the driver
+//!   has them.
+//! * **Staged** (`staged`): a brief device-side gather (store) or scatter (load) between the KV
+//!   cache and a small device staging slot, and one DMA per run of neighbouring pool objects.
+//!   The kernel runs at HBM speed on at most `max_ctas` thread blocks; its GPU time is measured
+//!   (see [`CudaStats`]).
+//!
+//! `auto` (the default) stages batches whose pieces average under 32 KiB and uses DMA for the
+//! rest. Per direction there is one DMA stream and one kernel stream, created once and reused.
+//! A submitter's ordering token is an event recorded on its stream ([`CudaMover::record_after`]);
+//! every copy of the job that reads (store) or writes (load) engine memory waits for it on the
+//! device, so the host never blocks on it. A batch returns once its completion event has been
+//! observed, so a finished job's bytes are visible to any work launched afterwards.
+
+use std::collections::HashMap;
+use std::ffi::{c_uint, c_void};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use umbp_copy::{BlockCopy, Mover};
+use umbp_pool::Pool;
+
+use crate::device::{Device, DeviceBuffer, Event, HostBuffer, Stream};
+use crate::driver::BatchFn;
+use crate::ffi::*;
+use crate::pin::{PinProgress, PinStatus, PoolPinner, SPLIT_BYTES};
+use crate::plan::{self, Run, Slice};
+use crate::CudaError;
+
+const PTX: &str = concat!(include_str!("umbp_copy.ptx"), "\0");
+
+/// How batches move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyMethod {
+    /// Staged for pieces averaging under [`CudaOptions::auto_threshold`], DMA otherwise.
+    Auto,
+    /// DMA only: no GPU compute units.
+    Dma,
+    /// Always staged (falls back to DMA for a block larger than a staging slot).
+    Staged,
+}
+
+impl FromStr for CopyMethod {
+    type Err = CudaError;
+    fn from_str(s: &str) -> Result<Self, CudaError> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(CopyMethod::Auto),
+            "dma" => Ok(CopyMethod::Dma),
+            "staged" => Ok(CopyMethod::Staged),
+            _ => Err(CudaError::Option {
+                name: "cuda_copy_method",
+                reason: format!("{s:?} is not one of \"auto\", \"dma\", \"staged\""),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for CopyMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CopyMethod::Auto => "auto",
+            CopyMethod::Dma => "dma",
+            CopyMethod::Staged => "staged",
+        })
+    }
+}
+
+/// Options of the CUDA backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// How batches move.
+    pub method: CopyMethod,
+    /// Device staging memory per direction (0 disables staging).
+    pub staging_bytes: u64,
+    /// Staging slots per direction (the staging memory is split evenly).
+    pub staging_slots: usize,
+    /// Thread blocks (of 256 threads) a gather/scatter kernel may use.
+    pub max_ctas: u32,
+    /// Pool registration chunk (a multiple of 64 MiB; copies wait for at most one).
+    pub pin_chunk_bytes: u64,
+    /// Blocks per mover call.
+    pub batch_blocks: usize,
+    /// `auto` stages batches whose pieces average fewer bytes than this.
+    pub auto_threshold: u64,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            method: CopyMethod::Auto,
+            staging_bytes: 32 << 20,
+            staging_slots: 4,
+            max_ctas: 16,
+            pin_chunk_bytes: SPLIT_BYTES,
+            batch_blocks: 32,
+            auto_threshold: 32 << 10,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// Checks every option (no CUDA needed).
+    pub fn validate(&self) -> Result<(), CudaError> {
+        let bad = |name, reason: String| Err(CudaError::Option { name, reason });
+        if self.staging_bytes != 0 && self.staging_bytes < (1 << 20) {
+            return bad(
+                "cuda_staging_bytes",
+                format!(
+                    "{} is below 1 MiB (use 0 to disable staging)",
+                    self.staging_bytes
+                ),
+            );
+        }
+        if !(1..=64).contains(&self.staging_slots) {
+            return bad(
+                "cuda_staging_slots",
+                format!("{} is outside 1..=64", self.staging_slots),
+            );
+        }
+        if !(1..=1024).contains(&self.max_ctas) {
+            return bad(
+                "cuda_max_ctas",
+                format!("{} is outside 1..=1024", self.max_ctas),
+            );
+        }
+        if self.pin_chunk_bytes == 0 || !self.pin_chunk_bytes.is_multiple_of(SPLIT_BYTES) {
+            return bad(
+                "cuda_pin_chunk_bytes",
+                format!(
+                    "{} is not a positive multiple of 64 MiB",
+                    self.pin_chunk_bytes
+                ),
+            );
+        }
+        if !(1..=4096).contains(&self.batch_blocks) {
+            return bad(
+                "cuda_batch_blocks",
+                format!("{} is outside 1..=4096", self.batch_blocks),
+            );
+        }
+        if self.method == CopyMethod::Staged && self.staging_bytes == 0 {
+            return bad(
+                "cuda_copy_method",
+                "\"staged\" needs cuda_staging_bytes > 0".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Counters of the CUDA mover.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CudaStats {
+    /// Bytes moved by the DMA method.
+    pub dma_bytes: u64,
+    /// Bytes moved by the staged method.
+    pub staged_bytes: u64,
+    /// GPU time of gather/scatter kernels, in nanoseconds (measured with events).
+    pub kernel_ns: u64,
+    /// Kernel launches.
+    pub kernel_launches: u64,
+    /// Strided copies issued as 2-D copies.
+    pub copies_2d: u64,
+    /// Strided copies issued as 3-D copies (strides above the maximum pitch).
+    pub copies_3d: u64,
+    /// Plain copies.
+    pub copies_1d: u64,
+    /// Batched copy calls.
+    pub batch_calls: u64,
+    /// Device memory held for staging slots, both directions (plus 384 KiB of pinned host
+    /// memory per slot for descriptors).
+    pub staging_device_bytes: u64,
+    /// Thread blocks per kernel launch at most.
+    pub max_ctas: u32,
+    /// The device's multiprocessors.
+    pub sm_count: u32,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    dma_bytes: AtomicU64,
+    staged_bytes: AtomicU64,
+    kernel_ns: AtomicU64,
+    kernel_launches: AtomicU64,
+    copies_2d: AtomicU64,
+    copies_3d: AtomicU64,
+    copies_1d: AtomicU64,
+    batch_calls: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Kernels {
+    module: CUmodule,
+    gather: CUfunction,
+    scatter: CUfunction,
+}
+
+// SAFETY: module and function handles may be used from any thread of the process.
+unsafe impl Send for Kernels {}
+// SAFETY: as above; they are never mutated.
+unsafe impl Sync for Kernels {}
+
+/// Most descriptors one staging slot carries.
+const MAX_DESCS: usize = 16384;
+
+#[derive(Debug)]
+struct Slot {
+    stage: DeviceBuffer,
+    /// Descriptors (`devs | offs | lens`, `u64` each), written by the host and read by the
+    /// kernel through the mapping.
+    descs: HostBuffer,
+    /// Recorded after the last use of the slot.
+    free: Event,
+    /// Recorded when the slot's first stage is done.
+    ready: Event,
+    used: bool,
+}
+
+#[derive(Debug)]
+struct Ring {
+    slots: Vec<Slot>,
+    next: usize,
+}
+
+#[derive(Debug)]
+struct Lane {
+    dma: Stream,
+    kern: Stream,
+    ring: Option<Mutex<Ring>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Store,
+    Load,
+}
+
+/// Moves bytes between CUDA memory and pool objects (see the module docs).
+#[derive(Debug)]
+pub struct CudaMover {
+    dev: Arc<Device>,
+    opts: CudaOptions,
+    pinner: PoolPinner,
+    store: Lane,
+    load: Lane,
+    kernels: Option<Kernels>,
+    slot_bytes: u64,
+    events: Mutex<Vec<Event>>,
+    timing_events: Mutex<Vec<Event>>,
+    tokens: Mutex<HashMap<u64, Event>>,
+    counters: Counters,
+}
+
+impl CudaMover {
+    /// A mover for device `device` that copies into and out of `pool`, whose registration for
+    /// DMA starts now on a background thread.
+    pub fn new(device: i32, pool: Arc<Pool>, opts: CudaOptions) -> Result<CudaMover, CudaError> {
+        opts.validate()?;
+        let dev = Device::open(device)?;
+        let want_staging = opts.method != CopyMethod::Dma && opts.staging_bytes > 0;
+        let kernels = if want_staging {
+            match load_kernels(&dev) {
+                Ok(k) => Some(k),
+                Err(e) if opts.method == CopyMethod::Auto => {
+                    log::warn!("umbp: the staging kernels did not load ({e}); using DMA only");
+                    None
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        let slot_bytes = (opts.staging_bytes / opts.staging_slots as u64) / 256 * 256;
+        let lane = |with_ring: bool| -> Result<Lane, CudaError> {
+            let ring = if with_ring {
+                let mut slots = Vec::with_capacity(opts.staging_slots);
+                for _ in 0..opts.staging_slots {
+                    slots.push(Slot {
+                        stage: dev.alloc(slot_bytes)?,
+                        descs: dev.alloc_host(3 * 8 * MAX_DESCS as u64)?,
+                        free: dev.event(false)?,
+                        ready: dev.event(false)?,
+                        used: false,
+                    });
+                }
+                Some(Mutex::new(Ring { slots, next: 0 }))
+            } else {
+                None
+            };
+            Ok(Lane {
+                dma: dev.stream()?,
+                kern: dev.stream()?,
+                ring,
+            })
+        };
+        let store = lane(kernels.is_some())?;
+        let load = lane(kernels.is_some())?;
+        let pinner = PoolPinner::start(Arc::clone(&dev), pool, opts.pin_chunk_bytes)?;
+        log::info!(
+            "umbp: CUDA mover on device {} ({}): method {}, staging {} x {} bytes per direction",
+            dev.ordinal(),
+            dev.name,
+            opts.method,
+            if kernels.is_some() {
+                opts.staging_slots
+            } else {
+                0
+            },
+            slot_bytes
+        );
+        Ok(CudaMover {
+            dev,
+            opts,
+            pinner,
+            store,
+            load,
+            kernels,
+            slot_bytes,
+            events: Mutex::new(Vec::new()),
+            timing_events: Mutex::new(Vec::new()),
+            tokens: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &CudaOptions {
+        &self.opts
+    }
+
+    /// Pool registration progress.
+    pub fn pin_progress(&self) -> &Arc<PinProgress> {
+        self.pinner.progress()
+    }
+
+    /// A snapshot of pool registration.
+    pub fn pin_status(&self) -> PinStatus {
+        self.pinner.progress().status()
+    }
+
+    /// Stops registering and unregisters the pool (call after the last copy).
+    pub fn shutdown(&self) {
+        let _ = self.store.dma.synchronize();
+        let _ = self.load.dma.synchronize();
+        let _ = self.store.kern.synchronize();
+        let _ = self.load.kern.synchronize();
+        self.pinner.shutdown();
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> CudaStats {
+        let c = &self.counters;
+        CudaStats {
+            dma_bytes: c.dma_bytes.load(Ordering::Relaxed),
+            staged_bytes: c.staged_bytes.load(Ordering::Relaxed),
+            kernel_ns: c.kernel_ns.load(Ordering::Relaxed),
+            kernel_launches: c.kernel_launches.load(Ordering::Relaxed),
+            copies_2d: c.copies_2d.load(Ordering::Relaxed),
+            copies_3d: c.copies_3d.load(Ordering::Relaxed),
+            copies_1d: c.copies_1d.load(Ordering::Relaxed),
+            batch_calls: c.batch_calls.load(Ordering::Relaxed),
+            staging_device_bytes: if self.kernels.is_some() {
+                2 * self.slot_bytes * self.opts.staging_slots as u64
+            } else {
+                0
+            },
+            max_ctas: self.opts.max_ctas,
+            sm_count: self.dev.sm_count,
+        }
+    }
+
+    /// Checks that `[addr, addr + len)` is memory of this mover's device.
+    pub fn check_device_range(&self, addr: u64, len: u64) -> Result<(), CudaError> {
+        self.dev.check_device_range(addr, len)
+    }
+
+    /// Records an event on the caller's stream `stream` (a raw `cudaStream_t`; 0 is the legacy
+    /// default stream) and returns it as an ordering token for [`umbp_copy::CopyEngine`]. The
+    /// copies of the job wait for it on the device. Fails while the stream is being captured
+    /// into a CUDA graph.
+    pub fn record_after(&self, stream: u64) -> Result<u64, CudaError> {
+        let _g = self.dev.scoped()?;
+        let d = self.dev.driver();
+        let s = stream as CUstream;
+        let mut status: std::ffi::c_int = 0;
+        // SAFETY: valid out-pointer; `s` is the caller's stream handle.
+        d.check("cuStreamIsCapturing", unsafe {
+            (d.stream_is_capturing)(s, &mut status)
+        })?;
+        if status != CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(CudaError::Invalid(
+                "the stream is being captured into a CUDA graph; submit stores and loads outside graph capture".into(),
+            ));
+        }
+        let ev = match self.events.lock().pop() {
+            Some(e) => e,
+            None => self.dev.event(false)?,
+        };
+        if let Err(e) = ev.record_raw(s) {
+            self.events.lock().push(ev);
+            return Err(e);
+        }
+        let token = ev.raw() as u64;
+        self.tokens.lock().insert(token, ev);
+        Ok(token)
+    }
+
+    fn take_event(&self, timing: bool) -> Result<Event, CudaError> {
+        let pool = if timing {
+            &self.timing_events
+        } else {
+            &self.events
+        };
+        match pool.lock().pop() {
+            Some(e) => Ok(e),
+            None => self.dev.event(timing),
+        }
+    }
+
+    fn give_event(&self, e: Event, timing: bool) {
+        if timing {
+            self.timing_events.lock().push(e)
+        } else {
+            self.events.lock().push(e)
+        }
+    }
+
+    fn after_event(&self, after: u64) -> Option<CUevent> {
+        if after == 0 {
+            return None;
+        }
+        self.tokens.lock().get(&after).map(Event::raw)
+    }
+
+    fn choose(&self, blocks: &[BlockCopy<'_>]) -> CopyMethod {
+        if self.kernels.is_none() {
+            return CopyMethod::Dma;
+        }
+        match self.opts.method {
+            CopyMethod::Dma => CopyMethod::Dma,
+            CopyMethod::Staged => CopyMethod::Staged,
+            CopyMethod::Auto => {
+                let (mut bytes, mut n) = (0u64, 0u64);
+                for b in blocks {
+                    for r in b.ranges {
+                        bytes += r.len;
+                        n += 1;
+                    }
+                }
+                if n > 0 && bytes / n < self.opts.auto_threshold {
+                    CopyMethod::Staged
+                } else {
+                    CopyMethod::Dma
+                }
+            }
+        }
+    }
+
+    fn copy(&self, dir: Dir, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>> {
+        let mut results: Vec<Result<(), String>> = vec![Ok(()); blocks.len()];
+        let fail_all = |results: &mut Vec<Result<(), String>>, e: &CudaError| {
+            for r in results.iter_mut() {
+                if r.is_ok() {
+                    *r = Err(e.to_string());
+                }
+            }
+        };
+        if let Err(e) = self.dev.bind_thread() {
+            fail_all(&mut results, &e);
+            return results;
+        }
+        let after = self.after_event(after);
+        // DMA only to registered pool memory: register what this batch touches now if the
+        // background thread has not reached it yet.
+        let pin = self.pinner.progress();
+        let _copying = pin.copying();
+        let d = self.dev.driver();
+        let mut pinned = true;
+        for b in blocks {
+            let extent = b
+                .ranges
+                .iter()
+                .map(|r| r.object_offset + r.len)
+                .max()
+                .unwrap_or(0);
+            if extent > 0 && !pin.ensure(d, b.object as u64, extent) {
+                pinned = false;
+            }
+        }
+        if !pinned {
+            // The pageable path does not keep the device-side ordering: wait on the host.
+            if let Some(ev) = after {
+                // SAFETY: a live event of this context (the job holds its token).
+                let rc = unsafe { (d.event_synchronize)(ev) };
+                if let Err(e) = d.check("cuEventSynchronize", rc) {
+                    fail_all(&mut results, &e);
+                    return results;
+                }
+            }
+        }
+        let done = match self.take_event(false) {
+            Ok(e) => e,
+            Err(e) => {
+                fail_all(&mut results, &e);
+                return results;
+            }
+        };
+        let (base, g) = (pin.base, pin.chunk);
+        let mut timings = Vec::new();
+        let slices = match self.choose(blocks) {
+            CopyMethod::Dma => None,
+            _ => plan::staged(blocks, self.slot_bytes, MAX_DESCS, base, g),
+        };
+        let enqueued = match &slices {
+            Some(slices) => self.run_staged(dir, slices, after, &done, &mut results, &mut timings),
+            None => self.run_dma(dir, blocks, after, &done, &mut results),
+        };
+        if let Err(e) = enqueued.and_then(|_| done.synchronize()) {
+            log::error!("umbp: CUDA copy failed: {e}");
+            fail_all(&mut results, &e);
+        }
+        let mut ns = 0u64;
+        for (t0, t1) in timings {
+            if let Ok(ms) = t1.elapsed_ms_since(&t0) {
+                ns += (f64::from(ms) * 1e6) as u64;
+            }
+            self.give_event(t0, true);
+            self.give_event(t1, true);
+        }
+        self.counters.kernel_ns.fetch_add(ns, Ordering::Relaxed);
+        self.give_event(done, false);
+        results
+    }
+
+    fn run_dma(
+        &self,
+        dir: Dir,
+        blocks: &[BlockCopy<'_>],
+        after: Option<CUevent>,
+        done: &Event,
+        results: &mut [Result<(), String>],
+    ) -> Result<(), CudaError> {
+        let lane = self.lane(dir);
+        if let Some(ev) = after {
+            lane.dma.wait(ev)?;
+        }
+        let (base, g) = (self.pinner.progress().base, self.pinner.progress().chunk);
+        let ps = plan::split(&plan::pieces(blocks), base, g);
+        let runs = plan::runs(&ps, base, g);
+        let mut singles: Vec<Run> = Vec::new();
+        let mut bytes = 0u64;
+        for r in runs {
+            bytes += r.bytes();
+            if r.count == 1 {
+                singles.push(r);
+                continue;
+            }
+            if let Err(e) = self.strided(dir, &lane.dma, &r) {
+                log::debug!("umbp: strided copy failed ({e}); copying its rows one by one");
+                for i in 0..r.count {
+                    singles.push(Run {
+                        dev: r.dev + i * r.dev_stride,
+                        host: r.host + i * r.host_stride,
+                        count: 1,
+                        ..r
+                    });
+                }
+            }
+        }
+        self.singles(dir, &lane.dma, &singles, results);
+        self.counters.dma_bytes.fetch_add(bytes, Ordering::Relaxed);
+        done.record(&lane.dma)
+    }
+
+    fn lane(&self, dir: Dir) -> &Lane {
+        match dir {
+            Dir::Store => &self.store,
+            Dir::Load => &self.load,
+        }
+    }
+
+    /// One strided run as a 2-D copy, or a 3-D copy when a stride is above the maximum pitch.
+    fn strided(&self, dir: Dir, stream: &Stream, r: &Run) -> Result<(), CudaError> {
+        let d = self.dev.driver();
+        let maxp = self.dev.max_pitch;
+        if r.dev_stride <= maxp && r.host_stride <= maxp {
+            let mut c = CUDA_MEMCPY2D::zeroed();
+            c.WidthInBytes = r.len as usize;
+            c.Height = r.count as usize;
+            match dir {
+                Dir::Store => {
+                    c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+                    c.srcDevice = r.dev;
+                    c.srcPitch = r.dev_stride as usize;
+                    c.dstMemoryType = CU_MEMORYTYPE_HOST;
+                    c.dstHost = r.host as *mut c_void;
+                    c.dstPitch = r.host_stride as usize;
+                }
+                Dir::Load => {
+                    c.srcMemoryType = CU_MEMORYTYPE_HOST;
+                    c.srcHost = r.host as *const c_void;
+                    c.srcPitch = r.host_stride as usize;
+                    c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+                    c.dstDevice = r.dev;
+                    c.dstPitch = r.dev_stride as usize;
+                }
+            }
+            // SAFETY: both sides were checked by the engine (device side against a CUDA
+            // registration, host side is a pool object of this batch); the struct is fully
+            // initialised.
+            d.check("cuMemcpy2DAsync", unsafe {
+                (d.memcpy_2d_async)(&c, stream.raw())
+            })?;
+            self.counters.copies_2d.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let no_fit = || CudaError::Invalid(format!("no pitch <= {maxp} divides stride"));
+        let (dp, dh) = plan::pitch_for(r.dev_stride, r.len, maxp).ok_or_else(no_fit)?;
+        let (hp, hh) = plan::pitch_for(r.host_stride, r.len, maxp).ok_or_else(no_fit)?;
+        let mut c = CUDA_MEMCPY3D::zeroed();
+        c.WidthInBytes = r.len as usize;
+        c.Height = 1;
+        c.Depth = r.count as usize;
+        match dir {
+            Dir::Store => {
+                c.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+                c.srcDevice = r.dev;
+                c.srcPitch = dp as usize;
+                c.srcHeight = dh as usize;
+                c.dstMemoryType = CU_MEMORYTYPE_HOST;
+                c.dstHost = r.host as *mut c_void;
+                c.dstPitch = hp as usize;
+                c.dstHeight = hh as usize;
+            }
+            Dir::Load => {
+                c.srcMemoryType = CU_MEMORYTYPE_HOST;
+                c.srcHost = r.host as *const c_void;
+                c.srcPitch = hp as usize;
+                c.srcHeight = hh as usize;
+                c.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+                c.dstDevice = r.dev;
+                c.dstPitch = dp as usize;
+                c.dstHeight = dh as usize;
+            }
+        }
+        // SAFETY: as for the 2-D copy; slice z starts at pitch * height * z = stride * z.
+        d.check("cuMemcpy3DAsync", unsafe {
+            (d.memcpy_3d_async)(&c, stream.raw())
+        })?;
+        self.counters.copies_3d.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Plain copies: batched where the driver can and every host side is registered, else one
+    /// call each. A failure fails the blocks the copy touches.
+    fn singles(&self, dir: Dir, stream: &Stream, runs: &[Run], results: &mut [Result<(), String>]) {
+        if runs.is_empty() {
+            return;
+        }
+        let d = self.dev.driver();
+        let pin = self.pinner.progress();
+        let batchable = runs.len() >= 2 && runs.iter().all(|r| pin.is_registered(r.host, r.len));
+        if let (true, Some(batch)) = (batchable, d.memcpy_batch_async) {
+            let mut ok = true;
+            for chunk in runs.chunks(4096) {
+                let (mut dsts, mut srcs): (Vec<u64>, Vec<u64>) = chunk
+                    .iter()
+                    .map(|r| match dir {
+                        Dir::Store => (r.host, r.dev),
+                        Dir::Load => (r.dev, r.host),
+                    })
+                    .unzip();
+                let mut sizes: Vec<usize> = chunk.iter().map(|r| r.len as usize).collect();
+                let mut attrs = [CUmemcpyAttributes {
+                    srcAccessOrder: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                    flags: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+                    ..Default::default()
+                }];
+                let mut idx = [0usize];
+                let n = chunk.len();
+                let rc = match batch {
+                    // SAFETY: the arrays hold `n` entries each; one attribute applies to all
+                    // copies; every address was checked (device side) or is a registered pool
+                    // object (host side); the stream is ours (never the legacy NULL stream).
+                    BatchFn::V2(f) => unsafe {
+                        f(
+                            dsts.as_mut_ptr(),
+                            srcs.as_mut_ptr(),
+                            sizes.as_mut_ptr(),
+                            n,
+                            attrs.as_mut_ptr(),
+                            idx.as_mut_ptr(),
+                            1,
+                            stream.raw(),
+                        )
+                    },
+                    BatchFn::V1(f) => {
+                        let mut fail = 0usize;
+                        // SAFETY: as above, with the 12.8 ABI's failIdx out-pointer.
+                        unsafe {
+                            f(
+                                dsts.as_mut_ptr(),
+                                srcs.as_mut_ptr(),
+                                sizes.as_mut_ptr(),
+                                n,
+                                attrs.as_mut_ptr(),
+                                idx.as_mut_ptr(),
+                                1,
+                                &mut fail,
+                                stream.raw(),
+                            )
+                        }
+                    }
+                };
+                if let Err(e) = d.check("cuMemcpyBatchAsync", rc) {
+                    log::debug!("umbp: batched copy failed ({e}); copying one by one");
+                    ok = false;
+                    break;
+                }
+                self.counters.batch_calls.fetch_add(1, Ordering::Relaxed);
+            }
+            if ok {
+                return;
+            }
+        }
+        for r in runs {
+            let rc = match dir {
+                // SAFETY: as for the batched copies; `r.host` is a pool object, `r.dev` checked.
+                Dir::Store => unsafe {
+                    (d.memcpy_dtoh_async)(
+                        r.host as *mut c_void,
+                        r.dev,
+                        r.len as usize,
+                        stream.raw(),
+                    )
+                },
+                // SAFETY: as above.
+                Dir::Load => unsafe {
+                    (d.memcpy_htod_async)(
+                        r.dev,
+                        r.host as *const c_void,
+                        r.len as usize,
+                        stream.raw(),
+                    )
+                },
+            };
+            match d.check("cuMemcpyAsync", rc) {
+                Ok(()) => {
+                    self.counters.copies_1d.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    for b in r.first_block..=r.last_block {
+                        results[b as usize] = Err(e.to_string());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The DMAs between a staging slot and the pool objects of slice `s`; a failure fails
+    /// the slice's blocks.
+    fn slot_dmas(
+        &self,
+        dir: Dir,
+        stream: &Stream,
+        s: &Slice,
+        stage: u64,
+        results: &mut [Result<(), String>],
+    ) {
+        let runs: Vec<Run> = s
+            .dmas
+            .iter()
+            .map(|m| Run {
+                dev: stage + m.off,
+                host: m.host,
+                len: m.len,
+                dev_stride: 0,
+                host_stride: 0,
+                count: 1,
+                first_block: 0,
+                last_block: 0,
+            })
+            .collect();
+        let mut outcome = [Ok(())];
+        self.singles(dir, stream, &runs, &mut outcome);
+        if let [Err(e)] = outcome {
+            for &b in &s.blocks {
+                results[b] = Err(e.clone());
+            }
+        }
+    }
+
+    fn run_staged(
+        &self,
+        dir: Dir,
+        slices: &[Slice],
+        after: Option<CUevent>,
+        done: &Event,
+        results: &mut [Result<(), String>],
+        timings: &mut Vec<(Event, Event)>,
+    ) -> Result<(), CudaError> {
+        let lane = self.lane(dir);
+        let kernels = self
+            .kernels
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("staging kernels are not loaded".into()))?;
+        let ring = lane
+            .ring
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("no staging memory".into()))?;
+        let d = self.dev.driver();
+        let mut ring = ring.lock();
+        if dir == Dir::Store {
+            if let Some(ev) = after {
+                lane.kern.wait(ev)?;
+            }
+        }
+        let mut bytes = 0u64;
+        for (k, s) in slices.iter().enumerate() {
+            let i = ring.next;
+            ring.next = (i + 1) % ring.slots.len();
+            let slot = &mut ring.slots[i];
+            if slot.used {
+                slot.free.synchronize()?;
+            }
+            let n = s.descs.len();
+            // Descriptors: devs | offs | lens.
+            // SAFETY: the buffer holds 3 * MAX_DESCS u64 and n <= MAX_DESCS (plan::staged);
+            // the kernel that last read it has finished (slot.free above).
+            let desc =
+                unsafe { std::slice::from_raw_parts_mut(slot.descs.ptr() as *mut u64, 3 * n) };
+            for (j, x) in s.descs.iter().enumerate() {
+                desc[j] = x.dev;
+                desc[n + j] = x.off;
+                desc[2 * n + j] = x.len;
+            }
+            slot.used = true;
+            let slot = &*slot;
+            let stage = slot.stage.ptr();
+            // The kernel reads the descriptors through the mapping (24 bytes per piece over
+            // PCIe): measured faster than uploading them, whose copy queues behind the bulk
+            // host-to-device DMAs of loads.
+            let dp = slot.descs.device_ptr();
+            let launch = |f: CUfunction, stream: &Stream| -> Result<(Event, Event), CudaError> {
+                let t0 = self.take_event(true)?;
+                let t1 = self.take_event(true)?;
+                t0.record(stream)?;
+                let mut a0: u64 = dp;
+                let mut a1: u64 = dp + 8 * n as u64;
+                let mut a2: u64 = dp + 16 * n as u64;
+                let mut a3: u64 = stage;
+                let mut a4: u32 = n as u32;
+                let mut params: [*mut c_void; 5] = [
+                    &mut a0 as *mut u64 as *mut c_void,
+                    &mut a1 as *mut u64 as *mut c_void,
+                    &mut a2 as *mut u64 as *mut c_void,
+                    &mut a3 as *mut u64 as *mut c_void,
+                    &mut a4 as *mut u32 as *mut c_void,
+                ];
+                let grid = (n.div_ceil(8) as u32).clamp(1, self.opts.max_ctas);
+                // SAFETY: the kernel takes (u64, u64, u64, u64, u32), matching `params`;
+                // every descriptor names a checked device range and a range inside this slot.
+                d.check("cuLaunchKernel", unsafe {
+                    (d.launch_kernel)(
+                        f,
+                        grid as c_uint,
+                        1,
+                        1,
+                        256,
+                        1,
+                        1,
+                        0,
+                        stream.raw(),
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                })?;
+                t1.record(stream)?;
+                self.counters
+                    .kernel_launches
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok((t0, t1))
+            };
+            let mut step = || -> Result<(Event, Event), CudaError> {
+                match dir {
+                    Dir::Store => {
+                        let t = launch(kernels.gather, &lane.kern)?;
+                        slot.ready.record(&lane.kern)?;
+                        lane.dma.wait(slot.ready.raw())?;
+                        self.slot_dmas(dir, &lane.dma, s, stage, results);
+                        slot.free.record(&lane.dma)?;
+                        Ok(t)
+                    }
+                    Dir::Load => {
+                        self.slot_dmas(dir, &lane.dma, s, stage, results);
+                        slot.ready.record(&lane.dma)?;
+                        lane.kern.wait(slot.ready.raw())?;
+                        if k == 0 {
+                            if let Some(ev) = after {
+                                lane.kern.wait(ev)?;
+                            }
+                        }
+                        let t = launch(kernels.scatter, &lane.kern)?;
+                        slot.free.record(&lane.kern)?;
+                        Ok(t)
+                    }
+                }
+            };
+            match step() {
+                Ok(t) => {
+                    timings.push(t);
+                    bytes += s.descs.iter().map(|x| x.len).sum::<u64>();
+                }
+                Err(e) => {
+                    for &b in &s.blocks {
+                        results[b] = Err(e.to_string());
+                    }
+                    // Make the slot's next user wait for whatever was queued.
+                    let _ = slot.free.record(match dir {
+                        Dir::Store => &lane.dma,
+                        Dir::Load => &lane.kern,
+                    });
+                }
+            }
+        }
+        self.counters
+            .staged_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        done.record(match dir {
+            Dir::Store => &lane.dma,
+            Dir::Load => &lane.kern,
+        })
+    }
+}
+
+fn load_kernels(dev: &Device) -> Result<Kernels, CudaError> {
+    let _g = dev.scoped()?;
+    let d = dev.driver();
+    let mut module: CUmodule = std::ptr::null_mut();
+    let mut log = vec![0u8; 8192];
+    let mut opts = [CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
+    let mut vals: [*mut c_void; 2] = [log.as_mut_ptr() as *mut c_void, log.len() as *mut c_void];
+    // SAFETY: PTX is NUL-terminated; the two JIT options point at a live buffer of that size.
+    let rc = unsafe {
+        (d.module_load_data_ex)(
+            &mut module,
+            PTX.as_ptr() as *const c_void,
+            2,
+            opts.as_mut_ptr(),
+            vals.as_mut_ptr(),
+        )
+    };
+    if let Err(e) = d.check("cuModuleLoadDataEx", rc) {
+        let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+        return Err(CudaError::Invalid(format!(
+            "{e}; JIT log: {}",
+            String::from_utf8_lossy(&log[..end])
+        )));
+    }
+    let func = |name: &std::ffi::CStr| -> Result<CUfunction, CudaError> {
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: a loaded module and a NUL-terminated name.
+        d.check("cuModuleGetFunction", unsafe {
+            (d.module_get_function)(&mut f, module, name.as_ptr())
+        })?;
+        Ok(f)
+    };
+    Ok(Kernels {
+        module,
+        gather: func(c"umbp_gather")?,
+        scatter: func(c"umbp_scatter")?,
+    })
+}
+
+impl Drop for CudaMover {
+    fn drop(&mut self) {
+        self.shutdown();
+        if let Some(k) = &self.kernels {
+            if let Ok(_g) = self.dev.scoped() {
+                // SAFETY: every launch finished (streams synchronised in shutdown).
+                unsafe { (self.dev.driver().module_unload)(k.module) };
+            }
+        }
+    }
+}
+
+impl Mover for CudaMover {
+    fn batch_size(&self) -> usize {
+        self.opts.batch_blocks
+    }
+
+    /// Two threads keep one direction's stream fed (one issues while the other waits), and
+    /// leave the other workers to a job in the other direction.
+    fn max_workers_per_job(&self) -> usize {
+        2
+    }
+
+    unsafe fn gather(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>> {
+        self.copy(Dir::Store, blocks, after)
+    }
+
+    unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>> {
+        self.copy(Dir::Load, blocks, after)
+    }
+
+    fn release_token(&self, after: u64) {
+        if let Some(ev) = self.tokens.lock().remove(&after) {
+            self.events.lock().push(ev);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_validated_without_cuda() {
+        CudaOptions::default().validate().unwrap();
+        let e = CudaOptions {
+            pin_chunk_bytes: 100,
+            ..CudaOptions::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("cuda_pin_chunk_bytes"), "{e}");
+        let e = CudaOptions {
+            method: CopyMethod::Staged,
+            staging_bytes: 0,
+            ..CudaOptions::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("cuda_copy_method"), "{e}");
+        assert_eq!("DMA".parse::<CopyMethod>().unwrap(), CopyMethod::Dma);
+        assert!("fast".parse::<CopyMethod>().is_err());
+    }
+
+    #[test]
+    fn the_kernels_are_embedded_nul_terminated() {
+        assert!(PTX.ends_with('\0'));
+        assert!(PTX.contains(".entry umbp_gather") && PTX.contains(".entry umbp_scatter"));
+    }
+}

@@ -1,0 +1,38 @@
+//! Without a loadable driver every entry point is an error that names CUDA; nothing panics.
+
+use std::sync::Arc;
+
+use umbp_core::PoolConfig;
+use umbp_cuda::{CudaError, CudaMover, CudaOptions, Device};
+use umbp_pool::Pool;
+
+#[test]
+fn every_entry_point_reports_a_missing_driver() {
+    // One test in this binary: the variable is read once per process, on first use.
+    std::env::set_var("UMBP_LIBCUDA", "/nonexistent/libcuda.so.1");
+    assert!(
+        !umbp_cuda::driver::is_loaded(),
+        "nothing loads the driver up front"
+    );
+    let e = umbp_cuda::driver().unwrap_err();
+    assert!(matches!(e, CudaError::NoDriver { .. }), "{e:?}");
+    let m = e.to_string();
+    assert!(
+        m.contains("CUDA") && m.contains("/nonexistent/libcuda.so.1"),
+        "{m}"
+    );
+    // The failure is remembered, not retried into a different state.
+    assert_eq!(umbp_cuda::driver().unwrap_err(), e);
+    assert_eq!(Device::open(0).unwrap_err(), e);
+    let pool = Arc::new(
+        Pool::new(PoolConfig {
+            prefault: false,
+            ..PoolConfig::with_capacity(4 << 20)
+        })
+        .unwrap(),
+    );
+    assert_eq!(
+        CudaMover::new(0, pool, CudaOptions::default()).unwrap_err(),
+        e
+    );
+}
