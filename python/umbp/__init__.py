@@ -16,6 +16,7 @@ from umbp._native import (
 )
 from umbp.errors import (
     ConfigError,
+    CudaError,
     LookupServiceError,
     PoolError,
     PoolFullError,
@@ -40,6 +41,7 @@ __all__ = [
     "STATUSES",
     "socket_path",
     "ConfigError",
+    "CudaError",
     "PoolError",
     "PoolFullError",
     "RegistrationError",

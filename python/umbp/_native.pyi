@@ -61,6 +61,11 @@ class EmbeddedStore:
         segment_bytes: int = 0,
         num_workers: int = 4,
         timeout_ms: int = 30000,
+        cuda_copy_method: Literal["auto", "dma", "staged"] = "auto",
+        cuda_staging_bytes: int = 32 << 20,
+        cuda_max_ctas: int = 16,
+        cuda_pin_chunk_bytes: int = 64 << 20,
+        cuda_batch_blocks: int = 32,
     ) -> None: ...
     def register_memory(self, addr: int, length: int) -> int:
         """The memory must stay alive until deregistered or the store is closed."""
@@ -70,13 +75,37 @@ class EmbeddedStore:
     def object_bytes(self, layout_id: int, group: int) -> int: ...
     def exists(self, keys: Keys) -> list[bool]: ...
     def prefix_hits(self, keys: Keys) -> int: ...
-    def store(self, layout_id: int, group: int, block_ids: Sequence[int], keys: Keys) -> Job: ...
-    def load(self, layout_id: int, group: int, block_ids: Sequence[int], keys: Keys) -> Job: ...
+    def store(
+        self,
+        layout_id: int,
+        group: int,
+        block_ids: Sequence[int],
+        keys: Keys,
+        *,
+        stream: int | None = None,
+    ) -> Job:
+        """`stream` (CUDA layouts): `torch.cuda.current_stream().cuda_stream`; the copies run
+        after the work already queued on it."""
+    def load(
+        self,
+        layout_id: int,
+        group: int,
+        block_ids: Sequence[int],
+        keys: Keys,
+        *,
+        stream: int | None = None,
+    ) -> Job:
+        """`stream` (CUDA layouts): the copies wait for the work already queued on it."""
     def clear(self) -> int: ...
     def stats(self) -> dict[str, object]: ...
     def close(self) -> None: ...
     def __enter__(self) -> EmbeddedStore: ...
     def __exit__(self, *args: object) -> None: ...
+    def register_cuda_memory(self, addr: int, length: int, device: int) -> int:
+        """CUDA device memory (a tensor's data_ptr() and byte size) of device `device`.
+        Raises CudaError where there is no CUDA."""
+    def cuda_stats(self) -> dict[str, object] | None: ...
+    def wait_pool_registered(self, timeout_ms: int) -> bool: ...
 
 class LookupServer:
     """Serves one worker's lookups and clears on a Unix socket (embedded mode)."""

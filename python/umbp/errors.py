@@ -38,6 +38,10 @@ class LookupServiceError(UmbpError):
     """A lookup service could not start, or its workers could not be reached."""
 
 
+class CudaError(UmbpError):
+    """CUDA is not available here (no NVIDIA driver), or a CUDA call failed."""
+
+
 __all__ = [
     "UmbpError",
     "ConfigError",
@@ -48,4 +52,5 @@ __all__ = [
     "TransferTimeout",
     "StoreClosedError",
     "LookupServiceError",
+    "CudaError",
 ]

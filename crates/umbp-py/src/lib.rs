@@ -18,7 +18,10 @@ use umbp_core::{
 use umbp_pool::PoolError;
 
 use umbp_lookup::{LookupClient as CoreLookupClient, LookupServer as CoreLookupServer};
-use umbp_store::{EmbeddedStore as CoreStore, StoreConfig, StoreError, StoreLookup};
+use umbp_store::{
+    CopyMethod, CudaError, CudaOptions, EmbeddedStore as CoreStore, StoreConfig, StoreError,
+    StoreLookup,
+};
 
 /// Raises `umbp.errors.<class>(message)`.
 fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
@@ -53,6 +56,11 @@ fn store_err(py: Python<'_>, e: StoreError) -> PyErr {
             CopyError::Timeout { .. } => "TransferTimeout",
             CopyError::Closed => "StoreClosedError",
             CopyError::Pool(_) => "TransferError",
+        },
+        StoreError::Cuda(c) => match c {
+            CudaError::Option { .. } => "ConfigError",
+            CudaError::BadMemory { .. } | CudaError::Device { .. } => "RegistrationError",
+            _ => "CudaError",
         },
     };
     raise(py, class, msg)
@@ -261,7 +269,9 @@ impl EmbeddedStore {
     #[new]
     #[pyo3(signature = (capacity_bytes, *, high_watermark=0.9, low_watermark=0.7, use_hugepages=false,
         hugepage_size="2MiB", numa_node=None, prefault=true, prefault_threads=0, memfd=false,
-        segment_bytes=0, num_workers=4, timeout_ms=30000))]
+        segment_bytes=0, num_workers=4, timeout_ms=30000, cuda_copy_method="auto",
+        cuda_staging_bytes=32<<20, cuda_max_ctas=16, cuda_pin_chunk_bytes=64<<20,
+        cuda_batch_blocks=32))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -277,8 +287,24 @@ impl EmbeddedStore {
         segment_bytes: u64,
         num_workers: usize,
         timeout_ms: u64,
+        cuda_copy_method: &str,
+        cuda_staging_bytes: u64,
+        cuda_max_ctas: u32,
+        cuda_pin_chunk_bytes: u64,
+        cuda_batch_blocks: usize,
     ) -> PyResult<Self> {
         let hugepage_size: HugepageSize = hugepage_size.parse().map_err(|e| core_err(py, e))?;
+        let method: CopyMethod = cuda_copy_method
+            .parse()
+            .map_err(|e: CudaError| store_err(py, e.into()))?;
+        let cuda = CudaOptions {
+            method,
+            staging_bytes: cuda_staging_bytes,
+            max_ctas: cuda_max_ctas,
+            pin_chunk_bytes: cuda_pin_chunk_bytes,
+            batch_blocks: cuda_batch_blocks,
+            ..CudaOptions::default()
+        };
         let cfg = StoreConfig {
             pool: PoolConfig {
                 capacity_bytes,
@@ -298,6 +324,7 @@ impl EmbeddedStore {
             },
             num_workers,
             timeout: Duration::from_millis(timeout_ms),
+            cuda,
         };
         let inner = py
             .detach(move || CoreStore::new(cfg))
@@ -367,7 +394,10 @@ impl EmbeddedStore {
         self.inner.prefix_hits(&keys.keys)
     }
 
-    /// Starts copying `block_ids` of cache group `group` into the pool under `keys`.
+    /// Starts copying `block_ids` of cache group `group` into the pool under `keys`. For a CUDA
+    /// layout, `stream` (`torch.cuda.current_stream().cuda_stream`) orders the copies after the
+    /// work already queued on that stream.
+    #[pyo3(signature = (layout_id, group, block_ids, keys, *, stream=None))]
     fn store(
         &self,
         py: Python<'_>,
@@ -375,11 +405,12 @@ impl EmbeddedStore {
         group: u32,
         block_ids: Vec<i64>,
         keys: &Keys,
+        stream: Option<u64>,
     ) -> PyResult<Job> {
         let ids = to_u64s(block_ids, "block ids", py)?;
         let h = self
             .inner
-            .store(layout_id, group, &ids, keys.keys.clone())
+            .store_on(layout_id, group, &ids, keys.keys.clone(), stream)
             .map_err(|e| store_err(py, e))?;
         Ok(Job {
             handle: h,
@@ -387,7 +418,10 @@ impl EmbeddedStore {
         })
     }
 
-    /// Starts copying `keys` from the pool into `block_ids` of cache group `group`.
+    /// Starts copying `keys` from the pool into `block_ids` of cache group `group`. For a CUDA
+    /// layout, `stream` makes the copies wait for the work already queued on that stream; the
+    /// job finishes once the bytes are in place.
+    #[pyo3(signature = (layout_id, group, block_ids, keys, *, stream=None))]
     fn load(
         &self,
         py: Python<'_>,
@@ -395,11 +429,12 @@ impl EmbeddedStore {
         group: u32,
         block_ids: Vec<i64>,
         keys: &Keys,
+        stream: Option<u64>,
     ) -> PyResult<Job> {
         let ids = to_u64s(block_ids, "block ids", py)?;
         let h = self
             .inner
-            .load(layout_id, group, &ids, keys.keys.clone())
+            .load_on(layout_id, group, &ids, keys.keys.clone(), stream)
             .map_err(|e| store_err(py, e))?;
         Ok(Job {
             handle: h,
@@ -465,6 +500,57 @@ impl EmbeddedStore {
     #[pyo3(signature = (*_args))]
     fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
         self.close(py);
+    }
+
+    /// Registers CUDA device memory of device `device` (a CUDA tensor's `data_ptr()` and byte
+    /// size). The first call loads the CUDA driver and starts registering the pool for DMA in
+    /// the background; without CUDA it raises `CudaError`. The memory must stay allocated until
+    /// `deregister_memory` returns or the store is closed.
+    fn register_cuda_memory(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        length: u64,
+        device: i32,
+    ) -> PyResult<u64> {
+        let inner = Arc::clone(&self.inner);
+        // SAFETY: the Python-facing contract (documented above and in the stubs) is that the
+        // caller keeps the memory allocated while it is registered.
+        py.detach(move || unsafe { inner.register_cuda_memory(addr, length, device) })
+            .map_err(|e| store_err(py, e))
+    }
+
+    /// The CUDA backend's counters and the pool's DMA registration as a dict, or None before
+    /// any CUDA memory is registered.
+    fn cuda_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some((s, p)) = self.inner.cuda_status() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("dma_bytes", s.dma_bytes)?;
+        d.set_item("staged_bytes", s.staged_bytes)?;
+        d.set_item("kernel_ns", s.kernel_ns)?;
+        d.set_item("kernel_launches", s.kernel_launches)?;
+        d.set_item("copies_2d", s.copies_2d)?;
+        d.set_item("copies_3d", s.copies_3d)?;
+        d.set_item("copies_1d", s.copies_1d)?;
+        d.set_item("batch_calls", s.batch_calls)?;
+        d.set_item("staging_device_bytes", s.staging_device_bytes)?;
+        d.set_item("max_ctas", s.max_ctas)?;
+        d.set_item("sm_count", s.sm_count)?;
+        d.set_item("pool_registered_bytes", p.registered_bytes)?;
+        d.set_item("pool_bytes", p.total_bytes)?;
+        d.set_item("pool_registration_done", p.done)?;
+        d.set_item("pool_registration_seconds", p.seconds)?;
+        d.set_item("pool_registration_error", p.error)?;
+        Ok(Some(d))
+    }
+
+    /// Waits (GIL released) up to `timeout_ms` for the pool's DMA registration; False when it
+    /// has not finished or no CUDA memory is registered.
+    fn wait_pool_registered(&self, py: Python<'_>, timeout_ms: u64) -> bool {
+        let inner = Arc::clone(&self.inner);
+        py.detach(move || inner.wait_pool_registered(Duration::from_millis(timeout_ms)))
     }
 }
 

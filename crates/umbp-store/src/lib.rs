@@ -4,17 +4,19 @@
 //! registered [`KvLayout`]s and a [`CopyEngine`] together. Callers pass block ids and keys in
 //! bulk; range planning and copies happen here.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use thiserror::Error;
 use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
 };
 use umbp_core::{BlockKey, CoreError, KeyBuilder, KvLayout, PoolConfig};
+use umbp_cuda::CudaMover;
+pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
 
 pub use umbp_copy::KeyResult;
@@ -40,6 +42,9 @@ pub enum StoreError {
     /// The store was closed.
     #[error("the store is closed")]
     Closed,
+    /// The CUDA backend failed (or there is no CUDA).
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
 }
 
 /// Everything that shapes an embedded store.
@@ -51,6 +56,8 @@ pub struct StoreConfig {
     pub num_workers: usize,
     /// Default deadline of a synchronous wait.
     pub timeout: Duration,
+    /// The CUDA backend, used once CUDA memory is registered.
+    pub cuda: CudaOptions,
 }
 
 impl Default for StoreConfig {
@@ -59,6 +66,7 @@ impl Default for StoreConfig {
             pool: PoolConfig::default(),
             num_workers: 4,
             timeout: Duration::from_millis(30_000),
+            cuda: CudaOptions::default(),
         }
     }
 }
@@ -76,7 +84,10 @@ impl StoreConfig {
         if self.timeout.is_zero() {
             return Err(CoreError::option("timeout_ms", "must be greater than 0"));
         }
-        Ok(())
+        self.cuda.validate().map_err(|e| match e {
+            CudaError::Option { name, reason } => CoreError::option(name, reason),
+            other => CoreError::option("cuda", other.to_string()),
+        })
     }
 }
 
@@ -89,6 +100,11 @@ pub struct EmbeddedStore {
     next_layout: AtomicU32,
     timeout: Duration,
     closed: AtomicBool,
+    cuda_opts: CudaOptions,
+    /// The CUDA mover, created by the first CUDA registration (never before: no CUDA at start).
+    cuda: Mutex<Option<Arc<CudaMover>>>,
+    /// Layouts whose memory is CUDA memory.
+    cuda_layouts: RwLock<HashSet<LayoutId>>,
 }
 
 impl EmbeddedStore {
@@ -119,6 +135,9 @@ impl EmbeddedStore {
             next_layout: AtomicU32::new(1),
             timeout: cfg.timeout,
             closed: AtomicBool::new(false),
+            cuda_opts: cfg.cuda,
+            cuda: Mutex::new(None),
+            cuda_layouts: RwLock::new(HashSet::new()),
         })
     }
 
@@ -150,12 +169,28 @@ impl EmbeddedStore {
         Ok(self.engine.registry().deregister(id, self.timeout)?)
     }
 
-    /// Registers a layout after checking every layer lies inside registered memory.
+    /// Registers a layout after checking every layer lies inside registered memory, all of one
+    /// kind (host or CUDA).
     pub fn register_layout(&self, layout: KvLayout) -> Result<LayoutId, StoreError> {
         self.check_open()?;
         let reg = self.engine.registry();
         layout.validate_within(|a, n| reg.covers(a, n))?;
+        let mut kinds = layout
+            .groups()
+            .iter()
+            .flat_map(|g| g.layers())
+            .filter_map(|l| reg.find(l.base_addr, 1).map(|r| r.kind));
+        let first = kinds.next();
+        if kinds.any(|k| Some(k) != first) {
+            return Err(CoreError::InvalidLayout(
+                "the layout mixes host and CUDA memory; register one layout per kind".into(),
+            )
+            .into());
+        }
         let id = self.next_layout.fetch_add(1, Ordering::Relaxed);
+        if matches!(first, Some(MemoryKind::Cuda { .. })) {
+            self.cuda_layouts.write().insert(id);
+        }
         self.layouts.write().insert(id, Arc::new(layout));
         Ok(id)
     }
@@ -182,15 +217,141 @@ impl EmbeddedStore {
     fn submit(
         &self,
         dir: Direction,
+        layout_id: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        stream: Option<u64>,
+    ) -> Result<JobHandle, StoreError> {
+        self.check_open()?;
+        let layout = self.layout(layout_id)?;
+        let plan = layout.group(group)?.plan(block_ids)?;
+        let mut token = 0;
+        if let Some(stream) = stream {
+            if !self.cuda_layouts.read().contains(&layout_id) {
+                return Err(CoreError::option(
+                    "stream",
+                    format!("layout {layout_id} is host memory; a CUDA stream orders only copies of CUDA memory"),
+                )
+                .into());
+            }
+            if !block_ids.is_empty() && keys.len() == block_ids.len() {
+                let m = self.cuda_mover()?;
+                token = m.record_after(stream)?;
+            }
+        }
+        match self.engine.submit_after(dir, keys, plan, token) {
+            Ok(h) => Ok(h),
+            Err(e) => {
+                if token != 0 {
+                    if let Ok(m) = self.cuda_mover() {
+                        umbp_copy::Mover::release_token(m.as_ref(), token);
+                    }
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    fn cuda_mover(&self) -> Result<Arc<CudaMover>, StoreError> {
+        self.cuda.lock().clone().ok_or_else(|| {
+            CoreError::option("stream", "no CUDA memory is registered with this store").into()
+        })
+    }
+
+    /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`
+    /// and byte size). The first call loads the CUDA driver, creates the CUDA mover and starts
+    /// registering the pool for DMA in the background; later calls must name the same device.
+    /// The range must be device memory of that device, inside one allocation.
+    ///
+    /// # Safety
+    /// As [`MemoryRegistry::register`]: the memory stays allocated until deregistered.
+    pub unsafe fn register_cuda_memory(
+        &self,
+        addr: u64,
+        len: u64,
+        device: i32,
+    ) -> Result<RegionId, StoreError> {
+        self.check_open()?;
+        let mover = {
+            let mut slot = self.cuda.lock();
+            match slot.as_ref() {
+                Some(m) if m.device().ordinal() != device => {
+                    return Err(CudaError::Device {
+                        device,
+                        reason: format!(
+                        "this store already copies for CUDA device {}; use one store per device",
+                        m.device().ordinal()
+                    ),
+                    }
+                    .into())
+                }
+                Some(m) => Arc::clone(m),
+                None => {
+                    let m = Arc::new(CudaMover::new(
+                        device,
+                        Arc::clone(&self.pool),
+                        self.cuda_opts.clone(),
+                    )?);
+                    self.engine.set_device_mover(m.clone())?;
+                    *slot = Some(Arc::clone(&m));
+                    m
+                }
+            }
+        };
+        mover.check_device_range(addr, len)?;
+        // SAFETY: forwarded contract; the range was checked to be memory of `device`.
+        Ok(unsafe {
+            self.engine
+                .registry()
+                .register(addr, len, MemoryKind::Cuda { device })
+        }?)
+    }
+
+    /// Starts storing like [`EmbeddedStore::store`]; with `stream` (a raw CUDA stream handle,
+    /// 0 for the legacy default stream) the copies wait on the device for the work queued on
+    /// that stream so far, so a store submitted right after the kernels that wrote its blocks
+    /// copies their output. CUDA layouts only.
+    pub fn store_on(
+        &self,
         layout: LayoutId,
         group: u32,
         block_ids: &[u64],
         keys: Vec<BlockKey>,
+        stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.check_open()?;
-        let layout = self.layout(layout)?;
-        let plan = layout.group(group)?.plan(block_ids)?;
-        Ok(self.engine.submit(dir, keys, plan)?)
+        self.submit(Direction::Store, layout, group, block_ids, keys, stream)
+    }
+
+    /// Starts loading like [`EmbeddedStore::load`]; with `stream`, the copies into the blocks
+    /// wait on the device for the work queued on that stream so far (which may still read the
+    /// blocks). The job finishes once the bytes are in place: work launched after that sees
+    /// them.
+    pub fn load_on(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        stream: Option<u64>,
+    ) -> Result<JobHandle, StoreError> {
+        self.submit(Direction::Load, layout, group, block_ids, keys, stream)
+    }
+
+    /// The CUDA mover's counters and the pool's DMA registration, once CUDA memory is
+    /// registered.
+    pub fn cuda_status(&self) -> Option<(CudaStats, PinStatus)> {
+        self.cuda
+            .lock()
+            .as_ref()
+            .map(|m| (m.stats(), m.pin_status()))
+    }
+
+    /// Waits up to `timeout` for the pool's DMA registration; false when it has not finished
+    /// (or no CUDA memory is registered).
+    pub fn wait_pool_registered(&self, timeout: Duration) -> bool {
+        let m = self.cuda.lock().clone();
+        m.is_some_and(|m| m.pin_progress().wait(timeout))
     }
 
     /// Starts storing `block_ids` of cache group `group` under `keys` (one key per block).
@@ -201,7 +362,7 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Store, layout, group, block_ids, keys)
+        self.submit(Direction::Store, layout, group, block_ids, keys, None)
     }
 
     /// Starts loading `keys` into `block_ids` of cache group `group`.
@@ -212,7 +373,7 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Load, layout, group, block_ids, keys)
+        self.submit(Direction::Load, layout, group, block_ids, keys, None)
     }
 
     /// Waits for a job with the store's default timeout.
@@ -245,6 +406,10 @@ impl EmbeddedStore {
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             self.engine.close();
+            if let Some(m) = self.cuda.lock().as_ref() {
+                // Every copy has finished: unregister the pool before it can be unmapped.
+                m.shutdown();
+            }
             self.pool.close();
         }
     }
@@ -375,6 +540,45 @@ mod tests {
     }
 
     #[test]
+    fn cuda_without_a_driver_is_an_error_that_names_cuda() {
+        let s = store();
+        let buf = vec![0u8; 4096];
+        // SAFETY: the range is never copied (registration fails before the registry is used).
+        let e = unsafe { s.register_cuda_memory(buf.as_ptr() as u64, 4096, 0) };
+        match e {
+            Err(e) => {
+                let m = e.to_string();
+                assert!(m.contains("CUDA"), "{m}");
+                if matches!(e, StoreError::Cuda(CudaError::NoDriver { .. })) {
+                    assert!(
+                        s.cuda_status().is_none(),
+                        "nothing CUDA exists without a driver"
+                    );
+                }
+            }
+            // Only where a driver and a device exist: host memory is then rejected.
+            Ok(_) => panic!("host memory was accepted as CUDA memory"),
+        }
+        let layer = LayerSpec {
+            base_addr: buf.as_ptr() as u64,
+            num_blocks: 4,
+            block_stride: 1024,
+            block_bytes: 1024,
+        };
+        // SAFETY: `buf` outlives the store's use of it.
+        unsafe { s.register_memory(buf.as_ptr() as u64, 4096) }.unwrap();
+        let lid = s
+            .register_layout(KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap())
+            .unwrap();
+        let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
+        let e = s
+            .store_on(lid, 0, &[1], vec![kb.key(0, b"h").unwrap()], Some(0))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stream"), "{e}");
+    }
+
+    #[test]
     fn bad_config_names_the_option() {
         let e = EmbeddedStore::new(StoreConfig {
             num_workers: 0,
@@ -383,5 +587,15 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("num_workers"), "{e}");
+        let e = EmbeddedStore::new(StoreConfig {
+            cuda: CudaOptions {
+                max_ctas: 0,
+                ..CudaOptions::default()
+            },
+            ..StoreConfig::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("cuda_max_ctas"), "{e}");
     }
 }
