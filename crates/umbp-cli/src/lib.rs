@@ -6,6 +6,7 @@ use std::ffi::OsString;
 use clap::{Parser, Subcommand};
 
 mod bench_copy;
+mod bench_gpu;
 mod bench_pool;
 
 /// UMBP: a host-DRAM KV-cache offload store.
@@ -29,6 +30,9 @@ enum Bench {
     Pool(bench_pool::Args),
     /// Host copy engine moving KV-shaped batches both ways, beside a plain memcpy ceiling.
     Copy(bench_copy::Args),
+    /// CUDA KV cache ↔ pool (needs an NVIDIA GPU), beside the pinned-copy ceiling and a naive
+    /// one-copy-per-piece baseline.
+    Gpu(bench_gpu::Args),
 }
 
 /// Parses `args` (program name first) and runs the command. Returns the exit code.
@@ -50,6 +54,7 @@ where
     let result = match cli.command {
         Command::Bench(Bench::Pool(a)) => bench_pool::run(&a),
         Command::Bench(Bench::Copy(a)) => bench_copy::run(&a),
+        Command::Bench(Bench::Gpu(a)) => bench_gpu::run(&a),
     };
     match result {
         Ok(()) => 0,

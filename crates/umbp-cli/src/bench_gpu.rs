@@ -1,0 +1,647 @@
+//! `umbp bench gpu`: KV blocks between a CUDA KV cache and the pool, beside the contiguous
+//! pinned-copy ceiling and a naive one-copy-per-piece baseline measured in the same run.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use rand::{rngs::StdRng, seq::SliceRandom, RngCore, SeedableRng};
+use serde_json::{json, Value};
+use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, LayerSpec, PoolConfig, RankTopology};
+use umbp_cuda::{CopyMethod, CudaOptions, Device, DeviceBuffer, HostRegistration, Stream};
+use umbp_store::{EmbeddedStore, KeyResult, StoreConfig};
+
+use crate::progress;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: i32,
+    /// KV cache shapes, comma-separated: `llama8b` (32 layers × 64 KiB: Llama-3-8B, 8 KV heads,
+    /// head 128, bf16, 16-token blocks, TP 1), `tp8-8k` (80 layers × 8 KiB: Llama-3-70B at TP 8)
+    /// or `<layers>x<piece_bytes>`; each optionally `:<blocks in the cache>`.
+    #[arg(long, default_value = "llama8b,tp8-8k")]
+    shapes: String,
+    /// Blocks in each KV cache unless the shape says.
+    #[arg(long, default_value_t = 4096)]
+    num_blocks: u64,
+    /// Random blocks moved each way per round.
+    #[arg(long, default_value_t = 1000)]
+    blocks: u64,
+    /// Copy method: auto (the default), dma or staged.
+    #[arg(long, default_value = "auto")]
+    method: String,
+    /// Also run every shape with the dma method, for comparison.
+    #[arg(long)]
+    also_dma: bool,
+    /// Thread blocks a staging kernel may use (default: the store's default).
+    #[arg(long)]
+    max_ctas: Option<u32>,
+    /// Device staging memory per direction, MiB (default: the store's default).
+    #[arg(long)]
+    staging_mib: Option<u64>,
+    /// Copy worker threads.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Timed rounds (the best of each figure is kept).
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Also measure registering a pool of this many GiB for DMA (0: skip).
+    #[arg(long, default_value_t = 0)]
+    pin_gib: u64,
+    /// Print a JSON object as the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+const GB: f64 = 1e9;
+
+struct Shape {
+    name: String,
+    layers: u64,
+    piece: u64,
+    num_blocks: u64,
+}
+
+fn parse_shapes(spec: &str, default_blocks: u64) -> Result<Vec<Shape>> {
+    let mut out = Vec::new();
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, nb) = match item.split_once(':') {
+            Some((n, b)) => (n, b.parse::<u64>().context("blocks after ':'")?),
+            None => (item, default_blocks),
+        };
+        let (layers, piece) = match name {
+            "llama8b" => (32, 64 << 10),
+            "tp8-8k" => (80, 8 << 10),
+            other => {
+                let Some((l, p)) = other.split_once('x') else {
+                    bail!("unknown shape {other:?}: use llama8b, tp8-8k or <layers>x<piece_bytes>");
+                };
+                (l.parse()?, p.parse()?)
+            }
+        };
+        ensure!(layers > 0 && piece > 0 && nb > 0, "shape {item:?} is empty");
+        out.push(Shape {
+            name: item.to_owned(),
+            layers,
+            piece,
+            num_blocks: nb,
+        });
+    }
+    ensure!(!out.is_empty(), "--shapes names no shape");
+    Ok(out)
+}
+
+/// A host buffer registered for DMA (unregistered before it is freed: fields drop in order).
+struct Pinned {
+    _reg: HostRegistration,
+    buf: Vec<u8>,
+}
+
+impl Pinned {
+    fn new(dev: &Arc<Device>, len: usize) -> Result<Pinned> {
+        let mut buf = vec![0u8; len];
+        // SAFETY: `buf` is dropped after the registration and is never reallocated.
+        let reg = unsafe { dev.register_host(buf.as_mut_ptr(), len as u64) }?;
+        Ok(Pinned { _reg: reg, buf })
+    }
+}
+
+/// Contiguous pinned copies: H2D, D2H and both at once, GB/s (best of `iters` repeats).
+fn ceiling(dev: &Arc<Device>, host: &mut Pinned, scratch: &DeviceBuffer) -> Result<Value> {
+    let s1 = dev.stream()?;
+    let s2 = dev.stream()?;
+    let half = (host.buf.len() / 2).min(scratch.len() as usize / 2) as u64;
+    let h = host.buf.as_mut_ptr();
+    let d = scratch.ptr();
+    let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+        let mut best = f64::MAX;
+        for _ in 0..4 {
+            let t0 = Instant::now();
+            f()?;
+            s1.synchronize()?;
+            s2.synchronize()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let h2d = time(&|| {
+        // SAFETY: `h..h+2*half` is registered host memory and `d..d+2*half` device memory,
+        // both owned here; nothing else touches them while the streams run.
+        unsafe { dev.copy_htod(d, h, 2 * half, &s1) }.map_err(Into::into)
+    })?;
+    let d2h = time(&|| {
+        // SAFETY: as above.
+        unsafe { dev.copy_dtoh(h, d, 2 * half, &s1) }.map_err(Into::into)
+    })?;
+    let both = time(&|| {
+        // SAFETY: as above; the two halves are disjoint.
+        unsafe {
+            dev.copy_htod(d, h, half, &s1)?;
+            dev.copy_dtoh(h.add(half as usize), d + half, half, &s2)?;
+        }
+        Ok(())
+    })?;
+    Ok(json!({
+        "h2d_gbps": 2.0 * half as f64 / h2d / GB,
+        "d2h_gbps": 2.0 * half as f64 / d2h / GB,
+        "both_gbps": 2.0 * half as f64 / both / GB,
+        "bytes": 2 * half,
+    }))
+}
+
+fn keys(kb: &KeyBuilder, tag: u32, ids: &[u64]) -> Vec<BlockKey> {
+    ids.iter()
+        .map(|b| kb.key(tag, &b.to_le_bytes()).expect("short hash"))
+        .collect()
+}
+
+fn check_done(res: &[KeyResult], what: &str) -> Result<()> {
+    if let Some((i, bad)) = res.iter().enumerate().find(|(_, r)| **r != KeyResult::Done) {
+        bail!("{what}: key {i} did not transfer: {bad:?}");
+    }
+    Ok(())
+}
+
+struct Cache {
+    kv: DeviceBuffer,
+    shape: (u64, u64, u64), // layers, num_blocks, piece
+}
+
+impl Cache {
+    fn piece_addr(&self, layer: u64, block: u64) -> u64 {
+        let (_, nb, p) = self.shape;
+        self.kv.ptr() + (layer * nb + block) * p
+    }
+
+    /// Copies every piece of `blocks` to `host` (object layout, block after block).
+    fn read_blocks(&self, dev: &Device, s: &Stream, blocks: &[u64], host: &mut [u8]) -> Result<()> {
+        let (layers, _, p) = self.shape;
+        ensure!(host.len() as u64 >= blocks.len() as u64 * layers * p);
+        let mut at = 0usize;
+        for &b in blocks {
+            for l in 0..layers {
+                // SAFETY: the piece lies inside `kv`; `host[at..at+p]` is registered memory.
+                unsafe { dev.copy_dtoh(host.as_mut_ptr().add(at), self.piece_addr(l, b), p, s) }?;
+                at += p as usize;
+            }
+        }
+        s.synchronize()?;
+        Ok(())
+    }
+
+    fn poison(&self, dev: &Device, s: &Stream, blocks: &[u64], value: u8) -> Result<()> {
+        let (layers, _, p) = self.shape;
+        for &b in blocks {
+            for l in 0..layers {
+                // SAFETY: the piece lies inside `kv`, which only this benchmark uses.
+                unsafe { dev.memset(self.piece_addr(l, b), value, p, s) }?;
+            }
+        }
+        s.synchronize()?;
+        Ok(())
+    }
+}
+
+fn run_shape(
+    a: &Args,
+    dev: &Arc<Device>,
+    shape: &Shape,
+    method: CopyMethod,
+    host: &mut Pinned,
+    ceil: &Value,
+) -> Result<Value> {
+    let (layers, piece, nb) = (shape.layers, shape.piece, shape.num_blocks);
+    let n = a.blocks;
+    ensure!(
+        nb >= 3 * n,
+        "shape {}: the cache needs at least 3 × --blocks blocks ({} < {})",
+        shape.name,
+        nb,
+        3 * n
+    );
+    let object = layers * piece;
+    let total = n * object;
+    ensure!(
+        host.buf.len() as u64 >= 2 * total,
+        "host buffer too small for {} blocks",
+        n
+    );
+    let kv_bytes = layers * nb * piece;
+    progress!(
+        "shape {}: {layers} layers × {nb} blocks × {piece} B pieces = {:.1} GiB on the GPU (layer stride {:.2} GiB), method {method}; {n} random blocks ({:.2} GB) each way",
+        shape.name,
+        kv_bytes as f64 / (1u64 << 30) as f64,
+        (nb * piece) as f64 / (1u64 << 30) as f64,
+        total as f64 / GB
+    );
+    let cache = Cache {
+        kv: dev.alloc(kv_bytes)?,
+        shape: (layers, nb, piece),
+    };
+    let s = dev.stream()?;
+    // Random bytes: a pinned pattern whose length is no multiple of any page, copied across.
+    {
+        let pat = (64 << 20) + 4112;
+        let mut rng = StdRng::seed_from_u64(7);
+        rng.fill_bytes(&mut host.buf[..pat]);
+        let mut off = 0u64;
+        while off < kv_bytes {
+            let len = (pat as u64).min(kv_bytes - off);
+            // SAFETY: inside `kv` and the registered host buffer.
+            unsafe { dev.copy_htod(cache.kv.ptr() + off, host.buf.as_ptr(), len, &s) }?;
+            off += len;
+        }
+        s.synchronize()?;
+    }
+    let capacity = ((2 * total) as f64 / 0.85) as u64;
+    let store = EmbeddedStore::new(StoreConfig {
+        pool: PoolConfig {
+            prefault: true,
+            ..PoolConfig::with_capacity(capacity.next_multiple_of(64 << 20))
+        },
+        num_workers: a.workers,
+        cuda: {
+            let d = CudaOptions::default();
+            CudaOptions {
+                method,
+                max_ctas: a.max_ctas.unwrap_or(d.max_ctas),
+                staging_bytes: a.staging_mib.map_or(d.staging_bytes, |m| m << 20),
+                ..d
+            }
+        },
+        ..StoreConfig::default()
+    })?;
+    // SAFETY: `cache.kv` outlives the store (closed at the end of this function).
+    unsafe { store.register_cuda_memory(cache.kv.ptr(), kv_bytes, a.device) }?;
+    ensure!(
+        store.wait_pool_registered(Duration::from_secs(120)),
+        "pool registration did not finish"
+    );
+    let layout = store.register_layout(KvLayout::new(vec![GroupLayout::new(
+        (0..layers)
+            .map(|l| LayerSpec {
+                base_addr: cache.piece_addr(l, 0),
+                num_blocks: nb,
+                block_stride: piece,
+                block_bytes: piece,
+            })
+            .collect(),
+    )?])?)?;
+    let kb = KeyBuilder::new("bench-gpu", RankTopology::default())?;
+    let mut ids: Vec<u64> = (0..nb).collect();
+    ids.shuffle(&mut StdRng::seed_from_u64(42));
+    let src_a: Vec<u64> = ids[..n as usize].to_vec();
+    let src_b: Vec<u64> = ids[n as usize..2 * n as usize].to_vec();
+    let dst: Vec<u64> = ids[2 * n as usize..3 * n as usize].to_vec();
+    let wait = |job: umbp_copy::JobHandle, what: &str| -> Result<()> {
+        check_done(&job.wait(Duration::from_secs(600))?, what)
+    };
+    let kernel_ns = || store.cuda_status().map_or(0, |(c, _)| c.kernel_ns);
+    let (mut best_s, mut best_l, mut best_b) = (f64::MAX, f64::MAX, f64::MAX);
+    let (mut k_store, mut k_load, mut k_both) = (0u64, 0u64, 0u64);
+    for round in 0..=a.rounds {
+        store.clear();
+        let tag = round * 2;
+        let ka = keys(&kb, tag, &src_a);
+        let kbk = keys(&kb, tag + 1, &src_b);
+        if round == 0 {
+            cache.poison(dev, &s, &dst, 0xA5)?;
+        }
+        let k0 = kernel_ns();
+        let t0 = Instant::now();
+        wait(store.store(layout, 0, &src_a, ka.clone())?, "store")?;
+        let ts = t0.elapsed().as_secs_f64();
+        let k1 = kernel_ns();
+        let t0 = Instant::now();
+        wait(store.load(layout, 0, &dst, ka.clone())?, "load")?;
+        let tl = t0.elapsed().as_secs_f64();
+        let k2 = kernel_ns();
+        if round == 0 {
+            // Warm-up: every restored byte must equal its source.
+            let (want, got) = host.buf.split_at_mut(total as usize);
+            cache.read_blocks(dev, &s, &src_a, want)?;
+            cache.read_blocks(dev, &s, &dst, &mut got[..total as usize])?;
+            ensure!(
+                want == &got[..total as usize],
+                "restored blocks differ from the stored ones"
+            );
+            progress!("warm-up: {n} blocks round-tripped byte for byte");
+            cache.poison(dev, &s, &dst, 0x5A)?;
+        }
+        // Both directions at once: store set B while set A is loaded again.
+        let k3 = kernel_ns();
+        let t0 = Instant::now();
+        let js = store.store(layout, 0, &src_b, kbk)?;
+        let jl = store.load(layout, 0, &dst, ka)?;
+        wait(js, "concurrent store")?;
+        wait(jl, "concurrent load")?;
+        let tb = t0.elapsed().as_secs_f64();
+        let k4 = kernel_ns();
+        if round == 0 {
+            let (want, got) = host.buf.split_at_mut(total as usize);
+            cache.read_blocks(dev, &s, &src_a, want)?;
+            cache.read_blocks(dev, &s, &dst, &mut got[..total as usize])?;
+            ensure!(
+                want == &got[..total as usize],
+                "blocks restored during concurrent stores differ"
+            );
+            continue;
+        }
+        progress!(
+            "round {round}: store {:.1} GB/s, load {:.1} GB/s, both at once {:.1} GB/s",
+            total as f64 / ts / GB,
+            total as f64 / tl / GB,
+            2.0 * total as f64 / tb / GB
+        );
+        if ts < best_s {
+            best_s = ts;
+            k_store = k1 - k0;
+        }
+        if tl < best_l {
+            best_l = tl;
+            k_load = k2 - k1;
+        }
+        if tb < best_b {
+            best_b = tb;
+            k_both = k4 - k3;
+        }
+    }
+    let (cstats, pin) = store.cuda_status().context("no CUDA status")?;
+    store.close();
+    drop(store);
+
+    // Naive baseline: one copy call per piece, same blocks, same registered host memory.
+    let mut naive = |load: bool| -> Result<f64> {
+        let mut best = f64::MAX;
+        for _ in 0..2 {
+            let t0 = Instant::now();
+            let mut at = 0usize;
+            for &b in if load { &dst } else { &src_a } {
+                for l in 0..layers {
+                    let hp = host.buf.as_mut_ptr();
+                    // SAFETY: the piece lies in `kv`; `hp + at` in the registered buffer.
+                    unsafe {
+                        if load {
+                            dev.copy_htod(cache.piece_addr(l, b), hp.add(at), piece, &s)?;
+                        } else {
+                            dev.copy_dtoh(hp.add(at), cache.piece_addr(l, b), piece, &s)?;
+                        }
+                    }
+                    at += piece as usize;
+                }
+            }
+            s.synchronize()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let naive_store = total as f64 / naive(false)? / GB;
+    let naive_load = total as f64 / naive(true)? / GB;
+
+    let store_gbps = total as f64 / best_s / GB;
+    let load_gbps = total as f64 / best_l / GB;
+    let both_gbps = 2.0 * total as f64 / best_b / GB;
+    let c_d2h = ceil["d2h_gbps"].as_f64().unwrap_or(f64::NAN);
+    let c_h2d = ceil["h2d_gbps"].as_f64().unwrap_or(f64::NAN);
+    let c_both = ceil["both_gbps"].as_f64().unwrap_or(f64::NAN);
+    let gb = |b: u64| b as f64 / GB;
+    let kernel_ms_per_gb = |ns: u64| ns as f64 / 1e6 / gb(total);
+    let sm_share = f64::from(cstats.max_ctas.min(cstats.sm_count)) / f64::from(cstats.sm_count);
+    let out = json!({
+        "shape": shape.name,
+        "layers": layers,
+        "piece_bytes": piece,
+        "object_bytes": object,
+        "num_blocks": nb,
+        "layer_stride_bytes": nb * piece,
+        "max_pitch": dev.max_pitch,
+        "method": method.to_string(),
+        "blocks": n,
+        "bytes_each_way": total,
+        "store_gbps": store_gbps,
+        "load_gbps": load_gbps,
+        "both_gbps": both_gbps,
+        "store_ratio": store_gbps / c_d2h,
+        "load_ratio": load_gbps / c_h2d,
+        "both_ratio": both_gbps / c_both,
+        "naive_store_gbps": naive_store,
+        "naive_load_gbps": naive_load,
+        "kernel_ms_per_gb_store": kernel_ms_per_gb(k_store),
+        "kernel_ms_per_gb_load": kernel_ms_per_gb(k_load),
+        "kernel_ms_per_gb_both": kernel_ms_per_gb(k_both) / 2.0,
+        "kernel_max_ctas": cstats.max_ctas,
+        "sm_count": cstats.sm_count,
+        "kernel_sm_share": sm_share,
+        "staging_device_bytes": cstats.staging_device_bytes,
+        "copies_2d": cstats.copies_2d,
+        "copies_3d": cstats.copies_3d,
+        "copies_1d": cstats.copies_1d,
+        "batch_calls": cstats.batch_calls,
+        "staged_bytes": cstats.staged_bytes,
+        "dma_bytes": cstats.dma_bytes,
+        "pool_registration_seconds": pin.seconds,
+        "pool_bytes": pin.total_bytes,
+    });
+    println!(
+        "{} [{method}]: {layers} layers × {piece} B pieces, {n} random blocks ({:.2} GB) each way",
+        shape.name,
+        gb(total)
+    );
+    println!(
+        "  store (GPU → pool)   {store_gbps:>7.2} GB/s  ratio {:.3} of D2H ceiling {c_d2h:.2}",
+        store_gbps / c_d2h
+    );
+    println!(
+        "  load  (pool → GPU)   {load_gbps:>7.2} GB/s  ratio {:.3} of H2D ceiling {c_h2d:.2}",
+        load_gbps / c_h2d
+    );
+    println!(
+        "  both at once         {both_gbps:>7.2} GB/s  ratio {:.3} of both-ways ceiling {c_both:.2}",
+        both_gbps / c_both
+    );
+    println!("  naive (1 call/piece) {naive_store:>7.2} GB/s store, {naive_load:.2} GB/s load");
+    println!(
+        "  GPU kernel time      {:.3} ms/GB store, {:.3} ms/GB load, {:.3} ms/GB both at once, on ≤ {} of {} SMs; staging {} MiB; copies 2d {} 3d {} 1d {} batch calls {}",
+        kernel_ms_per_gb(k_store),
+        kernel_ms_per_gb(k_load),
+        kernel_ms_per_gb(k_both) / 2.0,
+        cstats.max_ctas,
+        cstats.sm_count,
+        cstats.staging_device_bytes >> 20,
+        cstats.copies_2d,
+        cstats.copies_3d,
+        cstats.copies_1d,
+        cstats.batch_calls
+    );
+    Ok(out)
+}
+
+/// Registration of a large pool: construction time, a round trip while registration runs, and
+/// seconds per GiB.
+fn pin_test(a: &Args, dev: &Arc<Device>, prefault: bool) -> Result<Value> {
+    let gib = a.pin_gib;
+    progress!(
+        "registration: a {gib} GiB pool ({}), registered for DMA in 64 MiB chunks",
+        if prefault {
+            "prefaulted first"
+        } else {
+            "not prefaulted: registration faults the pages"
+        }
+    );
+    let (layers, nb, piece) = (32u64, 1024u64, 64u64 << 10);
+    let kv = dev.alloc(layers * nb * piece)?;
+    let t0 = Instant::now();
+    let store = EmbeddedStore::new(StoreConfig {
+        pool: PoolConfig {
+            prefault,
+            ..PoolConfig::with_capacity(gib << 30)
+        },
+        num_workers: a.workers,
+        ..StoreConfig::default()
+    })?;
+    let t_new = t0.elapsed().as_secs_f64();
+    let prefault_s = store.pool().placement().prefault_seconds;
+    let hugepages = format!("{:?}", store.pool().placement().hugepages_used);
+    let t1 = Instant::now();
+    // SAFETY: `kv` outlives the store.
+    unsafe { store.register_cuda_memory(kv.ptr(), kv.len(), a.device) }?;
+    let t_register_call = t1.elapsed().as_secs_f64();
+    let layout = store.register_layout(KvLayout::new(vec![GroupLayout::new(
+        (0..layers)
+            .map(|l| LayerSpec {
+                base_addr: kv.ptr() + l * nb * piece,
+                num_blocks: nb,
+                block_stride: piece,
+                block_bytes: piece,
+            })
+            .collect(),
+    )?])?)?;
+    // A round trip right away, while the pool is still being registered.
+    let kb = KeyBuilder::new("bench-gpu-pin", RankTopology::default())?;
+    let ids: Vec<u64> = (0..256).collect();
+    let targets: Vec<u64> = (512..768).collect();
+    let ks = keys(&kb, 0, &ids);
+    let t2 = Instant::now();
+    check_done(
+        &store
+            .store(layout, 0, &ids, ks.clone())?
+            .wait(Duration::from_secs(120))?,
+        "store",
+    )?;
+    check_done(
+        &store
+            .load(layout, 0, &targets, ks)?
+            .wait(Duration::from_secs(120))?,
+        "load",
+    )?;
+    let t_roundtrip = t2.elapsed().as_secs_f64();
+    let during = store.cuda_status().map(|(_, p)| p).context("no status")?;
+    let since_start = t1.elapsed().as_secs_f64();
+    ensure!(
+        store.wait_pool_registered(Duration::from_secs(600)),
+        "registration did not finish in 10 minutes"
+    );
+    let pin = store.cuda_status().map(|(_, p)| p).context("no status")?;
+    if let Some(e) = &pin.error {
+        bail!("registration failed: {e}");
+    }
+    let secs = pin.seconds.unwrap_or(f64::NAN);
+    store.close();
+    let out = json!({
+        "pool_gib": gib,
+        "prefault": prefault,
+        "hugepages": hugepages,
+        "store_new_seconds": t_new,
+        "prefault_seconds": prefault_s,
+        "register_cuda_memory_seconds": t_register_call,
+        "roundtrip_seconds": t_roundtrip,
+        "roundtrip_done_after_seconds": since_start,
+        "registered_bytes_when_roundtrip_done": during.registered_bytes,
+        "registration_seconds": secs,
+        "registration_seconds_per_gib": secs / gib as f64,
+    });
+    println!(
+        "registration of a {gib} GiB pool: store created in {t_new:.2} s (prefault {prefault_s:.2} s, pages {hugepages}); register_cuda_memory returned in {:.3} s",
+        t_register_call
+    );
+    println!(
+        "  a 256-block round trip (1.07 GB) took {t_roundtrip:.3} s, done {since_start:.2} s after registration began, with {:.1} of {gib} GiB registered",
+        during.registered_bytes as f64 / (1u64 << 30) as f64
+    );
+    println!(
+        "  registration: {secs:.2} s, {:.4} s/GiB",
+        secs / gib as f64
+    );
+    Ok(out)
+}
+
+pub fn run(a: &Args) -> Result<()> {
+    ensure!(
+        a.blocks > 0 && a.rounds > 0,
+        "--blocks and --rounds must be > 0"
+    );
+    let method: CopyMethod = a.method.parse()?;
+    let shapes = parse_shapes(&a.shapes, a.num_blocks)?;
+    let dev = Device::open(a.device)?;
+    let drv = umbp_cuda::driver()?;
+    progress!(
+        "device {} ({}), driver API {}, {} SMs, {} copy engines, max pitch {}, batched copies: {}",
+        a.device,
+        dev.name,
+        drv.version,
+        dev.sm_count,
+        dev.copy_engines,
+        dev.max_pitch,
+        drv.has_batch_copy()
+    );
+    let max_object = shapes.iter().map(|s| s.layers * s.piece).max().unwrap_or(0);
+    let host_len = (2 * a.blocks * max_object).max(2 << 30) as usize;
+    let mut host = Pinned::new(&dev, host_len)?;
+    let scratch = dev.alloc(2 << 30)?;
+    let ceil = ceiling(&dev, &mut host, &scratch)?;
+    drop(scratch);
+    println!(
+        "contiguous pinned copies (1 GiB+): H2D {:.2} GB/s, D2H {:.2} GB/s, both at once {:.2} GB/s",
+        ceil["h2d_gbps"].as_f64().unwrap_or(0.0),
+        ceil["d2h_gbps"].as_f64().unwrap_or(0.0),
+        ceil["both_gbps"].as_f64().unwrap_or(0.0)
+    );
+    let mut results = Vec::new();
+    for shape in &shapes {
+        results.push(run_shape(a, &dev, shape, method, &mut host, &ceil)?);
+        if a.also_dma && method != CopyMethod::Dma {
+            results.push(run_shape(
+                a,
+                &dev,
+                shape,
+                CopyMethod::Dma,
+                &mut host,
+                &ceil,
+            )?);
+        }
+    }
+    drop(host);
+    let pin = if a.pin_gib > 0 {
+        Some(vec![pin_test(a, &dev, true)?, pin_test(a, &dev, false)?])
+    } else {
+        None
+    };
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "bench": "gpu",
+                "device": dev.name,
+                "driver_version": drv.version,
+                "sm_count": dev.sm_count,
+                "copy_engines": dev.copy_engines,
+                "ceiling": ceil,
+                "shapes": results,
+                "registration": pin,
+            })
+        );
+    }
+    Ok(())
+}
