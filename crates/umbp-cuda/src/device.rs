@@ -217,6 +217,27 @@ impl Device {
         })
     }
 
+    /// A new non-blocking stream with the context's greatest priority: the GPU schedules its
+    /// pending thread blocks ahead of other streams' (for the brief staging kernels, so they
+    /// are not starved by long compute kernels).
+    pub fn priority_stream(self: &Arc<Self>) -> Result<Stream, CudaError> {
+        let _g = self.scoped()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: valid out-pointers; a context is current.
+        self.drv.check("cuCtxGetStreamPriorityRange", unsafe {
+            (self.drv.ctx_get_stream_priority_range)(&mut least, &mut greatest)
+        })?;
+        let mut s: CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; a priority inside the context's range.
+        self.drv.check("cuStreamCreateWithPriority", unsafe {
+            (self.drv.stream_create_with_priority)(&mut s, CU_STREAM_NON_BLOCKING, greatest)
+        })?;
+        Ok(Stream {
+            dev: Arc::clone(self),
+            raw: s,
+        })
+    }
+
     /// A new event: `timing` for elapsed-time measurement, else the cheapest kind; completion
     /// waits yield the CPU instead of spinning.
     pub fn event(self: &Arc<Self>, timing: bool) -> Result<Event, CudaError> {

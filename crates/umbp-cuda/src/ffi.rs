@@ -222,6 +222,9 @@ pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type FnCtxPushCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type FnCtxPopCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type FnStreamCreate = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUresult;
+pub type FnStreamCreateWithPriority =
+    unsafe extern "C" fn(*mut CUstream, c_uint, c_int) -> CUresult;
+pub type FnCtxGetStreamPriorityRange = unsafe extern "C" fn(*mut c_int, *mut c_int) -> CUresult;
 pub type FnStreamDestroy = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type FnStreamSynchronize = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type FnStreamWaitEvent = unsafe extern "C" fn(CUstream, CUevent, c_uint) -> CUresult;

@@ -297,7 +297,7 @@ impl CudaMover {
             };
             Ok(Lane {
                 dma: dev.stream()?,
-                kern: dev.stream()?,
+                kern: dev.priority_stream()?,
                 ring,
             })
         };

@@ -7,8 +7,10 @@
 //!   chunks in ascending address order (the allocator fills the pool from the bottom);
 //! * a copy that touches a chunk not registered yet registers that chunk itself first (a few
 //!   milliseconds), so DMA never reads or writes unregistered pool memory;
-//! * while copies run, the background thread pauses between chunks, so a copy never waits
-//!   behind more than one chunk's registration (the driver serialises the two).
+//! * the background thread pauses between chunks (half a chunk's time; three times that while
+//!   copies run), so no driver call, ours or the engine's, waits behind more than one chunk's
+//!   registration (the driver serialises them; back-to-back registrations starved other calls
+//!   for the whole registration on the H200).
 //!
 //! The copy planner cuts every copy at chunk boundaries, so none straddles two registrations.
 //! If registering a chunk fails, copies to it take the driver's pageable path after waiting on
@@ -327,13 +329,16 @@ fn pin_loop(dev: &Device, p: &PinProgress, stop: &AtomicBool) {
         }
         let t0 = Instant::now();
         p.register_chunk(d, c);
-        if p.copies_recent() {
-            // Leave the driver to the copies most of the time: the driver serialises them
-            // with a registration, so they wait behind at most this one chunk.
-            std::thread::sleep(
-                (t0.elapsed() * 3).clamp(Duration::from_millis(1), Duration::from_millis(50)),
-            );
-        }
+        // The driver serialises other calls (ours and the engine's) with a registration, and
+        // back-to-back registrations would starve them: always leave a gap, so any call waits
+        // behind at most one chunk. While copies run, leave the driver to them most of the time.
+        let took = t0.elapsed();
+        let gap = if p.copies_recent() {
+            took * 3
+        } else {
+            took / 2
+        };
+        std::thread::sleep(gap.clamp(Duration::from_millis(1), Duration::from_millis(50)));
     }
     finish(p);
 }
