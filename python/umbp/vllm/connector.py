@@ -548,6 +548,14 @@ class _WorkerSide:
         self.async_loads: dict[str, list[tuple[umbp.Job, list[int]]]] = {}
         self.load_errors: set[int] = set()
         self.stores: dict[int, umbp.Job] = {}
+        self.cuda_device: torch.device | None = None
+
+    def _stream(self) -> int | None:
+        """The engine's current CUDA stream: copies are ordered after the work queued on it
+        (stores copy what the forward pass wrote; loads wait for readers of their blocks)."""
+        if self.cuda_device is None:
+            return None
+        return torch.cuda.current_stream(self.cuda_device).cuda_stream
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self.cfg
@@ -564,18 +572,24 @@ class _WorkerSide:
             timeout_ms=cfg.timeout_ms,
         )
         # Register each backing allocation once (all layers are views into one or a few).
+        # CUDA tensors go through the GPU copy path (the CUDA driver is loaded only here, in
+        # the worker, after vLLM has initialised CUDA); CPU tensors through host copies.
         seen: set[int] = set()
         for t in kv_caches.values():
-            if t.device.type != "cpu":
+            if t.device.type not in ("cpu", "cuda"):
                 raise ConfigError(
-                    f"UMBPStoreConnector: KV cache on {t.device} needs the GPU copy path, "
-                    "which this build does not include; use a CPU engine"
+                    f"UMBPStoreConnector: KV cache on {t.device} is not supported; "
+                    "use a CUDA or CPU engine"
                 )
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in seen:
                 seen.add(ptr)
-                self.store.register_memory(ptr, storage.nbytes())
+                if t.device.type == "cuda":
+                    self.store.register_cuda_memory(ptr, storage.nbytes(), t.device.index or 0)
+                    self.cuda_device = t.device
+                else:
+                    self.store.register_memory(ptr, storage.nbytes())
         groups = []
         for g in self.kv_cache_config.kv_cache_groups:
             page = getattr(g.kv_cache_spec, "page_size_bytes", None)
@@ -630,7 +644,9 @@ class _WorkerSide:
         assert self.store is not None
         sync: list[tuple[umbp.Job, list[int]]] = []
         for t in meta.loads:
-            job = self.store.load(self.layout, t.group, t.block_ids, self._keys(t))
+            job = self.store.load(
+                self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
+            )
             if t.load_async:
                 self.async_loads.setdefault(t.req_id, []).append((job, t.block_ids))
             else:
@@ -662,7 +678,7 @@ class _WorkerSide:
         assert self.store is not None
         for t in meta.stores:
             self.stores[t.store_id] = self.store.store(
-                self.layout, t.group, t.block_ids, self._keys(t)
+                self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
             )
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
