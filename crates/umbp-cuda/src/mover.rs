@@ -501,7 +501,8 @@ impl CudaMover {
             }
         }
         if !pinned {
-            // The pageable path does not keep the device-side ordering: wait on the host.
+            // The pageable path is partly synchronous; do not rely on device-side ordering
+            // through it: wait on the host for the submitter's work.
             if let Some(ev) = after {
                 // SAFETY: a live event of this context (the job holds its token).
                 let rc = unsafe { (d.event_synchronize)(ev) };
