@@ -17,6 +17,13 @@ pub(crate) enum EntryState {
     Doomed,
 }
 
+/// One hash-table slot: an entry id and its key's fingerprint.
+#[derive(Debug, Clone, Copy)]
+struct TableSlot {
+    fp: u64,
+    idx: u32,
+}
+
 #[derive(Debug)]
 pub(crate) struct Entry {
     pub key: BlockKey,
@@ -32,7 +39,9 @@ pub(crate) struct Entry {
 /// The index shard. Callers hold the shard's lock.
 #[derive(Debug)]
 pub(crate) struct Shard {
-    table: HashTable<u32>,
+    /// Entry ids with their key's fingerprint: probes compare fingerprints before touching an
+    /// entry, and membership tests (`contains_fp`) never touch entries at all.
+    table: HashTable<TableSlot>,
     entries: Vec<Entry>,
     vacant: Vec<u32>,
     head: u32,
@@ -64,8 +73,16 @@ impl Shard {
     pub fn find(&self, key: &BlockKey, fp: u64) -> Option<u32> {
         let entries = &self.entries;
         self.table
-            .find(fp, |&i| entries[i as usize].key == *key)
-            .copied()
+            .find(fp, |s| s.fp == fp && entries[s.idx as usize].key == *key)
+            .map(|s| s.idx)
+    }
+
+    /// Whether a live key with fingerprint `fp` is present. Compares the 64-bit fingerprint
+    /// only, so no entry is read: two distinct keys share a fingerprint with probability about
+    /// 2^-64, and the reads that follow a lookup (`find`) compare whole keys.
+    #[inline]
+    pub fn contains_fp(&self, fp: u64) -> bool {
+        self.table.find(fp, |s| s.fp == fp).is_some()
     }
 
     /// Inserts a live entry at the LRU tail. The key must not be present.
@@ -90,9 +107,8 @@ impl Shard {
                 (self.entries.len() - 1) as u32
             }
         };
-        let entries = &self.entries;
         self.table
-            .insert_unique(fp, idx, |&i| entries[i as usize].key.fingerprint());
+            .insert_unique(fp, TableSlot { fp, idx }, |s| s.fp);
         self.push_tail(idx);
         self.live += 1;
         idx
@@ -161,7 +177,7 @@ impl Shard {
     pub fn remove(&mut self, idx: u32) -> Option<Slot> {
         let fp = self.entries[idx as usize].key.fingerprint();
         debug_assert_eq!(self.entries[idx as usize].state, EntryState::Live);
-        if let Ok(found) = self.table.find_entry(fp, |&i| i == idx) {
+        if let Ok(found) = self.table.find_entry(fp, |s| s.idx == idx) {
             found.remove();
         }
         self.unlink(idx);
@@ -204,6 +220,6 @@ impl Shard {
     pub fn metadata_bytes(&self) -> usize {
         self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.vacant.capacity() * 4
-            + self.table.capacity() * (std::mem::size_of::<u32>() + 1)
+            + self.table.capacity() * (std::mem::size_of::<TableSlot>() + 1)
     }
 }

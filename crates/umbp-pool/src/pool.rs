@@ -486,6 +486,8 @@ impl Pool {
 
     /// Which of `keys` are committed. Pins nothing and does not refresh recency.
     ///
+    /// Batches compare 64-bit key fingerprints, not whole keys (see `Shard::contains_fp`): a
+    /// false hit is about 2^-64 likely and would only make the following load miss.
     /// Keys are grouped by shard so each shard's lock is taken once per batch, not once per
     /// key: with many lookup threads on few cores, the lock words would otherwise bounce
     /// between cores on every key.
@@ -539,7 +541,7 @@ impl Pool {
             let shard = self.inner.shards[s].read();
             for &i in idx {
                 let i = i as usize;
-                out[i] = shard.find(&key(i), fps[i]).is_some();
+                out[i] = shard.contains_fp(fps[i]);
             }
         }
         out
