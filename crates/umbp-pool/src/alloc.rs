@@ -4,8 +4,9 @@
 //! to the free list the moment its last slot is freed, so memory moves between classes as the
 //! mix of object sizes changes: long churn of mixed sizes cannot leave the pool full of
 //! half-empty segments of the wrong class for longer than those objects live. Within a class,
-//! the lowest-addressed segment with a free slot is used first, which packs live objects into
-//! few segments. Objects larger than a segment take a run of whole free segments (first fit).
+//! the lowest-addressed segment with a free slot is used first, and within it the lowest free
+//! slot, which packs live objects into few segments and keeps objects reserved together
+//! adjacent. Objects larger than a segment take a run of whole free segments (first fit).
 //!
 //! Each slot remembers an owner tag (the pool stores where its index entry lives), so the pool
 //! can empty a chosen segment when fragmentation, not a lack of bytes, blocks an allocation.
@@ -63,7 +64,10 @@ struct Slab {
     live: u32,
     /// Never-used slots are `next_unused..slots`; freed ones are in `free`.
     next_unused: u32,
-    free: Vec<u32>,
+    /// Freed slots, lowest first: allocations fill a segment in address order, so objects
+    /// reserved together sit next to each other (a device mover can then move a batch with
+    /// few large DMAs).
+    free: BTreeSet<u32>,
     owners: Vec<u64>,
 }
 
@@ -141,7 +145,7 @@ impl Allocator {
                     slots,
                     live: 0,
                     next_unused: 0,
-                    free: Vec::new(),
+                    free: BTreeSet::new(),
                     owners: vec![NO_OWNER; slots as usize],
                 });
                 self.partial.entry(class).or_default().insert(seg);
@@ -151,7 +155,7 @@ impl Allocator {
         let Segment::Slab(slab) = &mut self.segments[seg as usize] else {
             unreachable!("partial lists hold slab segments only")
         };
-        let index = match slab.free.pop() {
+        let index = match slab.free.pop_first() {
             Some(i) => i,
             None => {
                 slab.next_unused += 1;
@@ -239,7 +243,7 @@ impl Allocator {
                 p.remove(&slot.segment);
             }
         } else {
-            slab.free.push(slot.index);
+            slab.free.insert(slot.index);
             self.partial.entry(class).or_default().insert(slot.segment);
         }
     }
@@ -364,6 +368,22 @@ mod tests {
         assert_eq!(big.bytes, 3 << 20);
         assert_eq!(a.free_segments(), 5);
         a.free(big);
+        a.check_invariants();
+    }
+
+    #[test]
+    fn freed_slots_are_reused_lowest_address_first() {
+        let mut a = Allocator::new(1 << 20, 1);
+        let slots: Vec<Slot> = (0..16).map(|_| a.alloc(64 << 10).unwrap()).collect();
+        for i in [9, 3, 12, 4, 5] {
+            a.free(slots[i]);
+        }
+        let again: Vec<u64> = (0..3).map(|_| a.alloc(64 << 10).unwrap().offset).collect();
+        assert_eq!(
+            again,
+            vec![3 << 16, 4 << 16, 5 << 16],
+            "adjacent, in address order"
+        );
         a.check_invariants();
     }
 
