@@ -10,7 +10,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PySlice};
 use std::sync::Arc;
-use umbp_copy::{CopyError, JobHandle, KeyResult};
+use umbp_copy::{CopyError, Direction, JobHandle, KeyResult};
 use umbp_core::{
     BlockKey, CoreError, GroupLayout, HugepageSize, KeyBuilder as CoreKeyBuilder, KvLayout,
     LayerSpec, MemoryBacking, PoolConfig, RankTopology,
@@ -407,15 +407,15 @@ impl EmbeddedStore {
         keys: &Keys,
         stream: Option<u64>,
     ) -> PyResult<Job> {
-        let ids = to_u64s(block_ids, "block ids", py)?;
-        let h = self
-            .inner
-            .store_on(layout_id, group, &ids, keys.keys.clone(), stream)
-            .map_err(|e| store_err(py, e))?;
-        Ok(Job {
-            handle: h,
-            timeout: self.inner.timeout(),
-        })
+        self.start(
+            py,
+            Direction::Store,
+            layout_id,
+            group,
+            block_ids,
+            keys,
+            stream,
+        )
     }
 
     /// Starts copying `keys` from the pool into `block_ids` of cache group `group`. For a CUDA
@@ -431,15 +431,15 @@ impl EmbeddedStore {
         keys: &Keys,
         stream: Option<u64>,
     ) -> PyResult<Job> {
-        let ids = to_u64s(block_ids, "block ids", py)?;
-        let h = self
-            .inner
-            .load_on(layout_id, group, &ids, keys.keys.clone(), stream)
-            .map_err(|e| store_err(py, e))?;
-        Ok(Job {
-            handle: h,
-            timeout: self.inner.timeout(),
-        })
+        self.start(
+            py,
+            Direction::Load,
+            layout_id,
+            group,
+            block_ids,
+            keys,
+            stream,
+        )
     }
 
     /// Removes every object; returns how many.
@@ -551,6 +551,32 @@ impl EmbeddedStore {
     fn wait_pool_registered(&self, py: Python<'_>, timeout_ms: u64) -> bool {
         let inner = Arc::clone(&self.inner);
         py.detach(move || inner.wait_pool_registered(Duration::from_millis(timeout_ms)))
+    }
+}
+
+impl EmbeddedStore {
+    /// Starts a store or a load (the shared body of `store` and `load`).
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &self,
+        py: Python<'_>,
+        direction: Direction,
+        layout_id: u32,
+        group: u32,
+        block_ids: Vec<i64>,
+        keys: &Keys,
+        stream: Option<u64>,
+    ) -> PyResult<Job> {
+        let ids = to_u64s(block_ids, "block ids", py)?;
+        let keys = keys.keys.clone();
+        let started = match direction {
+            Direction::Store => self.inner.store_on(layout_id, group, &ids, keys, stream),
+            Direction::Load => self.inner.load_on(layout_id, group, &ids, keys, stream),
+        };
+        Ok(Job {
+            handle: started.map_err(|e| store_err(py, e))?,
+            timeout: self.inner.timeout(),
+        })
     }
 }
 
