@@ -58,6 +58,17 @@ pub struct BlockCopy<'a> {
     pub ranges: &'a [CopyRange],
 }
 
+impl BlockCopy<'_> {
+    /// Bytes of the object the ranges reach (the end of the furthest range).
+    pub fn extent(&self) -> u64 {
+        self.ranges
+            .iter()
+            .map(|r| r.object_offset + r.len)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
 /// Moves bytes between engine memory and pool objects, a batch of blocks at a time. The host
 /// implementation uses CPU copies; device implementations plug in here.
 pub trait Mover: Send + Sync + std::fmt::Debug {

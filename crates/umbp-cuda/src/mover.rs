@@ -490,12 +490,7 @@ impl CudaMover {
         let d = self.dev.driver();
         let mut pinned = true;
         for b in blocks {
-            let extent = b
-                .ranges
-                .iter()
-                .map(|r| r.object_offset + r.len)
-                .max()
-                .unwrap_or(0);
+            let extent = b.extent();
             if extent > 0 && !pin.ensure(d, b.object as u64, extent) {
                 pinned = false;
             }

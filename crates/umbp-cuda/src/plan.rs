@@ -232,12 +232,7 @@ pub fn staged(
     let mut host_end: Option<u64> = None;
     for i in order {
         let b = &blocks[i];
-        let extent = b
-            .ranges
-            .iter()
-            .map(|r| r.object_offset + r.len)
-            .max()
-            .unwrap_or(0);
+        let extent = b.extent();
         if extent > slot_bytes || b.ranges.len() > max_descs {
             return None;
         }

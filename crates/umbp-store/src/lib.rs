@@ -362,7 +362,7 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Store, layout, group, block_ids, keys, None)
+        self.store_on(layout, group, block_ids, keys, None)
     }
 
     /// Starts loading `keys` into `block_ids` of cache group `group`.
@@ -373,7 +373,7 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Load, layout, group, block_ids, keys, None)
+        self.load_on(layout, group, block_ids, keys, None)
     }
 
     /// Waits for a job with the store's default timeout.
