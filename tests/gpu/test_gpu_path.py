@@ -56,6 +56,8 @@ class VllmKv:
         n = layers * blocks * heads * tokens * c * esize
         self.raw = torch.empty(n, dtype=torch.int8, device="cuda")
         self.raw.random_(-128, 128)
+        # Tests that submit without stream= must not race the fill.
+        torch.cuda.synchronize()
         typed = self.raw.view(dtype).view(phys).permute(*inv)
         self.layers = [typed[layer] for layer in range(layers)]
         # A byte view of the same logical order, for poisoning and comparing.

@@ -8,7 +8,9 @@ use anyhow::{bail, ensure, Context, Result};
 use rand::{rngs::StdRng, seq::SliceRandom, RngCore, SeedableRng};
 use serde_json::{json, Value};
 use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, LayerSpec, PoolConfig, RankTopology};
-use umbp_cuda::{CopyMethod, CudaOptions, Device, DeviceBuffer, HostRegistration, Stream};
+use umbp_cuda::{
+    CopyMethod, CudaOptions, Device, DeviceBuffer, HostRegistration, Stream, TraceSpan,
+};
 use umbp_store::{EmbeddedStore, KeyResult, StoreConfig};
 
 use crate::progress;
@@ -41,9 +43,22 @@ pub struct Args {
     /// Device staging memory per direction, MiB (default: the store's default).
     #[arg(long)]
     staging_mib: Option<u64>,
+    /// Staging slots per direction (default: the store's default).
+    #[arg(long)]
+    staging_slots: Option<usize>,
+    /// Blocks per mover call (default: the store's default).
+    #[arg(long)]
+    batch_blocks: Option<usize>,
+    /// DMA streams per direction for staged copies (default: the store's default).
+    #[arg(long)]
+    dma_streams: Option<usize>,
     /// Copy worker threads.
     #[arg(long, default_value_t = 4)]
     workers: usize,
+    /// Write a timeline of the last round's both-directions run (every kernel, DMA, mover call
+    /// and staging-slot wait) of each shape to this JSON file, and print a summary of it.
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
     /// Timed rounds (the best of each figure is kept).
     #[arg(long, default_value_t = 3)]
     rounds: u32,
@@ -211,6 +226,7 @@ fn run_shape(
     method: CopyMethod,
     host: &mut Pinned,
     ceil: &Value,
+    trace_out: &mut Vec<Value>,
 ) -> Result<Value> {
     let (layers, piece, nb) = (shape.layers, shape.piece, shape.num_blocks);
     let n = a.blocks;
@@ -268,6 +284,9 @@ fn run_shape(
                 method,
                 max_ctas: a.max_ctas.unwrap_or(d.max_ctas),
                 staging_bytes: a.staging_mib.map_or(d.staging_bytes, |m| m << 20),
+                staging_slots: a.staging_slots.unwrap_or(d.staging_slots),
+                batch_blocks: a.batch_blocks.unwrap_or(d.batch_blocks),
+                staged_dma_streams: a.dma_streams.unwrap_or(d.staged_dma_streams),
                 ..d
             }
         },
@@ -301,6 +320,7 @@ fn run_shape(
     let kernel_ns = || store.cuda_status().map_or(0, |(c, _)| c.kernel_ns);
     let (mut best_s, mut best_l, mut best_b) = (f64::MAX, f64::MAX, f64::MAX);
     let (mut k_store, mut k_load, mut k_both) = (0u64, 0u64, 0u64);
+    let mut both_ends = (0f64, 0f64);
     for round in 0..=a.rounds {
         store.clear();
         let tag = round * 2;
@@ -331,14 +351,37 @@ fn run_shape(
             cache.poison(dev, &s, &dst, 0x5A)?;
         }
         // Both directions at once: store set B while set A is loaded again.
+        let tracing = a.trace.is_some() && round == a.rounds;
+        if tracing {
+            store.cuda().context("no CUDA mover")?.start_trace()?;
+        }
         let k3 = kernel_ns();
         let t0 = Instant::now();
         let js = store.store(layout, 0, &src_b, kbk)?;
         let jl = store.load(layout, 0, &dst, ka)?;
+        // Note when each job finishes: a job that ends early leaves the other alone.
+        let (mut end_s, mut end_l) = (None, None);
+        while end_s.is_none() || end_l.is_none() {
+            if end_s.is_none() && js.is_done() {
+                end_s = Some(t0.elapsed().as_secs_f64());
+            }
+            if end_l.is_none() && jl.is_done() {
+                end_l = Some(t0.elapsed().as_secs_f64());
+            }
+            ensure!(
+                t0.elapsed() < Duration::from_secs(600),
+                "the concurrent store and load did not finish in 10 minutes"
+            );
+            std::thread::sleep(Duration::from_micros(20));
+        }
         wait(js, "concurrent store")?;
         wait(jl, "concurrent load")?;
         let tb = t0.elapsed().as_secs_f64();
         let k4 = kernel_ns();
+        if tracing {
+            let spans = store.cuda().context("no CUDA mover")?.take_trace();
+            trace_out.push(summarize_trace(&shape.name, method, &spans));
+        }
         if round == 0 {
             let (want, got) = host.buf.split_at_mut(total as usize);
             cache.read_blocks(dev, &s, &src_a, want)?;
@@ -366,6 +409,7 @@ fn run_shape(
         if tb < best_b {
             best_b = tb;
             k_both = k4 - k3;
+            both_ends = (end_s.unwrap_or(tb), end_l.unwrap_or(tb));
         }
     }
     let (cstats, pin) = store.cuda_status().context("no CUDA status")?;
@@ -431,6 +475,8 @@ fn run_shape(
         "kernel_ms_per_gb_store": kernel_ms_per_gb(k_store),
         "kernel_ms_per_gb_load": kernel_ms_per_gb(k_load),
         "kernel_ms_per_gb_both": kernel_ms_per_gb(k_both) / 2.0,
+        "both_store_done_ms": both_ends.0 * 1e3,
+        "both_load_done_ms": both_ends.1 * 1e3,
         "kernel_max_ctas": cstats.max_ctas,
         "sm_count": cstats.sm_count,
         "kernel_sm_share": sm_share,
@@ -461,6 +507,11 @@ fn run_shape(
         "  both at once         {both_gbps:>7.2} GB/s  ratio {:.3} of both-ways ceiling {c_both:.2}",
         both_gbps / c_both
     );
+    println!(
+        "                       (the store finished after {:.2} ms, the load after {:.2} ms)",
+        both_ends.0 * 1e3,
+        both_ends.1 * 1e3
+    );
     println!("  naive (1 call/piece) {naive_store:>7.2} GB/s store, {naive_load:.2} GB/s load");
     println!(
         "  GPU kernel time      {:.3} ms/GB store, {:.3} ms/GB load, {:.3} ms/GB both at once, on ≤ {} of {} SMs; staging {} MiB; copies 2d {} 3d {} 1d {} batch calls {}",
@@ -476,6 +527,128 @@ fn run_shape(
         cstats.batch_calls
     );
     Ok(out)
+}
+
+/// Merged busy intervals of `spans` (start, end), sorted.
+fn merged(mut spans: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for (s, e) in spans {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// Time both interval lists (each merged) cover at once.
+fn overlap(a: &[(f64, f64)], b: &[(f64, f64)]) -> f64 {
+    let (mut i, mut j, mut t) = (0, 0, 0.0);
+    while i < a.len() && j < b.len() {
+        let lo = a[i].0.max(b[j].0);
+        let hi = a[i].1.min(b[j].1);
+        if hi > lo {
+            t += hi - lo;
+        }
+        if a[i].1 < b[j].1 {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    t
+}
+
+/// A traced both-directions run, summarised per direction: how busy its DMA stream was and
+/// how fast it moved while busy, the gaps between its DMAs, its kernels, mover calls and waits
+/// for staging slots; and how long both DMA streams ran at once. Printed, and returned with
+/// the spans.
+fn summarize_trace(shape: &str, method: CopyMethod, spans: &[TraceSpan]) -> Value {
+    let pick = |dir: &str, step: &str| -> Vec<&TraceSpan> {
+        spans
+            .iter()
+            .filter(|s| s.direction == dir && s.step == step)
+            .collect()
+    };
+    let busy = |v: &[&TraceSpan]| merged(v.iter().map(|s| (s.start_us, s.end_us)).collect());
+    let len = |v: &[(f64, f64)]| v.iter().map(|(s, e)| e - s).sum::<f64>();
+    let mut out = serde_json::Map::new();
+    let mut dma_busy = Vec::new();
+    println!("  trace of the last both-directions round ({shape} [{method}]):");
+    for dir in ["store", "load"] {
+        let dma = pick(dir, "dma");
+        let kern = pick(dir, "kernel");
+        let calls = pick(dir, "call");
+        let waits = pick(dir, "slot_wait");
+        let d = busy(&dma);
+        let k = busy(&kern);
+        let first = d
+            .first()
+            .map_or(0.0, |x| x.0)
+            .min(k.first().map_or(f64::MAX, |x| x.0));
+        let last = d
+            .last()
+            .map_or(0.0, |x| x.1)
+            .max(k.last().map_or(0.0, |x| x.1));
+        let window = (last - first).max(1e-9);
+        let bytes: u64 = dma.iter().map(|s| s.bytes).sum();
+        let gaps: Vec<f64> = d.windows(2).map(|w| w[1].0 - w[0].1).collect();
+        let big: Vec<f64> = gaps.iter().copied().filter(|&g| g > 5.0).collect();
+        let call_mean =
+            calls.iter().map(|s| s.end_us - s.start_us).sum::<f64>() / calls.len().max(1) as f64;
+        let wait_total: f64 = waits.iter().map(|s| s.end_us - s.start_us).sum();
+        let dma_us = len(&d);
+        println!(
+            "    {dir:<5}: device window {:.0} µs (from {:.0} µs); DMA busy {:.0} µs = {:.0}% ({:.1} GB/s while busy, {:.1} over the window); {} DMA gaps > 5 µs, {:.0} µs in all, largest {:.0} µs; kernels busy {:.0} µs ({} launches); {} mover calls, {:.0} µs each on average; slot waits {:.0} µs in all",
+            window,
+            first,
+            dma_us,
+            100.0 * dma_us / window,
+            bytes as f64 / dma_us.max(1e-9) / 1e3,
+            bytes as f64 / window / 1e3,
+            big.len(),
+            big.iter().sum::<f64>(),
+            big.iter().copied().fold(0.0, f64::max),
+            len(&k),
+            kern.len(),
+            calls.len(),
+            call_mean,
+            wait_total
+        );
+        out.insert(
+            dir.to_owned(),
+            json!({
+                "window_us": window,
+                "first_us": first,
+                "dma_busy_us": dma_us,
+                "dma_bytes": bytes,
+                "dma_gaps_over_5us": big.len(),
+                "dma_gap_us": big.iter().sum::<f64>(),
+                "kernel_busy_us": len(&k),
+                "kernel_launches": kern.len(),
+                "calls": calls.len(),
+                "call_mean_us": call_mean,
+                "slot_wait_us": wait_total,
+            }),
+        );
+        dma_busy.push(d);
+    }
+    let both = overlap(&dma_busy[0], &dma_busy[1]);
+    println!("    both DMA streams busy at once for {both:.0} µs");
+    json!({
+        "shape": shape,
+        "method": method.to_string(),
+        "summary": out,
+        "both_dma_busy_us": both,
+        "spans": spans.iter().map(|s| json!({
+            "dir": s.direction,
+            "step": s.step,
+            "bytes": s.bytes,
+            "start_us": s.start_us,
+            "end_us": s.end_us,
+        })).collect::<Vec<_>>(),
+    })
 }
 
 /// Registration of a large pool: construction time, a round trip while registration runs, and
@@ -609,8 +782,17 @@ pub fn run(a: &Args) -> Result<()> {
         ceil["both_gbps"].as_f64().unwrap_or(0.0)
     );
     let mut results = Vec::new();
+    let mut traces = Vec::new();
     for shape in &shapes {
-        results.push(run_shape(a, &dev, shape, method, &mut host, &ceil)?);
+        results.push(run_shape(
+            a,
+            &dev,
+            shape,
+            method,
+            &mut host,
+            &ceil,
+            &mut traces,
+        )?);
         if a.also_dma && method != CopyMethod::Dma {
             results.push(run_shape(
                 a,
@@ -619,10 +801,16 @@ pub fn run(a: &Args) -> Result<()> {
                 CopyMethod::Dma,
                 &mut host,
                 &ceil,
+                &mut traces,
             )?);
         }
     }
     drop(host);
+    if let Some(path) = &a.trace {
+        std::fs::write(path, serde_json::to_vec_pretty(&traces)?)
+            .with_context(|| format!("cannot write the trace to {}", path.display()))?;
+        progress!("trace written to {}", path.display());
+    }
     let pin = if a.pin_gib > 0 {
         Some(vec![pin_test(a, &dev, true)?, pin_test(a, &dev, false)?])
     } else {

@@ -422,6 +422,33 @@ impl Stream {
         })
     }
 
+    /// Makes later work on this stream wait until the 32-bit word at device address `flag`
+    /// equals `value` (a stream memory operation: the GPU polls device memory, no PCIe).
+    pub(crate) fn wait_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        let f = d
+            .stream_wait_value32
+            .ok_or_else(|| CudaError::Invalid("cuStreamWaitValue32 is not exported".into()))?;
+        // SAFETY: a live stream; `flag` is a 4-byte-aligned word of device memory owned by
+        // the caller for the stream's lifetime.
+        d.check("cuStreamWaitValue32", unsafe {
+            f(self.raw, flag, value, CU_STREAM_WAIT_VALUE_EQ)
+        })
+    }
+
+    /// Writes `value` to the 32-bit word at device address `flag` once this stream's earlier
+    /// work has finished and its writes are visible.
+    pub(crate) fn write_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        let f = d
+            .stream_write_value32
+            .ok_or_else(|| CudaError::Invalid("cuStreamWriteValue32 is not exported".into()))?;
+        // SAFETY: as for `wait_flag`.
+        d.check("cuStreamWriteValue32", unsafe {
+            f(self.raw, flag, value, CU_STREAM_WRITE_VALUE_DEFAULT)
+        })
+    }
+
     /// Waits on the host for all work queued so far.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.dev.synchronize(self)

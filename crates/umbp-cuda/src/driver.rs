@@ -49,6 +49,9 @@ pub struct Driver {
     pub(crate) stream_synchronize: FnStreamSynchronize,
     pub(crate) stream_wait_event: FnStreamWaitEvent,
     pub(crate) stream_is_capturing: FnStreamIsCapturing,
+    /// Stream memory operations (device-side flags between streams), where exported.
+    pub(crate) stream_wait_value32: Option<FnStreamValue32>,
+    pub(crate) stream_write_value32: Option<FnStreamValue32>,
     pub(crate) event_create: FnEventCreate,
     pub(crate) event_record: FnEventRecord,
     pub(crate) event_query: FnEventQuery,
@@ -177,6 +180,14 @@ impl Driver {
         } else {
             None
         };
+        // Stream memory operations, unless turned off (to compare with event waits).
+        let no_memops = std::env::var_os("UMBP_CUDA_NO_STREAM_MEMOPS").is_some();
+        let memops = |name: &str| -> Option<*mut c_void> {
+            if no_memops {
+                return None;
+            }
+            sym(&CString::new(name).ok()?).ok()
+        };
         let mut d = Driver {
             lib: lib.clone(),
             version: 0,
@@ -197,6 +208,15 @@ impl Driver {
             stream_synchronize: load!(c"cuStreamSynchronize"),
             stream_wait_event: load!(c"cuStreamWaitEvent"),
             stream_is_capturing: load!(c"cuStreamIsCapturing"),
+            stream_wait_value32: memops("cuStreamWaitValue32_v2").map(|p| {
+                // SAFETY: the CUDA 11.7+ export of the (stream, address, value, flags)
+                // prototype.
+                unsafe { fn_ptr::<FnStreamValue32>(p) }
+            }),
+            stream_write_value32: memops("cuStreamWriteValue32_v2").map(|p| {
+                // SAFETY: as above.
+                unsafe { fn_ptr::<FnStreamValue32>(p) }
+            }),
             event_create: load!(c"cuEventCreate"),
             event_record: load!(c"cuEventRecord"),
             event_query: load!(c"cuEventQuery"),

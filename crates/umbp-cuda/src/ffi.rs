@@ -38,6 +38,10 @@ pub const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 0x2;
 
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 
+/// `cuStreamWaitValue32`: wait until `*addr == value`.
+pub const CU_STREAM_WAIT_VALUE_EQ: c_uint = 0x1;
+/// `cuStreamWriteValue32`: write after a memory barrier over the stream's earlier work.
+pub const CU_STREAM_WRITE_VALUE_DEFAULT: c_uint = 0x0;
 pub const CU_EVENT_DEFAULT: c_uint = 0;
 pub const CU_EVENT_BLOCKING_SYNC: c_uint = 1;
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
@@ -228,6 +232,8 @@ pub type FnCtxGetStreamPriorityRange = unsafe extern "C" fn(*mut c_int, *mut c_i
 pub type FnStreamDestroy = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type FnStreamSynchronize = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type FnStreamWaitEvent = unsafe extern "C" fn(CUstream, CUevent, c_uint) -> CUresult;
+/// `cuStreamWaitValue32_v2` and `cuStreamWriteValue32_v2`: (stream, address, value, flags).
+pub type FnStreamValue32 = unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult;
 pub type FnStreamIsCapturing = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
 pub type FnEventCreate = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
 pub type FnEventRecord = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;

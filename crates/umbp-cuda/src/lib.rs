@@ -20,5 +20,5 @@ pub mod plan;
 pub use device::{CtxGuard, Device, DeviceBuffer, Event, HostBuffer, HostRegistration, Stream};
 pub use driver::{driver, Driver};
 pub use error::CudaError;
-pub use mover::{CopyMethod, CudaMover, CudaOptions, CudaStats};
+pub use mover::{CopyMethod, CudaMover, CudaOptions, CudaStats, TraceSpan};
 pub use pin::{PinProgress, PinStatus, PoolPinner, SPLIT_BYTES};

@@ -88,6 +88,9 @@ pub struct CudaOptions {
     pub pin_chunk_bytes: u64,
     /// Blocks per mover call.
     pub batch_blocks: usize,
+    /// DMA streams per direction for staged copies; slot `i` uses stream `i % n`. With two, a
+    /// slice's copy starts while the previous one's completion is still being signalled.
+    pub staged_dma_streams: usize,
     /// `auto` stages batches whose pieces average fewer bytes than this.
     pub auto_threshold: u64,
 }
@@ -101,6 +104,7 @@ impl Default for CudaOptions {
             max_ctas: 16,
             pin_chunk_bytes: SPLIT_BYTES,
             batch_blocks: 32,
+            staged_dma_streams: 2,
             auto_threshold: 32 << 10,
         }
     }
@@ -146,6 +150,12 @@ impl CudaOptions {
                 format!("{} is outside 1..=4096", self.batch_blocks),
             );
         }
+        if !(1..=4).contains(&self.staged_dma_streams) {
+            return bad(
+                "cuda_staged_dma_streams",
+                format!("{} is outside 1..=4", self.staged_dma_streams),
+            );
+        }
         if self.method == CopyMethod::Staged && self.staging_bytes == 0 {
             return bad(
                 "cuda_copy_method",
@@ -184,6 +194,40 @@ pub struct CudaStats {
     pub sm_count: u32,
 }
 
+/// One step of a traced copy (see [`CudaMover::start_trace`]). Device steps are timed with
+/// CUDA events, host steps with the host clock; both count microseconds from the start of the
+/// trace (the two clocks agree to within a few microseconds).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceSpan {
+    /// `"store"` or `"load"`.
+    pub direction: &'static str,
+    /// `"kernel"` (gather/scatter), `"dma"` (copy-engine copies of one slice or one DMA
+    /// batch), `"call"` (host: one mover call, submission to completion) or `"slot_wait"`
+    /// (host: waiting for a staging slot to come free).
+    pub step: &'static str,
+    /// Bytes the step moved (0 for waits).
+    pub bytes: u64,
+    /// Start, microseconds since the trace started.
+    pub start_us: f64,
+    /// End, microseconds since the trace started.
+    pub end_us: f64,
+}
+
+#[derive(Debug)]
+struct Tracer {
+    base: Event,
+    t0: std::time::Instant,
+    spans: Vec<TraceSpan>,
+}
+
+/// A device step timed by two events.
+struct Timed {
+    step: &'static str,
+    bytes: u64,
+    t0: Event,
+    t1: Event,
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     dma_bytes: AtomicU64,
@@ -219,8 +263,14 @@ struct Slot {
     descs: HostBuffer,
     /// Recorded after the last use of the slot.
     free: Event,
-    /// Recorded when the slot's first stage is done.
+    /// Recorded when the slot's first stage is done (where device flags are unavailable).
     ready: Event,
+    /// Device address of the slot's flag word: the first stage writes `seq` there and the
+    /// second stage's stream waits for it, without the PCIe round trips of an event wait
+    /// (under full-duplex traffic those cost ~20 µs per wait). 0: use `ready`.
+    flag: u64,
+    /// The slot's use count (the value its flag carries for the current use).
+    seq: u32,
     used: bool,
 }
 
@@ -233,14 +283,35 @@ struct Ring {
 #[derive(Debug)]
 struct Lane {
     dma: Stream,
+    /// More DMA streams for staged copies (slot `i` uses `[dma, extra...][i % n]`).
+    extra: Vec<Stream>,
     kern: Stream,
     ring: Option<Mutex<Ring>>,
+}
+
+impl Lane {
+    /// The DMA stream of staging slot `i`.
+    fn dma_for(&self, i: usize) -> &Stream {
+        match i % (1 + self.extra.len()) {
+            0 => &self.dma,
+            j => &self.extra[j - 1],
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Dir {
     Store,
     Load,
+}
+
+impl Dir {
+    fn name(self) -> &'static str {
+        match self {
+            Dir::Store => "store",
+            Dir::Load => "load",
+        }
+    }
 }
 
 /// Moves bytes between CUDA memory and pool objects (see the module docs).
@@ -253,10 +324,14 @@ pub struct CudaMover {
     load: Lane,
     kernels: Option<Kernels>,
     slot_bytes: u64,
+    /// The slots' flag words, both directions (None: events order the stages).
+    _flags: Option<DeviceBuffer>,
     events: Mutex<Vec<Event>>,
     timing_events: Mutex<Vec<Event>>,
     tokens: Mutex<HashMap<u64, Event>>,
     counters: Counters,
+    tracing: std::sync::atomic::AtomicBool,
+    tracer: Mutex<Option<Tracer>>,
 }
 
 impl CudaMover {
@@ -279,15 +354,35 @@ impl CudaMover {
             None
         };
         let slot_bytes = (opts.staging_bytes / opts.staging_slots as u64) / 256 * 256;
-        let lane = |with_ring: bool| -> Result<Lane, CudaError> {
+        let flags = if kernels.is_some() {
+            match device_flags(&dev, 2 * opts.staging_slots) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    log::info!(
+                        "umbp: device flags unavailable ({e}); staging stages wait on events"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut next_flag = flags.as_ref().map(DeviceBuffer::ptr);
+        let mut lane = |with_ring: bool| -> Result<Lane, CudaError> {
             let ring = if with_ring {
                 let mut slots = Vec::with_capacity(opts.staging_slots);
                 for _ in 0..opts.staging_slots {
+                    let flag = next_flag.unwrap_or(0);
+                    if let Some(f) = next_flag.as_mut() {
+                        *f += 4;
+                    }
                     slots.push(Slot {
                         stage: dev.alloc(slot_bytes)?,
                         descs: dev.alloc_host(3 * 8 * MAX_DESCS as u64)?,
                         free: dev.event(false)?,
                         ready: dev.event(false)?,
+                        flag,
+                        seq: 0,
                         used: false,
                     });
                 }
@@ -297,6 +392,13 @@ impl CudaMover {
             };
             Ok(Lane {
                 dma: dev.stream()?,
+                extra: if with_ring {
+                    (1..opts.staged_dma_streams)
+                        .map(|_| dev.stream())
+                        .collect::<Result<_, _>>()?
+                } else {
+                    Vec::new()
+                },
                 kern: dev.priority_stream()?,
                 ring,
             })
@@ -305,7 +407,7 @@ impl CudaMover {
         let load = lane(kernels.is_some())?;
         let pinner = PoolPinner::start(Arc::clone(&dev), pool, opts.pin_chunk_bytes)?;
         log::info!(
-            "umbp: CUDA mover on device {} ({}): method {}, staging {} x {} bytes per direction",
+            "umbp: CUDA mover on device {} ({}): method {}, staging {} x {} bytes per direction{}",
             dev.ordinal(),
             dev.name,
             opts.method,
@@ -314,7 +416,12 @@ impl CudaMover {
             } else {
                 0
             },
-            slot_bytes
+            slot_bytes,
+            if flags.is_some() {
+                ", stages ordered by device flags"
+            } else {
+                ""
+            }
         );
         Ok(CudaMover {
             dev,
@@ -324,10 +431,13 @@ impl CudaMover {
             load,
             kernels,
             slot_bytes,
+            _flags: flags,
             events: Mutex::new(Vec::new()),
             timing_events: Mutex::new(Vec::new()),
             tokens: Mutex::new(HashMap::new()),
             counters: Counters::default(),
+            tracing: std::sync::atomic::AtomicBool::new(false),
+            tracer: Mutex::new(None),
         })
     }
 
@@ -353,8 +463,12 @@ impl CudaMover {
 
     /// Stops registering and unregisters the pool (call after the last copy).
     pub fn shutdown(&self) {
-        let _ = self.store.dma.synchronize();
-        let _ = self.load.dma.synchronize();
+        for lane in [&self.store, &self.load] {
+            let _ = lane.dma.synchronize();
+            for s in &lane.extra {
+                let _ = s.synchronize();
+            }
+        }
         let _ = self.store.kern.synchronize();
         let _ = self.load.kern.synchronize();
         self.pinner.shutdown();
@@ -380,6 +494,74 @@ impl CudaMover {
             max_ctas: self.opts.max_ctas,
             sm_count: self.dev.sm_count,
         }
+    }
+
+    /// Starts recording a timeline of every copy step (kernels, DMAs, mover calls and waits
+    /// for staging slots) until [`CudaMover::take_trace`]. Costs two timing events per step;
+    /// for diagnosing throughput, not for production.
+    pub fn start_trace(&self) -> Result<(), CudaError> {
+        let base = self.dev.event(true)?;
+        let s = self.dev.stream()?;
+        base.record(&s)?;
+        base.synchronize()?;
+        *self.tracer.lock() = Some(Tracer {
+            base,
+            t0: std::time::Instant::now(),
+            spans: Vec::new(),
+        });
+        self.tracing.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Stops tracing and returns the spans recorded since [`CudaMover::start_trace`] (empty
+    /// when no trace was started), in the order their mover calls finished.
+    pub fn take_trace(&self) -> Vec<TraceSpan> {
+        self.tracing.store(false, Ordering::Release);
+        self.tracer.lock().take().map_or_else(Vec::new, |t| t.spans)
+    }
+
+    fn trace_host(&self, dir: Dir, step: &'static str, bytes: u64, from: std::time::Instant) {
+        if let Some(t) = self.tracer.lock().as_mut() {
+            let us = |i: std::time::Instant| i.saturating_duration_since(t.t0).as_secs_f64() * 1e6;
+            t.spans.push(TraceSpan {
+                direction: dir.name(),
+                step,
+                bytes,
+                start_us: us(from),
+                end_us: us(std::time::Instant::now()),
+            });
+        }
+    }
+
+    /// When tracing, a timing event recorded on `stream` before a DMA step.
+    fn dma_begin(&self, stream: &Stream) -> Result<Option<Event>, CudaError> {
+        if !self.tracing.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let t0 = self.take_event(true)?;
+        t0.record(stream)?;
+        Ok(Some(t0))
+    }
+
+    /// Ends the DMA step that [`CudaMover::dma_begin`] started.
+    fn dma_end(
+        &self,
+        stream: &Stream,
+        t0: Option<Event>,
+        bytes: u64,
+        timings: &mut Vec<Timed>,
+    ) -> Result<(), CudaError> {
+        if let Some(t0) = t0 {
+            let t1 = self.take_event(true)?;
+            t1.record(stream)?;
+            timings.push(Timed {
+                step: "dma",
+                bytes,
+                t0,
+                t1,
+            });
+        }
+        Ok(())
     }
 
     /// Checks that `[addr, addr + len)` is memory of this mover's device.
@@ -470,6 +652,7 @@ impl CudaMover {
     }
 
     fn copy(&self, dir: Dir, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>> {
+        let call_start = std::time::Instant::now();
         let mut results: Vec<Result<(), String>> = vec![Ok(()); blocks.len()];
         let fail_all = |results: &mut Vec<Result<(), String>>, e: &CudaError| {
             for r in results.iter_mut() {
@@ -522,23 +705,51 @@ impl CudaMover {
         };
         let enqueued = match &slices {
             Some(slices) => self.run_staged(dir, slices, after, &done, &mut results, &mut timings),
-            None => self.run_dma(dir, blocks, after, &done, &mut results),
+            None => self.run_dma(dir, blocks, after, &done, &mut results, &mut timings),
         };
         if let Err(e) = enqueued.and_then(|_| done.synchronize()) {
             log::error!("umbp: CUDA copy failed: {e}");
             fail_all(&mut results, &e);
         }
-        let mut ns = 0u64;
-        for (t0, t1) in timings {
-            if let Ok(ms) = t1.elapsed_ms_since(&t0) {
-                ns += (f64::from(ms) * 1e6) as u64;
-            }
-            self.give_event(t0, true);
-            self.give_event(t1, true);
-        }
-        self.counters.kernel_ns.fetch_add(ns, Ordering::Relaxed);
+        self.account(dir, timings, call_start);
         self.give_event(done, false);
         results
+    }
+
+    /// Adds the kernels' GPU time to the counters and, when tracing, the steps to the trace;
+    /// every event of `timings` has completed.
+    fn account(&self, dir: Dir, timings: Vec<Timed>, call_start: std::time::Instant) {
+        let mut ns = 0u64;
+        let mut total = 0u64;
+        let mut tracer = self.tracer.lock();
+        for t in timings {
+            if t.step == "kernel" {
+                if let Ok(ms) = t.t1.elapsed_ms_since(&t.t0) {
+                    ns += (f64::from(ms) * 1e6) as u64;
+                }
+            } else {
+                total += t.bytes;
+            }
+            if let Some(tr) = tracer.as_mut() {
+                if let (Ok(a), Ok(b)) = (
+                    t.t0.elapsed_ms_since(&tr.base),
+                    t.t1.elapsed_ms_since(&tr.base),
+                ) {
+                    tr.spans.push(TraceSpan {
+                        direction: dir.name(),
+                        step: t.step,
+                        bytes: t.bytes,
+                        start_us: f64::from(a) * 1e3,
+                        end_us: f64::from(b) * 1e3,
+                    });
+                }
+            }
+            self.give_event(t.t0, true);
+            self.give_event(t.t1, true);
+        }
+        drop(tracer);
+        self.counters.kernel_ns.fetch_add(ns, Ordering::Relaxed);
+        self.trace_host(dir, "call", total, call_start);
     }
 
     fn run_dma(
@@ -548,12 +759,14 @@ impl CudaMover {
         after: Option<CUevent>,
         done: &Event,
         results: &mut [Result<(), String>],
+        timings: &mut Vec<Timed>,
     ) -> Result<(), CudaError> {
         let lane = self.lane(dir);
         if let Some(ev) = after {
             lane.dma.wait(ev)?;
         }
         let (base, g) = (self.pinner.progress().base, self.pinner.progress().chunk);
+        let t0 = self.dma_begin(&lane.dma)?;
         let ps = plan::split(&plan::pieces(blocks), base, g);
         let runs = plan::runs(&ps, base, g);
         let mut singles: Vec<Run> = Vec::new();
@@ -577,6 +790,7 @@ impl CudaMover {
             }
         }
         self.singles(dir, &lane.dma, &singles, results);
+        self.dma_end(&lane.dma, t0, bytes, timings)?;
         self.counters.dma_bytes.fetch_add(bytes, Ordering::Relaxed);
         done.record(&lane.dma)
     }
@@ -806,7 +1020,7 @@ impl CudaMover {
         after: Option<CUevent>,
         done: &Event,
         results: &mut [Result<(), String>],
-        timings: &mut Vec<(Event, Event)>,
+        timings: &mut Vec<Timed>,
     ) -> Result<(), CudaError> {
         let lane = self.lane(dir);
         let kernels = self
@@ -825,12 +1039,22 @@ impl CudaMover {
             }
         }
         let mut bytes = 0u64;
+        let nstreams = 1 + lane.extra.len();
+        // Per DMA stream, the last slot of this call that used it; and the very last slot.
+        let mut used = [None; 4];
+        let mut last_slot = 0;
         for (k, s) in slices.iter().enumerate() {
             let i = ring.next;
             ring.next = (i + 1) % ring.slots.len();
+            last_slot = i;
+            let dma = lane.dma_for(i);
             let slot = &mut ring.slots[i];
             if slot.used {
+                let w = std::time::Instant::now();
                 slot.free.synchronize()?;
+                if self.tracing.load(Ordering::Relaxed) {
+                    self.trace_host(dir, "slot_wait", 0, w);
+                }
             }
             let n = s.descs.len();
             // Descriptors: devs | offs | lens.
@@ -844,13 +1068,15 @@ impl CudaMover {
                 desc[2 * n + j] = x.len;
             }
             slot.used = true;
+            slot.seq = slot.seq.wrapping_add(1);
             let slot = &*slot;
             let stage = slot.stage.ptr();
             // The kernel reads the descriptors through the mapping (24 bytes per piece over
             // PCIe): measured faster than uploading them, whose copy queues behind the bulk
             // host-to-device DMAs of loads.
             let dp = slot.descs.device_ptr();
-            let launch = |f: CUfunction, stream: &Stream| -> Result<(Event, Event), CudaError> {
+            let slice_bytes = s.descs.iter().map(|x| x.len).sum::<u64>();
+            let launch = |f: CUfunction, stream: &Stream| -> Result<Timed, CudaError> {
                 let t0 = self.take_event(true)?;
                 let t1 = self.take_event(true)?;
                 t0.record(stream)?;
@@ -888,22 +1114,29 @@ impl CudaMover {
                 self.counters
                     .kernel_launches
                     .fetch_add(1, Ordering::Relaxed);
-                Ok((t0, t1))
+                Ok(Timed {
+                    step: "kernel",
+                    bytes: slice_bytes,
+                    t0,
+                    t1,
+                })
             };
-            let mut step = || -> Result<(Event, Event), CudaError> {
+            let mut step = |timings: &mut Vec<Timed>| -> Result<Timed, CudaError> {
                 match dir {
                     Dir::Store => {
                         let t = launch(kernels.gather, &lane.kern)?;
-                        slot.ready.record(&lane.kern)?;
-                        lane.dma.wait(slot.ready.raw())?;
-                        self.slot_dmas(dir, &lane.dma, s, stage, results);
-                        slot.free.record(&lane.dma)?;
+                        handoff(slot, &lane.kern, dma)?;
+                        let t0 = self.dma_begin(dma)?;
+                        self.slot_dmas(dir, dma, s, stage, results);
+                        self.dma_end(dma, t0, slice_bytes, timings)?;
+                        slot.free.record(dma)?;
                         Ok(t)
                     }
                     Dir::Load => {
-                        self.slot_dmas(dir, &lane.dma, s, stage, results);
-                        slot.ready.record(&lane.dma)?;
-                        lane.kern.wait(slot.ready.raw())?;
+                        let t0 = self.dma_begin(dma)?;
+                        self.slot_dmas(dir, dma, s, stage, results);
+                        self.dma_end(dma, t0, slice_bytes, timings)?;
+                        handoff(slot, dma, &lane.kern)?;
                         if k == 0 {
                             if let Some(ev) = after {
                                 lane.kern.wait(ev)?;
@@ -915,10 +1148,10 @@ impl CudaMover {
                     }
                 }
             };
-            match step() {
+            match step(timings) {
                 Ok(t) => {
                     timings.push(t);
-                    bytes += s.descs.iter().map(|x| x.len).sum::<u64>();
+                    bytes += slice_bytes;
                 }
                 Err(e) => {
                     for &b in &s.blocks {
@@ -926,20 +1159,62 @@ impl CudaMover {
                     }
                     // Make the slot's next user wait for whatever was queued.
                     let _ = slot.free.record(match dir {
-                        Dir::Store => &lane.dma,
+                        Dir::Store => dma,
                         Dir::Load => &lane.kern,
                     });
                 }
             }
+            used[i % nstreams] = Some(i);
         }
         self.counters
             .staged_bytes
             .fetch_add(bytes, Ordering::Relaxed);
-        done.record(match dir {
-            Dir::Store => &lane.dma,
-            Dir::Load => &lane.kern,
-        })
+        match dir {
+            // Every scatter ran after its DMA, in order on the kernel stream.
+            Dir::Load => done.record(&lane.kern),
+            // The DMAs ran on several streams: the last one waits for the others' last slices
+            // (their `free` events, recorded after their DMAs; the ring lock keeps them ours).
+            Dir::Store => {
+                let tail = lane.dma_for(last_slot);
+                for (j, u) in used.iter().enumerate() {
+                    if let Some(slot_i) = u {
+                        if j != last_slot % nstreams {
+                            tail.wait(ring.slots[*slot_i].free.raw())?;
+                        }
+                    }
+                }
+                done.record(tail)
+            }
+        }
     }
+}
+
+/// Makes `to`'s later work wait for `from`'s work so far on `slot`: through the slot's device
+/// flag where there is one, else through its `ready` event.
+fn handoff(slot: &Slot, from: &Stream, to: &Stream) -> Result<(), CudaError> {
+    if slot.flag != 0 {
+        from.write_flag(slot.flag, slot.seq)?;
+        to.wait_flag(slot.flag, slot.seq)
+    } else {
+        slot.ready.record(from)?;
+        to.wait(slot.ready.raw())
+    }
+}
+
+/// `n` zeroed 32-bit flag words in device memory, once a write and a wait through them were
+/// seen to work on this device.
+fn device_flags(dev: &Arc<Device>, n: usize) -> Result<DeviceBuffer, CudaError> {
+    let buf = dev.alloc((4 * n as u64).max(256))?;
+    let s = dev.stream()?;
+    let k = dev.stream()?;
+    // SAFETY: our own fresh allocation, used by nothing else yet.
+    unsafe { dev.memset(buf.ptr(), 0, buf.len(), &s) }?;
+    s.write_flag(buf.ptr(), 1)?;
+    k.wait_flag(buf.ptr(), 1)?;
+    k.write_flag(buf.ptr(), 0)?;
+    k.synchronize()?;
+    s.synchronize()?;
+    Ok(buf)
 }
 
 fn load_kernels(dev: &Device) -> Result<Kernels, CudaError> {

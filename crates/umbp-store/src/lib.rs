@@ -338,6 +338,11 @@ impl EmbeddedStore {
         self.submit(Direction::Load, layout, group, block_ids, keys, stream)
     }
 
+    /// The CUDA mover, once CUDA memory is registered (for its trace and statistics).
+    pub fn cuda(&self) -> Option<Arc<CudaMover>> {
+        self.cuda.lock().clone()
+    }
+
     /// The CUDA mover's counters and the pool's DMA registration, once CUDA memory is
     /// registered.
     pub fn cuda_status(&self) -> Option<(CudaStats, PinStatus)> {
