@@ -286,6 +286,35 @@ def test_registration_errors_are_clear():
     s.close()
 
 
+def test_staged_copies_ordered_by_events_where_stream_memops_are_off():
+    """The fallback for drivers without stream memory operations: stages ordered by events
+    and host waits. Concurrent stores and loads through every slot many times over."""
+    code = (
+        "import sys, torch, umbp\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_gpu_path import VllmKv, make_store, keys_for, pick\n"
+        "kv = VllmKv('LBNHC', layers=32, blocks=1200, heads=1)\n"
+        "store, lid = make_store(kv, 'staged')\n"
+        "src, dst = pick(kv.blocks, 500, seed=11)\n"
+        "keys = keys_for('events', src)\n"
+        "assert store.store(lid, 0, src, keys).wait() == ['done'] * 500\n"
+        "kv.bytes[:, torch.as_tensor(dst, device='cuda')] = 0x5A\n"
+        "k2 = keys_for('events2', dst)\n"
+        "j1 = store.load(lid, 0, dst, keys)\n"
+        "j2 = store.store(lid, 0, src, k2)\n"
+        "assert j1.wait() == ['done'] * 500 and j2.wait() == ['done'] * 500\n"
+        "assert torch.equal(kv.block_bytes(src), kv.block_bytes(dst))\n"
+        "print(store.cuda_stats()['kernel_launches'])\n"
+        "store.close()\n"
+    )
+    env = dict(os.environ, UMBP_CUDA_NO_STREAM_MEMOPS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.strip()) > 8, out.stdout
+
+
 def test_no_cuda_in_a_process_that_never_registers_cuda_memory():
     code = (
         "import numpy as np, umbp\n"

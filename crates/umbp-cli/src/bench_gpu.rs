@@ -49,9 +49,6 @@ pub struct Args {
     /// Blocks per mover call (default: the store's default).
     #[arg(long)]
     batch_blocks: Option<usize>,
-    /// DMA streams per direction for staged copies (default: the store's default).
-    #[arg(long)]
-    dma_streams: Option<usize>,
     /// Copy worker threads.
     #[arg(long, default_value_t = 4)]
     workers: usize,
@@ -286,7 +283,6 @@ fn run_shape(
                 staging_bytes: a.staging_mib.map_or(d.staging_bytes, |m| m << 20),
                 staging_slots: a.staging_slots.unwrap_or(d.staging_slots),
                 batch_blocks: a.batch_blocks.unwrap_or(d.batch_blocks),
-                staged_dma_streams: a.dma_streams.unwrap_or(d.staged_dma_streams),
                 ..d
             }
         },
@@ -580,7 +576,8 @@ fn summarize_trace(shape: &str, method: CopyMethod, spans: &[TraceSpan]) -> Valu
         let dma = pick(dir, "dma");
         let kern = pick(dir, "kernel");
         let calls = pick(dir, "call");
-        let waits = pick(dir, "slot_wait");
+        let mut waits = pick(dir, "slot_wait");
+        waits.extend(pick(dir, "desc_wait"));
         let d = busy(&dma);
         let k = busy(&kern);
         let first = d
@@ -600,7 +597,7 @@ fn summarize_trace(shape: &str, method: CopyMethod, spans: &[TraceSpan]) -> Valu
         let wait_total: f64 = waits.iter().map(|s| s.end_us - s.start_us).sum();
         let dma_us = len(&d);
         println!(
-            "    {dir:<5}: device window {:.0} µs (from {:.0} µs); DMA busy {:.0} µs = {:.0}% ({:.1} GB/s while busy, {:.1} over the window); {} DMA gaps > 5 µs, {:.0} µs in all, largest {:.0} µs; kernels busy {:.0} µs ({} launches); {} mover calls, {:.0} µs each on average; slot waits {:.0} µs in all",
+            "    {dir:<5}: device window {:.0} µs (from {:.0} µs); DMA busy {:.0} µs = {:.0}% ({:.1} GB/s while busy, {:.1} over the window); {} DMA gaps > 5 µs, {:.0} µs in all, largest {:.0} µs; kernels busy {:.0} µs ({} launches); {} mover calls, {:.0} µs each on average; host waits for slots/descriptors {:.0} µs in all",
             window,
             first,
             dma_us,

@@ -437,7 +437,8 @@ impl Stream {
     }
 
     /// Writes `value` to the 32-bit word at device address `flag` once this stream's earlier
-    /// work has finished and its writes are visible.
+    /// work has finished and its writes are visible (the driver refuses the variant without
+    /// that barrier on the H200 here).
     pub(crate) fn write_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
         let d = self.dev.drv;
         let f = d

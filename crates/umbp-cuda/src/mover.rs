@@ -88,9 +88,7 @@ pub struct CudaOptions {
     pub pin_chunk_bytes: u64,
     /// Blocks per mover call.
     pub batch_blocks: usize,
-    /// DMA streams per direction for staged copies; slot `i` uses stream `i % n`. With two, a
-    /// slice's copy starts while the previous one's completion is still being signalled.
-    pub staged_dma_streams: usize,
+
     /// `auto` stages batches whose pieces average fewer bytes than this.
     pub auto_threshold: u64,
 }
@@ -104,7 +102,6 @@ impl Default for CudaOptions {
             max_ctas: 16,
             pin_chunk_bytes: SPLIT_BYTES,
             batch_blocks: 32,
-            staged_dma_streams: 2,
             auto_threshold: 32 << 10,
         }
     }
@@ -148,12 +145,6 @@ impl CudaOptions {
             return bad(
                 "cuda_batch_blocks",
                 format!("{} is outside 1..=4096", self.batch_blocks),
-            );
-        }
-        if !(1..=4).contains(&self.staged_dma_streams) {
-            return bad(
-                "cuda_staged_dma_streams",
-                format!("{} is outside 1..=4", self.staged_dma_streams),
             );
         }
         if self.method == CopyMethod::Staged && self.staging_bytes == 0 {
@@ -202,8 +193,9 @@ pub struct TraceSpan {
     /// `"store"` or `"load"`.
     pub direction: &'static str,
     /// `"kernel"` (gather/scatter), `"dma"` (copy-engine copies of one slice or one DMA
-    /// batch), `"call"` (host: one mover call, submission to completion) or `"slot_wait"`
-    /// (host: waiting for a staging slot to come free).
+    /// batch), `"call"` (host: one mover call, submission to completion), `"slot_wait"` (host:
+    /// waiting for a staging slot to come free, where events order the stages) or
+    /// `"desc_wait"` (host: waiting for a kernel to finish reading a descriptor buffer).
     pub step: &'static str,
     /// Bytes the step moved (0 for waits).
     pub bytes: u64,
@@ -255,23 +247,42 @@ unsafe impl Sync for Kernels {}
 /// Most descriptors one staging slot carries.
 const MAX_DESCS: usize = 16384;
 
+/// Descriptor buffers per staging slot where device flags order the stages: the host writes
+/// a slice's descriptors while up to this many earlier kernels of the slot are still queued.
+const DESC_BUFFERS: usize = 4;
+
 #[derive(Debug)]
 struct Slot {
     stage: DeviceBuffer,
-    /// Descriptors (`devs | offs | lens`, `u64` each), written by the host and read by the
-    /// kernel through the mapping.
-    descs: HostBuffer,
-    /// Recorded after the last use of the slot.
+    /// Descriptor buffers (`devs | offs | lens`, `u64` each), written by the host and read by
+    /// the kernel through the mapping; used in turn.
+    descs: Vec<HostBuffer>,
+    /// Per descriptor buffer: recorded after the kernel that read it.
+    descs_read: Vec<Event>,
+    descs_used: Vec<bool>,
+    next_desc: usize,
+    /// Events mode: recorded after the slot's last stage; the host waits for it before
+    /// reusing the slot.
     free: Event,
-    /// Recorded when the slot's first stage is done (where device flags are unavailable).
+    /// Events mode: recorded after the slot's first stage; the second stage's stream waits
+    /// for it.
     ready: Event,
-    /// Device address of the slot's flag word: the first stage writes `seq` there and the
-    /// second stage's stream waits for it, without the PCIe round trips of an event wait
-    /// (under full-duplex traffic those cost ~20 µs per wait). 0: use `ready`.
-    flag: u64,
-    /// The slot's use count (the value its flag carries for the current use).
+    /// Flags mode (both non-zero): device addresses of two 32-bit words. Use `seq` of the slot
+    /// writes `seq` to `ready_flag` after its first stage (the second stage waits for it) and
+    /// to `free_flag` after its last stage (the next use's first stage waits for it). The
+    /// GPU polls device memory, so no host thread waits between stages and no wait crosses
+    /// PCIe (event waits there cost ~20 µs each under full-duplex traffic).
+    ready_flag: u64,
+    free_flag: u64,
+    /// The slot's use count.
     seq: u32,
     used: bool,
+}
+
+impl Slot {
+    fn flags(&self) -> bool {
+        self.ready_flag != 0
+    }
 }
 
 #[derive(Debug)]
@@ -283,20 +294,8 @@ struct Ring {
 #[derive(Debug)]
 struct Lane {
     dma: Stream,
-    /// More DMA streams for staged copies (slot `i` uses `[dma, extra...][i % n]`).
-    extra: Vec<Stream>,
     kern: Stream,
     ring: Option<Mutex<Ring>>,
-}
-
-impl Lane {
-    /// The DMA stream of staging slot `i`.
-    fn dma_for(&self, i: usize) -> &Stream {
-        match i % (1 + self.extra.len()) {
-            0 => &self.dma,
-            j => &self.extra[j - 1],
-        }
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -355,7 +354,7 @@ impl CudaMover {
         };
         let slot_bytes = (opts.staging_bytes / opts.staging_slots as u64) / 256 * 256;
         let flags = if kernels.is_some() {
-            match device_flags(&dev, 2 * opts.staging_slots) {
+            match device_flags(&dev, 4 * opts.staging_slots) {
                 Ok(f) => Some(f),
                 Err(e) => {
                     log::info!(
@@ -372,16 +371,29 @@ impl CudaMover {
             let ring = if with_ring {
                 let mut slots = Vec::with_capacity(opts.staging_slots);
                 for _ in 0..opts.staging_slots {
-                    let flag = next_flag.unwrap_or(0);
-                    if let Some(f) = next_flag.as_mut() {
-                        *f += 4;
-                    }
+                    let mut flag = || match next_flag.as_mut() {
+                        Some(f) => {
+                            *f += 4;
+                            *f - 4
+                        }
+                        None => 0,
+                    };
+                    let (ready_flag, free_flag) = (flag(), flag());
+                    let nd = if ready_flag != 0 { DESC_BUFFERS } else { 1 };
                     slots.push(Slot {
                         stage: dev.alloc(slot_bytes)?,
-                        descs: dev.alloc_host(3 * 8 * MAX_DESCS as u64)?,
+                        descs: (0..nd)
+                            .map(|_| dev.alloc_host(3 * 8 * MAX_DESCS as u64))
+                            .collect::<Result<_, _>>()?,
+                        descs_read: (0..nd)
+                            .map(|_| dev.event(false))
+                            .collect::<Result<_, _>>()?,
+                        descs_used: vec![false; nd],
+                        next_desc: 0,
                         free: dev.event(false)?,
                         ready: dev.event(false)?,
-                        flag,
+                        ready_flag,
+                        free_flag,
                         seq: 0,
                         used: false,
                     });
@@ -392,13 +404,6 @@ impl CudaMover {
             };
             Ok(Lane {
                 dma: dev.stream()?,
-                extra: if with_ring {
-                    (1..opts.staged_dma_streams)
-                        .map(|_| dev.stream())
-                        .collect::<Result<_, _>>()?
-                } else {
-                    Vec::new()
-                },
                 kern: dev.priority_stream()?,
                 ring,
             })
@@ -465,9 +470,6 @@ impl CudaMover {
     pub fn shutdown(&self) {
         for lane in [&self.store, &self.load] {
             let _ = lane.dma.synchronize();
-            for s in &lane.extra {
-                let _ = s.synchronize();
-            }
         }
         let _ = self.store.kern.synchronize();
         let _ = self.load.kern.synchronize();
@@ -1032,51 +1034,56 @@ impl CudaMover {
             .as_ref()
             .ok_or_else(|| CudaError::Invalid("no staging memory".into()))?;
         let d = self.dev.driver();
+        // Held only while this call's slices are queued (in flags mode no host thread waits
+        // for the GPU here, except, rarely, for a descriptor buffer).
         let mut ring = ring.lock();
         if dir == Dir::Store {
             if let Some(ev) = after {
                 lane.kern.wait(ev)?;
             }
         }
+        // Store: gather on `kern`, then DMA on `dma`. Load: DMA on `dma`, then scatter.
+        let (first, second) = match dir {
+            Dir::Store => (&lane.kern, &lane.dma),
+            Dir::Load => (&lane.dma, &lane.kern),
+        };
         let mut bytes = 0u64;
-        let nstreams = 1 + lane.extra.len();
-        // Per DMA stream, the last slot of this call that used it; and the very last slot.
-        let mut used = [None; 4];
-        let mut last_slot = 0;
         for (k, s) in slices.iter().enumerate() {
             let i = ring.next;
             ring.next = (i + 1) % ring.slots.len();
-            last_slot = i;
-            let dma = lane.dma_for(i);
             let slot = &mut ring.slots[i];
-            if slot.used {
-                let w = std::time::Instant::now();
-                slot.free.synchronize()?;
-                if self.tracing.load(Ordering::Relaxed) {
-                    self.trace_host(dir, "slot_wait", 0, w);
-                }
+            if !slot.flags() && slot.used {
+                self.host_wait(dir, "slot_wait", &slot.free)?;
+            }
+            let j = slot.next_desc;
+            slot.next_desc = (j + 1) % slot.descs.len();
+            if slot.flags() && slot.descs_used[j] {
+                self.host_wait(dir, "desc_wait", &slot.descs_read[j])?;
             }
             let n = s.descs.len();
             // Descriptors: devs | offs | lens.
             // SAFETY: the buffer holds 3 * MAX_DESCS u64 and n <= MAX_DESCS (plan::staged);
-            // the kernel that last read it has finished (slot.free above).
+            // the kernel that last read it has finished (waited for above).
             let desc =
-                unsafe { std::slice::from_raw_parts_mut(slot.descs.ptr() as *mut u64, 3 * n) };
-            for (j, x) in s.descs.iter().enumerate() {
-                desc[j] = x.dev;
-                desc[n + j] = x.off;
-                desc[2 * n + j] = x.len;
+                unsafe { std::slice::from_raw_parts_mut(slot.descs[j].ptr() as *mut u64, 3 * n) };
+            for (m, x) in s.descs.iter().enumerate() {
+                desc[m] = x.dev;
+                desc[n + m] = x.off;
+                desc[2 * n + m] = x.len;
             }
+            slot.descs_used[j] = true;
             slot.used = true;
-            slot.seq = slot.seq.wrapping_add(1);
+            let prev = slot.seq;
+            slot.seq = prev.wrapping_add(1);
             let slot = &*slot;
             let stage = slot.stage.ptr();
             // The kernel reads the descriptors through the mapping (24 bytes per piece over
             // PCIe): measured faster than uploading them, whose copy queues behind the bulk
             // host-to-device DMAs of loads.
-            let dp = slot.descs.device_ptr();
+            let dp = slot.descs[j].device_ptr();
             let slice_bytes = s.descs.iter().map(|x| x.len).sum::<u64>();
-            let launch = |f: CUfunction, stream: &Stream| -> Result<Timed, CudaError> {
+            let launch = |f: CUfunction| -> Result<Timed, CudaError> {
+                let stream = &lane.kern;
                 let t0 = self.take_event(true)?;
                 let t1 = self.take_event(true)?;
                 t0.record(stream)?;
@@ -1111,6 +1118,7 @@ impl CudaMover {
                     )
                 })?;
                 t1.record(stream)?;
+                slot.descs_read[j].record(stream)?;
                 self.counters
                     .kernel_launches
                     .fetch_add(1, Ordering::Relaxed);
@@ -1121,34 +1129,46 @@ impl CudaMover {
                     t1,
                 })
             };
-            let mut step = |timings: &mut Vec<Timed>| -> Result<Timed, CudaError> {
-                match dir {
+            let dmas = |results: &mut [Result<(), String>],
+                        timings: &mut Vec<Timed>|
+             -> Result<(), CudaError> {
+                let t0 = self.dma_begin(&lane.dma)?;
+                self.slot_dmas(dir, &lane.dma, s, stage, results);
+                self.dma_end(&lane.dma, t0, slice_bytes, timings)
+            };
+            let step = |results: &mut [Result<(), String>],
+                        timings: &mut Vec<Timed>|
+             -> Result<Timed, CudaError> {
+                if slot.flags() {
+                    // The previous use of the slot has finished with its staging memory.
+                    first.wait_flag(slot.free_flag, prev)?;
+                }
+                let t = match dir {
                     Dir::Store => {
-                        let t = launch(kernels.gather, &lane.kern)?;
-                        handoff(slot, &lane.kern, dma)?;
-                        let t0 = self.dma_begin(dma)?;
-                        self.slot_dmas(dir, dma, s, stage, results);
-                        self.dma_end(dma, t0, slice_bytes, timings)?;
-                        slot.free.record(dma)?;
-                        Ok(t)
+                        let t = launch(kernels.gather)?;
+                        handoff(slot, first, second)?;
+                        dmas(results, timings)?;
+                        t
                     }
                     Dir::Load => {
-                        let t0 = self.dma_begin(dma)?;
-                        self.slot_dmas(dir, dma, s, stage, results);
-                        self.dma_end(dma, t0, slice_bytes, timings)?;
-                        handoff(slot, dma, &lane.kern)?;
+                        dmas(results, timings)?;
+                        handoff(slot, first, second)?;
                         if k == 0 {
                             if let Some(ev) = after {
                                 lane.kern.wait(ev)?;
                             }
                         }
-                        let t = launch(kernels.scatter, &lane.kern)?;
-                        slot.free.record(&lane.kern)?;
-                        Ok(t)
+                        launch(kernels.scatter)?
                     }
+                };
+                if slot.flags() {
+                    second.write_flag(slot.free_flag, slot.seq)?;
+                } else {
+                    slot.free.record(second)?;
                 }
+                Ok(t)
             };
-            match step(timings) {
+            match step(results, timings) {
                 Ok(t) => {
                     timings.push(t);
                     bytes += slice_bytes;
@@ -1157,44 +1177,45 @@ impl CudaMover {
                     for &b in &s.blocks {
                         results[b] = Err(e.to_string());
                     }
-                    // Make the slot's next user wait for whatever was queued.
-                    let _ = slot.free.record(match dir {
-                        Dir::Store => dma,
-                        Dir::Load => &lane.kern,
-                    });
+                    // Keep the slot usable: whatever was queued, both of this use's flags get
+                    // written (a repeated value is harmless) so that no later wait hangs; the
+                    // host waits that guard the slot and its descriptors see queued work end.
+                    if slot.flags() {
+                        let _ = first.write_flag(slot.ready_flag, slot.seq);
+                        let _ = second.write_flag(slot.free_flag, slot.seq);
+                    } else {
+                        let _ = slot.free.record(second);
+                    }
+                    let _ = slot.descs_read[j].record(&lane.kern);
                 }
             }
-            used[i % nstreams] = Some(i);
         }
         self.counters
             .staged_bytes
             .fetch_add(bytes, Ordering::Relaxed);
-        match dir {
-            // Every scatter ran after its DMA, in order on the kernel stream.
-            Dir::Load => done.record(&lane.kern),
-            // The DMAs ran on several streams: the last one waits for the others' last slices
-            // (their `free` events, recorded after their DMAs; the ring lock keeps them ours).
-            Dir::Store => {
-                let tail = lane.dma_for(last_slot);
-                for (j, u) in used.iter().enumerate() {
-                    if let Some(slot_i) = u {
-                        if j != last_slot % nstreams {
-                            tail.wait(ring.slots[*slot_i].free.raw())?;
-                        }
-                    }
-                }
-                done.record(tail)
-            }
+        done.record(second)
+    }
+
+    /// Waits on the host for `ev` (a step the caller cannot go on without), traced as `what`.
+    fn host_wait(&self, dir: Dir, what: &'static str, ev: &Event) -> Result<(), CudaError> {
+        if ev.query()? {
+            return Ok(());
         }
+        let w = std::time::Instant::now();
+        ev.synchronize()?;
+        if self.tracing.load(Ordering::Relaxed) {
+            self.trace_host(dir, what, 0, w);
+        }
+        Ok(())
     }
 }
 
 /// Makes `to`'s later work wait for `from`'s work so far on `slot`: through the slot's device
 /// flag where there is one, else through its `ready` event.
 fn handoff(slot: &Slot, from: &Stream, to: &Stream) -> Result<(), CudaError> {
-    if slot.flag != 0 {
-        from.write_flag(slot.flag, slot.seq)?;
-        to.wait_flag(slot.flag, slot.seq)
+    if slot.flags() {
+        from.write_flag(slot.ready_flag, slot.seq)?;
+        to.wait_flag(slot.ready_flag, slot.seq)
     } else {
         slot.ready.record(from)?;
         to.wait(slot.ready.raw())
