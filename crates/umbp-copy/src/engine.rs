@@ -343,39 +343,7 @@ impl CopyEngine {
             )));
         }
         let n = keys.len();
-        let mut invalid = vec![None; n];
-        let mut regions: Vec<Arc<Registration>> = Vec::new();
-        // The kind of memory the job moves: that of its first valid range.
-        let mut kind: Option<MemoryKind> = None;
-        for (i, slot) in invalid.iter_mut().enumerate() {
-            for r in plan.block(i) {
-                let found = match regions.iter().find(|g| g.covers(r.host_addr, r.len)) {
-                    Some(g) => Some(g.kind),
-                    None => self.registry.find(r.host_addr, r.len).map(|g| {
-                        let k = g.kind;
-                        regions.push(g);
-                        k
-                    }),
-                };
-                if found.is_none() || r.object_offset + r.len > plan.object_bytes {
-                    *slot = Some(format!(
-                        "range {:#x}+{} is outside registered memory; register the KV cache first",
-                        r.host_addr, r.len
-                    ));
-                    break;
-                }
-                if *kind.get_or_insert(found.expect("checked")) != found.expect("checked") {
-                    *slot = Some(format!(
-                        "range {:#x}+{} is {:?} memory but the job moves {:?} memory; one job moves one kind",
-                        r.host_addr,
-                        r.len,
-                        found.expect("checked"),
-                        kind.expect("set")
-                    ));
-                    break;
-                }
-            }
-        }
+        let (invalid, regions, kind) = self.validate(&plan);
         // A job with no valid range still hands its token back to the mover that made it.
         let device = match kind {
             Some(k) => matches!(k, MemoryKind::Cuda { .. }),
@@ -422,6 +390,84 @@ impl CopyEngine {
             }
         }
         Ok(JobHandle { state })
+    }
+
+    /// Checks a plan's ranges against the registry: per key, why it cannot be copied (if so);
+    /// the registrations the job touches; the kind of memory it moves. A plan made from a
+    /// layout is checked once per layer (each layer's whole span inside one registration) and
+    /// only falls back to checking every range when a span is not covered.
+    #[allow(clippy::type_complexity)]
+    fn validate(
+        &self,
+        plan: &RangePlan,
+    ) -> (
+        Vec<Option<String>>,
+        Vec<Arc<Registration>>,
+        Option<MemoryKind>,
+    ) {
+        let n = plan.num_blocks();
+        let mut regions: Vec<Arc<Registration>> = Vec::new();
+        if let Some(spans) = plan.layer_spans().filter(|_| n > 0) {
+            let mut kind: Option<MemoryKind> = None;
+            let mut all = true;
+            for (addr, len) in spans {
+                let found = match regions.iter().find(|g| g.covers(addr, len)) {
+                    Some(g) => Some(g.kind),
+                    None => self.registry.find(addr, len).map(|g| {
+                        let k = g.kind;
+                        regions.push(g);
+                        k
+                    }),
+                };
+                match found {
+                    Some(k) if *kind.get_or_insert(k) == k => {}
+                    _ => {
+                        all = false;
+                        break;
+                    }
+                }
+            }
+            if all {
+                return (vec![None; n], regions, kind);
+            }
+            regions.clear();
+        }
+        let mut invalid = vec![None; n];
+        // The kind of memory the job moves: that of its first valid range.
+        let mut kind: Option<MemoryKind> = None;
+        let mut ranges = Vec::new();
+        for (i, slot) in invalid.iter_mut().enumerate() {
+            ranges.clear();
+            plan.append_block(i, &mut ranges);
+            for r in &ranges {
+                let found = match regions.iter().find(|g| g.covers(r.host_addr, r.len)) {
+                    Some(g) => Some(g.kind),
+                    None => self.registry.find(r.host_addr, r.len).map(|g| {
+                        let k = g.kind;
+                        regions.push(g);
+                        k
+                    }),
+                };
+                if found.is_none() || r.object_offset + r.len > plan.object_bytes() {
+                    *slot = Some(format!(
+                        "range {:#x}+{} is outside registered memory; register the KV cache first",
+                        r.host_addr, r.len
+                    ));
+                    break;
+                }
+                if *kind.get_or_insert(found.expect("checked")) != found.expect("checked") {
+                    *slot = Some(format!(
+                        "range {:#x}+{} is {:?} memory but the job moves {:?} memory; one job moves one kind",
+                        r.host_addr,
+                        r.len,
+                        found.expect("checked"),
+                        kind.expect("set")
+                    ));
+                    break;
+                }
+            }
+        }
+        (invalid, regions, kind)
     }
 
     /// The mover of host-memory jobs.
@@ -517,6 +563,21 @@ fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover, reserve: &Mutex<()>) 
     }
 }
 
+/// The ranges of the plan's blocks `blocks` (indices into the plan), built for one batch, and
+/// where each block's start (one more entry than blocks).
+fn batch_ranges(
+    plan: &RangePlan,
+    blocks: impl Iterator<Item = usize>,
+) -> (Vec<CopyRange>, Vec<usize>) {
+    let mut ranges = Vec::new();
+    let mut starts = vec![0];
+    for i in blocks {
+        plan.append_block(i, &mut ranges);
+        starts.push(ranges.len());
+    }
+    (ranges, starts)
+}
+
 fn store_batch(
     job: &JobState,
     keys: std::ops::Range<usize>,
@@ -533,7 +594,7 @@ fn store_batch(
         } else if pool.contains(&job.keys[i]) {
             KeyResult::AlreadyPresent
         } else {
-            match pool.reserve(job.plan.object_bytes) {
+            match pool.reserve(job.plan.object_bytes()) {
                 Ok(res) => {
                     todo.push((results.len(), i, res));
                     KeyResult::Pending
@@ -548,11 +609,13 @@ fn store_batch(
     if todo.is_empty() {
         return results;
     }
+    let (ranges, starts) = batch_ranges(&job.plan, todo.iter().map(|t| t.1));
     let copies: Vec<BlockCopy<'_>> = todo
         .iter_mut()
-        .map(|(_, i, res)| BlockCopy {
+        .zip(starts.windows(2))
+        .map(|((_, _, res), w)| BlockCopy {
             object: res.as_mut_ptr(),
-            ranges: job.plan.block(*i),
+            ranges: &ranges[w[0]..w[1]],
         })
         .collect();
     // SAFETY: `submit` checked every range against live registrations, which the job holds
@@ -585,10 +648,10 @@ fn load_batch(
         } else {
             match pool.get(&job.keys[i]) {
                 None => KeyResult::Missing,
-                Some(obj) if obj.len() != job.plan.object_bytes => KeyResult::Failed(format!(
+                Some(obj) if obj.len() != job.plan.object_bytes() => KeyResult::Failed(format!(
                     "stored object has {} bytes but the layout expects {}; a different layout wrote this key",
                     obj.len(),
-                    job.plan.object_bytes
+                    job.plan.object_bytes()
                 )),
                 Some(obj) => {
                     todo.push((results.len(), i, obj));
@@ -601,11 +664,13 @@ fn load_batch(
     if todo.is_empty() {
         return results;
     }
+    let (ranges, starts) = batch_ranges(&job.plan, todo.iter().map(|t| t.1));
     let copies: Vec<BlockCopy<'_>> = todo
         .iter()
-        .map(|(_, i, obj)| BlockCopy {
+        .zip(starts.windows(2))
+        .map(|((_, _, obj), w)| BlockCopy {
             object: obj.as_ptr() as *mut u8,
-            ranges: job.plan.block(*i),
+            ranges: &ranges[w[0]..w[1]],
         })
         .collect();
     // SAFETY: ranges were checked against live registrations held by the job; each pinned

@@ -7,7 +7,9 @@ use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, KeyResult, MemoryKind, MemoryRegistry,
 };
-use umbp_core::{BlockKey, GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RankTopology};
+use umbp_core::{
+    BlockKey, GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RangePlan, RankTopology,
+};
 use umbp_pool::Pool;
 
 const LAYERS: u64 = 4;
@@ -132,16 +134,53 @@ fn store_then_load_round_trips_random_blocks() {
 }
 
 #[test]
+fn a_layout_partly_outside_registered_memory_fails_only_the_blocks_outside() {
+    let (engine, kb) = setup(2);
+    let src = Cache::new(|i| (i % 251) as u8);
+    // Everything but the second half of the last layer: blocks 32.. of layer 3 are outside.
+    let len = (3 * BLOCKS + BLOCKS / 2) * PIECE;
+    // SAFETY: the buffer outlives every job of the test.
+    unsafe {
+        engine
+            .registry()
+            .register(src.buf.as_ptr() as u64, len, MemoryKind::Host)
+            .unwrap()
+    };
+    let ids = [1u64, 40, 2, 63];
+    let res = engine
+        .submit(
+            Direction::Store,
+            keys(&kb, &ids),
+            src.layout.plan(&ids).unwrap(),
+        )
+        .unwrap()
+        .wait(Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(res[0], KeyResult::Done);
+    assert_eq!(res[2], KeyResult::Done);
+    for r in [&res[1], &res[3]] {
+        assert!(
+            matches!(r, KeyResult::Failed(m) if m.contains("outside registered memory")),
+            "{res:?}"
+        );
+    }
+}
+
+#[test]
 fn one_bad_key_does_not_fail_its_siblings() {
     let (engine, kb) = setup(2);
     let src = Cache::new(|i| i as u8);
     register(&engine, &src);
     // A second cache that is NOT registered: its block's ranges are out of bounds.
     let stray = Cache::new(|_| 1);
-    let mut plan = src.layout.plan(&[0, 1, 2]).unwrap();
-    let stray_plan = stray.layout.plan(&[5]).unwrap();
-    plan.ranges
-        .splice(plan.starts[1]..plan.starts[2], stray_plan.ranges.clone());
+    let (mut ranges, mut starts) = src.layout.plan(&[0, 1, 2]).unwrap().to_ranges();
+    let stray_ranges = stray.layout.plan(&[5]).unwrap().block(0);
+    let old = ranges
+        .splice(starts[1]..starts[2], stray_ranges.clone())
+        .count();
+    starts[2] = starts[2] - old + stray_ranges.len();
+    starts[3] = starts[3] - old + stray_ranges.len();
+    let plan = RangePlan::from_ranges(ranges, starts, src.layout.object_bytes()).unwrap();
     let ks = keys(&kb, &[0, 1, 2]);
     let res = engine
         .submit(Direction::Store, ks.clone(), plan)
@@ -378,12 +417,14 @@ fn device_memory_jobs_use_the_device_mover_and_return_its_token() {
     // A job mixing host and device memory fails the mixed key alone.
     let host = Cache::new(|_| 3);
     register(&engine, &host);
-    let mut plan = src.layout.plan(&[0, 1]).unwrap();
-    let host_plan = host.layout.plan(&[5]).unwrap();
-    plan.ranges.splice(
-        plan.starts[1] + 1..plan.starts[2],
-        host_plan.ranges[1..].to_vec(),
-    );
+    let (mut ranges, starts) = src.layout.plan(&[0, 1]).unwrap().to_ranges();
+    let host_ranges = host.layout.plan(&[5]).unwrap().block(0);
+    // Block 1 keeps its first range (device memory) and takes the host cache's others.
+    let old = ranges
+        .splice(starts[1] + 1..starts[2], host_ranges[1..].to_vec())
+        .count();
+    assert_eq!(old, host_ranges.len() - 1, "same layer count");
+    let plan = RangePlan::from_ranges(ranges, starts, src.layout.object_bytes()).unwrap();
     let res = engine
         .submit(Direction::Store, keys(&kb, &[40, 41]), plan)
         .unwrap()

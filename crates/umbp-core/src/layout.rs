@@ -6,6 +6,8 @@
 //! [`GroupLayout::plan`] turns block ids into the scatter/gather ranges that move those bytes,
 //! merging runs that are adjacent on both sides (a block-first layout becomes one range per block).
 
+use std::sync::Arc;
+
 use crate::CoreError;
 
 /// One layer's view of the KV cache: where block 0 starts, how far apart blocks are, and how
@@ -44,86 +46,141 @@ pub struct CopyRange {
     pub len: u64,
 }
 
-/// The ranges of many blocks: block `i`'s ranges are `ranges[starts[i]..starts[i + 1]]`.
-///
-/// A dropped plan's buffers are kept for the next plan (a few, up to a size): a 1,000-block,
-/// 80-layer plan is 2 MB, and fresh memory for it costs more page faults than building it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// The copy ranges of many blocks. A plan made from a layout holds the block ids and the
+/// layout's layers and builds a block's ranges when asked ([`RangePlan::append_block`]), so
+/// submitting a job costs one pass over its block ids, not one per range (a 1,000-block,
+/// 80-layer job is 80,000 ranges). A plan can also be a list of explicit ranges.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RangePlan {
-    /// Every range, block after block.
-    pub ranges: Vec<CopyRange>,
-    /// Where each block's ranges start; one more entry than blocks.
-    pub starts: Vec<usize>,
-    /// Size of one block's object.
-    pub object_bytes: u64,
+    object_bytes: u64,
+    source: Source,
 }
 
-/// Buffers of dropped plans: (ranges, starts), both empty.
-type Spare = (Vec<CopyRange>, Vec<usize>);
-static SPARE: std::sync::Mutex<Vec<Spare>> = std::sync::Mutex::new(Vec::new());
-/// Most spare buffer pairs kept.
-const SPARE_MAX: usize = 8;
-/// Ranges a kept buffer may hold at most (24 MB).
-const SPARE_MAX_RANGES: usize = 1 << 20;
-/// Plans smaller than this many ranges allocate afresh (cheap) and are not kept.
-const SPARE_MIN_RANGES: usize = 1 << 12;
-
-impl Drop for RangePlan {
-    fn drop(&mut self) {
-        let cap = self.ranges.capacity();
-        if !(SPARE_MIN_RANGES..=SPARE_MAX_RANGES).contains(&cap) {
-            return;
-        }
-        if let Ok(mut spare) = SPARE.lock() {
-            if spare.len() < SPARE_MAX {
-                let mut ranges = std::mem::take(&mut self.ranges);
-                let mut starts = std::mem::take(&mut self.starts);
-                ranges.clear();
-                starts.clear();
-                spare.push((ranges, starts));
-            }
-        }
-    }
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Source {
+    Layout {
+        layers: Arc<[LayerSpec]>,
+        offsets: Arc<[u64]>,
+        block_ids: Vec<u64>,
+    },
+    Ranges {
+        ranges: Vec<CopyRange>,
+        starts: Vec<usize>,
+    },
 }
 
 impl RangePlan {
-    /// An empty plan with room for `ranges` ranges and `blocks` blocks, reusing a dropped
-    /// plan's buffers when one is large enough.
-    fn with_capacity(ranges: usize, blocks: usize, object_bytes: u64) -> RangePlan {
-        let reused = if ranges >= SPARE_MIN_RANGES {
-            SPARE.lock().ok().and_then(|mut spare| {
-                let i = spare.iter().position(|(r, _)| r.capacity() >= ranges)?;
-                Some(spare.swap_remove(i))
-            })
-        } else {
-            None
-        };
-        let (mut r, mut st) = reused.unwrap_or_default();
-        r.reserve(ranges);
-        st.reserve(blocks + 1);
-        RangePlan {
-            ranges: r,
-            starts: st,
-            object_bytes,
+    /// A plan of explicit ranges: block `i`'s are `ranges[starts[i]..starts[i + 1]]`.
+    pub fn from_ranges(
+        ranges: Vec<CopyRange>,
+        starts: Vec<usize>,
+        object_bytes: u64,
+    ) -> Result<Self, CoreError> {
+        let ok = starts.first() == Some(&0)
+            && starts.last() == Some(&ranges.len())
+            && starts.windows(2).all(|w| w[0] <= w[1]);
+        if !ok {
+            return Err(CoreError::InvalidLayout(format!(
+                "range plan: starts must rise from 0 to the number of ranges ({}), one more entry than blocks",
+                ranges.len()
+            )));
         }
+        Ok(RangePlan {
+            object_bytes,
+            source: Source::Ranges { ranges, starts },
+        })
     }
 
     /// Number of blocks planned.
     pub fn num_blocks(&self) -> usize {
-        self.starts.len().saturating_sub(1)
+        match &self.source {
+            Source::Layout { block_ids, .. } => block_ids.len(),
+            Source::Ranges { starts, .. } => starts.len().saturating_sub(1),
+        }
+    }
+
+    /// Size of one block's object.
+    pub fn object_bytes(&self) -> u64 {
+        self.object_bytes
+    }
+
+    /// Appends the ranges of the `i`-th planned block to `out` (runs adjacent in both memories
+    /// merged).
+    pub fn append_block(&self, i: usize, out: &mut Vec<CopyRange>) {
+        match &self.source {
+            Source::Layout {
+                layers,
+                offsets,
+                block_ids,
+            } => {
+                let b = block_ids[i];
+                let start = out.len();
+                for (l, &off) in layers.iter().zip(offsets.iter()) {
+                    let addr = l.base_addr + b * l.block_stride;
+                    if out.len() > start {
+                        let last = out.last_mut().expect("non-empty");
+                        if last.host_addr + last.len == addr && last.object_offset + last.len == off
+                        {
+                            last.len += l.block_bytes;
+                            continue;
+                        }
+                    }
+                    out.push(CopyRange {
+                        host_addr: addr,
+                        object_offset: off,
+                        len: l.block_bytes,
+                    });
+                }
+            }
+            Source::Ranges { ranges, starts } => {
+                out.extend_from_slice(&ranges[starts[i]..starts[i + 1]]);
+            }
+        }
     }
 
     /// The ranges of the `i`-th planned block.
-    pub fn block(&self, i: usize) -> &[CopyRange] {
-        &self.ranges[self.starts[i]..self.starts[i + 1]]
+    pub fn block(&self, i: usize) -> Vec<CopyRange> {
+        let mut v = Vec::new();
+        self.append_block(i, &mut v);
+        v
+    }
+
+    /// Every block's ranges and where each block's start (one more entry than blocks).
+    pub fn to_ranges(&self) -> (Vec<CopyRange>, Vec<usize>) {
+        let mut ranges = Vec::new();
+        let mut starts = Vec::with_capacity(self.num_blocks() + 1);
+        for i in 0..self.num_blocks() {
+            starts.push(ranges.len());
+            self.append_block(i, &mut ranges);
+        }
+        starts.push(ranges.len());
+        (ranges, starts)
+    }
+
+    /// For a plan made from a layout: each layer's whole span `(addr, len)` (every block of
+    /// the plan lies inside these), so memory can be checked once per layer. `None` for a plan
+    /// of explicit ranges.
+    pub fn layer_spans(&self) -> Option<Vec<(u64, u64)>> {
+        match &self.source {
+            Source::Layout { layers, .. } => Some(
+                layers
+                    .iter()
+                    .map(|l| {
+                        let end = l.end().expect("checked when the layout was made");
+                        (l.base_addr, end - l.base_addr)
+                    })
+                    .collect(),
+            ),
+            Source::Ranges { .. } => None,
+        }
     }
 }
 
 /// The layout of one KV cache group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupLayout {
-    layers: Vec<LayerSpec>,
-    object_offsets: Vec<u64>,
+    layers: Arc<[LayerSpec]>,
+    object_offsets: Arc<[u64]>,
     object_bytes: u64,
     num_blocks: u64,
 }
@@ -169,8 +226,8 @@ impl GroupLayout {
                 .ok_or_else(|| CoreError::InvalidLayout("object size overflows 64 bits".into()))?;
         }
         Ok(GroupLayout {
-            layers,
-            object_offsets,
+            layers: layers.into(),
+            object_offsets: object_offsets.into(),
             object_bytes,
             num_blocks,
         })
@@ -207,41 +264,23 @@ impl GroupLayout {
         Ok(())
     }
 
-    /// Plans the ranges of `block_ids`, merging runs adjacent in both memories.
+    /// Plans the ranges of `block_ids` (checked against the number of blocks; the ranges are
+    /// built when a copy needs them).
     pub fn plan(&self, block_ids: &[u64]) -> Result<RangePlan, CoreError> {
-        // At most one range per layer per block (fewer where runs merge).
-        let mut plan = RangePlan::with_capacity(
-            block_ids.len() * self.layers.len(),
-            block_ids.len(),
-            self.object_bytes,
-        );
-        for &b in block_ids {
-            if b >= self.num_blocks {
-                return Err(CoreError::BlockOutOfRange {
-                    block_id: b,
-                    num_blocks: self.num_blocks,
-                });
-            }
-            plan.starts.push(plan.ranges.len());
-            let block_start = plan.ranges.len();
-            for (l, &off) in self.layers.iter().zip(&self.object_offsets) {
-                let addr = l.base_addr + b * l.block_stride;
-                if plan.ranges.len() > block_start {
-                    let last = plan.ranges.last_mut().expect("non-empty");
-                    if last.host_addr + last.len == addr && last.object_offset + last.len == off {
-                        last.len += l.block_bytes;
-                        continue;
-                    }
-                }
-                plan.ranges.push(CopyRange {
-                    host_addr: addr,
-                    object_offset: off,
-                    len: l.block_bytes,
-                });
-            }
+        if let Some(&b) = block_ids.iter().find(|&&b| b >= self.num_blocks) {
+            return Err(CoreError::BlockOutOfRange {
+                block_id: b,
+                num_blocks: self.num_blocks,
+            });
         }
-        plan.starts.push(plan.ranges.len());
-        Ok(plan)
+        Ok(RangePlan {
+            object_bytes: self.object_bytes,
+            source: Source::Layout {
+                layers: Arc::clone(&self.layers),
+                offsets: Arc::clone(&self.object_offsets),
+                block_ids: block_ids.to_vec(),
+            },
+        })
     }
 }
 
@@ -324,7 +363,7 @@ mod tests {
     }
 
     #[test]
-    fn plans_built_on_reused_buffers_hold_only_their_own_ranges() {
+    fn plans_build_each_blocks_ranges_on_demand() {
         let g = layer_first(80, 512, 64);
         let expect = |ids: &[u64]| -> Vec<CopyRange> {
             ids.iter()
@@ -337,15 +376,28 @@ mod tests {
                 })
                 .collect()
         };
-        // Big plans (their buffers are kept when dropped), then smaller ones on those buffers.
-        for n in [400u64, 300, 100, 60, 400] {
-            let ids: Vec<u64> = (0..n).map(|i| (i * 37 + n) % 512).collect();
-            let plan = g.plan(&ids).unwrap();
-            assert_eq!(plan.ranges, expect(&ids));
-            assert_eq!(plan.num_blocks(), ids.len());
-            assert_eq!(plan.starts.len(), ids.len() + 1);
-            assert_eq!(plan.block(ids.len() - 1).len(), 80);
-        }
+        let ids: Vec<u64> = (0..400u64).map(|i| (i * 37 + 5) % 512).collect();
+        let plan = g.plan(&ids).unwrap();
+        assert_eq!(plan.num_blocks(), ids.len());
+        assert_eq!(plan.object_bytes(), 80 * 64);
+        let (ranges, starts) = plan.to_ranges();
+        assert_eq!(ranges, expect(&ids));
+        assert_eq!(starts.len(), ids.len() + 1);
+        assert_eq!(plan.block(399), expect(&ids[399..]));
+        // Appending keeps what the buffer held.
+        let mut out = expect(&[1]);
+        plan.append_block(0, &mut out);
+        assert_eq!(out, expect(&[1, ids[0]]));
+        // The same ranges as an explicit plan.
+        let explicit = RangePlan::from_ranges(ranges, starts, 80 * 64).unwrap();
+        assert_eq!(explicit.block(7), plan.block(7));
+        assert_eq!(explicit.layer_spans(), None);
+        let spans = plan.layer_spans().unwrap();
+        assert_eq!(spans.len(), 80);
+        assert_eq!(spans[1], (0x10_0000 + 512 * 64, 512 * 64));
+        assert!(g.plan(&[512]).is_err());
+        assert!(RangePlan::from_ranges(vec![], vec![1], 0).is_err());
+        assert!(RangePlan::from_ranges(vec![], vec![], 0).is_err());
     }
 
     #[test]
