@@ -62,10 +62,10 @@ class EmbeddedStore:
         num_workers: int = 4,
         timeout_ms: int = 30000,
         cuda_copy_method: Literal["auto", "dma", "staged"] = "auto",
-        cuda_staging_bytes: int = 32 << 20,
-        cuda_max_ctas: int = 16,
-        cuda_pin_chunk_bytes: int = 64 << 20,
-        cuda_batch_blocks: int = 32,
+        cuda_staging_bytes: int | None = None,  # 64 MiB per direction
+        cuda_max_ctas: int | None = None,  # 16
+        cuda_pin_chunk_bytes: int | None = None,  # 64 MiB
+        cuda_batch_blocks: int | None = None,  # 64
     ) -> None: ...
     def register_memory(self, addr: int, length: int) -> int:
         """The memory must stay alive until deregistered or the store is closed."""

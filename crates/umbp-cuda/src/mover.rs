@@ -97,11 +97,11 @@ impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
             method: CopyMethod::Auto,
-            staging_bytes: 32 << 20,
+            staging_bytes: 64 << 20,
             staging_slots: 4,
             max_ctas: 16,
             pin_chunk_bytes: SPLIT_BYTES,
-            batch_blocks: 32,
+            batch_blocks: 64,
             auto_threshold: 32 << 10,
         }
     }

@@ -249,10 +249,72 @@ impl Job {
     }
 }
 
+/// A value whose drop can wait for background threads, which may need the GIL to log (Rust
+/// `log` records go to Python's `logging`): it is dropped with the GIL released, so that a
+/// `del store` or a garbage collection never deadlocks against them.
+struct ReleaseGilOnDrop<T: Send>(Option<T>);
+
+impl<T: Send> ReleaseGilOnDrop<T> {
+    fn new(v: T) -> Self {
+        ReleaseGilOnDrop(Some(v))
+    }
+}
+
+impl<T: Send> std::ops::Deref for ReleaseGilOnDrop<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl<T: Send> Drop for ReleaseGilOnDrop<T> {
+    fn drop(&mut self) {
+        if let Some(v) = self.0.take() {
+            Python::attach(|py| py.detach(move || drop(v)));
+        }
+    }
+}
+
+/// Stores and lookup servers not yet dropped, closed by an `atexit` handler: at interpreter
+/// exit their background threads must finish while they can still take the GIL (during
+/// finalization they cannot, and joining them would hang).
+static LIVE_STORES: std::sync::Mutex<Vec<std::sync::Weak<CoreStore>>> =
+    std::sync::Mutex::new(Vec::new());
+static LIVE_SERVERS: std::sync::Mutex<Vec<std::sync::Weak<CoreLookupServer>>> =
+    std::sync::Mutex::new(Vec::new());
+
+fn track<T>(live: &std::sync::Mutex<Vec<std::sync::Weak<T>>>, v: &Arc<T>) {
+    if let Ok(mut l) = live.lock() {
+        l.retain(|w| w.strong_count() > 0);
+        l.push(Arc::downgrade(v));
+    }
+}
+
+/// Closes every live store and stops every lookup server (registered with `atexit` at import).
+#[pyfunction]
+fn _close_all(py: Python<'_>) {
+    let servers: Vec<_> = LIVE_SERVERS
+        .lock()
+        .map(|mut l| l.drain(..).filter_map(|w| w.upgrade()).collect())
+        .unwrap_or_default();
+    let stores: Vec<_> = LIVE_STORES
+        .lock()
+        .map(|mut l| l.drain(..).filter_map(|w| w.upgrade()).collect())
+        .unwrap_or_default();
+    py.detach(move || {
+        for s in servers {
+            s.shutdown();
+        }
+        for s in stores {
+            s.close();
+        }
+    });
+}
+
 /// A private host-DRAM pool with its copy engine (embedded mode).
 #[pyclass(module = "umbp._native", frozen)]
 struct EmbeddedStore {
-    inner: Arc<CoreStore>,
+    inner: ReleaseGilOnDrop<Arc<CoreStore>>,
 }
 
 fn to_u64s(v: Vec<i64>, what: &str, py: Python<'_>) -> PyResult<Vec<u64>> {
@@ -270,8 +332,8 @@ impl EmbeddedStore {
     #[pyo3(signature = (capacity_bytes, *, high_watermark=0.9, low_watermark=0.7, use_hugepages=false,
         hugepage_size="2MiB", numa_node=None, prefault=true, prefault_threads=0, memfd=false,
         segment_bytes=0, num_workers=4, timeout_ms=30000, cuda_copy_method="auto",
-        cuda_staging_bytes=32<<20, cuda_max_ctas=16, cuda_pin_chunk_bytes=64<<20,
-        cuda_batch_blocks=32))]
+        cuda_staging_bytes=None, cuda_max_ctas=None, cuda_pin_chunk_bytes=None,
+        cuda_batch_blocks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -288,22 +350,25 @@ impl EmbeddedStore {
         num_workers: usize,
         timeout_ms: u64,
         cuda_copy_method: &str,
-        cuda_staging_bytes: u64,
-        cuda_max_ctas: u32,
-        cuda_pin_chunk_bytes: u64,
-        cuda_batch_blocks: usize,
+        cuda_staging_bytes: Option<u64>,
+        cuda_max_ctas: Option<u32>,
+        cuda_pin_chunk_bytes: Option<u64>,
+        cuda_batch_blocks: Option<usize>,
     ) -> PyResult<Self> {
         let hugepage_size: HugepageSize = hugepage_size.parse().map_err(|e| core_err(py, e))?;
         let method: CopyMethod = cuda_copy_method
             .parse()
             .map_err(|e: CudaError| store_err(py, e.into()))?;
+        // Unset options take the store's defaults (CudaOptions::default, documented in
+        // docs/configuration.md).
+        let d = CudaOptions::default();
         let cuda = CudaOptions {
             method,
-            staging_bytes: cuda_staging_bytes,
-            max_ctas: cuda_max_ctas,
-            pin_chunk_bytes: cuda_pin_chunk_bytes,
-            batch_blocks: cuda_batch_blocks,
-            ..CudaOptions::default()
+            staging_bytes: cuda_staging_bytes.unwrap_or(d.staging_bytes),
+            max_ctas: cuda_max_ctas.unwrap_or(d.max_ctas),
+            pin_chunk_bytes: cuda_pin_chunk_bytes.unwrap_or(d.pin_chunk_bytes),
+            batch_blocks: cuda_batch_blocks.unwrap_or(d.batch_blocks),
+            ..d
         };
         let cfg = StoreConfig {
             pool: PoolConfig {
@@ -329,8 +394,10 @@ impl EmbeddedStore {
         let inner = py
             .detach(move || CoreStore::new(cfg))
             .map_err(|e| store_err(py, e))?;
+        let inner = Arc::new(inner);
+        track(&LIVE_STORES, &inner);
         Ok(EmbeddedStore {
-            inner: Arc::new(inner),
+            inner: ReleaseGilOnDrop::new(inner),
         })
     }
 
@@ -583,7 +650,7 @@ impl EmbeddedStore {
 /// Serves one worker's lookups and clears on a Unix socket (embedded mode).
 #[pyclass(module = "umbp._native", frozen)]
 struct LookupServer {
-    inner: CoreLookupServer,
+    inner: ReleaseGilOnDrop<Arc<CoreLookupServer>>,
 }
 
 #[pymethods]
@@ -606,9 +673,14 @@ impl LookupServer {
         let keys = CoreKeyBuilder::new(namespace, RankTopology { tp, pcp, dcp, pp })
             .map_err(|e| core_err(py, e))?;
         let target = Arc::new(StoreLookup::new(Arc::clone(&store.inner), keys, describe));
-        let inner = CoreLookupServer::bind(&path, target)
-            .map_err(|e| raise(py, "LookupServiceError", e.to_string()))?;
-        Ok(LookupServer { inner })
+        let inner = Arc::new(
+            CoreLookupServer::bind(&path, target)
+                .map_err(|e| raise(py, "LookupServiceError", e.to_string()))?,
+        );
+        track(&LIVE_SERVERS, &inner);
+        Ok(LookupServer {
+            inner: ReleaseGilOnDrop::new(inner),
+        })
     }
 
     /// The socket path.
@@ -702,6 +774,11 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Route Rust `log` records to Python's `logging` (logger names start with "umbp").
     let _ = pyo3_log::try_init();
+    // Close stores and stop lookup servers before finalization (see `LIVE_STORES`).
+    m.add_function(wrap_pyfunction!(_close_all, m)?)?;
+    m.py()
+        .import("atexit")?
+        .call_method1("register", (m.getattr("_close_all")?,))?;
     m.add_class::<EmbeddedStore>()?;
     m.add_class::<Job>()?;
     m.add_class::<KeyBuilder>()?;

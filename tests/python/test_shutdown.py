@@ -1,0 +1,39 @@
+"""Dropping a store, or leaving the interpreter, while copy threads still have work and
+Python logging is at DEBUG: the threads log through Python (they need the GIL), so the drop
+must not hold the GIL while it waits for them."""
+
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import logging, sys, numpy as np, umbp
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+s = umbp.EmbeddedStore(256 << 20, prefault=False, num_workers=4)
+buf = np.zeros(64 << 20, dtype=np.uint8)
+s.register_memory(buf.ctypes.data, buf.nbytes)
+lid = s.register_layout([[(buf.ctypes.data, 1024, 65536, 65536)]])
+server = umbp.LookupServer(s, umbp.socket_path(sys.argv[2], "shutdown", 0, 0), "ns")
+for r in range(20):
+    k = umbp.KeyBuilder("x").keys(0, [bytes([r, i % 256, i // 256]) for i in range(1024)])
+    j = s.store(lid, 0, list(range(1024)), k)  # not waited for
+del j
+if sys.argv[1] == "del":
+    del server, s
+    print("deleted", flush=True)
+print("end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["del", "exit"])
+def test_drop_with_jobs_in_flight_and_debug_logging_does_not_hang(how, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, how, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == (["deleted", "end"] if how == "del" else ["end"])
+    assert "job of 1024 keys finished" in out.stderr
