@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/umbp PYTHONUNBUFFERED=1
 chmod +x "$C/umbp"
 timeout "${BENCH_TIMEOUT:-240}" "$C/umbp" bench gpu \
   --shapes "${SHAPES:-llama8b,tp8-8k,llama8b:36000}" --also-dma --pin-gib "${PIN_GIB:-64}" \
-  --json >"$OUT/bench.txt" 2>"$OUT/bench.err"
+  --trace "$OUT/trace.json" --json >"$OUT/bench.txt" 2>"$OUT/bench.err"
 echo "bench rc=$?"
 grep -v '^{' "$OUT/bench.txt"
 grep -E "error|panic|warn" "$OUT/bench.err" | tail -5
