@@ -37,3 +37,29 @@ def test_drop_with_jobs_in_flight_and_debug_logging_does_not_hang(how, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == (["deleted", "end"] if how == "del" else ["end"])
     assert "job of 1024 keys finished" in out.stderr
+
+
+FORK_SCRIPT = """
+import os, sys, numpy as np, umbp
+s = umbp.EmbeddedStore(64 << 20, prefault=False, num_workers=2)
+buf = np.zeros(4 << 20, dtype=np.uint8)
+s.register_memory(buf.ctypes.data, buf.nbytes)
+lid = s.register_layout([[(buf.ctypes.data, 64, 65536, 65536)]])
+k = umbp.KeyBuilder("x").keys(0, [bytes([i]) for i in range(64)])
+assert s.store(lid, 0, list(range(64)), k).wait() == ["done"] * 64
+pid = os.fork()
+if pid == 0:
+    del s  # the copy threads live in the parent only: the child must not wait for them
+    sys.exit(0)  # normal exit: atexit handlers and finalization run in the child too
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+assert s.exists(k) == [True] * 64  # the parent's store is untouched
+"""
+
+
+def test_a_forked_child_that_drops_a_store_exits():
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["child", "0"]

@@ -317,7 +317,15 @@ fn run_shape(
     let (mut best_s, mut best_l, mut best_b) = (f64::MAX, f64::MAX, f64::MAX);
     let (mut k_store, mut k_load, mut k_both) = (0u64, 0u64, 0u64);
     let mut both_ends = (0f64, 0f64);
-    for round in 0..=a.rounds {
+    // With --trace, one more round after the timed ones records the timeline (its figures are
+    // not counted: tracing adds events to every step).
+    let traced_round = a.rounds + 1;
+    let last_round = if a.trace.is_some() {
+        traced_round
+    } else {
+        a.rounds
+    };
+    for round in 0..=last_round {
         store.clear();
         let tag = round * 2;
         let ka = keys(&kb, tag, &src_a);
@@ -347,7 +355,7 @@ fn run_shape(
             cache.poison(dev, &s, &dst, 0x5A)?;
         }
         // Both directions at once: store set B while set A is loaded again.
-        let tracing = a.trace.is_some() && round == a.rounds;
+        let tracing = a.trace.is_some() && round == traced_round;
         if tracing {
             store.cuda().context("no CUDA mover")?.start_trace()?;
         }
@@ -377,6 +385,7 @@ fn run_shape(
         if tracing {
             let spans = store.cuda().context("no CUDA mover")?.take_trace();
             trace_out.push(summarize_trace(&shape.name, method, &spans));
+            continue;
         }
         if round == 0 {
             let (want, got) = host.buf.split_at_mut(total as usize);
@@ -582,8 +591,9 @@ fn summarize_trace(shape: &str, method: CopyMethod, spans: &[TraceSpan]) -> Valu
         let k = busy(&kern);
         let first = d
             .first()
-            .map_or(0.0, |x| x.0)
+            .map_or(f64::MAX, |x| x.0)
             .min(k.first().map_or(f64::MAX, |x| x.0));
+        let first = if first == f64::MAX { 0.0 } else { first };
         let last = d
             .last()
             .map_or(0.0, |x| x.1)

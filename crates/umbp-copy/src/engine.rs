@@ -410,22 +410,29 @@ impl CopyEngine {
         if let Some(spans) = plan.layer_spans().filter(|_| n > 0) {
             let mut kind: Option<MemoryKind> = None;
             let mut all = true;
+            // (end of the previous span, index of its registration in `regions`)
+            let mut prev: Option<(u64, usize)> = None;
             for (addr, len) in spans {
-                let found = match regions.iter().find(|g| g.covers(addr, len)) {
-                    Some(g) => Some(g.kind),
+                let at = match regions.iter().position(|g| g.covers(addr, len)) {
+                    Some(i) => Some(i),
                     None => self.registry.find(addr, len).map(|g| {
-                        let k = g.kind;
                         regions.push(g);
-                        k
+                        regions.len() - 1
                     }),
                 };
-                match found {
-                    Some(k) if *kind.get_or_insert(k) == k => {}
-                    _ => {
-                        all = false;
-                        break;
-                    }
+                let Some(at) = at else {
+                    all = false;
+                    break;
+                };
+                let k = regions[at].kind;
+                // Runs of touching layers may merge into one range: it must not cross from
+                // one registration into another (the per-range check decides then).
+                let crosses = matches!(prev, Some((end, p)) if end == addr && p != at);
+                if *kind.get_or_insert(k) != k || crosses {
+                    all = false;
+                    break;
                 }
+                prev = Some((addr + len, at));
             }
             if all {
                 return (vec![None; n], regions, kind);

@@ -423,7 +423,8 @@ impl Stream {
     }
 
     /// Makes later work on this stream wait until the 32-bit word at device address `flag`
-    /// equals `value` (a stream memory operation: the GPU polls device memory, no PCIe).
+    /// has reached `value` (cyclically: `(i32)(*flag - value) >= 0`), a stream memory
+    /// operation: the GPU polls device memory, no PCIe.
     pub(crate) fn wait_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
         let d = self.dev.drv;
         let f = d
@@ -432,7 +433,7 @@ impl Stream {
         // SAFETY: a live stream; `flag` is a 4-byte-aligned word of device memory owned by
         // the caller for the stream's lifetime.
         d.check("cuStreamWaitValue32", unsafe {
-            f(self.raw, flag, value, CU_STREAM_WAIT_VALUE_EQ)
+            f(self.raw, flag, value, CU_STREAM_WAIT_VALUE_GEQ)
         })
     }
 

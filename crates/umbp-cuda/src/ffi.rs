@@ -38,8 +38,9 @@ pub const CU_MEMHOSTREGISTER_DEVICEMAP: c_uint = 0x2;
 
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 
-/// `cuStreamWaitValue32`: wait until `*addr == value`.
-pub const CU_STREAM_WAIT_VALUE_EQ: c_uint = 0x1;
+/// `cuStreamWaitValue32`: wait until `(int32_t)(*addr - value) >= 0` (a cyclic comparison:
+/// wraparound is harmless and a later value also satisfies the wait).
+pub const CU_STREAM_WAIT_VALUE_GEQ: c_uint = 0x0;
 /// `cuStreamWriteValue32`: write after a memory barrier over the stream's earlier work.
 pub const CU_STREAM_WRITE_VALUE_DEFAULT: c_uint = 0x0;
 pub const CU_EVENT_DEFAULT: c_uint = 0;

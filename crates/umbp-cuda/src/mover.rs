@@ -88,7 +88,6 @@ pub struct CudaOptions {
     pub pin_chunk_bytes: u64,
     /// Blocks per mover call.
     pub batch_blocks: usize,
-
     /// `auto` stages batches whose pieces average fewer bytes than this.
     pub auto_threshold: u64,
 }
@@ -269,9 +268,10 @@ struct Slot {
     ready: Event,
     /// Flags mode (both non-zero): device addresses of two 32-bit words. Use `seq` of the slot
     /// writes `seq` to `ready_flag` after its first stage (the second stage waits for it) and
-    /// to `free_flag` after its last stage (the next use's first stage waits for it). The
-    /// GPU polls device memory, so no host thread waits between stages and no wait crosses
-    /// PCIe (event waits there cost ~20 µs each under full-duplex traffic).
+    /// to `free_flag` after its last stage (the next use's first stage waits for it). Each
+    /// flag is written by one stream, in increasing order, and waits are cyclic `>=`, so a
+    /// value written twice or skipped on an error path never strands a wait. The GPU polls
+    /// device memory, so no host thread waits between stages.
     ready_flag: u64,
     free_flag: u64,
     /// The slot's use count.
@@ -470,9 +470,8 @@ impl CudaMover {
     pub fn shutdown(&self) {
         for lane in [&self.store, &self.load] {
             let _ = lane.dma.synchronize();
+            let _ = lane.kern.synchronize();
         }
-        let _ = self.store.kern.synchronize();
-        let _ = self.load.kern.synchronize();
         self.pinner.shutdown();
     }
 
@@ -535,35 +534,40 @@ impl CudaMover {
         }
     }
 
-    /// When tracing, a timing event recorded on `stream` before a DMA step.
-    fn dma_begin(&self, stream: &Stream) -> Result<Option<Event>, CudaError> {
+    /// When tracing, a timing event recorded on `stream` before a DMA step (tracing never
+    /// fails a copy: an event that cannot be had leaves the step out of the trace).
+    fn dma_begin(&self, stream: &Stream) -> Option<Event> {
         if !self.tracing.load(Ordering::Relaxed) {
-            return Ok(None);
+            return None;
         }
-        let t0 = self.take_event(true)?;
-        t0.record(stream)?;
-        Ok(Some(t0))
+        let t0 = self.take_event(true).ok()?;
+        match t0.record(stream) {
+            Ok(()) => Some(t0),
+            Err(_) => {
+                self.give_event(t0, true);
+                None
+            }
+        }
     }
 
     /// Ends the DMA step that [`CudaMover::dma_begin`] started.
-    fn dma_end(
-        &self,
-        stream: &Stream,
-        t0: Option<Event>,
-        bytes: u64,
-        timings: &mut Vec<Timed>,
-    ) -> Result<(), CudaError> {
-        if let Some(t0) = t0 {
-            let t1 = self.take_event(true)?;
-            t1.record(stream)?;
-            timings.push(Timed {
+    fn dma_end(&self, stream: &Stream, t0: Option<Event>, bytes: u64, timings: &mut Vec<Timed>) {
+        let Some(t0) = t0 else {
+            return;
+        };
+        match self.take_event(true) {
+            Ok(t1) if t1.record(stream).is_ok() => timings.push(Timed {
                 step: "dma",
                 bytes,
                 t0,
                 t1,
-            });
+            }),
+            Ok(t1) => {
+                // t0 may still be pending on the stream: drop it rather than reuse it.
+                self.give_event(t1, true);
+            }
+            Err(_) => {}
         }
-        Ok(())
     }
 
     /// Checks that `[addr, addr + len)` is memory of this mover's device.
@@ -711,6 +715,11 @@ impl CudaMover {
         };
         if let Err(e) = enqueued.and_then(|_| done.synchronize()) {
             log::error!("umbp: CUDA copy failed: {e}");
+            // Whatever was queued must finish before the blocks are failed: a failed store's
+            // pool reservations are handed out again, and its events go back to the pools.
+            let lane = self.lane(dir);
+            let _ = lane.dma.synchronize();
+            let _ = lane.kern.synchronize();
             fail_all(&mut results, &e);
         }
         self.account(dir, timings, call_start);
@@ -768,9 +777,9 @@ impl CudaMover {
             lane.dma.wait(ev)?;
         }
         let (base, g) = (self.pinner.progress().base, self.pinner.progress().chunk);
-        let t0 = self.dma_begin(&lane.dma)?;
         let ps = plan::split(&plan::pieces(blocks), base, g);
         let runs = plan::runs(&ps, base, g);
+        let t0 = self.dma_begin(&lane.dma);
         let mut singles: Vec<Run> = Vec::new();
         let mut bytes = 0u64;
         for r in runs {
@@ -792,7 +801,7 @@ impl CudaMover {
             }
         }
         self.singles(dir, &lane.dma, &singles, results);
-        self.dma_end(&lane.dma, t0, bytes, timings)?;
+        self.dma_end(&lane.dma, t0, bytes, timings);
         self.counters.dma_bytes.fetch_add(bytes, Ordering::Relaxed);
         done.record(&lane.dma)
     }
@@ -1129,12 +1138,10 @@ impl CudaMover {
                     t1,
                 })
             };
-            let dmas = |results: &mut [Result<(), String>],
-                        timings: &mut Vec<Timed>|
-             -> Result<(), CudaError> {
-                let t0 = self.dma_begin(&lane.dma)?;
+            let dmas = |results: &mut [Result<(), String>], timings: &mut Vec<Timed>| {
+                let t0 = self.dma_begin(&lane.dma);
                 self.slot_dmas(dir, &lane.dma, s, stage, results);
-                self.dma_end(&lane.dma, t0, slice_bytes, timings)
+                self.dma_end(&lane.dma, t0, slice_bytes, timings);
             };
             let step = |results: &mut [Result<(), String>],
                         timings: &mut Vec<Timed>|
@@ -1147,11 +1154,11 @@ impl CudaMover {
                     Dir::Store => {
                         let t = launch(kernels.gather)?;
                         handoff(slot, first, second)?;
-                        dmas(results, timings)?;
+                        dmas(results, timings);
                         t
                     }
                     Dir::Load => {
-                        dmas(results, timings)?;
+                        dmas(results, timings);
                         handoff(slot, first, second)?;
                         if k == 0 {
                             if let Some(ev) = after {
@@ -1177,11 +1184,15 @@ impl CudaMover {
                     for &b in &s.blocks {
                         results[b] = Err(e.to_string());
                     }
-                    // Keep the slot usable: whatever was queued, both of this use's flags get
-                    // written (a repeated value is harmless) so that no later wait hangs; the
-                    // host waits that guard the slot and its descriptors see queued work end.
+                    // Keep the protocol whatever was queued, so that no later wait hangs and
+                    // `done` (on the second stream) still follows everything of this use:
+                    // first waits for the previous use (a repeated wait is harmless), hands
+                    // over to second, and second marks the slot free.
                     if slot.flags() {
-                        let _ = first.write_flag(slot.ready_flag, slot.seq);
+                        let _ = first.wait_flag(slot.free_flag, prev);
+                    }
+                    let _ = handoff(slot, first, second);
+                    if slot.flags() {
                         let _ = second.write_flag(slot.free_flag, slot.seq);
                     } else {
                         let _ = slot.free.record(second);

@@ -251,56 +251,77 @@ impl Job {
 
 /// A value whose drop can wait for background threads, which may need the GIL to log (Rust
 /// `log` records go to Python's `logging`): it is dropped with the GIL released, so that a
-/// `del store` or a garbage collection never deadlocks against them.
-struct ReleaseGilOnDrop<T: Send>(Option<T>);
+/// `del store` or a garbage collection never deadlocks against them. In a forked child it is
+/// leaked instead: the threads it would join exist only in the parent.
+struct ReleaseGilOnDrop<T: Send> {
+    value: Option<T>,
+    pid: u32,
+}
 
 impl<T: Send> ReleaseGilOnDrop<T> {
     fn new(v: T) -> Self {
-        ReleaseGilOnDrop(Some(v))
+        ReleaseGilOnDrop {
+            value: Some(v),
+            pid: std::process::id(),
+        }
     }
 }
 
 impl<T: Send> std::ops::Deref for ReleaseGilOnDrop<T> {
     type Target = T;
     fn deref(&self) -> &T {
-        self.0.as_ref().expect("present until dropped")
+        self.value.as_ref().expect("present until dropped")
     }
 }
 
 impl<T: Send> Drop for ReleaseGilOnDrop<T> {
     fn drop(&mut self) {
-        if let Some(v) = self.0.take() {
+        if let Some(v) = self.value.take() {
+            if std::process::id() != self.pid {
+                std::mem::forget(v);
+                return;
+            }
             Python::attach(|py| py.detach(move || drop(v)));
         }
     }
 }
 
+/// A weakly held object and the process that made it.
+type Live<T> = std::sync::Mutex<Vec<(u32, std::sync::Weak<T>)>>;
+
 /// Stores and lookup servers not yet dropped, closed by an `atexit` handler: at interpreter
 /// exit their background threads must finish while they can still take the GIL (during
 /// finalization they cannot, and joining them would hang).
-static LIVE_STORES: std::sync::Mutex<Vec<std::sync::Weak<CoreStore>>> =
-    std::sync::Mutex::new(Vec::new());
-static LIVE_SERVERS: std::sync::Mutex<Vec<std::sync::Weak<CoreLookupServer>>> =
-    std::sync::Mutex::new(Vec::new());
+static LIVE_STORES: Live<CoreStore> = std::sync::Mutex::new(Vec::new());
+static LIVE_SERVERS: Live<CoreLookupServer> = std::sync::Mutex::new(Vec::new());
 
-fn track<T>(live: &std::sync::Mutex<Vec<std::sync::Weak<T>>>, v: &Arc<T>) {
+fn track<T>(live: &Live<T>, v: &Arc<T>) {
     if let Ok(mut l) = live.lock() {
-        l.retain(|w| w.strong_count() > 0);
-        l.push(Arc::downgrade(v));
+        l.retain(|(_, w)| w.strong_count() > 0);
+        l.push((std::process::id(), Arc::downgrade(v)));
     }
 }
 
-/// Closes every live store and stops every lookup server (registered with `atexit` at import).
+/// This process's live objects of `live` (a forked child skips its parent's).
+fn take_live<T>(live: &Live<T>) -> Vec<Arc<T>> {
+    let me = std::process::id();
+    live.lock()
+        .map(|mut l| {
+            l.drain(..)
+                .filter(|(pid, _)| *pid == me)
+                .filter_map(|(_, w)| w.upgrade())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Closes every live store and stops every lookup server of this process (registered with
+/// `atexit` when `umbp._native` is imported, so it runs after every exit handler registered
+/// later, e.g. a serving framework's shutdown).
 #[pyfunction]
 fn _close_all(py: Python<'_>) {
-    let servers: Vec<_> = LIVE_SERVERS
-        .lock()
-        .map(|mut l| l.drain(..).filter_map(|w| w.upgrade()).collect())
-        .unwrap_or_default();
-    let stores: Vec<_> = LIVE_STORES
-        .lock()
-        .map(|mut l| l.drain(..).filter_map(|w| w.upgrade()).collect())
-        .unwrap_or_default();
+    let servers = take_live(&LIVE_SERVERS);
+    let stores = take_live(&LIVE_STORES);
     py.detach(move || {
         for s in servers {
             s.shutdown();
