@@ -52,8 +52,8 @@ pub struct Args {
     /// Copy worker threads.
     #[arg(long, default_value_t = 4)]
     workers: usize,
-    /// Write a timeline of the last round's both-directions run (every kernel, DMA, mover call
-    /// and staging-slot wait) of each shape to this JSON file, and print a summary of it.
+    /// Run one more, untimed round per shape and write the timeline of its both-directions run
+    /// (every kernel, DMA, mover call and host wait) to this JSON file, with a printed summary.
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
     /// Timed rounds (the best of each figure is kept).
@@ -580,7 +580,7 @@ fn summarize_trace(shape: &str, method: CopyMethod, spans: &[TraceSpan]) -> Valu
     let len = |v: &[(f64, f64)]| v.iter().map(|(s, e)| e - s).sum::<f64>();
     let mut out = serde_json::Map::new();
     let mut dma_busy = Vec::new();
-    println!("  trace of the last both-directions round ({shape} [{method}]):");
+    println!("  trace of an extra, untimed both-directions round ({shape} [{method}]):");
     for dir in ["store", "load"] {
         let dma = pick(dir, "dma");
         let kern = pick(dir, "kernel");
