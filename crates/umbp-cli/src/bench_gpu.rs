@@ -187,6 +187,24 @@ impl Cache {
         self.kv.ptr() + (layer * nb + block) * p
     }
 
+    /// Checks that blocks `dst` hold exactly the bytes of blocks `src` (`host` is scratch of
+    /// twice their size).
+    fn check_same(
+        &self,
+        dev: &Device,
+        s: &Stream,
+        src: &[u64],
+        dst: &[u64],
+        host: &mut [u8],
+        what: &str,
+    ) -> Result<()> {
+        let (want, got) = host.split_at_mut(host.len() / 2);
+        self.read_blocks(dev, s, src, want)?;
+        self.read_blocks(dev, s, dst, got)?;
+        ensure!(want == got, "{what}");
+        Ok(())
+    }
+
     /// Copies every piece of `blocks` to `host` (object layout, block after block).
     fn read_blocks(&self, dev: &Device, s: &Stream, blocks: &[u64], host: &mut [u8]) -> Result<()> {
         let (layers, _, p) = self.shape;
@@ -344,13 +362,15 @@ fn run_shape(
         let k2 = kernel_ns();
         if round == 0 {
             // Warm-up: every restored byte must equal its source.
-            let (want, got) = host.buf.split_at_mut(total as usize);
-            cache.read_blocks(dev, &s, &src_a, want)?;
-            cache.read_blocks(dev, &s, &dst, &mut got[..total as usize])?;
-            ensure!(
-                want == &got[..total as usize],
-                "restored blocks differ from the stored ones"
-            );
+            let scratch = &mut host.buf[..2 * total as usize];
+            cache.check_same(
+                dev,
+                &s,
+                &src_a,
+                &dst,
+                scratch,
+                "restored blocks differ from the stored ones",
+            )?;
             progress!("warm-up: {n} blocks round-tripped byte for byte");
             cache.poison(dev, &s, &dst, 0x5A)?;
         }
@@ -388,13 +408,15 @@ fn run_shape(
             continue;
         }
         if round == 0 {
-            let (want, got) = host.buf.split_at_mut(total as usize);
-            cache.read_blocks(dev, &s, &src_a, want)?;
-            cache.read_blocks(dev, &s, &dst, &mut got[..total as usize])?;
-            ensure!(
-                want == &got[..total as usize],
-                "blocks restored during concurrent stores differ"
-            );
+            let scratch = &mut host.buf[..2 * total as usize];
+            cache.check_same(
+                dev,
+                &s,
+                &src_a,
+                &dst,
+                scratch,
+                "blocks restored during concurrent stores differ",
+            )?;
             continue;
         }
         progress!(

@@ -413,14 +413,7 @@ impl CopyEngine {
             // (end of the previous span, index of its registration in `regions`)
             let mut prev: Option<(u64, usize)> = None;
             for (addr, len) in spans {
-                let at = match regions.iter().position(|g| g.covers(addr, len)) {
-                    Some(i) => Some(i),
-                    None => self.registry.find(addr, len).map(|g| {
-                        regions.push(g);
-                        regions.len() - 1
-                    }),
-                };
-                let Some(at) = at else {
+                let Some(at) = self.region_of(&mut regions, addr, len) else {
                     all = false;
                     break;
                 };
@@ -447,14 +440,9 @@ impl CopyEngine {
             ranges.clear();
             plan.append_block(i, &mut ranges);
             for r in &ranges {
-                let found = match regions.iter().find(|g| g.covers(r.host_addr, r.len)) {
-                    Some(g) => Some(g.kind),
-                    None => self.registry.find(r.host_addr, r.len).map(|g| {
-                        let k = g.kind;
-                        regions.push(g);
-                        k
-                    }),
-                };
+                let found = self
+                    .region_of(&mut regions, r.host_addr, r.len)
+                    .map(|at| regions[at].kind);
                 if found.is_none() || r.object_offset + r.len > plan.object_bytes() {
                     *slot = Some(format!(
                         "range {:#x}+{} is outside registered memory; register the KV cache first",
@@ -475,6 +463,22 @@ impl CopyEngine {
             }
         }
         (invalid, regions, kind)
+    }
+
+    /// The index in `regions` of a registration that covers `[addr, addr + len)`, looked up
+    /// in the registry (and added to `regions`) when none of `regions` does.
+    fn region_of(
+        &self,
+        regions: &mut Vec<Arc<Registration>>,
+        addr: u64,
+        len: u64,
+    ) -> Option<usize> {
+        if let Some(i) = regions.iter().position(|g| g.covers(addr, len)) {
+            return Some(i);
+        }
+        let g = self.registry.find(addr, len)?;
+        regions.push(g);
+        Some(regions.len() - 1)
     }
 
     /// The mover of host-memory jobs.
@@ -570,19 +574,27 @@ fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover, reserve: &Mutex<()>) 
     }
 }
 
-/// The ranges of the plan's blocks `blocks` (indices into the plan), built for one batch, and
-/// where each block's start (one more entry than blocks).
-fn batch_ranges(
+/// The copies of one batch: for each (index of a block in the plan, its pool object), the
+/// block's ranges, built into `ranges`.
+fn batch_copies<'a>(
     plan: &RangePlan,
-    blocks: impl Iterator<Item = usize>,
-) -> (Vec<CopyRange>, Vec<usize>) {
-    let mut ranges = Vec::new();
-    let mut starts = vec![0];
-    for i in blocks {
-        plan.append_block(i, &mut ranges);
-        starts.push(ranges.len());
+    items: impl Iterator<Item = (usize, *mut u8)>,
+    ranges: &'a mut Vec<CopyRange>,
+) -> Vec<BlockCopy<'a>> {
+    let mut spans = Vec::new(); // (object, start, end) in `ranges`
+    for (i, object) in items {
+        let start = ranges.len();
+        plan.append_block(i, ranges);
+        spans.push((object, start, ranges.len()));
     }
-    (ranges, starts)
+    let ranges: &'a [CopyRange] = ranges;
+    spans
+        .into_iter()
+        .map(|(object, a, b)| BlockCopy {
+            object,
+            ranges: &ranges[a..b],
+        })
+        .collect()
 }
 
 fn store_batch(
@@ -616,15 +628,12 @@ fn store_batch(
     if todo.is_empty() {
         return results;
     }
-    let (ranges, starts) = batch_ranges(&job.plan, todo.iter().map(|t| t.1));
-    let copies: Vec<BlockCopy<'_>> = todo
-        .iter_mut()
-        .zip(starts.windows(2))
-        .map(|((_, _, res), w)| BlockCopy {
-            object: res.as_mut_ptr(),
-            ranges: &ranges[w[0]..w[1]],
-        })
-        .collect();
+    let mut ranges = Vec::new();
+    let copies = batch_copies(
+        &job.plan,
+        todo.iter_mut().map(|(_, i, res)| (*i, res.as_mut_ptr())),
+        &mut ranges,
+    );
     // SAFETY: `submit` checked every range against live registrations, which the job holds
     // until it finishes; each reservation is `object_bytes` long and ours alone.
     let outcomes = unsafe { mover.gather(&copies, job.after) };
@@ -671,15 +680,12 @@ fn load_batch(
     if todo.is_empty() {
         return results;
     }
-    let (ranges, starts) = batch_ranges(&job.plan, todo.iter().map(|t| t.1));
-    let copies: Vec<BlockCopy<'_>> = todo
-        .iter()
-        .zip(starts.windows(2))
-        .map(|((_, _, obj), w)| BlockCopy {
-            object: obj.as_ptr() as *mut u8,
-            ranges: &ranges[w[0]..w[1]],
-        })
-        .collect();
+    let mut ranges = Vec::new();
+    let copies = batch_copies(
+        &job.plan,
+        todo.iter().map(|(_, i, obj)| (*i, obj.as_ptr() as *mut u8)),
+        &mut ranges,
+    );
     // SAFETY: ranges were checked against live registrations held by the job; each pinned
     // object is `object_bytes` long and stays allocated (and unwritten) while pinned; the
     // mover only reads from it.

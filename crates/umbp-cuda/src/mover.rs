@@ -119,18 +119,16 @@ impl CudaOptions {
                 ),
             );
         }
-        if !(1..=64).contains(&self.staging_slots) {
-            return bad(
-                "cuda_staging_slots",
-                format!("{} is outside 1..=64", self.staging_slots),
-            );
-        }
-        if !(1..=1024).contains(&self.max_ctas) {
-            return bad(
-                "cuda_max_ctas",
-                format!("{} is outside 1..=1024", self.max_ctas),
-            );
-        }
+        let within = |name, v: u64, hi: u64| {
+            if (1..=hi).contains(&v) {
+                Ok(())
+            } else {
+                bad(name, format!("{v} is outside 1..={hi}"))
+            }
+        };
+        within("cuda_staging_slots", self.staging_slots as u64, 64)?;
+        within("cuda_max_ctas", u64::from(self.max_ctas), 1024)?;
+        within("cuda_batch_blocks", self.batch_blocks as u64, 4096)?;
         if self.pin_chunk_bytes == 0 || !self.pin_chunk_bytes.is_multiple_of(SPLIT_BYTES) {
             return bad(
                 "cuda_pin_chunk_bytes",
@@ -138,12 +136,6 @@ impl CudaOptions {
                     "{} is not a positive multiple of 64 MiB",
                     self.pin_chunk_bytes
                 ),
-            );
-        }
-        if !(1..=4096).contains(&self.batch_blocks) {
-            return bad(
-                "cuda_batch_blocks",
-                format!("{} is outside 1..=4096", self.batch_blocks),
             );
         }
         if self.method == CopyMethod::Staged && self.staging_bytes == 0 {
@@ -732,7 +724,11 @@ impl CudaMover {
     fn account(&self, dir: Dir, timings: Vec<Timed>, call_start: std::time::Instant) {
         let mut ns = 0u64;
         let mut total = 0u64;
-        let mut tracer = self.tracer.lock();
+        // The tracer is locked only while a trace runs (this is on every call's path).
+        let mut tracer = self
+            .tracing
+            .load(Ordering::Relaxed)
+            .then(|| self.tracer.lock());
         for t in timings {
             if t.step == "kernel" {
                 if let Ok(ms) = t.t1.elapsed_ms_since(&t.t0) {
@@ -741,7 +737,7 @@ impl CudaMover {
             } else {
                 total += t.bytes;
             }
-            if let Some(tr) = tracer.as_mut() {
+            if let Some(tr) = tracer.as_mut().and_then(|g| g.as_mut()) {
                 if let (Ok(a), Ok(b)) = (
                     t.t0.elapsed_ms_since(&tr.base),
                     t.t1.elapsed_ms_since(&tr.base),
@@ -758,9 +754,12 @@ impl CudaMover {
             self.give_event(t.t0, true);
             self.give_event(t.t1, true);
         }
+        let traced = tracer.is_some();
         drop(tracer);
         self.counters.kernel_ns.fetch_add(ns, Ordering::Relaxed);
-        self.trace_host(dir, "call", total, call_start);
+        if traced {
+            self.trace_host(dir, "call", total, call_start);
+        }
     }
 
     fn run_dma(

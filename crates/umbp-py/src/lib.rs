@@ -136,6 +136,18 @@ impl Keys {
 }
 
 /// Builds keys for one namespace and one worker's ranks.
+/// A key builder for `namespace` and one rank's topology position.
+fn key_builder(
+    py: Python<'_>,
+    namespace: &str,
+    tp: u16,
+    pcp: u16,
+    dcp: u16,
+    pp: u16,
+) -> PyResult<CoreKeyBuilder> {
+    CoreKeyBuilder::new(namespace, RankTopology { tp, pcp, dcp, pp }).map_err(|e| core_err(py, e))
+}
+
 #[pyclass(module = "umbp._native", frozen)]
 struct KeyBuilder {
     inner: CoreKeyBuilder,
@@ -153,9 +165,9 @@ impl KeyBuilder {
         dcp: u16,
         pp: u16,
     ) -> PyResult<Self> {
-        let inner = CoreKeyBuilder::new(namespace, RankTopology { tp, pcp, dcp, pp })
-            .map_err(|e| core_err(py, e))?;
-        Ok(KeyBuilder { inner })
+        Ok(KeyBuilder {
+            inner: key_builder(py, namespace, tp, pcp, dcp, pp)?,
+        })
     }
 
     #[getter]
@@ -691,8 +703,7 @@ impl LookupServer {
         pp: u16,
         describe: String,
     ) -> PyResult<Self> {
-        let keys = CoreKeyBuilder::new(namespace, RankTopology { tp, pcp, dcp, pp })
-            .map_err(|e| core_err(py, e))?;
+        let keys = key_builder(py, namespace, tp, pcp, dcp, pp)?;
         let target = Arc::new(StoreLookup::new(Arc::clone(&store.inner), keys, describe));
         let inner = Arc::new(
             CoreLookupServer::bind(&path, target)
