@@ -72,6 +72,16 @@ class EmbeddedStore:
     def deregister_memory(self, region_id: int) -> None: ...
     def register_layout(self, groups: Sequence[Sequence[tuple[int, int, int, int]]]) -> int:
         """One list per cache group of (base_addr, num_blocks, block_stride, block_bytes)."""
+    def register_tensor_layout(
+        self,
+        groups: Sequence[
+            Sequence[tuple[str, int, int, Sequence[int], Sequence[int], int, int | None]]
+        ],
+        num_blocks: Sequence[int],
+    ) -> int:
+        """One list per cache group of (name, data_ptr, element_size, shape, strides,
+        block_dim, expected_block_bytes); runs are found from the strides."""
+    def layout_summary(self, layout_id: int) -> list[dict[str, int]]: ...
     def object_bytes(self, layout_id: int, group: int) -> int: ...
     def exists(self, keys: Keys) -> list[bool]: ...
     def prefix_hits(self, keys: Keys) -> int: ...

@@ -16,6 +16,14 @@ pub enum CoreError {
     /// A KV layout description is inconsistent.
     #[error("invalid KV layout: {0}")]
     InvalidLayout(String),
+    /// A KV cache tensor view cannot be turned into copy runs.
+    #[error("KV cache tensor `{tensor}` cannot be planned: {message}")]
+    TensorLayout {
+        /// The tensor's (layer's) name.
+        tensor: String,
+        /// Why, and what to change.
+        message: String,
+    },
     /// A block id is outside the layout's blocks.
     #[error("block id {block_id} is out of range: the layout has {num_blocks} blocks")]
     BlockOutOfRange {

@@ -1,8 +1,11 @@
 //! KV cache layouts and range planning.
 //!
-//! An engine's KV cache for one cache group is a set of layers. For layer `l` and block `b` the
-//! block's bytes are one contiguous run of `block_bytes` at `base_addr + b * block_stride`. One
-//! pool object holds one block of one group: the runs of every layer, concatenated in layer order.
+//! An engine's KV cache for one cache group is a list of runs ([`LayerSpec`]): for run `r` and
+//! block `b` the bytes are `block_bytes` at `base_addr + b * block_stride`. A layer whose block is
+//! one contiguous run is one spec; a layer whose block is scattered (heads or layers outside the
+//! block dimension) is one spec per run ([`crate::TensorView::layer_runs`] finds them). One pool
+//! object holds one block of one group: every run, concatenated in order. No two runs of a group
+//! may share a byte, in any block: [`GroupLayout::new`] checks it.
 //! [`GroupLayout::plan`] turns block ids into the scatter/gather ranges that move those bytes,
 //! merging runs that are adjacent on both sides (a block-first layout becomes one range per block).
 
@@ -10,8 +13,8 @@ use std::sync::Arc;
 
 use crate::CoreError;
 
-/// One layer's view of the KV cache: where block 0 starts, how far apart blocks are, and how
-/// many bytes one block of this layer holds.
+/// One run of the KV cache: where block 0's run starts, how far apart blocks are, and how many
+/// bytes the run holds in each block (a whole layer's block where that is contiguous).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerSpec {
     /// Address of block 0 of this layer.
@@ -22,6 +25,42 @@ pub struct LayerSpec {
     pub block_stride: u64,
     /// Bytes of one block of this layer (one contiguous run).
     pub block_bytes: u64,
+}
+
+/// Whether some block of run `a` shares a byte with some block of run `b` (both of
+/// `num_blocks` blocks, so every block of one run is at most `block_stride` long unless there
+/// is a single block).
+fn runs_overlap(a: &LayerSpec, b: &LayerSpec) -> bool {
+    let (x, y) = if a.base_addr <= b.base_addr {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    let nb = x.num_blocks;
+    let d = y.base_addr - x.base_addr;
+    if nb == 1 {
+        return d < x.block_bytes;
+    }
+    if x.block_stride == y.block_stride {
+        // Block b' of y starts d + (b' - b) * s after block b of x; with both runs at most s
+        // long, only the two block distances that bring it within (-s, s) can overlap.
+        let s = x.block_stride;
+        let (m0, r) = (d / s, d % s);
+        let near = m0 < nb && r < x.block_bytes;
+        let before = m0 + 1 < nb && s - r < y.block_bytes;
+        return near || before;
+    }
+    // Different strides: for each block of x, the blocks of y that start inside it or end
+    // inside it.
+    (0..nb).any(|i| {
+        let lo = x.base_addr + i * x.block_stride;
+        let hi = lo + x.block_bytes;
+        // The first block of y that ends after `lo`.
+        let first = (lo + 1)
+            .saturating_sub(y.base_addr + y.block_bytes)
+            .div_ceil(y.block_stride);
+        first < nb && y.base_addr + first * y.block_stride < hi
+    })
 }
 
 impl LayerSpec {
@@ -225,12 +264,56 @@ impl GroupLayout {
                 .checked_add(l.block_bytes)
                 .ok_or_else(|| CoreError::InvalidLayout("object size overflows 64 bits".into()))?;
         }
+        Self::check_disjoint(&layers)?;
         Ok(GroupLayout {
             layers: layers.into(),
             object_offsets: object_offsets.into(),
             object_bytes,
             num_blocks,
         })
+    }
+
+    /// Fails when two runs share a byte in some blocks (an object would hold the same bytes
+    /// twice and a load would write them twice, or a run was planned wrongly). Only runs whose
+    /// spans meet are compared.
+    fn check_disjoint(layers: &[LayerSpec]) -> Result<(), CoreError> {
+        let mut order: Vec<usize> = (0..layers.len()).collect();
+        order.sort_by_key(|&i| layers[i].base_addr);
+        let end = |i: usize| layers[i].end().expect("checked before");
+        for (k, &i) in order.iter().enumerate() {
+            for &j in &order[k + 1..] {
+                if layers[j].base_addr >= end(i) {
+                    break;
+                }
+                if runs_overlap(&layers[i], &layers[j]) {
+                    let (i, j) = (i.min(j), i.max(j));
+                    return Err(CoreError::InvalidLayout(format!(
+                        "runs {i} and {j} of one cache group share bytes (run {i}: {:#x}, \
+                         stride {}, {} bytes; run {j}: {:#x}, stride {}, {} bytes); each byte \
+                         of a block must belong to exactly one run",
+                        layers[i].base_addr,
+                        layers[i].block_stride,
+                        layers[i].block_bytes,
+                        layers[j].base_addr,
+                        layers[j].block_stride,
+                        layers[j].block_bytes
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What one block of this group costs to copy: runs, ranges after merging, piece sizes.
+    pub fn summary(&self) -> LayoutSummary {
+        let ranges = self.plan(&[0]).expect("block 0 exists").block(0);
+        LayoutSummary {
+            runs: self.layers.len(),
+            ranges_per_block: ranges.len(),
+            min_piece: ranges.iter().map(|r| r.len).min().unwrap_or(0),
+            max_piece: ranges.iter().map(|r| r.len).max().unwrap_or(0),
+            object_bytes: self.object_bytes,
+        }
     }
 
     /// The layers, in object order.
@@ -282,6 +365,21 @@ impl GroupLayout {
             },
         })
     }
+}
+
+/// What copying one block of a group involves (see [`GroupLayout::summary`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutSummary {
+    /// Runs the group was registered with.
+    pub runs: usize,
+    /// Copy ranges of one block after merging runs adjacent on both sides (block 0).
+    pub ranges_per_block: usize,
+    /// Smallest range, bytes.
+    pub min_piece: u64,
+    /// Largest range, bytes.
+    pub max_piece: u64,
+    /// Bytes of one block's object.
+    pub object_bytes: u64,
 }
 
 /// Every cache group's layout; group `g` is `groups()[g]`.
@@ -463,7 +561,50 @@ mod tests {
         assert!(g.validate_within(short).is_err());
     }
 
+    #[test]
+    fn runs_sharing_bytes_are_rejected() {
+        let run = |base_addr, block_stride, block_bytes| LayerSpec {
+            base_addr,
+            num_blocks: 4,
+            block_stride,
+            block_bytes,
+        };
+        // Two heads of one block-first layer, interleaved correctly: fine.
+        assert!(GroupLayout::new(vec![run(0, 64, 32), run(32, 64, 32)]).is_ok());
+        // The second run reaches into the next block's first run.
+        let e = GroupLayout::new(vec![run(0, 64, 32), run(40, 64, 32)]).unwrap_err();
+        assert!(e.to_string().contains("share bytes"), "{e}");
+        // A run shifted by a whole block onto another one's later blocks.
+        assert!(GroupLayout::new(vec![run(0, 64, 32), run(128, 64, 32)]).is_err());
+        // The same layer registered twice.
+        assert!(GroupLayout::new(vec![run(0, 32, 32), run(0, 32, 32)]).is_err());
+        // Different strides that meet in block 3 only.
+        assert!(GroupLayout::new(vec![run(0, 100, 10), run(305, 1, 1)]).is_err());
+        assert!(GroupLayout::new(vec![run(0, 100, 10), run(400, 1, 1)]).is_ok());
+    }
+
     proptest! {
+        /// The disjointness check agrees with a byte-by-byte model.
+        #[test]
+        fn disjointness_matches_a_byte_model(
+            runs in proptest::collection::vec((0u64..200, 1u64..40, 1u64..20), 1..5),
+            nb in 1u64..6,
+        ) {
+            let specs: Vec<LayerSpec> = runs.iter().map(|&(base, stride, len)| LayerSpec {
+                base_addr: base, num_blocks: nb, block_stride: stride.max(len), block_bytes: len,
+            }).collect();
+            let mut seen = std::collections::HashSet::new();
+            let mut clash = false;
+            for s in &specs {
+                for b in 0..nb {
+                    for j in 0..s.block_bytes {
+                        clash |= !seen.insert(s.base_addr + b * s.block_stride + j);
+                    }
+                }
+            }
+            prop_assert_eq!(GroupLayout::new(specs).is_err(), clash);
+        }
+
         /// Whatever the layout, planned ranges cover exactly each layer's run of each block, in
         /// object order, with no gaps.
         #[test]

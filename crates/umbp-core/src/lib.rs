@@ -3,6 +3,8 @@
 //! * [`key`]: the compact binary [`BlockKey`] and its readable string form, built in bulk.
 //! * [`layout`]: the description of an engine's KV cache ([`KvLayout`]) and the planner that turns
 //!   block ids into scatter/gather [`CopyRange`]s.
+//! * [`strided`]: the runs of one block of a strided tensor view ([`TensorView`]), so a layout
+//!   can be built from what the engine's tensors really look like.
 //! * [`config`]: pool configuration ([`PoolConfig`]) with up-front validation.
 //!
 //! Nothing here allocates threads, maps memory or knows about Python or CUDA.
@@ -11,8 +13,10 @@ pub mod config;
 pub mod error;
 pub mod key;
 pub mod layout;
+pub mod strided;
 
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};
 pub use error::CoreError;
 pub use key::{BlockKey, KeyBuilder, RankTopology};
-pub use layout::{CopyRange, GroupLayout, KvLayout, LayerSpec, RangePlan};
+pub use layout::{CopyRange, GroupLayout, KvLayout, LayerSpec, LayoutSummary, RangePlan};
+pub use strided::TensorView;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use umbp_copy::{CopyError, Direction, JobHandle, KeyResult};
 use umbp_core::{
     BlockKey, CoreError, GroupLayout, HugepageSize, KeyBuilder as CoreKeyBuilder, KvLayout,
-    LayerSpec, MemoryBacking, PoolConfig, RankTopology,
+    LayerSpec, MemoryBacking, PoolConfig, RankTopology, TensorView,
 };
 use umbp_pool::PoolError;
 
@@ -476,6 +476,80 @@ impl EmbeddedStore {
         self.inner
             .register_layout(layout)
             .map_err(|e| store_err(py, e))
+    }
+
+    /// Registers a KV layout from tensor views: one list per cache group, one
+    /// `(name, data_ptr, element_size, shape, strides, block_dim, expected_block_bytes)` tuple
+    /// per layer (strides in elements, as `torch.Tensor.stride()` gives them;
+    /// `expected_block_bytes` may be None). `num_blocks[g]` is group `g`'s number of blocks; a
+    /// block dimension of `r * num_blocks` rows holds `r` rows per block. The runs of each
+    /// layer's block are found from the strides; a view that cannot be planned exactly raises
+    /// `ConfigError` naming the tensor. Returns the layout id.
+    #[allow(clippy::type_complexity)]
+    fn register_tensor_layout(
+        &self,
+        py: Python<'_>,
+        groups: Vec<Vec<(String, u64, u64, Vec<u64>, Vec<i64>, usize, Option<u64>)>>,
+        num_blocks: Vec<u64>,
+    ) -> PyResult<u32> {
+        if groups.len() != num_blocks.len() {
+            return Err(raise(
+                py,
+                "ConfigError",
+                format!(
+                    "register_tensor_layout: {} groups but {} block counts",
+                    groups.len(),
+                    num_blocks.len()
+                ),
+            ));
+        }
+        let mut gl = Vec::with_capacity(groups.len());
+        for (layers, nb) in groups.into_iter().zip(num_blocks) {
+            let mut specs = Vec::new();
+            for (name, addr, elem_bytes, shape, strides, block_dim, expected) in layers {
+                let view = TensorView {
+                    name,
+                    addr,
+                    elem_bytes,
+                    shape,
+                    strides,
+                    block_dim,
+                };
+                specs.extend(view.layer_runs(nb, expected).map_err(|e| core_err(py, e))?);
+            }
+            // Objects hold the runs in address order, so runs that follow each other in
+            // memory (a block's layers in BHLNC, say) merge into one copy.
+            specs.sort_by_key(|l| l.base_addr);
+            gl.push(GroupLayout::new(specs).map_err(|e| core_err(py, e))?);
+        }
+        let layout = KvLayout::new(gl).map_err(|e| core_err(py, e))?;
+        self.inner
+            .register_layout(layout)
+            .map_err(|e| store_err(py, e))
+    }
+
+    /// Per cache group of layout `layout_id`: what copying one block involves, as a dict with
+    /// `runs`, `ranges_per_block` (after merging adjacent runs), `min_piece`, `max_piece` and
+    /// `object_bytes`.
+    fn layout_summary<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u32,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let l = self.inner.layout(layout_id).map_err(|e| store_err(py, e))?;
+        l.groups()
+            .iter()
+            .map(|g| {
+                let s = g.summary();
+                let d = PyDict::new(py);
+                d.set_item("runs", s.runs)?;
+                d.set_item("ranges_per_block", s.ranges_per_block)?;
+                d.set_item("min_piece", s.min_piece)?;
+                d.set_item("max_piece", s.max_piece)?;
+                d.set_item("object_bytes", s.object_bytes)?;
+                Ok(d)
+            })
+            .collect()
     }
 
     /// Bytes of one block's object in `group` of layout `layout_id`.

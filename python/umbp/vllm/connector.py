@@ -41,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import umbp
 from umbp.errors import ConfigError
+from umbp.kv_layout import describe_tensor, register_tensor_layout, summary_line
 from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.namespace import derive_namespace, socket_tag
 
@@ -590,15 +591,7 @@ class _WorkerSide:
                     self.cuda_device = t.device
                 else:
                     self.store.register_memory(ptr, storage.nbytes())
-        groups = []
-        for g in self.kv_cache_config.kv_cache_groups:
-            page = getattr(g.kv_cache_spec, "page_size_bytes", None)
-            layers = []
-            for name in g.layer_names:
-                t = kv_caches[name]
-                layers.extend(self._layer_runs(name, t, page))
-            groups.append(layers)
-        self.layout = self.store.register_layout(groups)
+        self.layout = self._register_layout(kv_caches)
         path = umbp.socket_path(self.cfg.lookup_dir, self.topo.tag, self.topo.dp_rank, self.worker)
         self.server = umbp.LookupServer(
             self.store,
@@ -610,31 +603,54 @@ class _WorkerSide:
             describe=f"pid {os.getpid()} tp{self.tp} pcp{self.pcp} dcp{self.dcp}",
         )
         logger.info(
-            "umbp: worker %d: %.2f GiB pool, %d layers registered, lookups on %s",
+            "umbp: worker %d: %.2f GiB pool, %d layers registered, lookups on %s; %s",
             self.worker,
             capacity / (1 << 30),
-            sum(len(g) for g in groups),
+            sum(len(g.layer_names) for g in self.kv_cache_config.kv_cache_groups),
             path,
+            summary_line(self.store.layout_summary(self.layout)),
         )
 
-    def _layer_runs(
-        self, name: str, t: torch.Tensor, page: int | None
-    ) -> list[tuple[int, int, int, int]]:
-        """(base, num_blocks, block_stride, block_bytes) runs of one layer's tensor."""
+    def _register_layout(self, kv_caches: dict[str, torch.Tensor]) -> int:
+        """Registers every cache group's layers from their tensor views: the store finds the
+        runs of a block from each view's strides (one per layer in LBHNC/LBNHC, one per KV head
+        in LHBNC/BHLNC) and refuses a view it cannot plan exactly, naming it."""
+        assert self.store is not None
         num_blocks = self.kv_cache_config.num_blocks
-        es = t.element_size()
-        if t.shape[0] == num_blocks:
-            stride = t.stride(0) * es
-            block_bytes = page or stride
-            return [(t.data_ptr(), num_blocks, stride, min(block_bytes, stride))]
-        if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-            # K and V split in front of the block dimension: two runs per block.
-            stride = t.stride(1) * es
-            run = (page // 2) if page else stride
-            return [(t[i].data_ptr(), num_blocks, stride, min(run, stride)) for i in range(2)]
-        raise ConfigError(
-            f"UMBPStoreConnector: KV cache tensor of layer {name} has shape {tuple(t.shape)}; "
-            f"expected the {num_blocks} blocks in dimension 0 (or 1, after K/V)"
+        groups = []
+        for gi, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            layers = []
+            seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+            for name in g.layer_names:
+                t = kv_caches[name]
+                view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+                if view in seen:
+                    # A layer that reuses another layer's KV cache (cross-layer KV sharing):
+                    # its bytes are already in the object.
+                    continue
+                seen.add(view)
+                spec = g.kv_cache_spec
+                specs = getattr(spec, "kv_cache_specs", None)
+                if isinstance(specs, dict):
+                    spec = specs.get(name, spec)
+                if getattr(spec, "has_layer_views", True) is False:
+                    raise ConfigError(
+                        f"UMBPStoreConnector: KV cache group {gi} ({type(spec).__name__}) has "
+                        "no per-layer KV views (e.g. Mamba state); models with such layers "
+                        "are not supported yet"
+                    )
+                expected = getattr(spec, "unpadded_page_size_bytes", None)
+                layers.append(
+                    describe_tensor(
+                        name, t, num_blocks, expected if isinstance(expected, int) else None
+                    )
+                )
+            groups.append(layers)
+        return register_tensor_layout(
+            self.store,
+            groups,
+            [num_blocks] * len(groups),
+            layout_name=getattr(self.kv_cache_config, "kv_cache_layout", None),
         )
 
     def _keys(self, t: _Transfer) -> umbp.Keys:
