@@ -137,3 +137,18 @@ def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
     finally:
         if saved is not None:
             reg["UMBPStoreConnector"] = saved
+
+
+def test_key_namespace_auto_means_derived():
+    # vLLM's in-tree class documents "auto" as its default: it must not become a literal
+    # namespace that every model would share.
+    assert ConnectorConfig.parse({"key_namespace": "auto"}, "kv_both").key_namespace is None
+    assert ConnectorConfig.parse({"key_namespace": "v2"}, "kv_both").key_namespace == "v2"
+
+
+def test_lookup_workers_is_the_in_tree_option_name():
+    assert ConnectorConfig.parse({}, "kv_both").lookup_workers == 2
+    assert ConnectorConfig.parse({"lookup_workers": 8}, "kv_both").lookup_workers == 8
+    for bad in (0, 1.5, "4", 1000):
+        with pytest.raises(ConfigError, match="lookup_workers"):
+            ConnectorConfig.parse({"lookup_workers": bad}, "kv_both")

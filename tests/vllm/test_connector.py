@@ -221,3 +221,113 @@ def test_kv_events_report_stores_and_evictions(model, tmp_path):
     after_first, after_all = r["steps"][1], r["steps"][3]
     assert any(e["type"] == "BlockStored" for e in after_first), after_first
     assert any(e["type"] == "BlockRemoved" for e in after_all), after_all
+
+
+def test_data_parallel_2_engines_get_distinct_sockets_and_both_restore(model, tmp_path):
+    """`vllm serve --data-parallel-size 2`: two engines of a dense model on one node. vLLM
+    resets their data_parallel_rank to 0; the sockets must still differ (the DP index)."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    import urllib.request
+
+    from conftest import ENV
+
+    ns = "dp2"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ktc = {
+        "kv_connector": "UMBPStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": connector(tmp_path, key_namespace=ns),
+    }
+    cmd = [
+        str(Path(sys.executable).parent / "vllm"),
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        "2",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "8192",
+        "--enforce-eager",
+        "--kv-transfer-config",
+        json.dumps(ktc),
+    ]
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"}
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def post(path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(
+            base + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=300) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip().startswith("{") else {}
+
+    def both(prompt: str) -> list[dict]:
+        """The same prompt twice at once: vLLM's DP balancer gives one to each engine."""
+        out: list[dict] = [{}, {}]
+
+        def one(i: int) -> None:
+            out[i] = post(
+                "/v1/completions",
+                {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0},
+            )
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return out
+
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert time.time() < deadline, "vllm serve never became healthy"
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        tag = socket_tag(ns, "")
+        sockets = [umbp.socket_path(tmp_path, tag, dp, 0) for dp in range(2)]
+        assert all(Path(s).exists() for s in sockets), sockets
+        prompt = prompts(1, seed=7)[0]
+        first = both(prompt)
+        for s in sockets:  # every engine stored the prompt's blocks in its own pool
+            d = umbp.LookupClient([s], 2000).wait_ready(5000)[0]
+            assert int(dict(kv.split("=") for kv in d.split() if "=" in kv)["objects"]) > 0, d
+        post("/reset_prefix_cache")  # vLLM's own caches only
+        again = both(prompt)
+        for o in again:
+            assert o["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again
+        texts = {o["choices"][0]["text"] for o in first + again}
+        assert len(texts) == 1, texts
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(1)
+        log.close()

@@ -29,6 +29,7 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "timeout_ms": 30000,
     "key_namespace": None,
     "lookup_timeout_ms": 1000,
+    "lookup_workers": 2,
 }
 
 #: Options of embedded mode.
@@ -103,6 +104,7 @@ class ConnectorConfig:
     timeout_ms: int = 30000
     key_namespace: str | None = None
     lookup_timeout_ms: int = 1000
+    lookup_workers: int = 2
     # embedded
     capacity_bytes: int | None = None
     total_capacity_bytes: int | None = None
@@ -191,7 +193,9 @@ class ConnectorConfig:
         out["num_workers"] = _int("num_workers", v["num_workers"], 1, 256)
         out["timeout_ms"] = _int("timeout_ms", v["timeout_ms"], 1)
         out["lookup_timeout_ms"] = _int("lookup_timeout_ms", v["lookup_timeout_ms"], 1)
-        if v["key_namespace"] is not None:
+        out["lookup_workers"] = _int("lookup_workers", v["lookup_workers"], 1, 64)
+        # "auto" is the in-tree class's spelling of "derive it" (its documented default).
+        if v["key_namespace"] not in (None, "auto"):
             ns = _str("key_namespace", v["key_namespace"])
             if not ns or ":" in ns or any(c.isspace() for c in ns):
                 raise ConfigError(

@@ -25,9 +25,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,26 @@ from umbp.errors import ConfigError
 from umbp.kv_layout import describe_tensor, register_tensor_layout, summary_line
 from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.namespace import derive_namespace, socket_tag
+
+# Hooks that not every supported vLLM has: the connector uses them where they exist.
+try:  # per-request load failures (the only kind vLLM accepts with several cache groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+try:  # the hybrid allocator's marker (several KV cache groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - older vLLM
+    SupportsHMA = None  # type: ignore[assignment,misc]
+try:  # cache-hit labels of vLLM's metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+#: Several cache groups need per-request failure reporting: declare hybrid-allocator support only
+#: where vLLM can take it.
+_HYBRID_BASES: tuple[type, ...] = (
+    (SupportsHMA,) if SupportsHMA is not None and KVConnectorTransferResults is not None else ()
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,6 +102,8 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
 
     loads: list[_Transfer] = field(default_factory=list)
     stores: list[_Transfer] = field(default_factory=list)
+    # Loads that could not be planned: (request id, whether async, blocks vLLM allocated).
+    failed_loads: list[tuple[str, bool, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -111,8 +133,17 @@ class _Topology:
     pcp_size: int
     dcp_size: int
     dp_rank: int
-    block_size: int
+    block_size: int  # tokens per block hash (the per-rank block size times DCP)
     num_groups: int
+    # Groups stored and restored: the prefix-cacheable groups vLLM transfers (vLLM's own
+    # `prefix_cacheable_group_ids`, which is also what it expects a load to restore).
+    load_groups: tuple[int, ...] = (0,)
+    eagle_drop: bool = False  # EAGLE-style drafting: drop the last block of a hit
+    per_request_failures: bool = False  # several groups: block ids are ambiguous
+
+    @property
+    def force_async_loads(self) -> bool:
+        return self.per_request_failures
 
     @property
     def workers(self) -> int:
@@ -136,13 +167,21 @@ def _topology(cfg: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: An
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups:
         raise ConfigError("UMBPStoreConnector needs a KV cache with at least one cache group")
-    sizes = {getattr(g.kv_cache_spec, "block_size", None) for g in groups}
+    dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
+    sizes = {_tokens_per_block(g.kv_cache_spec, dcp) for g in groups}
     if len(sizes) != 1 or None in sizes:
         raise ConfigError(
             "UMBPStoreConnector needs every KV cache group to use one block size "
-            f"(got {sorted(map(str, sizes))}); hybrid models with mixed block sizes are not supported"
+            f"(got {sorted(map(str, sizes))}); hybrid models with mixed block sizes are not "
+            "supported: run them without the connector"
         )
     block_size = sizes.pop()
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block_size not in (None, block_size):
+        raise ConfigError(
+            f"UMBPStoreConnector stores whole {block_size}-token blocks but vLLM hashes every "
+            f"{hash_block_size} tokens; unset `prefix_match_unit` (--prefix-match-unit)"
+        )
     if cfg.enable_partial_hash_hits:
         unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
         if unit not in (None, block_size):
@@ -150,17 +189,66 @@ def _topology(cfg: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: An
                 f"option `enable_partial_hash_hits`: the engine matches prefixes every {unit} "
                 f"tokens but UMBP stores whole {block_size}-token blocks; set it to false"
             )
+    load_groups = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    if load_groups is None:  # older vLLM: every group that takes part in prefix caching
+        load_groups = [
+            i
+            for i, g in enumerate(groups)
+            if getattr(g, "enable_kv_transfer", True)
+            and getattr(g.kv_cache_spec, "prefix_cacheable", True)
+        ]
+    if not load_groups:
+        raise ConfigError(
+            "UMBPStoreConnector: no KV cache group of this model takes part in prefix caching, "
+            "so there is nothing to offload; run without the connector"
+        )
     namespace = cfg.key_namespace or derive_namespace(vllm_config, kv_cache_config)
     return _Topology(
         namespace=namespace,
         tag=socket_tag(namespace, cfg.lookup_instance),
         tp_size=pc.tensor_parallel_size,
         pcp_size=getattr(pc, "prefill_context_parallel_size", 1),
-        dcp_size=getattr(pc, "decode_context_parallel_size", 1),
-        dp_rank=getattr(pc, "data_parallel_rank", 0) or 0,
+        dcp_size=dcp,
+        dp_rank=_dp_index(pc),
         block_size=block_size,
         num_groups=len(groups),
+        load_groups=tuple(load_groups),
+        eagle_drop=_eagle_drops_last_block(vllm_config),
+        per_request_failures=len(groups) > 1,
     )
+
+
+def _dp_index(pc: Any) -> int:
+    """The engine's data-parallel rank. vLLM resets `data_parallel_rank` to 0 in every engine
+    of a dense model (its DP engines are independent) and keeps the real rank in
+    `data_parallel_index`; older vLLM has only the rank."""
+    index = getattr(pc, "data_parallel_index", None)
+    if index is None:
+        index = getattr(pc, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
+def _tokens_per_block(spec: Any, dcp: int) -> int | None:
+    """Tokens one block hash covers: with decode context parallelism a block of `block_size`
+    tokens per rank spans `block_size × dcp` tokens (vLLM's `resolve_dcp_kv_block_size`)."""
+    size = getattr(spec, "block_size", None)
+    if size is None:
+        return None
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+    except ImportError:  # older vLLM
+        return size * (dcp if getattr(spec, "dcp_sharded", True) else 1)
+    return resolve_dcp_kv_block_size(spec, dcp)
+
+
+def _eagle_drops_last_block(vllm_config: Any) -> bool:
+    """Whether vLLM's own prefix cache drops the last matched block (EAGLE-style drafters
+    recompute it to rebuild their hidden states)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    check = getattr(spec, "use_eagle_block_drop", None) or getattr(spec, "use_eagle", None)
+    return bool(check()) if callable(check) else False
 
 
 def _packed(hashes: list[bytes]) -> tuple[bytes, int]:
@@ -185,6 +273,15 @@ class _RequestState:
     stored_upto: int = 0  # blocks [0, stored_upto) were stored, queued or restored
     load_start: int = 0
     load_blocks: int = 0
+
+
+@dataclass
+class _AsyncLookup:
+    """A lookup running off the scheduler thread, and what it looked up."""
+
+    first: int
+    hashes: tuple[bytes, ...]
+    future: Future
 
 
 @dataclass
@@ -214,7 +311,8 @@ class _SchedulerSide:
         # Tracked stored objects for KV events: hash -> group, bounded by kv_event_max_objects.
         self.tracked: dict[bytes, int] = {}
         self.last_recheck = time.monotonic()
-        self.lookup_results: dict[str, int] = {}
+        self.load_async = cfg.load_async or topo.force_async_loads
+        self.failed_loads: list[tuple[str, bool, list[int]]] = []
         # Lazy offload: a cursor into vLLM's free queue and the hashes already offloaded.
         self.lazy_cursor: Any = None
         self.lazy_stored: OrderedDict[bytes, None] = OrderedDict()
@@ -224,7 +322,9 @@ class _SchedulerSide:
         self.lazy_max = cfg.lazy_offload_max_blocks or max(
             1, 2 * -(-(batched or 8192) // topo.block_size)
         )
-        self.lookup_threads: dict[str, threading.Thread] = {}
+        # lookup_async: one lookup per request at a time, on `lookup_workers` threads.
+        self.async_lookups: dict[str, _AsyncLookup] = {}
+        self.lookup_pool: ThreadPoolExecutor | None = None
         logger.info(
             "umbp: scheduler side: namespace %s, %d worker socket(s) in %s",
             topo.namespace,
@@ -241,8 +341,39 @@ class _SchedulerSide:
         return num_computed_tokens // bs, last
 
     def _lookup(self, hashes: list[bytes]) -> int:
+        """Leading blocks every worker holds, in every group a load restores."""
         packed, hash_len = _packed(hashes)
-        return self.client.prefix_hits(0, packed, hash_len)
+        hits = len(hashes)
+        for g in self.topo.load_groups:
+            hits = min(hits, self.client.prefix_hits(g, packed, hash_len))
+            if hits <= 0:
+                return 0
+        return hits
+
+    def _lookup_async(self, rid: str, first: int, hashes: list[bytes]) -> int | None:
+        """The hits of a finished background lookup of exactly these blocks, or None (asked
+        again later). A lookup of another range or other hashes (the request's tokens or its
+        local hit changed meanwhile) is dropped and started again."""
+        key = tuple(hashes)
+        entry = self.async_lookups.get(rid)
+        if entry is not None and (entry.first != first or entry.hashes != key):
+            entry.future.cancel()
+            entry = None
+        if entry is None:
+            if self.lookup_pool is None:
+                self.lookup_pool = ThreadPoolExecutor(
+                    max_workers=self.cfg.lookup_workers, thread_name_prefix="umbp-lookup"
+                )
+            entry = _AsyncLookup(first, key, self.lookup_pool.submit(self._lookup, hashes))
+            self.async_lookups[rid] = entry
+        if not entry.future.done():
+            return None
+        del self.async_lookups[rid]
+        try:
+            return entry.future.result()
+        except Exception as e:  # a failed lookup is a miss
+            logger.warning("umbp: lookup of request %s failed: %s", rid, e)
+            return 0
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -260,26 +391,19 @@ class _SchedulerSide:
             return 0, False
         hashes = list(request.block_hashes[first:last])
         if self.cfg.lookup_async:
-            rid = request.request_id
-            if rid in self.lookup_results:
-                hits = self.lookup_results.pop(rid)
-                self.lookup_threads.pop(rid, None)
-            else:
-                if rid not in self.lookup_threads:
-                    t = threading.Thread(
-                        target=lambda: self.lookup_results.__setitem__(rid, self._lookup(hashes)),
-                        name="umbp-lookup-async",
-                        daemon=True,
-                    )
-                    self.lookup_threads[rid] = t
-                    t.start()
+            found = self._lookup_async(request.request_id, first, hashes)
+            if found is None:
                 return None, False
+            hits = found
         else:
             hits = self._lookup(hashes)
+        if self.topo.eagle_drop:
+            # As vLLM's own prefix cache: the drafter recomputes the last matched block.
+            hits -= 1
         if hits <= 0:
             return 0, False
         state.load_start, state.load_blocks = first, hits
-        return hits * self.topo.block_size, self.cfg.load_async
+        return hits * self.topo.block_size, self.load_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -290,28 +414,40 @@ class _SchedulerSide:
         n = num_external_tokens // self.topo.block_size
         first = state.load_start
         ids_by_group = blocks.get_block_ids()
-        hashes, hash_len = _packed(list(request.block_hashes[first : first + n]))
-        for g, ids in enumerate(ids_by_group):
-            targets = list(ids[first : first + n])
+        block_hashes = list(request.block_hashes[first : first + n])
+        rid = request.request_id
+        loads = []
+        for g in self.topo.load_groups:
+            targets = list(ids_by_group[g][first : first + n]) if g < len(ids_by_group) else []
             if len(targets) != n:
                 logger.warning(
-                    "umbp: request %s: %d blocks allocated for %d restored blocks; not loading group %d",
-                    request.request_id,
+                    "umbp: request %s: %d blocks of group %d allocated for %d restored blocks; "
+                    "its load is reported failed and vLLM recomputes it",
+                    rid,
                     len(targets),
-                    n,
                     g,
+                    n,
                 )
+                allocated = [b for ids in ids_by_group for b in ids[first : first + n] if b]
+                self.failed_loads.append((rid, self.load_async, allocated))
+                loads = []
+                break
+            # Null blocks (block 0: e.g. sliding-window blocks outside the window) hold nothing.
+            keep = [i for i, b in enumerate(targets) if b != 0]
+            if not keep:
                 continue
-            self.pending_loads.append(
+            hashes, hash_len = _packed([block_hashes[i] for i in keep])
+            loads.append(
                 _Transfer(
                     group=g,
-                    block_ids=targets,
+                    block_ids=[targets[i] for i in keep],
                     hashes=hashes,
                     hash_len=hash_len,
-                    req_id=request.request_id,
-                    load_async=self.cfg.load_async,
+                    req_id=rid,
+                    load_async=self.load_async,
                 )
             )
+        self.pending_loads.extend(loads)
         # Restored blocks are in the pool already: do not store them again.
         state.stored_upto = max(state.stored_upto, first + n)
 
@@ -327,14 +463,17 @@ class _SchedulerSide:
             yield rid, c.new_block_ids[i], rid in resumed, c.num_computed_tokens[i]
 
     def build_connector_meta(self, so: SchedulerOutput) -> UMBPConnectorMetadata:
-        meta = UMBPConnectorMetadata(loads=self.pending_loads)
-        self.pending_loads = []
+        meta = UMBPConnectorMetadata(loads=self.pending_loads, failed_loads=self.failed_loads)
+        self.pending_loads, self.failed_loads = [], []
         for rid in getattr(so, "preempted_req_ids", None) or ():
             state = self.requests.get(rid)
             if state is not None:
                 state.block_ids = [[] for _ in range(self.topo.num_groups)]
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            lookup = self.async_lookups.pop(rid, None)
+            if lookup is not None:
+                lookup.future.cancel()
         if not self.cfg.stores or self.block_pool is None:
             return meta
         if self.cfg.lazy_offload:
@@ -363,8 +502,10 @@ class _SchedulerSide:
                 continue
             state.stored_upto = full
             hashes = list(req.block_hashes[first:full])
-            for g, ids in enumerate(state.block_ids):
-                block_ids = ids[first:full]
+            for g in self.topo.load_groups:  # only what a hash-addressed store can serve
+                if g >= len(state.block_ids):
+                    continue
+                block_ids = state.block_ids[g][first:full]
                 if len(block_ids) != full - first or any(b == 0 for b in block_ids):
                     continue  # blocks of this group are not all materialised (null blocks)
                 self._add_store(
@@ -412,6 +553,8 @@ class _SchedulerSide:
             last = node
             bh = node.block_hash
             if bh is None or node.is_null or bh in self.lazy_stored:
+                continue
+            if get_group_id(bh) not in self.topo.load_groups:
                 continue
             picked.setdefault(get_group_id(bh), []).append(node)
         self.lazy_cursor = last
@@ -505,6 +648,14 @@ class _SchedulerSide:
         return events
 
     def reset_cache(self) -> bool:
+        if self.in_flight:
+            # A store still in flight would land after the clear: not done yet (vLLM's
+            # contract lets a connector answer False; the caller tries again).
+            logger.info(
+                "umbp: %d store(s) in flight; the pools are cleared once they finish",
+                len(self.in_flight),
+            )
+            return False
         try:
             removed = self.client.clear()
         except umbp.UmbpError as e:
@@ -548,6 +699,8 @@ class _WorkerSide:
         self.layout = -1
         self.async_loads: dict[str, list[tuple[umbp.Job, list[int]]]] = {}
         self.load_errors: set[int] = set()
+        self.failed_recving: set[str] = set()  # async loads that failed (several groups)
+        self.unplanned_loads: set[str] = set()  # async loads the scheduler could not plan
         self.stores: dict[int, umbp.Job] = {}
         self.cuda_device: torch.device | None = None
 
@@ -658,6 +811,11 @@ class _WorkerSide:
 
     def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
         assert self.store is not None
+        for rid, is_async, ids in meta.failed_loads:
+            if is_async:
+                self.unplanned_loads.add(rid)  # reported finished (and failed) by get_finished
+            else:
+                self.load_errors.update(ids)
         sync: list[tuple[umbp.Job, list[int]]] = []
         for t in meta.loads:
             job = self.store.load(
@@ -702,10 +860,23 @@ class _WorkerSide:
         for rid, jobs in list(self.async_loads.items()):
             if all(j.done for j, _ in jobs):
                 for j, ids in jobs:
-                    self._note_failures(j.poll() or [], ids)
+                    statuses = j.poll() or []
+                    if not self.topo.per_request_failures:
+                        self._note_failures(statuses, ids)
+                    elif any(st != "done" for st in statuses):
+                        # Block ids are per group: vLLM takes only whole-request failures.
+                        self.failed_recving.add(rid)
                 del self.async_loads[rid]
                 done.add(rid)
+        for rid in self.unplanned_loads - self.async_loads.keys():
+            self.unplanned_loads.discard(rid)
+            self.failed_recving.add(rid)
+            done.add(rid)
         return None, done or None
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self.failed_recving = self.failed_recving, set()
+        return failed
 
     def worker_meta(self) -> UMBPWorkerMetadata | None:
         finished = {sid: 1 for sid, job in self.stores.items() if job.done}
@@ -729,8 +900,18 @@ class _WorkerSide:
 # ---------------------------------------------------------------------------------------------
 
 
-class UMBPStoreConnector(KVConnectorBase_V1):
+class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
     """Offloads prefix KV blocks to UMBP host-DRAM pools and restores them."""
+
+    if CacheHitSource is not None:
+        # Restored tokens come from host memory (vLLM's per-tier hit metrics).
+        _cache_hit_source = CacheHitSource.HOST
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # Sleep mode unmaps the KV cache while copies may still run, and the store cannot drop
+        # its registrations yet: vLLM (0.33 and later) refuses the combination at start-up.
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -746,6 +927,13 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.parse(ktc.kv_connector_extra_config, ktc.kv_role)
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+            # vLLM before 0.33 does not ask `supports_sleep_mode`: refuse here too.
+            raise ConfigError(
+                "UMBPStoreConnector does not support sleep mode: it unmaps the KV cache while "
+                "UMBP may be copying it; unset `enable_sleep_mode` (--enable-sleep-mode) or run "
+                "without the connector"
+            )
         if self.cfg.mode == "standalone":
             raise ConfigError(
                 'option `mode`: "standalone" needs umbp_standalone_server, which this release '
@@ -792,6 +980,17 @@ class UMBPStoreConnector(KVConnectorBase_V1):
             return None, None
         return self._worker.get_finished()
 
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+            sending, recving = self.get_finished(finished_req_ids)
+            failed = self._worker.take_failed_recving() if self._worker is not None else set()
+            return KVConnectorTransferResults(
+                finished_sending=set(sending or ()),
+                finished_recving=set(recving or ()),
+                failed_recving=failed,
+            )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -832,6 +1031,12 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Store sources are pinned by the connector itself, so freeing never waits on us.
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # As request_finished: store sources are pinned by the connector itself.
         return False, None
 
     def has_pending_push_work(self) -> bool:

@@ -26,6 +26,21 @@ def _jsonable(obj: Any) -> Any:
         return repr(obj)
 
 
+def scheduler_spec(spec: Any) -> Any:
+    """The group spec as the scheduler sees it.
+
+    vLLM hands the scheduler a copy of a worker's KV cache config in which a group of mixed
+    layer specs (`UniformTypeKVCacheSpecs`) is replaced by its first layer's spec
+    (`generate_scheduler_kv_cache_config`). Both sides describe a group by this spec, so they
+    derive one namespace (and one socket name); the per-layer specs follow from the model's
+    HF config, which is part of the namespace.
+    """
+    specs = getattr(spec, "kv_cache_specs", None)
+    if isinstance(specs, dict) and specs:
+        return next(iter(specs.values()))
+    return spec
+
+
 def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     """The inputs of the derived namespace."""
     mc = vllm_config.model_config
@@ -37,7 +52,9 @@ def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     draft = getattr(spec, "model", None) if spec is not None else None
     groups = []
     for g in getattr(kv_cache_config, "kv_cache_groups", []) or []:
-        groups.append({"layers": list(g.layer_names), "spec": repr(g.kv_cache_spec)})
+        groups.append(
+            {"layers": list(g.layer_names), "spec": repr(scheduler_spec(g.kv_cache_spec))}
+        )
     return {
         "format": "umbp-kv-v1",
         "model": mc.model,

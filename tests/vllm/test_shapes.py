@@ -1,0 +1,514 @@
+"""UMBPStoreConnector on deployment shapes a CPU engine cannot run, with vLLM's real objects.
+
+Built here from vLLM itself: `VllmConfig` (with the tiny local model), `ParallelConfig`,
+`KVCacheConfig` and its spec classes, `Request` with vLLM's block hasher, `KVCacheBlocks`,
+`BlockPool`, `SchedulerOutput`. Both connector roles run in this process: the worker side
+registers CPU tensors and serves its lookup socket, the scheduler side asks it, exactly as the
+two processes of an engine do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.v1 import kv_cache_interface as kvi
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from umbp.errors import ConfigError
+from umbp.vllm import plugin
+from umbp.vllm.config import ConnectorConfig
+from umbp.vllm.connector import UMBPStoreConnector, _topology
+from umbp.vllm.namespace import derive_namespace
+
+BS = 16  # tokens per block in these tests
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def model_config(model) -> ModelConfig:
+    plugin.register()
+    return ModelConfig(model=model, dtype="bfloat16")
+
+
+def vllm_config(model_config, tmp_path: Path, parallel=None, **extra) -> VllmConfig:
+    ktc = KVTransferConfig(
+        kv_connector="UMBPStoreConnector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "total_capacity_bytes": 16 << 20,
+            "lookup_dir": str(tmp_path),
+            "dram_prefault": False,
+            **extra,
+        },
+    )
+    return VllmConfig(
+        model_config=model_config,
+        parallel_config=parallel or ParallelConfig(),
+        cache_config=CacheConfig(block_size=BS),
+        scheduler_config=SchedulerConfig(
+            max_model_len=4096, is_encoder_decoder=False, max_num_batched_tokens=4096
+        ),
+        kv_transfer_config=ktc,
+    )
+
+
+def full(block_size: int = BS, heads: int = 2, head: int = 32) -> kvi.FullAttentionSpec:
+    return kvi.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head, dtype=BF16
+    )
+
+
+def sliding(block_size: int = BS) -> kvi.SlidingWindowSpec:
+    return kvi.SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=2, head_size=32, dtype=BF16, sliding_window=2 * BS
+    )
+
+
+def kv_config(*groups: tuple[list[str], object], num_blocks: int = 16) -> kvi.KVCacheConfig:
+    return kvi.KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[kvi.KVCacheGroupSpec(list(names), spec) for names, spec in groups],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 1: data parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dense_dp_engines_get_distinct_sockets_from_the_dp_index(model_config, tmp_path):
+    kc = kv_config((["l0"], full()))
+    paths = []
+    for rank in (0, 1):
+        vc = vllm_config(
+            model_config, tmp_path, ParallelConfig(data_parallel_size=2, data_parallel_rank=rank)
+        )
+        # What vLLM's engine core does for a dense model's DP engine (they are independent):
+        vc.parallel_config.reconfigure_for_independent_dp_rank()
+        assert vc.parallel_config.data_parallel_rank == 0
+        topo = _topology(ConnectorConfig.parse({"lookup_dir": str(tmp_path)}), vc, kc)
+        assert topo.dp_rank == rank
+        paths.append(topo.socket_paths(str(tmp_path)))
+    assert paths[0] != paths[1], "two DP engines on one host must not share lookup sockets"
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 2: decode context parallelism
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dcp_block_hashes_cover_block_size_times_dcp_tokens(model_config, tmp_path):
+    pc = ParallelConfig(tensor_parallel_size=4, decode_context_parallel_size=2)
+    vc = vllm_config(model_config, tmp_path, pc)
+    kc = kv_config((["l0"], full()))
+    cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)})
+    topo = _topology(cfg, vc, kc)
+    assert topo.block_size == BS * 2, "one block hash covers block_size x dcp tokens"
+    kc.hash_block_size = BS * 2  # as vLLM's engine core resolves it
+    assert _topology(cfg, vc, kc).block_size == BS * 2
+    kc.hash_block_size = BS  # a finer prefix-match unit than the block: refused by name
+    with pytest.raises(ConfigError, match="prefix_match_unit"):
+        _topology(cfg, vc, kc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 4: both sides derive one namespace for every spec type
+# ---------------------------------------------------------------------------------------------
+
+
+def every_spec() -> dict[str, object]:
+    attn = dict(block_size=BS, num_kv_heads=2, head_size=32, dtype=BF16)
+    specs = {
+        "FullAttentionSpec": kvi.FullAttentionSpec(**attn),
+        "SlidingWindowSpec": kvi.SlidingWindowSpec(**attn, sliding_window=64),
+        "ChunkedLocalAttentionSpec": kvi.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=64),
+        "CrossAttentionSpec": kvi.CrossAttentionSpec(**attn),
+        "EncoderOnlyAttentionSpec": kvi.EncoderOnlyAttentionSpec(**attn),
+        "SinkFullAttentionSpec": kvi.SinkFullAttentionSpec(**attn, sink_len=4),
+        "MLAAttentionSpec": kvi.MLAAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=64, dtype=BF16
+        ),
+        "SlidingWindowMLASpec": kvi.SlidingWindowMLASpec(
+            block_size=BS, num_kv_heads=1, head_size=64, dtype=BF16, sliding_window=64
+        ),
+        "MambaSpec": kvi.MambaSpec(block_size=BS, shapes=((4, 8), (2, 8)), dtypes=(BF16, BF16)),
+        "UniformTypeKVCacheSpecs": kvi.UniformTypeKVCacheSpecs(
+            block_size=BS,
+            kv_cache_specs={"a": kvi.FullAttentionSpec(**attn), "b": full(head=64)},
+        ),
+    }
+    return specs
+
+
+def test_scheduler_and_workers_derive_one_namespace_for_every_spec_type(model_config, tmp_path):
+    vc = vllm_config(model_config, tmp_path)
+    specs = every_spec()
+    concrete = {
+        c.__name__
+        for c in _subclasses(kvi.KVCacheSpec)
+        if not inspect.isabstract(c) and c.__module__ == kvi.__name__
+    }
+    # Every spec type vLLM defines is built here, except bases and ones whose groups are
+    # never transferred (HiSparse and hidden-state caches are engine-internal buffers).
+    internal = {
+        "AttentionSpec",
+        "KVCacheSpec",
+        "HiSparseHotSpec",
+        "HiSparseResidentSpec",
+        "HiddenStateCacheSpec",
+        "CircularBufferSpec",
+        "RSWASpec",
+    }
+    assert concrete - internal <= set(specs), concrete - internal - set(specs)
+    for name, spec in specs.items():
+        layers = ["a", "b"] if name == "UniformTypeKVCacheSpecs" else ["a"]
+        worker = kv_config((layers, spec))
+        scheduler = generate_scheduler_kv_cache_config([worker])
+        assert derive_namespace(vc, worker) == derive_namespace(vc, scheduler), name
+    # And a whole engine's groups, mixed specs in one of them.
+    worker = kv_config((["a", "b"], specs["UniformTypeKVCacheSpecs"]), (["c"], sliding()))
+    scheduler = generate_scheduler_kv_cache_config([worker])
+    cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)})
+    w, s = _topology(cfg, vc, worker), _topology(cfg, vc, scheduler)
+    assert (w.namespace, w.tag, w.load_groups) == (s.namespace, s.tag, s.load_groups)
+    assert w.socket_paths(str(tmp_path)) == s.socket_paths(str(tmp_path))
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+# ---------------------------------------------------------------------------------------------
+# A scheduler and a worker of one engine, in this process
+# ---------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """Both roles of the connector over real vLLM objects; the worker's KV cache is CPU."""
+
+    def __init__(self, vc: VllmConfig, kc: kvi.KVCacheConfig) -> None:
+        init_none_hash(_sha256)
+        self.vc, self.kc = vc, kc
+        self.worker = UMBPStoreConnector(vc, KVConnectorRole.WORKER, kc)
+        self.caches = {
+            name: torch.zeros((kc.num_blocks, 2, BS, 2, 32), dtype=BF16)
+            for g in kc.kv_cache_groups
+            for name in g.layer_names
+        }
+        self.worker.register_kv_caches(self.caches)
+        self.sched_kc = generate_scheduler_kv_cache_config([kc])
+        self.sched = UMBPStoreConnector(vc, KVConnectorRole.SCHEDULER, self.sched_kc)
+        self.hasher = get_request_block_hasher(BS, _sha256)
+        self.pool = BlockPool(kc.num_blocks, enable_caching=True, hash_block_size=BS)
+        self.sched.bind_gpu_block_pool(self.pool)
+
+    def request(self, rid: str, blocks: int, seed: int = 0) -> Request:
+        tokens = [(seed * 7919 + i) % 251 + 1 for i in range(blocks * BS + 1)]
+        return Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=self.hasher)
+
+    def put(self, group: int, req: Request, block_ids: list[int]) -> None:
+        """Stores the request's first blocks of `group` straight into the worker's pool."""
+        w = self.worker._worker
+        keys = w.keys.keys(group, list(req.block_hashes[: len(block_ids)]))
+        assert w.store.store(w.layout, group, block_ids, keys).wait(5000) == ["done"] * len(
+            block_ids
+        )
+
+    def step(self, finished: set[str] = frozenset()) -> KVConnectorOutput:
+        """One scheduler step: metadata to the worker, the worker's transfers, its output."""
+        so = SchedulerOutput.make_empty()
+        so.finished_req_ids = set(finished)
+        meta = self.sched.build_connector_meta(so)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        res = self.worker.get_transfer_results(set())
+        out = KVConnectorOutput(
+            finished_recving=res.finished_recving,
+            failed_recving=res.failed_recving,
+            invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+        )
+        self.worker.clear_connector_metadata()
+        self.sched.update_connector_output(out)
+        return out
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def _sha256(obj) -> bytes:
+    from vllm.utils.hashing import sha256
+
+    return sha256(obj)
+
+
+def matched(engine: Engine, req: Request, computed: int = 0, tries: int = 500):
+    """get_num_new_matched_tokens, asked again while the answer is pending (lookup_async)."""
+    for _ in range(tries):
+        n, is_async = engine.sched.get_num_new_matched_tokens(req, computed)
+        if n is not None:
+            return n, is_async
+        time.sleep(0.01)
+    raise AssertionError("the lookup never finished")
+
+
+def blocks_of(engine: Engine, *ids_by_group: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(tuple([engine.pool.blocks[b] for b in ids] for ids in ids_by_group))
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 5: several KV cache groups
+# ---------------------------------------------------------------------------------------------
+
+
+def test_hybrid_support_is_declared():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    assert supports_hma(UMBPStoreConnector)
+
+
+def test_two_groups_hit_only_when_every_group_holds_the_blocks(model_config, tmp_path):
+    vc = vllm_config(model_config, tmp_path, load_async=False)
+    e = Engine(vc, kv_config((["full.0", "full.1"], full()), (["swa.0"], sliding())))
+    try:
+        req = e.request("r1", blocks=3)
+        e.put(0, req, [1, 2, 3])
+        assert matched(e, req) == (0, False), "group 1 holds nothing: no hit"
+        e.put(1, req, [4, 5, 6])
+        # Several groups always load asynchronously (failures are reported per request).
+        assert matched(e, req) == (3 * BS, True)
+        # The sliding-window group's first block is outside the window: vLLM gives it the
+        # null block, which must never be written.
+        e.sched.update_state_after_alloc(req, blocks_of(e, [7, 8, 9], [0, 10, 11]), 3 * BS)
+        for layer in e.caches.values():
+            layer[0].fill_(3)
+        out = e.step()
+        while "r1" not in out.finished_recving:
+            out = e.step()
+        assert out.failed_recving == set() and not out.invalid_block_ids
+        assert all(bool((layer[0] == 3).all()) for layer in e.caches.values())
+        for a, b in ((1, 7), (2, 8), (3, 9)):
+            assert torch.equal(e.caches["full.0"][a], e.caches["full.0"][b])
+        assert torch.equal(e.caches["swa.0"][5], e.caches["swa.0"][10])
+    finally:
+        e.close()
+
+
+def test_two_groups_report_a_failed_load_per_request_not_per_block(model_config, tmp_path):
+    vc = vllm_config(model_config, tmp_path)
+    e = Engine(vc, kv_config((["full.0"], full()), (["swa.0"], sliding())))
+    try:
+        req = e.request("r2", blocks=2, seed=1)
+        e.put(0, req, [1, 2])
+        e.put(1, req, [3, 4])
+        n, _ = matched(e, req)
+        assert n == 2 * BS
+        e.worker._worker.store.clear()  # evicted between the lookup and the load
+        e.sched.update_state_after_alloc(req, blocks_of(e, [5, 6], [7, 8]), n)
+        out = e.step()
+        while "r2" not in out.finished_recving:
+            out = e.step()
+        # Block ids are per group; vLLM's scheduler raises on them with several groups.
+        assert out.failed_recving == {"r2"} and not out.invalid_block_ids
+    finally:
+        e.close()
+
+
+def test_only_prefix_cacheable_groups_are_stored(model_config, tmp_path):
+    vc = vllm_config(model_config, tmp_path)
+    kc = kv_config((["full.0"], full()), (["swa.0"], sliding()))
+    kc.kv_cache_groups[1].enable_kv_transfer = False  # vLLM's switch for a group
+    e = Engine(vc, kc)
+    try:
+        assert kc.prefix_cacheable_group_ids == (0,)
+        req = e.request("r3", blocks=2, seed=2)
+        assert matched(e, req)[0] == 0
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [_new_req(req, ([1, 2, 3], [4, 5, 6]))]
+        so.num_scheduled_tokens = {req.request_id: req.num_tokens}
+        meta = e.sched.build_connector_meta(so)
+        assert [t.group for t in meta.stores] == [0]
+    finally:
+        e.close()
+
+
+def _new_req(req: Request, block_ids):
+    from vllm.v1.core.sched.output import NewRequestData
+
+    return NewRequestData.from_request(req, block_ids, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 7: lookup_async rechecks and forgets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_async_lookup_is_rechecked_and_dropped_when_the_request_finishes(model_config, tmp_path):
+    vc = vllm_config(model_config, tmp_path, lookup_async=True)
+    e = Engine(vc, kv_config((["l0"], full())))
+    try:
+        req = e.request("a", blocks=3)
+        e.put(0, req, [1, 2, 3])
+        n, _ = e.sched.get_num_new_matched_tokens(req, 0)
+        assert n is None  # looking up
+        time.sleep(0.5)
+        # Meanwhile vLLM's own cache came to hold the first block: the lookup of blocks 0..2
+        # is stale; only blocks 1..2 are left to restore.
+        assert matched(e, req, computed=BS)[0] == 2 * BS
+        # A finished request's lookup is dropped: a new request with the same id (and other
+        # tokens) is looked up afresh.
+        assert e.sched.get_num_new_matched_tokens(req, 0)[0] is None
+        time.sleep(0.5)
+        e.step(finished={"a"})
+        other = e.request("a", blocks=3, seed=5)
+        assert matched(e, other)[0] == 0
+    finally:
+        e.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 8: reset_cache waits for stores in flight
+# ---------------------------------------------------------------------------------------------
+
+
+def test_reset_cache_is_not_done_while_a_store_is_in_flight(model_config, tmp_path):
+    vc = vllm_config(model_config, tmp_path)
+    e = Engine(vc, kv_config((["l0"], full())))
+    try:
+        req = e.request("s", blocks=2, seed=3)
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [_new_req(req, ([1, 2, 3],))]
+        so.num_scheduled_tokens = {req.request_id: req.num_tokens}
+        e.sched.get_num_new_matched_tokens(req, 0)
+        meta = e.sched.build_connector_meta(so)
+        assert len(meta.stores) == 1
+        # The store is queued but no worker has run it: a clear now would be undone by it.
+        assert e.sched.reset_cache() is False
+        e.worker.bind_connector_metadata(meta)
+        e.worker.wait_for_save()
+        e.worker.clear_connector_metadata()
+        for _ in range(500):
+            wm = e.worker.build_connector_worker_meta()
+            if wm is not None:
+                e.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=wm))
+                break
+            time.sleep(0.01)
+        assert e.sched.reset_cache() is True
+        assert matched(e, e.request("s2", blocks=2, seed=3))[0] == 0, "the clear came last"
+    finally:
+        e.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Items 6, 10, 11: sleep mode, EAGLE, hit labels
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sleep_mode_is_refused_by_name(model_config, tmp_path):
+    ktc = vllm_config(model_config, tmp_path).kv_transfer_config
+    assert UMBPStoreConnector.supports_sleep_mode(ktc) is False  # asked by vLLM 0.33+
+    vc = vllm_config(model_config, tmp_path)
+    vc.model_config.enable_sleep_mode = True  # vLLM 0.32 never asks: the connector refuses
+    try:
+        with pytest.raises(ConfigError, match="enable_sleep_mode"):
+            UMBPStoreConnector(vc, KVConnectorRole.SCHEDULER, kv_config((["l0"], full())))
+    finally:
+        vc.model_config.enable_sleep_mode = False
+
+
+def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path):
+    from vllm.config import SpeculativeConfig
+
+    vc = vllm_config(model_config, tmp_path)
+    # vLLM's own rule (SpeculativeConfig.use_eagle_block_drop), on a real object; building a
+    # whole EAGLE config needs a draft checkpoint, so only the method is set.
+    spec = SpeculativeConfig.__new__(SpeculativeConfig)
+    object.__setattr__(spec, "method", "eagle")
+    object.__setattr__(spec, "disable_eagle_block_drop", False)
+    assert spec.use_eagle_block_drop()
+    vc.speculative_config = spec
+    e = Engine(vc, kv_config((["l0"], full())))
+    try:
+        req = e.request("e", blocks=3)
+        e.put(0, req, [1, 2, 3])
+        assert matched(e, req)[0] == 2 * BS
+    finally:
+        vc.speculative_config = None
+        e.close()
+
+
+def test_hits_are_labelled_host_memory(model_config, tmp_path):
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    e = Engine(vllm_config(model_config, tmp_path), kv_config((["l0"], full())))
+    try:
+        req = e.request("h", blocks=2)
+        assert e.sched.get_external_cache_hit_sources(req, 2 * BS) == {CacheHitSource.HOST: 2 * BS}
+    finally:
+        e.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Compatibility with the installed vLLM's connector API
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_overridden_hook_matches_the_installed_base_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+
+    bases = [KVConnectorBase_V1]
+    if getattr(base, "SupportsHMA", None) is not None:
+        bases.append(base.SupportsHMA)
+    checked = []
+    for name, ours in vars(UMBPStoreConnector).items():
+        theirs_owner = next((b for b in bases if name in vars(b)), None)
+        if theirs_owner is None or name.startswith("__"):
+            continue
+        theirs = inspect.getattr_static(theirs_owner, name)
+        assert type(ours) is type(theirs), f"{name}: {type(ours)} vs {type(theirs)}"
+        if isinstance(ours, property):
+            ours, theirs = ours.fget, theirs.fget
+        elif isinstance(ours, (classmethod, staticmethod)):
+            ours, theirs = ours.__func__, theirs.__func__
+        if not callable(ours):
+            continue
+        a, b = inspect.signature(ours), inspect.signature(theirs)
+        shape = [(p.name, p.kind, p.default) for p in a.parameters.values()]
+        want = [(p.name, p.kind, p.default) for p in b.parameters.values()]
+        assert shape == want, f"{name}{a} does not match vLLM's {name}{b}"
+        checked.append(name)
+    abstract = set(getattr(KVConnectorBase_V1, "__abstractmethods__", ()))
+    assert abstract <= set(checked), abstract - set(checked)
+    for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "start_load_kv"):
+        assert name in checked
