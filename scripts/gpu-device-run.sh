@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Runs the GPU benchmark and the GPU tests on a machine with an NVIDIA GPU, from a folder that
-# holds a built `umbp` binary, the umbp wheel and tests/gpu/test_gpu_path.py (see
-# docs/benchmarks.md, "GPU"). Results go to $OUT (default ./gpu-out).
+# holds a built `umbp` binary, the umbp wheel and the tests folder (tests/kv_matrix.py and
+# tests/gpu/; see docs/benchmarks.md, "GPU"). Results go to $OUT (default ./gpu-out).
 #   scripts/gpu-device-run.sh <folder>
+# BENCH=shapes (default: llama8b, tp8-8k, a 2.2 GiB layer stride, with dma beside), sweep (the
+# piece-size sweep: auto, dma and staged for 4-256 KiB pieces) or none; TESTS=0 skips pytest.
 set -u
-C="${1:?folder with umbp, the wheel and test_gpu_path.py}"
+C="${1:?folder with umbp, the wheel and tests/}"
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
@@ -13,11 +15,23 @@ echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
 python3 -m pip install -q --no-deps --no-index --target /tmp/umbp "$C"/umbp-*.whl
 export PYTHONPATH=/tmp/umbp PYTHONUNBUFFERED=1
 chmod +x "$C/umbp"
-timeout "${BENCH_TIMEOUT:-240}" "$C/umbp" bench gpu \
-  --shapes "${SHAPES:-llama8b,tp8-8k,llama8b:36000}" --also-dma --pin-gib "${PIN_GIB:-64}" \
-  --trace "$OUT/trace.json" --json >"$OUT/bench.txt" 2>"$OUT/bench.err"
+case "${BENCH:-shapes}" in
+  shapes)
+    timeout "${BENCH_TIMEOUT:-240}" "$C/umbp" bench gpu \
+      --shapes "${SHAPES:-llama8b,tp8-8k,llama8b:36000}" --also-dma --pin-gib "${PIN_GIB:-64}" \
+      --trace "$OUT/trace.json" --json >"$OUT/bench.txt" 2>"$OUT/bench.err"
+    ;;
+  sweep)
+    timeout "${BENCH_TIMEOUT:-360}" "$C/umbp" bench gpu --sweep \
+      --sweep-methods "${SWEEP_METHODS:-auto,dma,staged}" --rounds "${ROUNDS:-3}" \
+      --json >"$OUT/bench.txt" 2>"$OUT/bench.err"
+    ;;
+  none) : >"$OUT/bench.txt" ;;
+esac
 echo "bench rc=$?"
-grep -v '^{' "$OUT/bench.txt"
+grep -v '^{' "$OUT/bench.txt" | grep -v "^  \|^shape\|(the store" | tail -40
 grep -E "error|panic|warn" "$OUT/bench.err" | tail -5
-UMBP_GPU_RESULTS="$OUT/gpu_results.json" timeout "${TEST_TIMEOUT:-240}" \
-  python3 -m pytest -q -rfE -p no:cacheprovider "$C/test_gpu_path.py" 2>&1 | tee "$OUT/pytest.txt" | tail -30
+if [ "${TESTS:-1}" = 1 ]; then
+  UMBP_GPU_RESULTS="$OUT/gpu_results.json" timeout "${TEST_TIMEOUT:-300}" \
+    python3 -m pytest -q -rfE -p no:cacheprovider "$C/tests/gpu" 2>&1 | tee "$OUT/pytest.txt" | tail -30
+fi

@@ -3,8 +3,8 @@
 Skipped without PyTorch or a CUDA device. vLLM's KV cache for one group is one backing
 allocation of int8, viewed per layer through a stride permutation of the logical shape
 [L, B, H, N, C] (C = (head_size + head_size_v) elements, `vllm.v1.kv_cache_layout`); the
-worker registers the backing allocation and, per layer, `data_ptr()`, `stride(0)` (in bytes)
-and the page size. Set UMBP_GPU_RESULTS to a file path to get the measured figures as JSON.
+worker registers the backing allocation and, per layer, the view's shape and strides (the store
+finds a block's runs from them). tests/gpu/test_gpu_layouts.py runs the whole layout matrix. Set UMBP_GPU_RESULTS to a file path to get the measured figures as JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import umbp  # noqa: E402
+from umbp.kv_layout import describe_tensor, register_tensor_layout  # noqa: E402
 
 #: vLLM's KVCacheLayout: physical order of the logical axes [L, B, H, N, C].
 LAYOUTS = {
@@ -68,9 +69,16 @@ class VllmKv:
         self.blocks = blocks
 
     def layout(self):
+        """The layers as the connector's worker registers them (from their strides)."""
         return [
-            [(t.data_ptr(), self.blocks, t.stride(0) * self.esize, self.page) for t in self.layers]
+            [
+                describe_tensor(f"layer.{i}", t, self.blocks, self.page)
+                for i, t in enumerate(self.layers)
+            ]
         ]
+
+    def register(self, store):
+        return register_tensor_layout(store, self.layout(), [self.blocks])
 
     def block_bytes(self, ids):
         return self.bytes[:, torch.as_tensor(ids, device="cuda")]
@@ -81,7 +89,7 @@ def make_store(kv, method="auto", extra=1.0):
     cap = max(int(obj * kv.blocks * extra), 256 << 20)
     s = umbp.EmbeddedStore(cap, prefault=False, num_workers=4, cuda_copy_method=method)
     s.register_cuda_memory(kv.raw.data_ptr(), kv.raw.numel(), torch.cuda.current_device())
-    lid = s.register_layout(kv.layout())
+    lid = kv.register(s)
     assert s.object_bytes(lid, 0) == obj
     return s, lid
 
@@ -127,9 +135,11 @@ def test_round_trip_is_byte_identical(layout, dtype, heads, method):
     assert store.load(lid, 0, dst, keys, stream=cur).wait() == ["done"] * 500
     assert torch.equal(kv.block_bytes(src), kv.block_bytes(dst))
     st = store.cuda_stats()
-    # A block-first layout merges a block's layers into one piece.
-    piece = kv.page * (len(kv.layers) if layout.startswith("B") else 1)
-    small = piece < (32 << 10)
+    # A block-first layout merges a block's layers into one piece. `auto` moves pieces of
+    # 64 KiB and more in blocks of 2 MiB and more by DMA, and stages the rest.
+    block = kv.page * len(kv.layers)
+    piece = block if layout.startswith("B") else kv.page
+    small = piece < (64 << 10) or block < (2 << 20)
     if method == "staged" or (method == "auto" and small):
         assert st["staged_bytes"] > 0 and st["kernel_launches"] > 0, st
     else:
@@ -229,7 +239,7 @@ def test_copies_while_a_large_pool_is_being_registered():
     store = umbp.EmbeddedStore(16 * GIB, prefault=False, num_workers=4)
     t0 = time.perf_counter()
     store.register_cuda_memory(kv.raw.data_ptr(), kv.raw.numel(), 0)
-    lid = store.register_layout(kv.layout())
+    lid = kv.register(store)
     src, dst = pick(kv.blocks, 500, seed=11)
     keys = keys_for("during-registration", src)
     cur = torch.cuda.current_stream().cuda_stream
@@ -280,7 +290,7 @@ def test_registration_errors_are_clear():
     with pytest.raises(umbp.RegistrationError, match="device"):
         s.register_cuda_memory(kv.raw.data_ptr(), kv.raw.numel(), torch.cuda.device_count())
     s.register_cuda_memory(kv.raw.data_ptr(), kv.raw.numel(), 0)
-    lid = s.register_layout(kv.layout())
+    lid = kv.register(s)
     with pytest.raises(umbp.ConfigError):
         s.store(lid, 0, [64], keys_for("x", [64]))
     s.close()

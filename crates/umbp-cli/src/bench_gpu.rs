@@ -62,9 +62,123 @@ pub struct Args {
     /// Also measure registering a pool of this many GiB for DMA (0: skip).
     #[arg(long, default_value_t = 0)]
     pin_gib: u64,
+    /// Piece-size sweep instead of --shapes: 4, 8, 16, 24, 32, 48, 64, 96, 128 and 256 KiB
+    /// pieces in blocks of about 2 MiB (--sweep-block-kib; 2 to 128 layers), each with auto,
+    /// dma and staged, then a table of store / load / both-ways figures against the same run's
+    /// ceiling.
+    #[arg(long)]
+    sweep: bool,
+    /// Piece sizes of the sweep, KiB, comma-separated.
+    #[arg(long, default_value = "4,8,16,24,32,48,64,96,128,256")]
+    sweep_kib: String,
+    /// Methods of the sweep, comma-separated.
+    #[arg(long, default_value = "auto,dma,staged")]
+    sweep_methods: String,
+    /// Block sizes of the sweep, KiB, comma-separated (layers = block / piece, 2 to 128).
+    #[arg(long, default_value = "2048")]
+    sweep_block_kib: String,
+    /// `auto` uses DMA only for pieces averaging at least this many KiB (default: the store's).
+    #[arg(long)]
+    auto_dma_min_piece_kib: Option<u64>,
+    /// `auto` uses DMA only for blocks averaging at least this many KiB (default: the store's).
+    #[arg(long)]
+    auto_dma_min_block_kib: Option<u64>,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
+}
+
+/// The sweep's shape for `piece` bytes and blocks of about `block` bytes (2 to 128 layers).
+fn sweep_shape(piece: u64, block: u64, blocks: u64) -> Shape {
+    let layers = (block / piece).clamp(2, 128);
+    Shape {
+        name: format!("{layers}x{piece}"),
+        layers,
+        piece,
+        num_blocks: (3 * blocks).next_multiple_of(1024),
+    }
+}
+
+fn sweep(
+    a: &Args,
+    dev: &Arc<Device>,
+    host: &mut Pinned,
+    ceil: &Value,
+    traces: &mut Vec<Value>,
+) -> Result<Vec<Value>> {
+    let list = |v: &str, what: &str| -> Result<Vec<u64>> {
+        v.split(',')
+            .map(|s| {
+                s.trim()
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|&k| k > 0)
+                    .with_context(|| format!("{what} takes positive KiB numbers, not {s:?}"))
+            })
+            .collect()
+    };
+    let kibs = list(&a.sweep_kib, "--sweep-kib")?;
+    let block_kibs = list(&a.sweep_block_kib, "--sweep-block-kib")?;
+    let methods: Vec<CopyMethod> = a
+        .sweep_methods
+        .split(',')
+        .map(|s| s.trim().parse::<CopyMethod>().map_err(anyhow::Error::from))
+        .collect::<Result<_>>()?;
+    let mut out = Vec::new();
+    for &block_kib in &block_kibs {
+        for &kib in &kibs {
+            let shape = sweep_shape(kib << 10, block_kib << 10, a.blocks);
+            for &m in &methods {
+                out.push(run_shape(a, dev, &shape, m, host, ceil, traces, false)?);
+            }
+        }
+    }
+    println!();
+    println!(
+        "piece-size sweep: {} random blocks each way; ratios to this run's ceiling \
+         (D2H {:.2}, H2D {:.2}, both {:.2} GB/s); kernel ms per GB moved",
+        a.blocks,
+        ceil["d2h_gbps"].as_f64().unwrap_or(0.0),
+        ceil["h2d_gbps"].as_f64().unwrap_or(0.0),
+        ceil["both_gbps"].as_f64().unwrap_or(0.0)
+    );
+    println!(
+        "{:>6} {:>6} {:>6} {:>7} | {:>6} {:>6} {:>7} {:>6} | {:>8} {:>8} | {:>7}",
+        "piece",
+        "block",
+        "layers",
+        "method",
+        "store",
+        "load",
+        "both",
+        "both",
+        "kern st",
+        "kern ld",
+        "staged"
+    );
+    println!(
+        "{:>6} {:>6} {:>6} {:>7} | {:>6} {:>6} {:>7} {:>6} | {:>8} {:>8} | {:>7}",
+        "KiB", "KiB", "", "", "ratio", "ratio", "GB/s", "ratio", "ms/GB", "ms/GB", "share"
+    );
+    for r in &out {
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        let staged = f("staged_bytes") / (f("staged_bytes") + f("dma_bytes")).max(1.0);
+        println!(
+            "{:>6} {:>6} {:>6} {:>7} | {:>6.3} {:>6.3} {:>7.2} {:>6.3} | {:>8.2} {:>8.2} | {:>6.0}%",
+            r["piece_bytes"].as_u64().unwrap_or(0) >> 10,
+            r["object_bytes"].as_u64().unwrap_or(0) >> 10,
+            r["layers"].as_u64().unwrap_or(0),
+            r["method"].as_str().unwrap_or("?"),
+            f("store_ratio"),
+            f("load_ratio"),
+            f("both_gbps"),
+            f("both_ratio"),
+            f("kernel_ms_per_gb_store"),
+            f("kernel_ms_per_gb_load"),
+            100.0 * staged
+        );
+    }
+    Ok(out)
 }
 
 const GB: f64 = 1e9;
@@ -242,6 +356,7 @@ fn run_shape(
     host: &mut Pinned,
     ceil: &Value,
     trace_out: &mut Vec<Value>,
+    naive: bool,
 ) -> Result<Value> {
     let (layers, piece, nb) = (shape.layers, shape.piece, shape.num_blocks);
     let n = a.blocks;
@@ -301,6 +416,12 @@ fn run_shape(
                 staging_bytes: a.staging_mib.map_or(d.staging_bytes, |m| m << 20),
                 staging_slots: a.staging_slots.unwrap_or(d.staging_slots),
                 batch_blocks: a.batch_blocks.unwrap_or(d.batch_blocks),
+                auto_dma_min_piece: a
+                    .auto_dma_min_piece_kib
+                    .map_or(d.auto_dma_min_piece, |k| k << 10),
+                auto_dma_min_block: a
+                    .auto_dma_min_block_kib
+                    .map_or(d.auto_dma_min_block, |k| k << 10),
                 ..d
             }
         },
@@ -444,7 +565,7 @@ fn run_shape(
     drop(store);
 
     // Naive baseline: one copy call per piece, same blocks, same registered host memory.
-    let mut naive = |load: bool| -> Result<f64> {
+    let mut run_naive = |load: bool| -> Result<f64> {
         let mut best = f64::MAX;
         for _ in 0..2 {
             let t0 = Instant::now();
@@ -468,8 +589,14 @@ fn run_shape(
         }
         Ok(best)
     };
-    let naive_store = total as f64 / naive(false)? / GB;
-    let naive_load = total as f64 / naive(true)? / GB;
+    let (naive_store, naive_load) = if naive {
+        (
+            total as f64 / run_naive(false)? / GB,
+            total as f64 / run_naive(true)? / GB,
+        )
+    } else {
+        (f64::NAN, f64::NAN)
+    };
 
     let store_gbps = total as f64 / best_s / GB;
     let load_gbps = total as f64 / best_l / GB;
@@ -539,7 +666,9 @@ fn run_shape(
         both_ends.0 * 1e3,
         both_ends.1 * 1e3
     );
-    println!("  naive (1 call/piece) {naive_store:>7.2} GB/s store, {naive_load:.2} GB/s load");
+    if naive {
+        println!("  naive (1 call/piece) {naive_store:>7.2} GB/s store, {naive_load:.2} GB/s load");
+    }
     println!(
         "  GPU kernel time      {:.3} ms/GB store, {:.3} ms/GB load, {:.3} ms/GB both at once, on ≤ {} of {} SMs; staging {} MiB; copies 2d {} 3d {} 1d {} batch calls {}",
         kernel_ms_per_gb(k_store),
@@ -798,7 +927,21 @@ pub fn run(a: &Args) -> Result<()> {
         dev.max_pitch,
         drv.has_batch_copy()
     );
-    let max_object = shapes.iter().map(|s| s.layers * s.piece).max().unwrap_or(0);
+    let max_object = shapes
+        .iter()
+        .map(|s| s.layers * s.piece)
+        .max()
+        .unwrap_or(0)
+        .max(if a.sweep {
+            a.sweep_block_kib
+                .split(',')
+                .filter_map(|s| s.trim().parse::<u64>().ok())
+                .max()
+                .unwrap_or(0)
+                << 10
+        } else {
+            0
+        });
     let host_len = (2 * a.blocks * max_object).max(2 << 30) as usize;
     let mut host = Pinned::new(&dev, host_len)?;
     let scratch = dev.alloc(2 << 30)?;
@@ -812,7 +955,12 @@ pub fn run(a: &Args) -> Result<()> {
     );
     let mut results = Vec::new();
     let mut traces = Vec::new();
-    for shape in &shapes {
+    let swept = if a.sweep {
+        sweep(a, &dev, &mut host, &ceil, &mut traces)?
+    } else {
+        Vec::new()
+    };
+    for shape in shapes.iter().filter(|_| !a.sweep) {
         results.push(run_shape(
             a,
             &dev,
@@ -821,6 +969,7 @@ pub fn run(a: &Args) -> Result<()> {
             &mut host,
             &ceil,
             &mut traces,
+            true,
         )?);
         if a.also_dma && method != CopyMethod::Dma {
             results.push(run_shape(
@@ -831,6 +980,7 @@ pub fn run(a: &Args) -> Result<()> {
                 &mut host,
                 &ceil,
                 &mut traces,
+                true,
             )?);
         }
     }
@@ -856,6 +1006,7 @@ pub fn run(a: &Args) -> Result<()> {
                 "copy_engines": dev.copy_engines,
                 "ceiling": ceil,
                 "shapes": results,
+                "sweep": swept,
                 "registration": pin,
             })
         );

@@ -11,8 +11,11 @@
 //!   The kernel runs at HBM speed on at most `max_ctas` thread blocks; its GPU time is measured
 //!   (see [`CudaStats`]).
 //!
-//! `auto` (the default) stages batches whose pieces average under 32 KiB and uses DMA for the
-//! rest. Per direction there is one DMA stream and one kernel stream, created once and reused.
+//! `auto` (the default) uses DMA only for batches whose pieces average at least 64 KiB and whose
+//! blocks average at least 2 MiB, and stages the rest: DMA pays a fixed cost per copy (one 2-D
+//! copy per block) and per row, so smaller pieces or blocks fall below 0.9 of the link, where
+//! the staged path stays at 0.93-0.98 (the piece-size sweep of `umbp bench gpu --sweep`, in
+//! docs/benchmarks.md). Per direction there is one DMA stream and one kernel stream, created once and reused.
 //! A submitter's ordering token is an event recorded on its stream ([`CudaMover::record_after`]);
 //! every copy of the job that reads (store) or writes (load) engine memory waits for it on the
 //! device, so the host never blocks on it. A batch returns once its completion event has been
@@ -40,7 +43,8 @@ const PTX: &str = concat!(include_str!("umbp_copy.ptx"), "\0");
 /// How batches move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyMethod {
-    /// Staged for pieces averaging under [`CudaOptions::auto_threshold`], DMA otherwise.
+    /// DMA for batches whose pieces average at least [`CudaOptions::auto_dma_min_piece`] and
+    /// whose blocks average at least [`CudaOptions::auto_dma_min_block`]; staged otherwise.
     Auto,
     /// DMA only: no GPU compute units.
     Dma,
@@ -89,7 +93,9 @@ pub struct CudaOptions {
     /// Blocks per mover call.
     pub batch_blocks: usize,
     /// `auto` stages batches whose pieces average fewer bytes than this.
-    pub auto_threshold: u64,
+    pub auto_dma_min_piece: u64,
+    /// `auto` stages batches whose blocks average fewer bytes than this.
+    pub auto_dma_min_block: u64,
 }
 
 impl Default for CudaOptions {
@@ -101,7 +107,8 @@ impl Default for CudaOptions {
             max_ctas: 16,
             pin_chunk_bytes: SPLIT_BYTES,
             batch_blocks: 64,
-            auto_threshold: 32 << 10,
+            auto_dma_min_piece: 64 << 10,
+            auto_dma_min_block: 2 << 20,
         }
     }
 }
@@ -640,7 +647,10 @@ impl CudaMover {
                         n += 1;
                     }
                 }
-                if n > 0 && bytes / n < self.opts.auto_threshold {
+                let small_pieces = n > 0 && bytes / n < self.opts.auto_dma_min_piece;
+                let small_blocks = !blocks.is_empty()
+                    && bytes / (blocks.len() as u64) < self.opts.auto_dma_min_block;
+                if small_pieces || small_blocks {
                     CopyMethod::Staged
                 } else {
                     CopyMethod::Dma
