@@ -50,9 +50,7 @@ def test_layout_round_trip_on_the_gpu_is_byte_exact(form, heads, block_size, dty
         head_size=128,
         dtype=dtype,
     )
-    store = umbp.EmbeddedStore(
-        256 << 20, prefault=False, num_workers=2, cuda_copy_method=method
-    )
+    store = umbp.EmbeddedStore(256 << 20, prefault=False, num_workers=2, cuda_copy_method=method)
     try:
         store.register_cuda_memory(
             cache.raw.data_ptr(), cache.raw.numel(), torch.cuda.current_device()

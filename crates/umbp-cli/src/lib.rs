@@ -32,7 +32,7 @@ enum Bench {
     Copy(bench_copy::Args),
     /// CUDA KV cache ↔ pool (needs an NVIDIA GPU), beside the pinned-copy ceiling and a naive
     /// one-copy-per-piece baseline.
-    Gpu(bench_gpu::Args),
+    Gpu(Box<bench_gpu::Args>),
 }
 
 /// Parses `args` (program name first) and runs the command. Returns the exit code.
