@@ -4,7 +4,9 @@
 # tests/gpu/; see docs/benchmarks.md, "GPU"). Results go to $OUT (default ./gpu-out).
 #   scripts/gpu-device-run.sh <folder>
 # BENCH=shapes (default: llama8b, tp8-8k, a 2.2 GiB layer stride, with dma beside), sweep (the
-# piece-size sweep: auto, dma and staged for 4-256 KiB pieces) or none; TESTS=0 skips pytest.
+# piece-size sweep: auto, dma and staged for 4-256 KiB pieces), load (idle rounds, then the same
+# copies beside a bf16 matmul loop that fills every SM, for 8, 32 and 64 KiB pieces) or none;
+# TESTS=0 skips pytest.
 set -u
 C="${1:?folder with umbp, the wheel and tests/}"
 OUT="${OUT:-$PWD/gpu-out}"
@@ -15,6 +17,9 @@ echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
 python3 -m pip install -q --no-deps --no-index --target /tmp/umbp "$C"/umbp-*.whl
 export PYTHONPATH=/tmp/umbp PYTHONUNBUFFERED=1
 chmod +x "$C/umbp"
+# cuBLAS for the matmul load, from PyTorch's NVIDIA wheels.
+NV_LIBS="$(python3 -c 'import glob, os, site; print(":".join(sorted({os.path.dirname(f) for d in site.getsitepackages() for f in glob.glob(os.path.join(d, "nvidia", "**", "lib*.so*"), recursive=True)})))' 2>/dev/null)"
+export LD_LIBRARY_PATH="${NV_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 case "${BENCH:-shapes}" in
   shapes)
     timeout "${BENCH_TIMEOUT:-240}" "$C/umbp" bench gpu \
@@ -26,10 +31,15 @@ case "${BENCH:-shapes}" in
       --sweep-methods "${SWEEP_METHODS:-auto,dma,staged}" --rounds "${ROUNDS:-3}" \
       --json >"$OUT/bench.txt" 2>"$OUT/bench.err"
     ;;
+  load)
+    timeout "${BENCH_TIMEOUT:-420}" "$C/umbp" bench gpu --shapes "${SHAPES:-tp8-8k,28x32768,llama8b}" \
+      --under-load --under-load-methods "${LOAD_METHODS:-auto,dma,staged}" --json \
+      >"$OUT/bench.txt" 2>"$OUT/bench.err"
+    ;;
   none) : >"$OUT/bench.txt" ;;
 esac
 echo "bench rc=$?"
-grep -v '^{' "$OUT/bench.txt" | grep -v "^  \|^shape\|(the store" | tail -40
+grep -v '^{' "$OUT/bench.txt" | tail -60
 grep -E "error|panic|warn" "$OUT/bench.err" | tail -5
 if [ "${TESTS:-1}" = 1 ]; then
   UMBP_GPU_RESULTS="$OUT/gpu_results.json" timeout "${TEST_TIMEOUT:-300}" \

@@ -9,10 +9,11 @@ use rand::{rngs::StdRng, seq::SliceRandom, RngCore, SeedableRng};
 use serde_json::{json, Value};
 use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, LayerSpec, PoolConfig, RankTopology};
 use umbp_cuda::{
-    CopyMethod, CudaOptions, Device, DeviceBuffer, HostRegistration, Stream, TraceSpan,
+    CopyMethod, CudaOptions, Device, DeviceBuffer, Event, HostRegistration, Stream, TraceSpan,
 };
 use umbp_store::{EmbeddedStore, KeyResult, StoreConfig};
 
+use crate::cublas::Matmul;
 use crate::progress;
 
 #[derive(Debug, clap::Args)]
@@ -83,6 +84,23 @@ pub struct Args {
     /// `auto` uses DMA only for blocks averaging at least this many KiB (default: the store's).
     #[arg(long)]
     auto_dma_min_block_kib: Option<u64>,
+    /// After the idle rounds, move the same blocks again while a bf16 matmul loop that fills
+    /// every SM runs on its own stream (the engine's forward pass): copy GB/s during the load
+    /// and the matmul's slowdown against the same loop alone, medians of --load-rounds.
+    #[arg(long)]
+    under_load: bool,
+    /// Methods measured under load, comma-separated.
+    #[arg(long, default_value = "auto,dma,staged")]
+    under_load_methods: String,
+    /// Rounds under load (each: the matmul loop alone, then beside copies).
+    #[arg(long, default_value_t = 5)]
+    load_rounds: usize,
+    /// Matrix size of the matmul load (n × n × n, bf16).
+    #[arg(long, default_value_t = 8192)]
+    matmul_n: usize,
+    /// Milliseconds one matmul loop runs (at least 8 idle copy jobs long).
+    #[arg(long, default_value_t = 300)]
+    load_ms: u64,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -348,18 +366,28 @@ impl Cache {
     }
 }
 
-fn run_shape(
+/// A KV cache on the GPU filled with random bytes, a store with the CUDA memory registered and
+/// its layout, and three disjoint random sets of `--blocks` block ids.
+struct Prepared {
+    cache: Cache,
+    s: Stream,
+    store: EmbeddedStore,
+    layout: u32,
+    kb: KeyBuilder,
+    src_a: Vec<u64>,
+    src_b: Vec<u64>,
+    dst: Vec<u64>,
+    /// Bytes of one set.
+    total: u64,
+}
+
+fn prepare(
     a: &Args,
     dev: &Arc<Device>,
     shape: &Shape,
     method: CopyMethod,
     host: &mut Pinned,
-    ceil: &Value,
-    trace_out: &mut Vec<Value>,
-) -> Result<Value> {
-    // The naive one-copy-per-piece baseline is skipped in the sweep (it is slow for small
-    // pieces and the sweep compares methods, not the baseline).
-    let naive = !a.sweep;
+) -> Result<Prepared> {
     let (layers, piece, nb) = (shape.layers, shape.piece, shape.num_blocks);
     let n = a.blocks;
     ensure!(
@@ -451,6 +479,46 @@ fn run_shape(
     let src_a: Vec<u64> = ids[..n as usize].to_vec();
     let src_b: Vec<u64> = ids[n as usize..2 * n as usize].to_vec();
     let dst: Vec<u64> = ids[2 * n as usize..3 * n as usize].to_vec();
+    Ok(Prepared {
+        cache,
+        s,
+        store,
+        layout,
+        kb,
+        src_a,
+        src_b,
+        dst,
+        total,
+    })
+}
+
+fn run_shape(
+    a: &Args,
+    dev: &Arc<Device>,
+    shape: &Shape,
+    method: CopyMethod,
+    host: &mut Pinned,
+    ceil: &Value,
+    trace_out: &mut Vec<Value>,
+) -> Result<Value> {
+    // The naive one-copy-per-piece baseline is skipped in the sweep (it is slow for small
+    // pieces and the sweep compares methods, not the baseline).
+    let naive = !a.sweep;
+    let (layers, piece) = (shape.layers, shape.piece);
+    let n = a.blocks;
+    let Prepared {
+        cache,
+        s,
+        store,
+        layout,
+        kb,
+        src_a,
+        src_b,
+        dst,
+        total,
+    } = prepare(a, dev, shape, method, host)?;
+    let object = layers * piece;
+    let nb = shape.num_blocks;
     let wait = |job: umbp_copy::JobHandle, what: &str| -> Result<()> {
         check_done(&job.wait(Duration::from_secs(600))?, what)
     };
@@ -811,6 +879,257 @@ fn summarize_trace(shape: &str, method: CopyMethod, spans: &[TraceSpan]) -> Valu
     })
 }
 
+/// The compute load: a matmul loop on its own stream, timed by events.
+struct Load<'a> {
+    mm: &'a Matmul,
+    stream: &'a Stream,
+    per_loop: usize,
+    start: Event,
+    end: Event,
+}
+
+impl Load<'_> {
+    fn queue(&self) -> Result<()> {
+        self.start.record(self.stream)?;
+        self.mm.queue(self.per_loop)?;
+        self.end.record(self.stream)?;
+        Ok(())
+    }
+
+    fn finished(&self) -> Result<bool> {
+        Ok(self.end.query()?)
+    }
+
+    fn ms(&self) -> Result<f64> {
+        self.end.synchronize()?;
+        Ok(f64::from(self.end.elapsed_ms_since(&self.start)?))
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Store,
+    Load,
+    Both,
+}
+
+/// Copy rate and matmul time of one shape and method, with the matmul loop alone and beside
+/// back-to-back jobs of `mode`. Only jobs that finish inside the loop's run count.
+fn under_load_shape(
+    a: &Args,
+    dev: &Arc<Device>,
+    shape: &Shape,
+    method: CopyMethod,
+    host: &mut Pinned,
+    ceil: &Value,
+    load: &Load<'_>,
+) -> Result<Value> {
+    let p = prepare(a, dev, shape, method, host)?;
+    let ka = keys(&p.kb, 1_000_000, &p.src_a);
+    check_done(
+        &p.store
+            .store(p.layout, 0, &p.src_a, ka.clone())?
+            .wait(Duration::from_secs(600))?,
+        "store",
+    )?;
+    let mut out = serde_json::Map::new();
+    out.insert("shape".into(), json!(shape.name));
+    out.insert("piece_bytes".into(), json!(shape.piece));
+    out.insert("object_bytes".into(), json!(shape.piece * shape.layers));
+    out.insert("method".into(), json!(method.to_string()));
+    let mut tag = 2_000_000u32;
+    for (mode, name, ceiling) in [
+        (Mode::Store, "store", "d2h_gbps"),
+        (Mode::Load, "load", "h2d_gbps"),
+        (Mode::Both, "both", "both_gbps"),
+    ] {
+        let (mut alone, mut beside, mut rates) = (Vec::new(), Vec::new(), Vec::new());
+        let k0 = p.store.cuda_status().map_or(0, |(c, _)| c.kernel_ns);
+        let mut moved_all = 0u64;
+        for _ in 0..a.load_rounds {
+            load.queue()?;
+            alone.push(load.ms()?);
+            load.queue()?;
+            let t0 = Instant::now();
+            let (mut moved, mut last) = (0u64, t0);
+            while !load.finished()? {
+                let k = keys(&p.kb, tag, &p.src_b);
+                tag += 1;
+                let bytes = match mode {
+                    Mode::Store => {
+                        let j = p.store.store(p.layout, 0, &p.src_b, k.clone())?;
+                        check_done(&j.wait(Duration::from_secs(600))?, "store under load")?;
+                        p.total
+                    }
+                    Mode::Load => {
+                        let j = p.store.load(p.layout, 0, &p.dst, ka.clone())?;
+                        check_done(&j.wait(Duration::from_secs(600))?, "load under load")?;
+                        p.total
+                    }
+                    Mode::Both => {
+                        let js = p.store.store(p.layout, 0, &p.src_b, k.clone())?;
+                        let jl = p.store.load(p.layout, 0, &p.dst, ka.clone())?;
+                        check_done(&js.wait(Duration::from_secs(600))?, "store under load")?;
+                        check_done(&jl.wait(Duration::from_secs(600))?, "load under load")?;
+                        2 * p.total
+                    }
+                };
+                let done_inside = !load.finished()?;
+                if mode != Mode::Load {
+                    for key in &k {
+                        p.store.pool().remove(key);
+                    }
+                }
+                if !done_inside {
+                    break;
+                }
+                moved += bytes;
+                last = Instant::now();
+            }
+            beside.push(load.ms()?);
+            moved_all += moved;
+            let secs = last.duration_since(t0).as_secs_f64();
+            ensure!(
+                moved > 0,
+                "shape {}: no copy job finished inside one {:.0} ms matmul loop; raise --load-ms",
+                shape.name,
+                load.ms()?
+            );
+            rates.push(moved as f64 / secs / GB);
+        }
+        let kernel_ns = p.store.cuda_status().map_or(0, |(c, _)| c.kernel_ns) - k0;
+        let (am, bm) = (median(&alone), median(&beside));
+        let noise = alone
+            .iter()
+            .map(|x| (x / am - 1.0).abs())
+            .fold(0.0, f64::max);
+        let gbps = median(&rates);
+        let c = ceil[ceiling].as_f64().unwrap_or(f64::NAN);
+        out.insert(
+            name.into(),
+            json!({
+                "gbps": gbps,
+                "ratio_to_idle_ceiling": gbps / c,
+                "matmul_ms_alone": am,
+                "matmul_ms_beside": bm,
+                "slowdown_pct": 100.0 * (bm / am - 1.0),
+                "noise_pct": 100.0 * noise,
+                "alone_ms": alone,
+                "beside_ms": beside,
+                "gbps_rounds": rates,
+                "kernel_ms_per_gb": kernel_ns as f64 / 1e6 / (moved_all as f64 / GB).max(1e-9),
+            }),
+        );
+    }
+    p.store.close();
+    let v = Value::Object(out);
+    let f = |m: &str, k: &str| v[m][k].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "{} [{method}] under a full-GPU matmul: store {:.2} GB/s ({:.3}), load {:.2} ({:.3}), both {:.2} ({:.3}); matmul slowdown {:+.2} / {:+.2} / {:+.2} % (noise ±{:.2} %)",
+        shape.name,
+        f("store", "gbps"),
+        f("store", "ratio_to_idle_ceiling"),
+        f("load", "gbps"),
+        f("load", "ratio_to_idle_ceiling"),
+        f("both", "gbps"),
+        f("both", "ratio_to_idle_ceiling"),
+        f("store", "slowdown_pct"),
+        f("load", "slowdown_pct"),
+        f("both", "slowdown_pct"),
+        f("store", "noise_pct")
+            .max(f("load", "noise_pct"))
+            .max(f("both", "noise_pct")),
+    );
+    Ok(v)
+}
+
+/// Every `--shapes` shape and `--under-load-methods` method under the matmul load.
+fn under_load(
+    a: &Args,
+    dev: &Arc<Device>,
+    shapes: &[Shape],
+    host: &mut Pinned,
+    ceil: &Value,
+) -> Result<Value> {
+    let methods: Vec<CopyMethod> = a
+        .under_load_methods
+        .split(',')
+        .map(|s| s.trim().parse::<CopyMethod>().map_err(anyhow::Error::from))
+        .collect::<Result<_>>()?;
+    let stream = dev.stream()?;
+    let (mm, lib) = Matmul::new(dev, &stream, a.matmul_n)?;
+    // Calibrate: how many matmuls fill --load-ms.
+    let (t0, t1) = (dev.event(true)?, dev.event(true)?);
+    mm.queue(3)?;
+    t0.record(&stream)?;
+    mm.queue(10)?;
+    t1.record(&stream)?;
+    t1.synchronize()?;
+    let one_ms = f64::from(t1.elapsed_ms_since(&t0)?) / 10.0;
+    let per_loop = ((a.load_ms as f64 / one_ms).ceil() as usize).max(1);
+    let tflops = mm.flops() / (one_ms / 1e3) / 1e12;
+    progress!(
+        "compute load: {n}×{n}×{n} bf16 matmuls through {lib}, {one_ms:.3} ms each ({tflops:.0} TFLOP/s), {per_loop} per loop ({:.0} ms)",
+        per_loop as f64 * one_ms,
+        n = a.matmul_n
+    );
+    let load = Load {
+        mm: &mm,
+        stream: &stream,
+        per_loop,
+        start: dev.event(true)?,
+        end: dev.event(true)?,
+    };
+    let mut rows = Vec::new();
+    for shape in shapes {
+        for &m in &methods {
+            rows.push(under_load_shape(a, dev, shape, m, host, ceil, &load)?);
+        }
+    }
+    println!();
+    println!(
+        "under load ({n}³ bf16 matmul loop, {tflops:.0} TFLOP/s alone; medians of {} rounds): copy GB/s (ratio to the idle ceiling) | matmul slowdown %",
+        a.load_rounds,
+        n = a.matmul_n
+    );
+    println!(
+        "{:>14} {:>7} | {:>15} {:>15} {:>15} | {:>7} {:>7} {:>7} {:>7}",
+        "shape", "method", "store", "load", "both", "st %", "ld %", "both %", "noise"
+    );
+    for r in &rows {
+        let f = |m: &str, k: &str| r[m][k].as_f64().unwrap_or(f64::NAN);
+        let cell = |m: &str| format!("{:.1} ({:.3})", f(m, "gbps"), f(m, "ratio_to_idle_ceiling"));
+        println!(
+            "{:>14} {:>7} | {:>15} {:>15} {:>15} | {:>+7.2} {:>+7.2} {:>+7.2} {:>6.2}%",
+            r["shape"].as_str().unwrap_or("?"),
+            r["method"].as_str().unwrap_or("?"),
+            cell("store"),
+            cell("load"),
+            cell("both"),
+            f("store", "slowdown_pct"),
+            f("load", "slowdown_pct"),
+            f("both", "slowdown_pct"),
+            f("store", "noise_pct")
+                .max(f("load", "noise_pct"))
+                .max(f("both", "noise_pct")),
+        );
+    }
+    Ok(json!({
+        "matmul_n": a.matmul_n,
+        "matmul_ms": one_ms,
+        "matmul_tflops": tflops,
+        "matmuls_per_loop": per_loop,
+        "rounds": a.load_rounds,
+        "rows": rows,
+    }))
+}
+
 /// Registration of a large pool: construction time, a round trip while registration runs, and
 /// seconds per GiB.
 fn pin_test(a: &Args, dev: &Arc<Device>, prefault: bool) -> Result<Value> {
@@ -984,6 +1303,11 @@ pub fn run(a: &Args) -> Result<()> {
             )?);
         }
     }
+    let loaded = if a.under_load {
+        Some(under_load(a, &dev, &shapes, &mut host, &ceil)?)
+    } else {
+        None
+    };
     drop(host);
     if let Some(path) = &a.trace {
         std::fs::write(path, serde_json::to_vec_pretty(&traces)?)
@@ -1007,6 +1331,7 @@ pub fn run(a: &Args) -> Result<()> {
                 "ceiling": ceil,
                 "shapes": results,
                 "sweep": swept,
+                "under_load": loaded,
                 "registration": pin,
             })
         );

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod bench_copy;
 mod bench_gpu;
 mod bench_pool;
+mod cublas;
 
 /// UMBP: a host-DRAM KV-cache offload store.
 #[derive(Debug, Parser)]
