@@ -32,6 +32,19 @@ def model(tmp_path_factory) -> str:
     return build(str(tmp_path_factory.mktemp("model") / "tiny-llama"))
 
 
+SLIDING_WINDOW = 256  # tokens: two blocks, far shorter than the test prompts
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(tmp_path_factory) -> str:
+    """The tiny Llama with sliding-window attention in even layers and full attention in odd
+    ones: vLLM's hybrid allocator gives it two KV cache groups."""
+    from umbp.demo.tiny_model import build
+
+    out = tmp_path_factory.mktemp("model") / "tiny-llama-swa"
+    return build(str(out), sliding_window=SLIDING_WINDOW)
+
+
 def prompts(n: int, length: int = 1100, shared: int = 600, seed: int = 0) -> list[str]:
     """`n` prompts of `length` byte-tokens sharing their first `shared` characters."""
     rng = random.Random(seed)

@@ -331,3 +331,43 @@ def test_data_parallel_2_engines_get_distinct_sockets_and_both_restore(model, tm
                 break
             time.sleep(1)
         log.close()
+
+
+def test_hybrid_model_two_groups_restore_and_outputs_stay_identical(hybrid_model, tmp_path):
+    """A model with sliding-window and full-attention layers (two KV cache groups, vLLM's
+    hybrid allocator): prompts far longer than the window are stored in both groups, restored
+    from UMBP after vLLM's prefix cache is reset, and give the outputs of a run without UMBP."""
+    p1, p2 = prompts(2, seed=8)  # p2 shares p1's first 600 tokens (4 blocks)
+    p1_longer = p1 + prompts(1, length=300, shared=0, seed=9)[0]  # p1's 8 blocks, then 2 more
+    ps = [p1, p1_longer, p2]
+    base = run_engine({"model": hybrid_model, "connector": None, "steps": [{"generate": ps}]})
+    ns = "hybrid"
+    stored, counted = tmp_path / "stored", tmp_path / "counted"
+    proc = run_engine(
+        {
+            "model": hybrid_model,
+            "connector": connector(tmp_path, key_namespace=ns),
+            "steps": [
+                {"generate": ps},
+                {"signal": str(stored)},
+                {"wait_for": str(counted)},
+                {"reset": False},  # vLLM's own prefix cache only
+                {"generate": ps[::-1]},
+            ],
+        },
+        background=True,
+    )
+    wait_for(stored)
+    objects = int(describe(tmp_path, ns)[0]["objects"])
+    counted.write_text("go")
+    r = finish(proc)
+    first, restored = r["steps"][0], r["steps"][4][::-1]
+    expected = [o["tokens"] for o in base["steps"][0]]
+    assert [o["tokens"] for o in first] == expected
+    assert [o["tokens"] for o in restored] == expected
+    # Every full prompt block of every prompt (8 + 2 + 4 distinct), once per group. p1_longer
+    # starts with vLLM's own hit on p1, where the sliding-window group's blocks outside the
+    # window are null blocks: its own two blocks must still be stored in that group.
+    assert objects == 2 * 14, objects
+    for o in restored:
+        assert o["cached"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK, restored

@@ -363,6 +363,39 @@ def test_only_prefix_cacheable_groups_are_stored(model_config, tmp_path):
         e.close()
 
 
+def test_sliding_window_blocks_after_a_local_hit_are_stored(model_config, tmp_path):
+    """vLLM's own prefix hit gives a sliding-window group null blocks outside the window; the
+    group's real blocks of the same request must still be stored (they were all skipped)."""
+    vc = vllm_config(model_config, tmp_path)
+    e = Engine(vc, kv_config((["full.0"], full()), (["swa.0"], sliding())))
+    try:
+        req = e.request("r4", blocks=4, seed=3)
+        assert matched(e, req, computed=3 * BS)[0] == 0
+        so = SchedulerOutput.make_empty()
+        # A local hit of 3 blocks; the window (2 blocks) leaves the first one null.
+        new = _new_req(req, ([1, 2, 3, 4, 5], [0, 6, 7, 8, 9]))
+        new.num_computed_tokens = 3 * BS
+        so.scheduled_new_reqs = [new]
+        so.num_scheduled_tokens = {req.request_id: req.num_tokens - 3 * BS}
+        meta = e.sched.build_connector_meta(so)
+        assert sorted((t.group, tuple(t.block_ids)) for t in meta.stores) == [
+            (0, (1, 2, 3, 4)),
+            (1, (6, 7, 8)),
+        ]
+        e.worker.bind_connector_metadata(meta)
+        e.worker.wait_for_save()
+        w = e.worker._worker
+        for job in w.stores.values():
+            statuses = job.wait(5000)
+            assert statuses and set(statuses) == {"done"}, statuses
+        hashes = list(req.block_hashes)
+        assert w.store.exists(w.keys.keys(1, hashes)) == [False, True, True, True]
+        # A later request with one local block finds the other three in both groups.
+        assert matched(e, e.request("r5", blocks=4, seed=3), computed=BS) == (3 * BS, True)
+    finally:
+        e.close()
+
+
 def _new_req(req: Request, block_ids):
     from vllm.v1.core.sched.output import NewRequestData
 

@@ -5,6 +5,10 @@ the weights are random, seeded, so every build with the same arguments is identi
 outputs of such a model are deterministic, which is what the tests and the demo compare.
 
     python -m umbp.demo.tiny_model OUT_DIR [--layers 4] [--hidden 128] [--seed 0]
+        [--sliding-window TOKENS]
+
+With a sliding window, even layers use sliding-window attention and odd layers full attention
+(Llama's `layer_types`), so vLLM's hybrid allocator gives the model two KV cache groups.
 """
 
 from __future__ import annotations
@@ -36,13 +40,20 @@ def _tokenizer(max_len: int):
 
 
 def build(
-    out_dir: str, layers: int = 4, hidden: int = 128, seed: int = 0, max_len: int = 8192
+    out_dir: str,
+    layers: int = 4,
+    hidden: int = 128,
+    seed: int = 0,
+    max_len: int = 8192,
+    sliding_window: int | None = None,
 ) -> str:
     """Writes the model to `out_dir` (skipped when an identical build is already there)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     stamp = {"layers": layers, "hidden": hidden, "seed": seed, "max_len": max_len, "v": 1}
+    if sliding_window is not None:
+        stamp["sliding_window"] = sliding_window
     stamp_path = os.path.join(out_dir, "umbp-build.json")
     if os.path.exists(stamp_path):
         with open(stamp_path) as f:
@@ -80,6 +91,11 @@ def build(
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["torch_dtype"] = "bfloat16"
+    if sliding_window is not None:  # read by vLLM's Llama; the weights do not depend on it
+        cfg["sliding_window"] = sliding_window
+        cfg["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ]
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
     with open(stamp_path, "w") as f:
@@ -94,8 +110,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--sliding-window", type=int, default=None)
     a = ap.parse_args()
-    print(build(a.out, a.layers, a.hidden, a.seed, a.max_len))
+    print(build(a.out, a.layers, a.hidden, a.seed, a.max_len, a.sliding_window))
 
 
 if __name__ == "__main__":

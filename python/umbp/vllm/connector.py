@@ -506,10 +506,19 @@ class _SchedulerSide:
                 if g >= len(state.block_ids):
                     continue
                 block_ids = state.block_ids[g][first:full]
-                if len(block_ids) != full - first or any(b == 0 for b in block_ids):
-                    continue  # blocks of this group are not all materialised (null blocks)
+                if len(block_ids) != full - first:
+                    continue  # this group's blocks are not all allocated
+                # Null blocks (block 0: sliding-window blocks outside the window, e.g. those
+                # of vLLM's own prefix hit) hold nothing; the group's other blocks are stored.
+                keep = [i for i, b in enumerate(block_ids) if b != 0]
+                if not keep:
+                    continue
                 self._add_store(
-                    meta, g, [self.block_pool.blocks[b] for b in block_ids], hashes, rid
+                    meta,
+                    g,
+                    [self.block_pool.blocks[block_ids[i]] for i in keep],
+                    [hashes[i] for i in keep],
+                    rid,
                 )
         return meta
 
