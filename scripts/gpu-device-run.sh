@@ -33,7 +33,7 @@ case "${BENCH:-shapes}" in
     ;;
   load)
     timeout "${BENCH_TIMEOUT:-420}" "$C/umbp" bench gpu --shapes "${SHAPES:-tp8-8k,28x32768,llama8b}" \
-      --under-load --under-load-methods "${LOAD_METHODS:-auto,dma,staged}" --json \
+      --under-load --under-load-methods "${LOAD_METHODS:-auto,dma,staged}" --load-rounds "${LOAD_ROUNDS:-5}" --json \
       >"$OUT/bench.txt" 2>"$OUT/bench.err"
     ;;
   none) : >"$OUT/bench.txt" ;;

@@ -433,3 +433,38 @@ def test_compute_slowdown_beside_transfers():
     print(json.dumps(out, indent=1))
     assert out["64KiB_auto_dma"]["kernel_ms_per_gb"] == 0.0
     assert out["8KiB_auto_staged"]["kernel_ms_per_gb"] > 0.0
+
+
+def test_auto_sends_small_pieces_by_dma_while_compute_fills_the_gpu():
+    """While a bf16 matmul loop holds every SM, the staging kernels wait for SMs and `auto`
+    sends small pieces by DMA (cuda_stats shows the switch); once the GPU is idle again, its
+    probes find the kernels fast and small pieces are staged again. Every byte is checked."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    kv = VllmKv("LBNHC", layers=32, blocks=2400, heads=1)  # 8 KiB pieces: staged when idle
+    store, lid = make_store(kv, "auto")
+    src, dst = pick(kv.blocks, 500, seed=21)
+    keys = keys_for("switch", src)
+    assert store.store(lid, 0, src, keys).wait() == ["done"] * 500
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(400):  # about half a second of matmuls
+            a @ b
+    done = torch.cuda.Event()
+    done.record(side)
+    during = []
+    while not done.query():
+        assert store.load(lid, 0, dst, keys).wait() == ["done"] * 500
+        during.append(store.cuda_stats()["small_pieces_by_dma"][1])
+    torch.cuda.synchronize()
+    st = store.cuda_stats()
+    assert st["auto_switches"] >= 1 and any(during), (during, st)
+    assert torch.equal(kv.block_bytes(src), kv.block_bytes(dst))
+    # Idle again: the probes (one call in eight) bring small pieces back to staging.
+    for _ in range(12):
+        assert store.load(lid, 0, dst, keys).wait() == ["done"] * 500
+        if not store.cuda_stats()["small_pieces_by_dma"][1]:
+            break
+    assert not store.cuda_stats()["small_pieces_by_dma"][1], store.cuda_stats()
+    RESULTS["auto_switch"] = {"loads_during_matmuls": len(during), **store.cuda_stats()}
+    store.close()

@@ -1027,11 +1027,21 @@ fn under_load_shape(
             }),
         );
     }
+    let st = p.store.cuda_status().map(|(c, _)| c);
+    out.insert(
+        "auto_switches".into(),
+        json!(st.as_ref().map_or(0, |c| c.auto_switches)),
+    );
+    out.insert(
+        "staged_share".into(),
+        json!(st.as_ref().map_or(0.0, |c| c.staged_bytes as f64
+            / (c.staged_bytes + c.dma_bytes).max(1) as f64)),
+    );
     p.store.close();
     let v = Value::Object(out);
     let f = |m: &str, k: &str| v[m][k].as_f64().unwrap_or(f64::NAN);
     println!(
-        "{} [{method}] under a full-GPU matmul: store {:.2} GB/s ({:.3}), load {:.2} ({:.3}), both {:.2} ({:.3}); matmul slowdown {:+.2} / {:+.2} / {:+.2} % (noise ±{:.2} %)",
+        "{} [{method}] under a full-GPU matmul: store {:.2} GB/s ({:.3}), load {:.2} ({:.3}), both {:.2} ({:.3}); matmul slowdown {:+.2} / {:+.2} / {:+.2} % (noise ±{:.2} %); staged share {:.0} %, auto switches {}",
         shape.name,
         f("store", "gbps"),
         f("store", "ratio_to_idle_ceiling"),
@@ -1045,6 +1055,8 @@ fn under_load_shape(
         f("store", "noise_pct")
             .max(f("load", "noise_pct"))
             .max(f("both", "noise_pct")),
+        100.0 * v["staged_share"].as_f64().unwrap_or(0.0),
+        v["auto_switches"].as_u64().unwrap_or(0),
     );
     Ok(v)
 }

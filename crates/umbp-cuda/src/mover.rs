@@ -15,7 +15,9 @@
 //! blocks average at least 2 MiB, and stages the rest: DMA pays a fixed cost per copy (one 2-D
 //! copy per block) and per row, so smaller pieces or blocks fall below 0.9 of the link, where
 //! the staged path stays at 0.93-0.98 (the piece-size sweep of `umbp bench gpu --sweep`, in
-//! docs/benchmarks.md). Per direction there is one DMA stream and one kernel stream, created once and reused.
+//! docs/benchmarks.md). While compute kernels fill every SM the staging kernels wait for SMs;
+//! `auto` watches their GPU time per GB and sends small pieces by DMA while they are slower than
+//! DMA would be (see [`StagedHealth`]). Per direction there is one DMA stream and one kernel stream, created once and reused.
 //! A submitter's ordering token is an event recorded on its stream ([`CudaMover::record_after`]);
 //! every copy of the job that reads (store) or writes (load) engine memory waits for it on the
 //! device, so the host never blocks on it. A batch returns once its completion event has been
@@ -104,7 +106,7 @@ impl Default for CudaOptions {
             method: CopyMethod::Auto,
             staging_bytes: 64 << 20,
             staging_slots: 4,
-            max_ctas: 16,
+            max_ctas: 132,
             pin_chunk_bytes: SPLIT_BYTES,
             batch_blocks: 64,
             auto_dma_min_piece: 64 << 10,
@@ -181,6 +183,11 @@ pub struct CudaStats {
     pub max_ctas: u32,
     /// The device's multiprocessors.
     pub sm_count: u32,
+    /// Times `auto` switched small pieces between staged and DMA because the staging kernels
+    /// waited for SMs (or no longer did).
+    pub auto_switches: u64,
+    /// Whether `auto` sends small pieces of stores and of loads by DMA right now.
+    pub small_pieces_by_dma: [bool; 2],
 }
 
 /// One step of a traced copy (see [`CudaMover::start_trace`]). Device steps are timed with
@@ -304,6 +311,13 @@ enum Dir {
 }
 
 impl Dir {
+    fn index(self) -> usize {
+        match self {
+            Dir::Store => 0,
+            Dir::Load => 1,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Dir::Store => "store",
@@ -330,6 +344,47 @@ pub struct CudaMover {
     counters: Counters,
     tracing: std::sync::atomic::AtomicBool,
     tracer: Mutex<Option<Tracer>>,
+    /// `auto`'s view of the staging kernels, per direction (store, load).
+    staged_health: [StagedHealth; 2],
+}
+
+/// How long the staging kernels of one direction take per GB (GPU time from the moment their
+/// stream reaches them, so the wait for free SMs is included) and whether `auto` therefore
+/// sends small pieces by DMA for now. When compute kernels fill every SM, staging kernels
+/// start only as SMs free up: they then move less than DMA does (measured on the H200 beside
+/// a full-GPU bf16 matmul: 20-31 GB/s staged, 34-40 GB/s by DMA for 8 and 32 KiB pieces).
+#[derive(Debug, Default)]
+struct StagedHealth {
+    /// Recent kernel milliseconds per GB (an exponential average, as f64 bits; 0: none yet).
+    ms_per_gb: AtomicU64,
+    /// Small pieces go by DMA (set above [`STAGED_SLOW_MS_PER_GB`], cleared below
+    /// [`STAGED_FAST_MS_PER_GB`]).
+    by_dma: std::sync::atomic::AtomicBool,
+    /// Calls decided while `by_dma`: every [`STAGED_PROBE_EVERY`]-th is staged anyway, to notice
+    /// when SMs are free again.
+    calls: AtomicU64,
+    /// Times `auto` switched between the two.
+    switches: AtomicU64,
+}
+
+/// Above this many kernel milliseconds per GB the staging kernels alone move less than 40 GB/s,
+/// about what DMA moves for small pieces while compute fills the GPU: `auto` switches small
+/// pieces to DMA.
+const STAGED_SLOW_MS_PER_GB: f64 = 25.0;
+/// Below this (the kernels no longer limit the copy: idle they take 2-8 ms per GB) `auto`
+/// stages small pieces again.
+const STAGED_FAST_MS_PER_GB: f64 = 15.0;
+/// While small pieces go by DMA, one call in this many is staged to measure the kernels again.
+const STAGED_PROBE_EVERY: u64 = 8;
+
+/// Whether `auto` should send small pieces by DMA, given whether it does now and the staging
+/// kernels' recent milliseconds per GB (with hysteresis between the two thresholds).
+fn small_pieces_by_dma(now: bool, ms_per_gb: f64) -> bool {
+    if now {
+        ms_per_gb >= STAGED_FAST_MS_PER_GB
+    } else {
+        ms_per_gb > STAGED_SLOW_MS_PER_GB
+    }
 }
 
 impl CudaMover {
@@ -442,6 +497,7 @@ impl CudaMover {
             counters: Counters::default(),
             tracing: std::sync::atomic::AtomicBool::new(false),
             tracer: Mutex::new(None),
+            staged_health: Default::default(),
         })
     }
 
@@ -493,6 +549,15 @@ impl CudaMover {
             },
             max_ctas: self.opts.max_ctas,
             sm_count: self.dev.sm_count,
+            auto_switches: self
+                .staged_health
+                .iter()
+                .map(|h| h.switches.load(Ordering::Relaxed))
+                .sum(),
+            small_pieces_by_dma: [
+                self.staged_health[0].by_dma.load(Ordering::Relaxed),
+                self.staged_health[1].by_dma.load(Ordering::Relaxed),
+            ],
         }
     }
 
@@ -632,7 +697,7 @@ impl CudaMover {
         self.tokens.lock().get(&after).map(Event::raw)
     }
 
-    fn choose(&self, blocks: &[BlockCopy<'_>]) -> CopyMethod {
+    fn choose(&self, dir: Dir, blocks: &[BlockCopy<'_>]) -> CopyMethod {
         if self.kernels.is_none() {
             return CopyMethod::Dma;
         }
@@ -650,10 +715,19 @@ impl CudaMover {
                 let small_pieces = n > 0 && bytes / n < self.opts.auto_dma_min_piece;
                 let small_blocks = !blocks.is_empty()
                     && bytes / (blocks.len() as u64) < self.opts.auto_dma_min_block;
-                if small_pieces || small_blocks {
-                    CopyMethod::Staged
-                } else {
+                if !(small_pieces || small_blocks) {
+                    return CopyMethod::Dma;
+                }
+                let h = &self.staged_health[dir.index()];
+                if h.by_dma.load(Ordering::Relaxed)
+                    && !h
+                        .calls
+                        .fetch_add(1, Ordering::Relaxed)
+                        .is_multiple_of(STAGED_PROBE_EVERY)
+                {
                     CopyMethod::Dma
+                } else {
+                    CopyMethod::Staged
                 }
             }
         }
@@ -707,7 +781,7 @@ impl CudaMover {
         };
         let (base, g) = (pin.base, pin.chunk);
         let mut timings = Vec::new();
-        let slices = match self.choose(blocks) {
+        let slices = match self.choose(dir, blocks) {
             CopyMethod::Dma => None,
             _ => plan::staged(blocks, self.slot_bytes, MAX_DESCS, base, g),
         };
@@ -734,6 +808,7 @@ impl CudaMover {
     fn account(&self, dir: Dir, timings: Vec<Timed>, call_start: std::time::Instant) {
         let mut ns = 0u64;
         let mut total = 0u64;
+        let mut kernel_bytes = 0u64;
         // The tracer is locked only while a trace runs (this is on every call's path).
         let mut tracer = self
             .tracing
@@ -743,6 +818,7 @@ impl CudaMover {
             if t.step == "kernel" {
                 if let Ok(ms) = t.t1.elapsed_ms_since(&t.t0) {
                     ns += (f64::from(ms) * 1e6) as u64;
+                    kernel_bytes += t.bytes;
                 }
             } else {
                 total += t.bytes;
@@ -767,8 +843,39 @@ impl CudaMover {
         let traced = tracer.is_some();
         drop(tracer);
         self.counters.kernel_ns.fetch_add(ns, Ordering::Relaxed);
+        if kernel_bytes > 0 {
+            self.note_kernels(dir, ns as f64 / 1e6 / (kernel_bytes as f64 / 1e9));
+        }
         if traced {
             self.trace_host(dir, "call", total, call_start);
+        }
+    }
+
+    /// Folds one staged call's kernel time per GB into `auto`'s view and switches small pieces
+    /// between staged and DMA when the kernels have become slow or fast again.
+    fn note_kernels(&self, dir: Dir, ms_per_gb: f64) {
+        let h = &self.staged_health[dir.index()];
+        let old = f64::from_bits(h.ms_per_gb.load(Ordering::Relaxed));
+        let avg = if old > 0.0 {
+            0.5 * old + 0.5 * ms_per_gb
+        } else {
+            ms_per_gb
+        };
+        h.ms_per_gb.store(avg.to_bits(), Ordering::Relaxed);
+        if self.opts.method != CopyMethod::Auto {
+            return;
+        }
+        let by_dma = h.by_dma.load(Ordering::Relaxed);
+        let want = small_pieces_by_dma(by_dma, avg);
+        if want != by_dma {
+            h.by_dma.store(want, Ordering::Relaxed);
+            h.switches.fetch_add(1, Ordering::Relaxed);
+            log::debug!(
+                "umbp: {} staging kernels take {avg:.1} ms per GB (SMs are {}): small pieces go {}",
+                dir.name(),
+                if want { "busy" } else { "free again" },
+                if want { "by DMA" } else { "staged" }
+            );
         }
     }
 
@@ -1338,6 +1445,18 @@ impl Mover for CudaMover {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_switches_small_pieces_with_hysteresis() {
+        // Idle kernels (2-8 ms per GB, measured) stay staged; kernels waiting for SMs beside
+        // a full-GPU matmul (40-160 ms per GB) switch to DMA; back only once clearly fast.
+        assert!(!small_pieces_by_dma(false, 2.0));
+        assert!(!small_pieces_by_dma(false, 8.0));
+        assert!(!small_pieces_by_dma(false, 24.0));
+        assert!(small_pieces_by_dma(false, 40.0));
+        assert!(small_pieces_by_dma(true, 20.0));
+        assert!(!small_pieces_by_dma(true, 10.0));
+    }
 
     #[test]
     fn options_are_validated_without_cuda() {

@@ -712,6 +712,8 @@ impl EmbeddedStore {
         d.set_item("staging_device_bytes", s.staging_device_bytes)?;
         d.set_item("max_ctas", s.max_ctas)?;
         d.set_item("sm_count", s.sm_count)?;
+        d.set_item("auto_switches", s.auto_switches)?;
+        d.set_item("small_pieces_by_dma", s.small_pieces_by_dma.to_vec())?;
         d.set_item("pool_registered_bytes", p.registered_bytes)?;
         d.set_item("pool_bytes", p.total_bytes)?;
         d.set_item("pool_registration_done", p.done)?;
