@@ -63,7 +63,7 @@ class EmbeddedStore:
         timeout_ms: int = 30000,
         cuda_copy_method: Literal["auto", "dma", "staged"] = "auto",
         cuda_staging_bytes: int | None = None,  # 64 MiB per direction
-        cuda_max_ctas: int | None = None,  # 16
+        cuda_max_ctas: int | None = None,  # 132
         cuda_pin_chunk_bytes: int | None = None,  # 64 MiB
         cuda_batch_blocks: int | None = None,  # 64
     ) -> None: ...
