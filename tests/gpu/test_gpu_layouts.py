@@ -55,7 +55,8 @@ def test_layout_round_trip_on_the_gpu_is_byte_exact(form, heads, block_size, dty
         store.register_cuda_memory(
             cache.raw.data_ptr(), cache.raw.numel(), torch.cuda.current_device()
         )
-        summary = kv_matrix.round_trip(store, cache, seed=hash(form) % 1000)
+        # A seed that is the same in every run (str hashes are randomised per process).
+        summary = kv_matrix.round_trip(store, cache, seed=sum(map(ord, form)))
         assert summary["object_bytes"] == 8 * cache.page
     finally:
         store.close()
