@@ -17,8 +17,13 @@ use thiserror::Error;
 
 pub(crate) const REQ_MAGIC: [u8; 4] = *b"UMBL";
 pub(crate) const REP_MAGIC: [u8; 4] = *b"UMBR";
-/// Largest body accepted (64 MiB: two million 32-byte hashes).
-pub(crate) const MAX_BODY: usize = 64 << 20;
+/// Most hashes in one request (a 4M-token prompt at block size 16). A request is answered
+/// in chunks, so a worker's memory for one request stays small whatever its size.
+pub(crate) const MAX_KEYS: usize = 1 << 18;
+/// Largest hash, in bytes.
+pub(crate) const MAX_HASH_LEN: usize = 32;
+/// Largest body accepted (8 MiB and the 8-byte hash header: [`MAX_KEYS`] 32-byte hashes).
+pub(crate) const MAX_BODY: usize = 8 + MAX_KEYS * MAX_HASH_LEN;
 
 /// Operations of the lookup protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,6 +90,9 @@ pub enum LookupError {
     /// Another live process already serves this socket.
     #[error("lookup socket {0} is already served by a live process: another engine uses the same model/namespace, lookup_instance, data-parallel rank and worker rank on this host; give it a different lookup_instance")]
     InUse(String),
+    /// Something other than a socket is at the socket path; it is left alone.
+    #[error("{0} exists and is not a socket; it was left alone: remove it, or set lookup_dir to another directory")]
+    NotASocket(String),
     /// The worker did not answer in time.
     #[error("lookup socket {path}: no answer within {ms} ms")]
     Timeout {
@@ -129,22 +137,30 @@ pub(crate) fn finish_frame(
     if got < 12 {
         read_full(r, &mut h[got..], false)?;
     }
-    if h[..4] != magic {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "bad magic",
-        ));
-    }
-    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
-    if len > MAX_BODY {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes exceeds the {MAX_BODY}-byte limit"),
-        ));
-    }
+    let (_, len) = parse_header(&h, magic, MAX_BODY)
+        .map_err(|m| std::io::Error::new(std::io::ErrorKind::InvalidData, m))?;
     let mut body = vec![0u8; len];
     read_full(r, &mut body, false)?;
     Ok((h[4], body))
+}
+
+/// Decodes a frame header into `(code, body length)`; a wrong magic or a body longer than
+/// `max_body` is an error.
+pub(crate) fn parse_header(
+    h: &[u8; 12],
+    magic: [u8; 4],
+    max_body: usize,
+) -> Result<(u8, usize), String> {
+    if h[..4] != magic {
+        return Err("bad magic".into());
+    }
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if len > max_body {
+        return Err(format!(
+            "frame of {len} bytes exceeds the {max_body}-byte limit"
+        ));
+    }
+    Ok((h[4], len))
 }
 
 /// Fills `buf`. Returns false on end of stream before the first byte of a frame start.
@@ -227,7 +243,7 @@ pub(crate) fn parse_hashes_body(body: &[u8]) -> Result<(u32, usize, &[u8]), Stri
     let group = u32::from_le_bytes(body[0..4].try_into().expect("4 bytes"));
     let hash_len = u32::from_le_bytes(body[4..8].try_into().expect("4 bytes")) as usize;
     let packed = &body[8..];
-    if hash_len == 0 || hash_len > 32 || !packed.len().is_multiple_of(hash_len) {
+    if hash_len == 0 || hash_len > MAX_HASH_LEN || !packed.len().is_multiple_of(hash_len) {
         return Err(format!(
             "{} hash bytes are not a whole number of {hash_len}-byte hashes (1..=32)",
             packed.len()
