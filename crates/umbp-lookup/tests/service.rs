@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,8 @@ use umbp_lookup::{socket_path, LookupClient, LookupError, LookupServer, LookupTa
 struct Worker {
     held: Mutex<HashSet<Vec<u8>>>,
     stall_ms: AtomicU64,
+    /// `Ping` answers this many bytes when non-zero.
+    describe_bytes: AtomicUsize,
 }
 
 impl LookupTarget for Worker {
@@ -33,7 +35,10 @@ impl LookupTarget for Worker {
         n
     }
     fn describe(&self) -> String {
-        "test worker".into()
+        match self.describe_bytes.load(Ordering::Relaxed) {
+            0 => "test worker".into(),
+            n => "x".repeat(n),
+        }
     }
 }
 
@@ -190,4 +195,71 @@ fn malformed_requests_get_errors_and_the_server_goes_on() {
     s.write_all(b"garbage!garbage!").unwrap();
     hold(&e.workers[0], 0..3);
     assert_eq!(e.client.prefix_hits(0, &hashes(0..3), 32), 3);
+}
+
+#[test]
+fn a_regular_file_at_the_socket_path_is_never_deleted() {
+    let dir = std::env::temp_dir().join(format!("umbp-lookup-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("not-a-socket.sock");
+    std::fs::write(&path, b"precious").unwrap();
+    let err = LookupServer::bind(&path, Arc::new(Worker::default())).unwrap_err();
+    assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("not a socket") && msg.contains("lookup_dir"),
+        "{msg}"
+    );
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn shutdown_removes_only_the_socket_it_bound() {
+    let e = engine("inode", 1, 1000);
+    let path = e.client.paths()[0].clone();
+    // A tmp cleaner removes the first server's socket; a newer server binds the same path.
+    std::fs::remove_file(&path).unwrap();
+    let newer = Arc::new(Worker::default());
+    hold(&newer, 0..4);
+    let s2 = LookupServer::bind(&path, newer).unwrap();
+    drop(e); // the old server shuts down
+    assert!(
+        path.exists(),
+        "the old server removed the newer server's socket"
+    );
+    let c = LookupClient::new(vec![path.clone()], Duration::from_secs(2));
+    assert_eq!(c.prefix_hits(0, &hashes(0..4), 32), 4);
+    s2.shutdown();
+    assert!(!path.exists(), "shutdown removes its own socket");
+}
+
+#[test]
+fn shutdown_never_waits_on_a_client_that_does_not_read() {
+    use std::io::Write;
+    let e = engine("unread", 1, 1000);
+    e.workers[0]
+        .describe_bytes
+        .store(64 << 20, Ordering::Relaxed);
+    let path = e.client.paths()[0].clone();
+    // A ping whose 64 MiB answer the client never reads.
+    let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    let mut ping = b"UMBL".to_vec();
+    ping.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0]);
+    s.write_all(&ping).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let Engine { servers, .. } = e;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let t0 = Instant::now();
+        for srv in servers {
+            srv.shutdown();
+        }
+        let _ = tx.send(t0.elapsed());
+    });
+    let took = rx
+        .recv_timeout(Duration::from_secs(1))
+        .expect("shutdown did not return within 1 s with an unread 64 MiB reply pending");
+    println!("shutdown with an unread 64 MiB reply pending took {took:?}");
+    assert!(!path.exists());
+    drop(s);
 }
