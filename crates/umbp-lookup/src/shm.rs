@@ -91,6 +91,12 @@ impl ShmWriter {
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr(), data.len()) };
     }
 
+    /// A second descriptor of the buffer (tests hand it to a reader).
+    #[cfg(test)]
+    pub(crate) fn dup_fd(&self) -> std::io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+
     pub(crate) fn fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
