@@ -263,3 +263,128 @@ fn shutdown_never_waits_on_a_client_that_does_not_read() {
     assert!(!path.exists());
     drop(s);
 }
+
+fn limited(name: &str, limits: umbp_lookup::ServerLimits) -> (PathBuf, Arc<Worker>, LookupServer) {
+    let dir = std::env::temp_dir().join(format!("umbp-lookup-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = socket_path(&dir, "t", 0, 0);
+    let w = Arc::new(Worker::default());
+    let s = LookupServer::bind_with_limits(&path, w.clone(), limits).unwrap();
+    (path, w, s)
+}
+
+/// True once the server has closed `s` (reads end of stream after anything it sent).
+fn closed_by_server(s: &mut std::os::unix::net::UnixStream, within: Duration) -> bool {
+    use std::io::Read;
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut b = [0u8; 4096];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+#[test]
+fn idle_and_stalled_connections_are_closed_and_clients_reconnect() {
+    use std::io::Write;
+    let (path, w, _s) = limited(
+        "timeouts",
+        umbp_lookup::ServerLimits {
+            idle_timeout: Duration::from_millis(200),
+            io_timeout: Duration::from_millis(200),
+            ..Default::default()
+        },
+    );
+    hold(&w, 0..8);
+    let mut idle = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    assert!(
+        closed_by_server(&mut idle, Duration::from_secs(3)),
+        "idle connection kept"
+    );
+    // Halfway through a frame, then silence.
+    let mut half = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    half.write_all(b"UMBL\x02\0\0\0\xff\0\0\0\0\0").unwrap();
+    assert!(
+        closed_by_server(&mut half, Duration::from_secs(3)),
+        "stalled request kept"
+    );
+    // A client whose pooled connection the server closed reconnects instead of missing.
+    let c = LookupClient::new(vec![path.clone()], Duration::from_secs(2));
+    assert_eq!(c.prefix_hits(0, &hashes(0..8), 32), 8);
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(
+        c.prefix_hits(0, &hashes(0..8), 32),
+        8,
+        "a lookup after an idle close missed"
+    );
+}
+
+#[test]
+fn requests_over_the_key_limit_are_refused_with_the_limit() {
+    use std::io::{Read, Write};
+    let (path, w, _s) = limited(
+        "maxkeys",
+        umbp_lookup::ServerLimits {
+            max_keys: 1000,
+            ..Default::default()
+        },
+    );
+    hold(&w, 0..1001);
+    let c = LookupClient::new(vec![path.clone()], Duration::from_secs(2));
+    assert_eq!(c.prefix_hits(0, &hashes(0..1000), 32), 1000);
+    // Over the limit, in few bytes (1-byte hashes) and through the shared buffer: misses.
+    let one_byte: Vec<u8> = (0..1001u32).map(|i| i as u8).collect();
+    assert_eq!(c.prefix_hits(0, &one_byte, 1), 0);
+    assert_eq!(c.prefix_hits(0, &hashes(0..1001), 32), 0);
+    let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    let mut body = 0u32.to_le_bytes().to_vec();
+    body.extend_from_slice(&1u32.to_le_bytes());
+    body.extend_from_slice(&one_byte);
+    let mut f = b"UMBL\x03\0\0\0".to_vec();
+    f.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    f.extend_from_slice(&body);
+    s.write_all(&f).unwrap();
+    let mut h = [0u8; 12];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(h[4], 1);
+    let mut msg = vec![0u8; u32::from_le_bytes(h[8..12].try_into().unwrap()) as usize];
+    s.read_exact(&mut msg).unwrap();
+    let msg = String::from_utf8(msg).unwrap();
+    assert!(
+        msg.contains("1001 hashes") && msg.contains("limit of 1000"),
+        "{msg}"
+    );
+    // A body larger than the limit allows is refused from its header, before it is read.
+    let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    s.write_all(b"UMBL\x03\0\0\0\0\0\0\x04").unwrap();
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(h[4], 1);
+    assert!(closed_by_server(&mut s, Duration::from_secs(3)));
+}
+
+#[test]
+fn at_the_connection_limit_the_idlest_connection_makes_room() {
+    let (path, w, _s) = limited(
+        "maxconn",
+        umbp_lookup::ServerLimits {
+            max_connections: 8,
+            ..Default::default()
+        },
+    );
+    hold(&w, 0..2);
+    let mut first = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let _rest: Vec<_> = (0..7)
+        .map(|_| std::os::unix::net::UnixStream::connect(&path).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(50));
+    let c = LookupClient::new(vec![path.clone()], Duration::from_secs(2));
+    assert_eq!(c.prefix_hits(0, &hashes(0..2), 32), 2);
+    assert!(
+        closed_by_server(&mut first, Duration::from_secs(2)),
+        "the idlest connection was not closed"
+    );
+}
