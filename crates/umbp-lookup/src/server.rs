@@ -252,9 +252,10 @@ fn epoll_ctl(
 /// One client connection.
 struct Conn {
     stream: UnixStream,
-    /// Bytes received and not yet decoded.
+    /// Bytes received; those from `rpos` on are not decoded yet.
     rbuf: Vec<u8>,
-    /// Stream offset of `rbuf[0]`.
+    rpos: usize,
+    /// Stream offset of `rbuf[rpos]`.
     rbase: u64,
     /// Descriptors received, each with the stream offset of the last byte it came with (it
     /// belongs to the frame that ends at or after that byte). Dropping one closes it.
@@ -273,7 +274,7 @@ struct Conn {
 
 impl Conn {
     fn busy(&self) -> bool {
-        !self.rbuf.is_empty() || self.wpos < self.wbuf.len()
+        self.rpos < self.rbuf.len() || self.wpos < self.wbuf.len()
     }
 }
 
@@ -436,6 +437,7 @@ impl EventLoop {
         self.conns[idx] = Some(Conn {
             stream,
             rbuf: Vec::new(),
+            rpos: 0,
             rbase: 0,
             fds: Vec::new(),
             wbuf: Vec::new(),
@@ -518,6 +520,9 @@ impl EventLoop {
             return;
         };
         let next = self.drive(&mut c, flags);
+        // Drop the decoded bytes once per wake-up, not once per frame.
+        c.rbuf.drain(..c.rpos);
+        c.rpos = 0;
         self.conns[idx] = Some(c);
         match next {
             Next::Keep => {
@@ -561,7 +566,7 @@ impl EventLoop {
                 Ok(r) => {
                     c.rbuf.extend_from_slice(&buf[..r.len]);
                     c.progress = Instant::now();
-                    let last = c.rbase + c.rbuf.len() as u64 - 1;
+                    let last = c.rbase + (c.rbuf.len() - c.rpos) as u64 - 1;
                     if r.truncated || c.fds.len() + r.fds.len() > MAX_PENDING_FDS {
                         // Dropping them closes them; no frame takes more than one.
                         return Next::Close("it sent more descriptors than a frame takes");
@@ -610,10 +615,11 @@ impl EventLoop {
     /// Decodes and answers the next complete frame in `c.rbuf`: `Ok(None)` if there is none
     /// yet, `Err` for a frame after which the connection cannot go on.
     fn decode_one(&self, c: &mut Conn) -> Result<Option<(u8, Vec<u8>)>, String> {
-        if c.rbuf.len() < 12 {
+        let pending = &c.rbuf[c.rpos..];
+        if pending.len() < 12 {
             return Ok(None);
         }
-        let h: [u8; 12] = c.rbuf[..12].try_into().expect("12 bytes");
+        let h: [u8; 12] = pending[..12].try_into().expect("12 bytes");
         let max_body = 8 + self.limits.max_keys.saturating_mul(MAX_HASH_LEN);
         let (code, len) = protocol::parse_header(&h, REQ_MAGIC, max_body).map_err(|m| {
             format!(
@@ -622,7 +628,7 @@ impl EventLoop {
             )
         })?;
         let end = 12 + len;
-        if c.rbuf.len() < end {
+        if pending.len() < end {
             return Ok(None);
         }
         let frame_end = c.rbase + end as u64;
@@ -633,8 +639,8 @@ impl EventLoop {
             .position(|(at, _)| *at >= frame_end)
             .unwrap_or(c.fds.len());
         let mut fds: Vec<OwnedFd> = c.fds.drain(..split).map(|(_, fd)| fd).collect();
-        let body: Vec<u8> = c.rbuf[12..end].to_vec();
-        c.rbuf.drain(..end);
+        let body: Vec<u8> = pending[12..end].to_vec();
+        c.rpos += end;
         c.rbase = frame_end;
         let op = Op::from_u8(code);
         if op != Some(Op::AttachShm) && !fds.is_empty() {
@@ -644,7 +650,8 @@ impl EventLoop {
                 fds.len()
             ))));
         }
-        let reply = match op {
+        // A panic in the store answers this request with an error; the service goes on.
+        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match op {
             Some(Op::Ping) => Ok(self.target.describe().into_bytes()),
             Some(Op::PrefixHits) => {
                 protocol::parse_hashes_body(&body).and_then(|(g, hl, p)| self.prefix_hits(g, p, hl))
@@ -668,7 +675,8 @@ impl EventLoop {
                 .hashes_from_shm(c, &body)
                 .and_then(|(g, hl, p)| self.exists(g, &p, hl)),
             None => Err(format!("unknown operation {code}")),
-        };
+        }))
+        .unwrap_or_else(|_| Err("the worker's store panicked answering this request".into()));
         Ok(Some(match reply {
             Ok(b) => (0, b),
             Err(m) => err_reply(m),

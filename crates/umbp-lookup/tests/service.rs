@@ -16,11 +16,17 @@ struct Worker {
     stall_ms: AtomicU64,
     /// `Ping` answers this many bytes when non-zero.
     describe_bytes: AtomicUsize,
+    /// Prefix lookups panic while set.
+    panics: std::sync::atomic::AtomicBool,
 }
 
 impl LookupTarget for Worker {
     fn prefix_hits(&self, _g: u32, packed: &[u8], hl: usize) -> Result<u32, String> {
         std::thread::sleep(Duration::from_millis(self.stall_ms.load(Ordering::Relaxed)));
+        assert!(
+            !self.panics.load(Ordering::Relaxed),
+            "the test store panics"
+        );
         let held = self.held.lock();
         Ok(packed.chunks(hl).take_while(|h| held.contains(*h)).count() as u32)
     }
@@ -387,4 +393,14 @@ fn at_the_connection_limit_the_idlest_connection_makes_room() {
         closed_by_server(&mut first, Duration::from_secs(2)),
         "the idlest connection was not closed"
     );
+}
+
+#[test]
+fn a_panicking_store_fails_one_request_and_the_service_goes_on() {
+    let e = engine("panic", 1, 1000);
+    hold(&e.workers[0], 0..3);
+    e.workers[0].panics.store(true, Ordering::Relaxed);
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..3), 32), 0);
+    e.workers[0].panics.store(false, Ordering::Relaxed);
+    assert_eq!(e.client.prefix_hits(0, &hashes(0..3), 32), 3);
 }
