@@ -3,12 +3,13 @@
 //! A long prompt's block hashes are hundreds of KiB, and the scheduler sends them to every
 //! worker. Copying them through each socket twice (into the kernel and out again) cost more
 //! than the lookups themselves, so the client writes them once into a memfd that every worker
-//! maps read-only; the socket then carries only `(offset, length)`. The memfd is handed to a
-//! worker once per connection with `SCM_RIGHTS`.
+//! reads; the socket then carries only `(offset, length)`. The memfd is handed to a worker once
+//! per connection with `SCM_RIGHTS`.
 //!
-//! A worker maps only memfds sealed against shrinking and growing (`F_SEAL_SHRINK |
-//! F_SEAL_GROW`): a client that could truncate the file under a worker's mapping would kill the
-//! worker with SIGBUS on its next read. Every range is checked against the sealed size.
+//! A worker takes only memfds sealed against shrinking and growing (`F_SEAL_SHRINK |
+//! F_SEAL_GROW`), checks every range against the sealed size, and reads with `pread` rather
+//! than through a mapping: a client that truncated (or punched a hole in a hugetlb) file under
+//! a worker's mapping would kill the worker with SIGBUS on its next read.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -109,20 +110,18 @@ impl Drop for ShmWriter {
     }
 }
 
-/// A worker's read-only view of a client's buffer.
+/// A worker's view of a client's buffer: the descriptor and its sealed size. Reads go through
+/// `pread`, never a mapping, so no state of the file (a hole punched in it, a hugetlb file out
+/// of huge pages) can fault the worker; the seals keep the size it checks ranges against.
 #[derive(Debug)]
 pub(crate) struct ShmReader {
-    ptr: NonNull<u8>,
+    fd: OwnedFd,
     len: usize,
 }
 
-// SAFETY: the mapping is a read-only view owned by this value; it is only read through `&self`
-// and unmapped on drop.
-unsafe impl Send for ShmReader {}
-
 impl ShmReader {
-    /// Maps `fd` read-only (its size from `fstat`), if it is a memfd sealed against shrinking
-    /// and growing; otherwise an error that says so.
+    /// Takes `fd` (its size from `fstat`), if it is a memfd sealed against shrinking and
+    /// growing; otherwise an error that says so.
     pub(crate) fn map(fd: OwnedFd) -> Result<Self, String> {
         // SAFETY: F_GET_SEALS only reads the seals of a descriptor we own.
         let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
@@ -140,43 +139,23 @@ impl ShmReader {
                     .into(),
             );
         }
-        Self::map_sealed(fd).map_err(|e| format!("cannot map the shared buffer: {e}"))
-    }
-
-    fn map_sealed(fd: OwnedFd) -> std::io::Result<Self> {
         // SAFETY: `stat` is plain data filled by fstat on a descriptor we own.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-            return Err(std::io::Error::last_os_error());
+            return Err(format!(
+                "cannot stat the shared buffer: {}",
+                std::io::Error::last_os_error()
+            ));
         }
         // The size is sealed: it cannot change after this fstat.
         let len = st.st_size as usize;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG || len == 0 || len > SHM_BYTES {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("shared buffer of {len} bytes (at most {SHM_BYTES})"),
+            return Err(format!(
+                "shared buffer of {len} bytes (expected a memfd of 1..={SHM_BYTES} bytes)"
             ));
         }
-        // SAFETY: a new read-only shared mapping; checked against MAP_FAILED. The descriptor
-        // may be closed afterwards; the mapping stays.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(ShmReader {
-            ptr: NonNull::new(p.cast()).expect("mmap succeeded"),
-            len,
-        })
+        Ok(ShmReader { fd, len })
     }
 
     /// A private copy of `[offset, offset + len)`, or an error when it lies outside the buffer.
@@ -192,22 +171,30 @@ impl ShmReader {
                 )
             })?;
         let mut out = vec![0u8; (end - offset) as usize];
-        // SAFETY: the range was checked against the mapping's length; the source is only read.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset as usize),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
+        let mut got = 0;
+        while got < out.len() {
+            let rest = &mut out[got..];
+            // SAFETY: reads at most `rest.len()` bytes into `rest`, from our descriptor.
+            let n = unsafe {
+                libc::pread(
+                    self.fd.as_raw_fd(),
+                    rest.as_mut_ptr().cast(),
+                    rest.len(),
+                    (offset + got as u64) as libc::off_t,
+                )
+            };
+            match n {
+                n if n > 0 => got += n as usize,
+                0 => return Err("the shared buffer ended early".into()),
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(format!("cannot read the shared buffer: {e}"));
+                    }
+                }
+            }
+        }
         Ok(out)
-    }
-}
-
-impl Drop for ShmReader {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
 
