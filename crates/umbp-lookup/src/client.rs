@@ -48,7 +48,10 @@ impl Endpoint {
 
     fn take_conn(&self) -> Result<(UnixStream, bool), LookupError> {
         if let Some(c) = self.conn.lock().take() {
-            return Ok(c);
+            // The worker closes idle connections: reconnect rather than miss.
+            if still_open(&c.0) {
+                return Ok(c);
+            }
         }
         let c = UnixStream::connect(&self.path).map_err(|e| self.io(e))?;
         // A long prompt's hashes are hundreds of KiB: let one write hold them, so the request
@@ -353,6 +356,21 @@ impl LookupClient {
             }
         }
     }
+}
+
+/// Whether an idle connection is still usable: nothing to read and not closed by the worker.
+fn still_open(s: &UnixStream) -> bool {
+    let mut b = 0u8;
+    // SAFETY: peeks at most one byte into a local without blocking.
+    let n = unsafe {
+        libc::recv(
+            std::os::fd::AsRawFd::as_raw_fd(s),
+            (&mut b as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock
 }
 
 /// Best-effort socket buffer size (the kernel caps it at its own limit).

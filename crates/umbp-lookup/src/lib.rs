@@ -18,7 +18,7 @@ mod shm;
 
 pub use client::LookupClient;
 pub use protocol::{LookupError, Op};
-pub use server::{LookupServer, LookupTarget};
+pub use server::{LookupServer, LookupTarget, ServerLimits};
 
 /// The socket path of one worker's lookup service: `<dir>/umbp-<tag>-dp<dp>-w<worker>.sock`.
 ///

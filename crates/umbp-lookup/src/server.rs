@@ -1,16 +1,27 @@
 //! The worker side: serves lookups on a Unix socket.
+//!
+//! One thread per server runs an epoll loop over the listening socket, every connection and an
+//! eventfd that [`LookupServer::shutdown`] signals. Sockets are non-blocking, so no client can
+//! hold the thread: a reply the client does not read waits in that connection's buffer (and
+//! the connection reads nothing more until it is sent), a connection that makes no progress
+//! for [`ServerLimits::io_timeout`] or sits idle for [`ServerLimits::idle_timeout`] is closed,
+//! and at [`ServerLimits::max_connections`] the longest-idle connection makes room for a new
+//! one. Requests are answered on the loop's thread, in chunks, so one request's memory stays
+//! small whatever its size. Idle connections cost no thread and no wake-up.
 
 use std::io::ErrorKind;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::protocol::{self, LookupError, Op, REP_MAGIC, REQ_MAGIC};
+use crate::protocol::{self, LookupError, Op, MAX_HASH_LEN, REP_MAGIC, REQ_MAGIC};
 use crate::shm::{self, ShmReader};
 
 /// What a lookup server answers from (the worker's store).
@@ -31,30 +42,93 @@ pub trait LookupTarget: Send + Sync + 'static {
     fn describe(&self) -> String;
 }
 
+/// What one connection may cost a lookup server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Connections served at once; at the limit the longest-idle one is closed for a new one.
+    pub max_connections: usize,
+    /// Most hashes in one request (larger requests get an error that names the limit).
+    pub max_keys: usize,
+    /// A connection with no request for this long is closed (clients reconnect).
+    pub idle_timeout: Duration,
+    /// A connection halfway through a request, or with a reply it does not read, that makes
+    /// no progress for this long is closed.
+    pub io_timeout: Duration,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_connections: 4096,
+            max_keys: protocol::MAX_KEYS,
+            idle_timeout: Duration::from_secs(300),
+            io_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
 /// A running lookup service. Stops, and removes its socket, on [`LookupServer::shutdown`] or
 /// drop.
 #[derive(Debug)]
 pub struct LookupServer {
     path: PathBuf,
+    /// `(device, inode)` of the socket file this server bound: only that file is removed.
+    bound: (u64, u64),
+    /// The process that started the service (a forked child has no service thread).
+    pid: u32,
     stop: Arc<AtomicBool>,
-    accept: Mutex<Option<JoinHandle<()>>>,
+    wake: Arc<OwnedFd>,
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-const POLL: Duration = Duration::from_millis(50);
+/// Hashes handed to the target at once.
+const CHUNK_KEYS: usize = 4096;
+/// Bytes read from one connection per wake-up.
+const READ_CHUNK: usize = 64 << 10;
+/// Descriptors a connection may have received and not yet used.
+const MAX_PENDING_FDS: usize = 1;
+
+const LISTENER: u64 = 0;
+const WAKE: u64 = 1;
+const FIRST_CONN: u64 = 2;
+
+fn os_err(rc: libc::c_int) -> std::io::Result<libc::c_int> {
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
 
 impl LookupServer {
-    /// Binds `path` and serves `target` on background threads. A stale socket file (nothing
-    /// listening) is replaced; a live one is an error ([`LookupError::InUse`]).
+    /// Binds `path` and serves `target` on a background thread with the default
+    /// [`ServerLimits`]. A stale socket file (nothing listening) is replaced; a live one is an
+    /// error ([`LookupError::InUse`]); anything else at the path is left alone and is an error
+    /// ([`LookupError::NotASocket`]).
     pub fn bind(path: &Path, target: Arc<dyn LookupTarget>) -> Result<LookupServer, LookupError> {
+        Self::bind_with_limits(path, target, ServerLimits::default())
+    }
+
+    /// [`LookupServer::bind`] with other limits.
+    pub fn bind_with_limits(
+        path: &Path,
+        target: Arc<dyn LookupTarget>,
+        limits: ServerLimits,
+    ) -> Result<LookupServer, LookupError> {
         let io = |source| LookupError::Io {
             path: path.display().to_string(),
             source,
         };
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                return Err(LookupError::InUse(path.display().to_string()));
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_socket() => {
+                if UnixStream::connect(path).is_ok() {
+                    return Err(LookupError::InUse(path.display().to_string()));
+                }
+                std::fs::remove_file(path).map_err(io)?;
             }
-            std::fs::remove_file(path).map_err(io)?;
+            Ok(_) => return Err(LookupError::NotASocket(path.display().to_string())),
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
         }
         if let Some(dir) = path.parent() {
             if !dir.as_os_str().is_empty() && !dir.is_dir() {
@@ -68,18 +142,51 @@ impl LookupServer {
             }
         }
         let listener = UnixListener::bind(path).map_err(io)?;
-        listener.set_nonblocking(true).map_err(io)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = Arc::clone(&stop);
-        let accept = std::thread::Builder::new()
-            .name("umbp-lookup".into())
-            .spawn(move || accept_loop(listener, target, stop2))
+        let bound = std::fs::symlink_metadata(path)
+            .map(|m| (m.dev(), m.ino()))
             .map_err(io)?;
+        let unbind = |e: std::io::Error| {
+            unlink_if_same(path, bound);
+            io(e)
+        };
+        listener.set_nonblocking(true).map_err(unbind)?;
+        // SAFETY: plain flags; the result is checked.
+        let wake = os_err(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })
+            .map_err(unbind)?;
+        // SAFETY: a fresh descriptor nothing else owns.
+        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(wake) });
+        // SAFETY: plain flags; the result is checked.
+        let ep = os_err(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }).map_err(unbind)?;
+        // SAFETY: a fresh descriptor nothing else owns.
+        let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+        epoll_ctl(&ep, libc::EPOLL_CTL_ADD, listener.as_raw_fd(), LISTENER, IN).map_err(unbind)?;
+        epoll_ctl(&ep, libc::EPOLL_CTL_ADD, wake.as_raw_fd(), WAKE, IN).map_err(unbind)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut event_loop = EventLoop {
+            ep,
+            listener,
+            wake: Arc::clone(&wake),
+            stop: Arc::clone(&stop),
+            target,
+            limits,
+            conns: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            listener_paused_until: None,
+            last_warning: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name("umbp-lookup".into())
+            .spawn(move || event_loop.run())
+            .map_err(unbind)?;
         log::info!("umbp: lookup service listening on {}", path.display());
         Ok(LookupServer {
             path: path.to_owned(),
+            bound,
+            pid: std::process::id(),
             stop,
-            accept: Mutex::new(Some(accept)),
+            wake,
+            thread: Mutex::new(Some(thread)),
         })
     }
 
@@ -88,12 +195,19 @@ impl LookupServer {
         &self.path
     }
 
-    /// Stops accepting and serving, and removes the socket file. Idempotent.
+    /// Stops accepting and serving, closes every connection and removes the socket file if it
+    /// is still the one this server bound. Never waits on a client: it returns once a request
+    /// being answered (if any) is done. Idempotent; does nothing in a forked child (the
+    /// service is its parent's).
     pub fn shutdown(&self) {
+        if std::process::id() != self.pid {
+            return;
+        }
         self.stop.store(true, Ordering::Release);
-        if let Some(h) = self.accept.lock().take() {
+        signal(&self.wake);
+        if let Some(h) = self.thread.lock().take() {
             let _ = h.join();
-            let _ = std::fs::remove_file(&self.path);
+            unlink_if_same(&self.path, self.bound);
         }
     }
 }
@@ -104,36 +218,566 @@ impl Drop for LookupServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, target: Arc<dyn LookupTarget>, stop: Arc<AtomicBool>) {
-    let mut conns: Vec<JoinHandle<()>> = Vec::new();
-    while !stop.load(Ordering::Acquire) {
-        match listener.accept() {
-            Ok((stream, _)) => {
-                if peer_is_foreign(&stream) {
-                    continue;
+/// Removes `path` only if it is still the file `(dev, ino)`: a newer server's socket at the
+/// same path stays.
+fn unlink_if_same(path: &Path, (dev, ino): (u64, u64)) {
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if m.dev() == dev && m.ino() == ino {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn signal(wake: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a local u64 to our eventfd.
+    unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+const IN: u32 = libc::EPOLLIN as u32;
+const OUT: u32 = libc::EPOLLOUT as u32;
+
+fn epoll_ctl(
+    ep: &OwnedFd,
+    op: libc::c_int,
+    fd: RawFd,
+    token: u64,
+    events: u32,
+) -> std::io::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: token };
+    // SAFETY: `ev` is a valid epoll_event for the duration of the call; both fds are open.
+    os_err(unsafe { libc::epoll_ctl(ep.as_raw_fd(), op, fd, &mut ev) }).map(|_| ())
+}
+
+/// One client connection.
+struct Conn {
+    stream: UnixStream,
+    /// Bytes received; those from `rpos` on are not decoded yet.
+    rbuf: Vec<u8>,
+    rpos: usize,
+    /// Stream offset of `rbuf[rpos]`.
+    rbase: u64,
+    /// Descriptors received, each with the stream offset of the last byte it came with (it
+    /// belongs to the frame that ends at or after that byte). Dropping one closes it.
+    fds: Vec<(u64, OwnedFd)>,
+    /// A reply not yet sent, and how much of it is.
+    wbuf: Vec<u8>,
+    wpos: usize,
+    /// Close once the reply is sent (the request broke the protocol).
+    close_after_write: bool,
+    shared: Option<ShmReader>,
+    /// Last time bytes moved either way.
+    progress: Instant,
+    /// The epoll interest currently registered.
+    interest: u32,
+}
+
+impl Conn {
+    fn busy(&self) -> bool {
+        self.rpos < self.rbuf.len() || self.wpos < self.wbuf.len()
+    }
+}
+
+struct EventLoop {
+    ep: OwnedFd,
+    listener: UnixListener,
+    wake: Arc<OwnedFd>,
+    stop: Arc<AtomicBool>,
+    target: Arc<dyn LookupTarget>,
+    limits: ServerLimits,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    live: usize,
+    /// Accepting paused (out of descriptors) until then.
+    listener_paused_until: Option<Instant>,
+    last_warning: Option<Instant>,
+}
+
+/// What a connection's event led to.
+enum Next {
+    Keep,
+    Close(&'static str),
+}
+
+impl EventLoop {
+    fn run(&mut self) {
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        let sweep_every = self
+            .limits
+            .idle_timeout
+            .min(self.limits.io_timeout)
+            .div_f64(4.0)
+            .clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let mut next_sweep = Instant::now() + sweep_every;
+        while !self.stop.load(Ordering::Acquire) {
+            // Nothing to do between sweeps: with only idle connections this thread sleeps.
+            let wait = if self.live == 0 && self.listener_paused_until.is_none() {
+                -1
+            } else {
+                next_sweep
+                    .saturating_duration_since(Instant::now())
+                    .as_millis()
+                    .min(1000) as libc::c_int
+            };
+            // SAFETY: `events` has room for `events.len()` entries.
+            let n = unsafe {
+                libc::epoll_wait(
+                    self.ep.as_raw_fd(),
+                    events.as_mut_ptr(),
+                    events.len() as libc::c_int,
+                    wait,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != ErrorKind::Interrupted {
+                    log::error!("umbp: lookup service stopped: epoll_wait failed: {e}");
+                    return;
                 }
-                let (target, stop) = (Arc::clone(&target), Arc::clone(&stop));
-                match std::thread::Builder::new()
-                    .name("umbp-lookup-conn".into())
-                    .spawn(move || serve(stream, target.as_ref(), &stop))
-                {
-                    Ok(h) => conns.push(h),
-                    Err(e) => {
-                        log::warn!("umbp: lookup service cannot start a connection thread: {e}")
+                continue;
+            }
+            for ev in &events[..n as usize] {
+                let (token, flags) = (ev.u64, ev.events);
+                match token {
+                    LISTENER => self.accept_all(),
+                    WAKE => {
+                        let mut v = 0u64;
+                        // SAFETY: reads 8 bytes into a local u64 from our eventfd.
+                        unsafe {
+                            libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8)
+                        };
+                    }
+                    t => self.on_conn((t - FIRST_CONN) as usize, flags),
+                }
+                if self.stop.load(Ordering::Acquire) {
+                    break;
+                }
+            }
+            let now = Instant::now();
+            if now >= next_sweep {
+                self.sweep(now);
+                next_sweep = now + sweep_every;
+            }
+        }
+        // Dropping the connections closes them, and every descriptor they received.
+        self.conns.clear();
+    }
+
+    fn warn(&mut self, msg: std::fmt::Arguments<'_>) {
+        if self
+            .last_warning
+            .is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+        {
+            self.last_warning = Some(Instant::now());
+            log::warn!("umbp: lookup service: {msg}");
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if peer_is_foreign(&stream) {
+                        continue;
+                    }
+                    if self.live >= self.limits.max_connections && !self.evict_idlest() {
+                        let max = self.limits.max_connections;
+                        self.warn(format_args!(
+                            "refused a connection: all {max} connections are busy"
+                        ));
+                        continue;
+                    }
+                    self.add(stream);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of descriptors (EMFILE / ENFILE) or the like: make room if an idle
+                    // connection can go, else pause accepting for a moment instead of spinning.
+                    if !self.evict_idlest() {
+                        self.warn(format_args!(
+                            "accept failed: {e}; pausing accepts for 100 ms"
+                        ));
+                        let _ = epoll_ctl(
+                            &self.ep,
+                            libc::EPOLL_CTL_MOD,
+                            self.listener.as_raw_fd(),
+                            LISTENER,
+                            0,
+                        );
+                        self.listener_paused_until =
+                            Some(Instant::now() + Duration::from_millis(100));
+                        return;
                     }
                 }
-                conns.retain(|h| !h.is_finished());
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(POLL),
-            Err(e) => {
-                log::warn!("umbp: lookup service accept failed: {e}");
-                std::thread::sleep(POLL);
             }
         }
     }
-    for h in conns {
-        let _ = h.join();
+
+    fn add(&mut self, stream: UnixStream) {
+        if stream.set_nonblocking(true).is_err() {
+            return;
+        }
+        crate::client::set_buffer(&stream, libc::SO_RCVBUF, 4 << 20);
+        let idx = self.free.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            self.conns.len() - 1
+        });
+        if let Err(e) = epoll_ctl(
+            &self.ep,
+            libc::EPOLL_CTL_ADD,
+            stream.as_raw_fd(),
+            FIRST_CONN + idx as u64,
+            IN,
+        ) {
+            self.free.push(idx);
+            self.warn(format_args!("cannot watch a connection: {e}"));
+            return;
+        }
+        self.conns[idx] = Some(Conn {
+            stream,
+            rbuf: Vec::new(),
+            rpos: 0,
+            rbase: 0,
+            fds: Vec::new(),
+            wbuf: Vec::new(),
+            wpos: 0,
+            close_after_write: false,
+            shared: None,
+            progress: Instant::now(),
+            interest: IN,
+        });
+        self.live += 1;
     }
+
+    fn close(&mut self, idx: usize, why: &str) {
+        if let Some(c) = self.conns.get_mut(idx).and_then(Option::take) {
+            log::debug!("umbp: lookup connection closed: {why}");
+            drop(c);
+            self.free.push(idx);
+            self.live -= 1;
+        }
+    }
+
+    /// Closes the connection idle the longest; false if every connection is busy.
+    fn evict_idlest(&mut self) -> bool {
+        let idlest = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().map(|c| (i, c)))
+            .filter(|(_, c)| !c.busy())
+            .min_by_key(|(_, c)| c.progress)
+            .map(|(i, _)| i);
+        match idlest {
+            Some(i) => {
+                self.close(i, "the connection limit was reached and it was the idlest");
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn sweep(&mut self, now: Instant) {
+        if self.listener_paused_until.is_some_and(|t| now >= t) {
+            self.listener_paused_until = None;
+            let _ = epoll_ctl(
+                &self.ep,
+                libc::EPOLL_CTL_MOD,
+                self.listener.as_raw_fd(),
+                LISTENER,
+                IN,
+            );
+        }
+        let ServerLimits {
+            idle_timeout,
+            io_timeout,
+            ..
+        } = self.limits;
+        let expired: Vec<(usize, &'static str)> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                let c = c.as_ref()?;
+                let quiet = now.saturating_duration_since(c.progress);
+                if c.busy() && quiet > io_timeout {
+                    Some((i, "no progress on a request or reply within io_timeout"))
+                } else if !c.busy() && quiet > idle_timeout {
+                    Some((i, "idle longer than idle_timeout"))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (i, why) in expired {
+            self.close(i, why);
+        }
+    }
+
+    fn on_conn(&mut self, idx: usize, flags: u32) {
+        let Some(mut c) = self.conns.get_mut(idx).and_then(Option::take) else {
+            return;
+        };
+        let next = self.drive(&mut c, flags);
+        // Drop the decoded bytes once per wake-up, not once per frame.
+        c.rbuf.drain(..c.rpos);
+        c.rpos = 0;
+        self.conns[idx] = Some(c);
+        match next {
+            Next::Keep => {
+                let c = self.conns[idx].as_mut().expect("just put back");
+                let want = if c.wpos < c.wbuf.len() { OUT } else { IN };
+                if want != c.interest {
+                    if epoll_ctl(
+                        &self.ep,
+                        libc::EPOLL_CTL_MOD,
+                        c.stream.as_raw_fd(),
+                        FIRST_CONN + idx as u64,
+                        want,
+                    )
+                    .is_err()
+                    {
+                        self.close(idx, "epoll_ctl failed");
+                        return;
+                    }
+                    c.interest = want;
+                }
+            }
+            Next::Close(why) => self.close(idx, why),
+        }
+    }
+
+    /// Moves bytes and answers complete requests.
+    fn drive(&self, c: &mut Conn, flags: u32) -> Next {
+        if c.wpos < c.wbuf.len() {
+            match flush(c) {
+                Ok(true) => {}
+                Ok(false) => return Next::Keep,
+                Err(_) => return Next::Close("the client stopped reading"),
+            }
+            if c.close_after_write {
+                return Next::Close("it broke the protocol");
+            }
+        } else if flags & (IN | libc::EPOLLHUP as u32 | libc::EPOLLERR as u32) != 0 {
+            let mut buf = vec![0u8; READ_CHUNK];
+            match shm::recv_with_fds(c.stream.as_raw_fd(), &mut buf) {
+                Ok(r) if r.len == 0 => return Next::Close("end of stream"),
+                Ok(r) => {
+                    c.rbuf.extend_from_slice(&buf[..r.len]);
+                    c.progress = Instant::now();
+                    let last = c.rbase + (c.rbuf.len() - c.rpos) as u64 - 1;
+                    if r.truncated || c.fds.len() + r.fds.len() > MAX_PENDING_FDS {
+                        // Dropping them closes them; no frame takes more than one.
+                        return Next::Close("it sent more descriptors than a frame takes");
+                    }
+                    c.fds.extend(r.fds.into_iter().map(|fd| (last, fd)));
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(_) => return Next::Close("receive failed"),
+            }
+        }
+        // Answer every complete request, as long as replies are sent right away.
+        while c.wpos >= c.wbuf.len() {
+            match self.decode_one(c) {
+                Ok(None) => break,
+                Ok(Some((status, body))) => {
+                    c.wbuf.clear();
+                    c.wbuf
+                        .extend_from_slice(&protocol::header(REP_MAGIC, status, body.len()));
+                    c.wbuf.extend_from_slice(&body);
+                    c.wpos = 0;
+                    match flush(c) {
+                        Ok(true) => {}
+                        Ok(false) => return Next::Keep,
+                        Err(_) => return Next::Close("the client stopped reading"),
+                    }
+                }
+                Err(fatal) => {
+                    // Tell the client why, then close (best effort: never wait for it).
+                    c.wbuf = protocol::header(REP_MAGIC, 1, fatal.len()).to_vec();
+                    c.wbuf.extend_from_slice(fatal.as_bytes());
+                    c.wpos = 0;
+                    c.close_after_write = true;
+                    return match flush(c) {
+                        Ok(false) => Next::Keep,
+                        _ => Next::Close("it broke the protocol"),
+                    };
+                }
+            }
+            if c.close_after_write {
+                return Next::Close("it broke the protocol");
+            }
+        }
+        Next::Keep
+    }
+
+    /// Decodes and answers the next complete frame in `c.rbuf`: `Ok(None)` if there is none
+    /// yet, `Err` for a frame after which the connection cannot go on.
+    fn decode_one(&self, c: &mut Conn) -> Result<Option<(u8, Vec<u8>)>, String> {
+        let pending = &c.rbuf[c.rpos..];
+        if pending.len() < 12 {
+            return Ok(None);
+        }
+        let h: [u8; 12] = pending[..12].try_into().expect("12 bytes");
+        let max_body = 8 + self.limits.max_keys.saturating_mul(MAX_HASH_LEN);
+        let (code, len) = protocol::parse_header(&h, REQ_MAGIC, max_body).map_err(|m| {
+            format!(
+                "{m} (at most {} hashes of up to {MAX_HASH_LEN} bytes per request)",
+                self.limits.max_keys
+            )
+        })?;
+        let end = 12 + len;
+        if pending.len() < end {
+            return Ok(None);
+        }
+        let frame_end = c.rbase + end as u64;
+        // The descriptors that came with this frame's bytes.
+        let split = c
+            .fds
+            .iter()
+            .position(|(at, _)| *at >= frame_end)
+            .unwrap_or(c.fds.len());
+        let mut fds: Vec<OwnedFd> = c.fds.drain(..split).map(|(_, fd)| fd).collect();
+        let body: Vec<u8> = pending[12..end].to_vec();
+        c.rpos += end;
+        c.rbase = frame_end;
+        let op = Op::from_u8(code);
+        if op != Some(Op::AttachShm) && !fds.is_empty() {
+            // Closed on return.
+            return Ok(Some(err_reply(format!(
+                "operation {code} takes no descriptor; {} closed",
+                fds.len()
+            ))));
+        }
+        // A panic in the store answers this request with an error; the service goes on.
+        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match op {
+            Some(Op::Ping) => Ok(self.target.describe().into_bytes()),
+            Some(Op::PrefixHits) => {
+                protocol::parse_hashes_body(&body).and_then(|(g, hl, p)| self.prefix_hits(g, p, hl))
+            }
+            Some(Op::Exists) => {
+                protocol::parse_hashes_body(&body).and_then(|(g, hl, p)| self.exists(g, p, hl))
+            }
+            Some(Op::Clear) => Ok(self.target.clear().to_le_bytes().to_vec()),
+            Some(Op::AttachShm) => match (fds.pop(), fds.is_empty()) {
+                (Some(fd), true) => ShmReader::map(fd).map(|r| {
+                    c.shared = Some(r);
+                    Vec::new()
+                }),
+                (Some(_), false) => Err("AttachShm carried more than one descriptor".into()),
+                (None, _) => Err("AttachShm carried no descriptor".into()),
+            },
+            Some(Op::PrefixHitsShm) => self
+                .hashes_from_shm(c, &body)
+                .and_then(|(g, hl, p)| self.prefix_hits(g, &p, hl)),
+            Some(Op::ExistsShm) => self
+                .hashes_from_shm(c, &body)
+                .and_then(|(g, hl, p)| self.exists(g, &p, hl)),
+            None => Err(format!("unknown operation {code}")),
+        }))
+        .unwrap_or_else(|_| Err("the worker's store panicked answering this request".into()));
+        Ok(Some(match reply {
+            Ok(b) => (0, b),
+            Err(m) => err_reply(m),
+        }))
+    }
+
+    fn check_keys(&self, bytes: usize, hash_len: usize) -> Result<(), String> {
+        let n = bytes / hash_len.max(1);
+        if n > self.limits.max_keys {
+            return Err(format!(
+                "request of {n} hashes exceeds the limit of {} per request; split it",
+                self.limits.max_keys
+            ));
+        }
+        Ok(())
+    }
+
+    fn hashes_from_shm(&self, c: &Conn, body: &[u8]) -> Result<(u32, usize, Vec<u8>), String> {
+        let (g, hl, off, len) = protocol::parse_shm_body(body)?;
+        let hl = hl as usize;
+        if hl == 0 || hl > MAX_HASH_LEN {
+            return Err(format!("hash length {hl} is not 1..={MAX_HASH_LEN}"));
+        }
+        self.check_keys(usize::try_from(len).unwrap_or(usize::MAX), hl)?;
+        let buf = c
+            .shared
+            .as_ref()
+            .ok_or("no shared buffer is attached to this connection")?
+            .read(off, len)?;
+        if !buf.len().is_multiple_of(hl) {
+            return Err(format!(
+                "{} hash bytes are not whole {hl}-byte hashes",
+                buf.len()
+            ));
+        }
+        Ok((g, hl, buf))
+    }
+
+    fn prefix_hits(&self, group: u32, packed: &[u8], hl: usize) -> Result<Vec<u8>, String> {
+        self.check_keys(packed.len(), hl)?;
+        let mut hits = 0u32;
+        for chunk in packed.chunks(CHUNK_KEYS * hl) {
+            let n = self.target.prefix_hits(group, chunk, hl)?;
+            let asked = (chunk.len() / hl) as u32;
+            hits += n.min(asked);
+            if n < asked {
+                break;
+            }
+        }
+        Ok(hits.to_le_bytes().to_vec())
+    }
+
+    fn exists(&self, group: u32, packed: &[u8], hl: usize) -> Result<Vec<u8>, String> {
+        self.check_keys(packed.len(), hl)?;
+        let mut out = Vec::with_capacity(packed.len() / hl);
+        for chunk in packed.chunks(CHUNK_KEYS * hl) {
+            let v = self.target.exists(group, chunk, hl)?;
+            if v.len() != chunk.len() / hl {
+                return Err(format!(
+                    "the store answered {} of {} blocks",
+                    v.len(),
+                    chunk.len() / hl
+                ));
+            }
+            out.extend(v.into_iter().map(u8::from));
+        }
+        Ok(out)
+    }
+}
+
+fn err_reply(m: String) -> (u8, Vec<u8>) {
+    (1, m.into_bytes())
+}
+
+/// Sends what it can of the pending reply without blocking: true once all of it is sent.
+fn flush(c: &mut Conn) -> std::io::Result<bool> {
+    while c.wpos < c.wbuf.len() {
+        let rest = &c.wbuf[c.wpos..];
+        // SAFETY: sends from a live buffer of `rest.len()` bytes on our socket.
+        let n = unsafe {
+            libc::send(
+                c.stream.as_raw_fd(),
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.kind() {
+                ErrorKind::WouldBlock => Ok(false),
+                ErrorKind::Interrupted => continue,
+                _ => Err(e),
+            };
+        }
+        c.wpos += n as usize;
+        c.progress = Instant::now();
+    }
+    c.wbuf = Vec::new();
+    c.wpos = 0;
+    Ok(true)
 }
 
 /// Only processes of the same user may ask: the socket lives in a shared directory.
@@ -147,7 +791,7 @@ fn peer_is_foreign(stream: &UnixStream) -> bool {
     // SAFETY: SO_PEERCRED writes one `ucred` into `cred`, whose size we pass in `len`.
     let rc = unsafe {
         libc::getsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(stream),
+            stream.as_raw_fd(),
             libc::SOL_SOCKET,
             libc::SO_PEERCRED,
             (&mut cred as *mut libc::ucred).cast(),
@@ -156,7 +800,7 @@ fn peer_is_foreign(stream: &UnixStream) -> bool {
     };
     // SAFETY: getuid has no preconditions.
     let me = unsafe { libc::getuid() };
-    let foreign = rc == 0 && cred.uid != me && cred.uid != 0;
+    let foreign = rc != 0 || (cred.uid != me && cred.uid != 0);
     if foreign {
         log::warn!(
             "umbp: refused a lookup connection from uid {} (pid {})",
@@ -165,80 +809,4 @@ fn peer_is_foreign(stream: &UnixStream) -> bool {
         );
     }
     foreign
-}
-
-fn serve(mut stream: UnixStream, target: &dyn LookupTarget, stop: &AtomicBool) {
-    if stream.set_nonblocking(false).is_err() || stream.set_read_timeout(Some(POLL)).is_err() {
-        return;
-    }
-    crate::client::set_buffer(&stream, libc::SO_RCVBUF, 4 << 20);
-    let mut shared: Option<ShmReader> = None;
-    loop {
-        if stop.load(Ordering::Acquire) {
-            return;
-        }
-        // The first bytes of a frame are read with recvmsg: an attached memfd arrives there.
-        let mut h = [0u8; 12];
-        let (got, fd) = match shm::recv_with_fd(&stream, &mut h) {
-            Ok((0, _)) => return,
-            Ok(x) => x,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => continue,
-            Err(_) => return,
-        };
-        let (code, body) = match protocol::finish_frame(&mut stream, REQ_MAGIC, h, got) {
-            Ok(f) => f,
-            Err(e) => {
-                log::debug!("umbp: lookup connection closed: {e}");
-                return;
-            }
-        };
-        let hashes_from_shm =
-            |shared: &Option<ShmReader>| -> Result<(u32, usize, Vec<u8>), String> {
-                let (g, hl, off, len) = protocol::parse_shm_body(&body)?;
-                let hl = hl as usize;
-                let buf = shared
-                    .as_ref()
-                    .ok_or("no shared buffer is attached to this connection")?
-                    .read(off, len)?;
-                if hl == 0 || hl > 32 || !buf.len().is_multiple_of(hl) {
-                    return Err(format!(
-                        "{} hash bytes are not whole {hl}-byte hashes (1..=32)",
-                        buf.len()
-                    ));
-                }
-                Ok((g, hl, buf))
-            };
-        let reply = match Op::from_u8(code) {
-            Some(Op::Ping) => Ok(target.describe().into_bytes()),
-            Some(Op::PrefixHits) => protocol::parse_hashes_body(&body)
-                .and_then(|(g, hl, p)| target.prefix_hits(g, p, hl))
-                .map(|n| n.to_le_bytes().to_vec()),
-            Some(Op::Exists) => protocol::parse_hashes_body(&body)
-                .and_then(|(g, hl, p)| target.exists(g, p, hl))
-                .map(|v| v.into_iter().map(u8::from).collect()),
-            Some(Op::Clear) => Ok(target.clear().to_le_bytes().to_vec()),
-            Some(Op::AttachShm) => match fd.map(ShmReader::map) {
-                Some(Ok(r)) => {
-                    shared = Some(r);
-                    Ok(Vec::new())
-                }
-                Some(Err(e)) => Err(format!("cannot map the shared buffer: {e}")),
-                None => Err("AttachShm carried no descriptor".into()),
-            },
-            Some(Op::PrefixHitsShm) => hashes_from_shm(&shared)
-                .and_then(|(g, hl, p)| target.prefix_hits(g, &p, hl))
-                .map(|n| n.to_le_bytes().to_vec()),
-            Some(Op::ExistsShm) => hashes_from_shm(&shared)
-                .and_then(|(g, hl, p)| target.exists(g, &p, hl))
-                .map(|v| v.into_iter().map(u8::from).collect()),
-            None => Err(format!("unknown operation {code}")),
-        };
-        let sent = match reply {
-            Ok(b) => protocol::write_frame(&mut stream, REP_MAGIC, 0, &b),
-            Err(m) => protocol::write_frame(&mut stream, REP_MAGIC, 1, m.as_bytes()),
-        };
-        if sent.is_err() {
-            return;
-        }
-    }
 }

@@ -448,6 +448,7 @@ impl StoreLookup {
 
 impl umbp_lookup::LookupTarget for StoreLookup {
     fn prefix_hits(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<u32, String> {
+        self.store.check_open().map_err(|e| e.to_string())?;
         if hash_len == 0 || hash_len > 32 || !packed.len().is_multiple_of(hash_len) {
             return Err(format!(
                 "{} bytes are not whole {hash_len}-byte hashes",
@@ -464,6 +465,7 @@ impl umbp_lookup::LookupTarget for StoreLookup {
     }
 
     fn exists(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {
+        self.store.check_open().map_err(|e| e.to_string())?;
         let keys = self
             .keys
             .keys_packed(group, packed, hash_len)
@@ -581,6 +583,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("stream"), "{e}");
+    }
+
+    #[test]
+    fn a_lookup_service_over_a_closed_store_answers_misses() {
+        let s = Arc::new(store());
+        let buf = vec![0u8; 4096];
+        // SAFETY: `buf` outlives the store's use of it (the store is closed first).
+        unsafe { s.register_memory(buf.as_ptr() as u64, 4096) }.unwrap();
+        let layer = LayerSpec {
+            base_addr: buf.as_ptr() as u64,
+            num_blocks: 4,
+            block_stride: 1024,
+            block_bytes: 1024,
+        };
+        let lid = s
+            .register_layout(KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap())
+            .unwrap();
+        let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
+        let keys = vec![kb.key(0, b"h").unwrap()];
+        s.wait(&s.store(lid, 0, &[1], keys).unwrap()).unwrap();
+        let dir = std::env::temp_dir().join(format!("umbp-store-closed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.sock");
+        let target = Arc::new(StoreLookup::new(Arc::clone(&s), kb, String::new()));
+        let server = umbp_lookup::LookupServer::bind(&path, target).unwrap();
+        let client = umbp_lookup::LookupClient::new(vec![path], Duration::from_secs(2));
+        assert_eq!(client.prefix_hits(0, b"h", 1), 1);
+        assert_eq!(client.exists_all(0, b"h", 1), [true]);
+        s.close();
+        assert_eq!(
+            client.prefix_hits(0, b"h", 1),
+            0,
+            "a closed store answered a hit"
+        );
+        assert_eq!(client.exists_all(0, b"h", 1), [false]);
+        server.shutdown();
     }
 
     #[test]
