@@ -172,3 +172,112 @@ def test_a_lookup_server_of_another_user_gets_nothing():
         p.kill()
         p.wait()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _new_memory_cgroup(limit):
+    """A fresh memory cgroup of `limit` bytes below this process's own (v2, else v1), or the
+    reason why none can be made here."""
+    own = Path("/proc/self/cgroup").read_text().splitlines()
+    tries = []
+    for line in own:
+        _, ctrl, path = line.split(":", 2)
+        if ctrl == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            tries.append((Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max"))
+        elif "memory" in ctrl.split(","):
+            tries.append(
+                (Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes")
+            )
+    why = "no cgroup v2 or v1 memory controller is mounted at /sys/fs/cgroup"
+    for parent, limit_file in tries:
+        d = parent / f"umbp-test-{os.getpid()}"
+        try:
+            d.mkdir()
+        except OSError as e:
+            why = f"cannot create a cgroup in {parent}: {e}"
+            continue
+        try:
+            (d / limit_file).write_text(str(limit))
+            return d, None
+        except OSError as e:
+            d.rmdir()
+            why = f"cannot set {limit_file} in {d}: {e}"
+    return None, why
+
+
+POOL_IN_CGROUP = r"""
+import sys, umbp
+try:
+    umbp.EmbeddedStore(int(sys.argv[1]), num_workers=1)
+except umbp.errors.ConfigError as e:
+    print("CONFIG", e, flush=True)
+    sys.exit(3)
+print("STARTED", flush=True)
+"""
+
+
+def test_a_pool_larger_than_its_memory_cgroup_fails_start_up_with_a_message():
+    cg, why = _new_memory_cgroup(1 << 30)
+    if cg is None:
+        pytest.skip(f"no writable memory cgroup: {why}")
+    try:
+        # Only the child moves into the cgroup, never the test runner.
+        r = subprocess.run(
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$1" {2 << 30}',
+                sys.executable,
+                POOL_IN_CGROUP,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-2000:])
+        assert "capacity_bytes" in r.stdout and "memory cgroup" in r.stdout, r.stdout
+        assert str(cg) in r.stdout, r.stdout
+    finally:
+        cg.rmdir()
+
+
+def test_sockets_live_in_a_private_directory_that_is_checked(tmp_path):
+    from umbp.vllm.host import socket_dir
+
+    d = socket_dir(tmp_path)
+    assert d == tmp_path / f"umbp-{os.geteuid()}"
+    assert (d.stat().st_mode & 0o777) == 0o700 and d.stat().st_uid == os.geteuid()
+    assert socket_dir(tmp_path) == d  # checked again on use
+    d.chmod(0o1777)
+    with pytest.raises(umbp.errors.ConfigError, match="mode 1777"):
+        socket_dir(tmp_path)
+    d.rmdir()
+    other = tmp_path / "elsewhere"
+    other.mkdir(mode=0o700)
+    d.symlink_to(other)
+    with pytest.raises(umbp.errors.ConfigError, match="not a directory"):
+        socket_dir(tmp_path)
+    d.unlink()
+    if os.geteuid() == 0:
+        d.mkdir(mode=0o700)
+        os.chown(d, 12345, 12345)  # pre-created by another user
+        with pytest.raises(umbp.errors.ConfigError, match="owned by uid 12345"):
+            socket_dir(tmp_path)
+
+
+def test_the_pools_of_an_engines_workers_on_a_host_are_checked_together(tmp_path):
+    from umbp.vllm.host import check_engine_memory
+
+    avail, source = umbp.memory_available()
+    assert avail > 0 and source
+    cap = avail * 6 // 10  # one fits, two do not
+    claims = tmp_path / "e.claims"
+    with pytest.raises(umbp.errors.ConfigError, match="2 pool"):
+        check_engine_memory(claims, cap, 2)
+    # A sibling worker (alive) has claimed its pool already: only this one is still to come.
+    claims.write_text(f"{os.getppid()} {cap}\n")
+    check_engine_memory(claims, cap, 2)
+    assert claims.read_text().splitlines() == [f"{os.getppid()} {cap}", f"{os.getpid()} {cap}"]
+    # Claims of dead processes are dropped.
+    claims.write_text("999999999 1\n")
+    with pytest.raises(umbp.errors.ConfigError):
+        check_engine_memory(claims, cap, 2)

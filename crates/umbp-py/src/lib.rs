@@ -964,6 +964,13 @@ fn socket_path(
     umbp_lookup::socket_path(&dir, tag, dp_rank, worker)
 }
 
+/// Memory this process may still use, `(bytes, what limits it)`: the host's `MemAvailable`, or
+/// less where its memory cgroup (v2 or v1) has less room; None when neither can be read.
+#[pyfunction]
+fn memory_available() -> Option<(u64, String)> {
+    umbp_pool::memory_available().map(|m| (m.bytes, m.source))
+}
+
 /// Runs the `umbp` command with `argv` (program name first); returns its exit code.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
@@ -987,6 +994,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LookupClient>()?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_available, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
