@@ -12,6 +12,7 @@ from umbp._native import (
     LookupClient,
     LookupServer,
     __version__,
+    memory_available,
     socket_path,
 )
 from umbp.errors import (
@@ -40,6 +41,7 @@ __all__ = [
     "LookupServiceError",
     "STATUSES",
     "socket_path",
+    "memory_available",
     "ConfigError",
     "CudaError",
     "PoolError",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import umbp
 from conftest import finish, prompts, run_engine, wait_for
+from umbp.vllm.host import socket_dir
 from umbp.vllm.namespace import socket_tag
 
 BLOCK = 128  # vLLM CPU's default block size
@@ -24,7 +25,7 @@ def connector(tmp_path: Path, **extra) -> dict:
 def describe(tmp_path: Path, namespace: str, instance: str = "", workers: int = 1) -> list[dict]:
     """Each worker's pool counters, read through its lookup socket."""
     tag = socket_tag(namespace, instance)
-    paths = [umbp.socket_path(tmp_path, tag, 0, w) for w in range(workers)]
+    paths = [umbp.socket_path(socket_dir(tmp_path), tag, 0, w) for w in range(workers)]
     out = []
     for d in umbp.LookupClient(paths, 2000).wait_ready(5000):
         out.append(dict(kv.split("=") for kv in d.split() if "=" in kv))
@@ -176,7 +177,7 @@ def test_tensor_parallel_2_hits_only_when_both_ranks_hold_the_block(model, tmp_p
     )
     wait_for(stored, timeout=600)
     tag = socket_tag(ns, "")
-    sockets = [umbp.socket_path(tmp_path, tag, 0, w) for w in range(2)]
+    sockets = [umbp.socket_path(socket_dir(tmp_path), tag, 0, w) for w in range(2)]
     assert all(Path(s).exists() for s in sockets), "one lookup socket per worker"
     stats = describe(tmp_path, ns, workers=2)
     assert all(int(s["objects"]) > 0 for s in stats), stats
@@ -310,7 +311,7 @@ def test_data_parallel_2_engines_get_distinct_sockets_and_both_restore(model, tm
             except OSError:
                 time.sleep(1)
         tag = socket_tag(ns, "")
-        sockets = [umbp.socket_path(tmp_path, tag, dp, 0) for dp in range(2)]
+        sockets = [umbp.socket_path(socket_dir(tmp_path), tag, dp, 0) for dp in range(2)]
         assert all(Path(s).exists() for s in sockets), sockets
         prompt = prompts(1, seed=7)[0]
         first = both(prompt)

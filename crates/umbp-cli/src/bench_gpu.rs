@@ -535,7 +535,7 @@ fn run_shape(
         a.rounds
     };
     for round in 0..=last_round {
-        store.clear();
+        store.clear()?;
         let tag = round * 2;
         let ka = keys(&kb, tag, &src_a);
         let kbk = keys(&kb, tag + 1, &src_b);

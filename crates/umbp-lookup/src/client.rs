@@ -54,6 +54,9 @@ impl Endpoint {
             }
         }
         let c = UnixStream::connect(&self.path).map_err(|e| self.io(e))?;
+        // Nothing (no request, no descriptor) goes to a peer before its credentials are
+        // checked: another user may have bound this path while no worker served it.
+        check_peer(&c).map_err(|e| self.io(e))?;
         // A long prompt's hashes are hundreds of KiB: let one write hold them, so the request
         // to every worker is out before any worker has to be scheduled to drain it.
         set_buffer(&c, libc::SO_SNDBUF, 4 << 20);
@@ -270,14 +273,25 @@ impl LookupClient {
         }
         let mut min = u32::MAX;
         let answers = self.call_hashes(Op::PrefixHits, group, packed_hashes, hash_len);
+        let asked = packed_hashes.len() / hash_len.max(1);
         for (r, ep) in answers.into_iter().zip(&self.endpoints) {
             match r.and_then(|b| {
-                b.try_into()
-                    .map(u32::from_le_bytes)
-                    .map_err(|_| LookupError::Protocol {
+                let n =
+                    b.try_into()
+                        .map(u32::from_le_bytes)
+                        .map_err(|_| LookupError::Protocol {
+                            path: ep.name(),
+                            message: "prefix answer is not 4 bytes".into(),
+                        })?;
+                // An answer of more blocks than were asked about is malformed: a miss (vLLM's
+                // scheduler must never be told of more hits than the request has blocks).
+                if n as usize > asked {
+                    return Err(LookupError::Protocol {
                         path: ep.name(),
-                        message: "prefix answer is not 4 bytes".into(),
-                    })
+                        message: format!("prefix answer of {n} blocks for {asked} asked"),
+                    });
+                }
+                Ok(n)
             }) {
                 Ok(n) => min = min.min(n),
                 Err(e) => {
@@ -292,11 +306,15 @@ impl LookupClient {
     /// Which blocks every worker holds. Any failure makes every block a miss.
     pub fn exists_all(&self, group: u32, packed_hashes: &[u8], hash_len: usize) -> Vec<bool> {
         let n = packed_hashes.len() / hash_len.max(1);
+        if self.endpoints.is_empty() || n == 0 {
+            // No worker holds anything: never report blocks no one was asked about.
+            return vec![false; n];
+        }
         let mut all = vec![true; n];
         let answers = self.call_hashes(Op::Exists, group, packed_hashes, hash_len);
         for (r, ep) in answers.into_iter().zip(&self.endpoints) {
             match r {
-                Ok(b) if b.len() == n => {
+                Ok(b) if b.len() == n && b.iter().all(|&x| x <= 1) => {
                     for (a, x) in all.iter_mut().zip(b) {
                         *a &= x != 0;
                     }
@@ -304,7 +322,7 @@ impl LookupClient {
                 Ok(_) => {
                     ep.warn(&LookupError::Protocol {
                         path: ep.name(),
-                        message: "exists answer has the wrong length".into(),
+                        message: "exists answer has the wrong length or values".into(),
                     });
                     return vec![false; n];
                 }
@@ -322,10 +340,19 @@ impl LookupClient {
     pub fn clear(&self, timeout: Duration) -> Result<u64, LookupError> {
         let mut total = 0;
         let mut first_err = None;
-        for r in self.call_all(Op::Clear, &[], timeout) {
+        for (r, ep) in self
+            .call_all(Op::Clear, &[], timeout)
+            .into_iter()
+            .zip(&self.endpoints)
+        {
             match r.map(|b| b.try_into().map(u64::from_le_bytes)) {
-                Ok(Ok(n)) => total += n,
-                Ok(Err(_)) => {}
+                Ok(Ok(n)) => total = u64::saturating_add(total, n),
+                Ok(Err(_)) => {
+                    first_err.get_or_insert(LookupError::Protocol {
+                        path: ep.name(),
+                        message: "clear answer is not 8 bytes".into(),
+                    });
+                }
                 Err(e) => {
                     first_err.get_or_insert(e);
                 }
@@ -373,6 +400,49 @@ fn still_open(s: &UnixStream) -> bool {
     n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock
 }
 
+/// Checks that the process serving `c` runs as this user or as root (`SO_PEERCRED`).
+fn check_peer(c: &UnixStream) -> std::io::Result<()> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED writes one `ucred` into `cred`, whose size we pass in `len`.
+    let rc = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(c),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid == me || cred.uid == 0 {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        ErrorKind::PermissionDenied,
+        format!(
+            "the socket is served by uid {} (pid {}), not by this user (uid {me}) or root: \
+             refused without sending anything; another user may have taken the path, so \
+             remove it or set lookup_dir to a directory only this user can write",
+            cred.uid, cred.pid
+        ),
+    ))
+}
+
+/// A read-only descriptor of the shared buffer `fd` (a new open file description through
+/// `/proc/self/fd`): a worker can map it only for reading, never write into our buffer.
+fn read_only(fd: std::os::fd::RawFd) -> std::io::Result<std::fs::File> {
+    std::fs::File::open(format!("/proc/self/fd/{fd}"))
+}
+
 /// Best-effort socket buffer size (the kernel caps it at its own limit).
 pub(crate) fn set_buffer(s: &UnixStream, opt: libc::c_int, bytes: libc::c_int) {
     // SAFETY: setsockopt reads one c_int from the pointer we pass with its size.
@@ -390,7 +460,9 @@ pub(crate) fn set_buffer(s: &UnixStream, opt: libc::c_int, bytes: libc::c_int) {
 /// Hands the shared buffer to a worker and waits for its acknowledgement.
 fn attach(c: &mut UnixStream, fd: std::os::fd::RawFd, deadline: Instant) -> std::io::Result<()> {
     let frame = protocol::header(REQ_MAGIC, Op::AttachShm as u8, 0);
-    crate::shm::send_with_fd(c, &frame, fd)?;
+    let ro = read_only(fd)?;
+    crate::shm::send_with_fd(c, &frame, std::os::fd::AsRawFd::as_raw_fd(&ro))?;
+    drop(ro);
     c.set_read_timeout(Some(remaining(deadline)))?;
     match protocol::read_frame(c, REP_MAGIC)? {
         Some((0, _)) => Ok(()),

@@ -19,4 +19,4 @@ pub mod region;
 
 pub use error::PoolError;
 pub use pool::{CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation};
-pub use region::Placement;
+pub use region::{memory_available, MemoryAvailable, Placement};

@@ -81,12 +81,148 @@ pub fn check_numa_node(node: u32) -> Result<(), CoreError> {
     ))
 }
 
-/// Bytes of memory the kernel says are available (`MemAvailable`), if it says.
-fn mem_available() -> Option<u64> {
+/// Bytes of memory the kernel says are available on the host (`MemAvailable`), if it says.
+fn host_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Memory this process may still use, and what limits it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryAvailable {
+    /// Bytes: the smallest of the host's `MemAvailable` and, for the process's memory cgroup
+    /// and each cgroup above it, its limit minus its usage (reclaimable file pages counted as
+    /// free).
+    pub bytes: u64,
+    /// What sets `bytes`: "this host" or "the memory cgroup <dir> (limit N bytes)".
+    pub source: String,
+}
+
+/// Memory this process may still use: the host's `MemAvailable`, or less where a memory
+/// cgroup (v2 or v1) of this process, or one above it, has less room. None when neither can
+/// be read.
+pub fn memory_available() -> Option<MemoryAvailable> {
+    let host = host_available().map(|bytes| MemoryAvailable {
+        bytes,
+        source: "this host".into(),
+    });
+    let cg = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .zip(std::fs::read_to_string("/proc/self/mountinfo").ok())
+        .and_then(|(c, m)| cgroup_available(&c, &m));
+    match (host, cg) {
+        (Some(h), Some(c)) if c.bytes < h.bytes => Some(c),
+        (Some(h), _) => Some(h),
+        (None, c) => c,
+    }
+}
+
+/// Limits above this are "unlimited" (cgroup v1 writes 2^63 rounded down to a page).
+const NO_LIMIT: u64 = 1 << 62;
+
+fn read_u64(p: &Path) -> Option<u64> {
+    let s = std::fs::read_to_string(p).ok()?;
+    let s = s.trim();
+    if s == "max" {
+        return Some(u64::MAX);
+    }
+    s.parse().ok()
+}
+
+fn stat_field(p: &Path, name: &str) -> u64 {
+    std::fs::read_to_string(p)
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                let (k, v) = l.split_once(' ')?;
+                (k == name).then(|| v.trim().parse().ok()).flatten()
+            })
+        })
+        .unwrap_or(0)
+}
+
+/// The tightest memory cgroup of this process (from `/proc/self/cgroup` and
+/// `/proc/self/mountinfo` texts), walking from its own cgroup up to the mount's root.
+pub(crate) fn cgroup_available(proc_cgroup: &str, mountinfo: &str) -> Option<MemoryAvailable> {
+    let mut best: Option<MemoryAvailable> = None;
+    for line in mountinfo.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let Some(dash) = f.iter().position(|x| *x == "-") else {
+            continue;
+        };
+        let (Some(root), Some(mnt), Some(fstype)) = (f.get(3), f.get(4), f.get(dash + 1)) else {
+            continue;
+        };
+        let v2 = *fstype == "cgroup2";
+        let v1 = *fstype == "cgroup"
+            && f.get(dash + 3)
+                .is_some_and(|o| o.split(',').any(|x| x == "memory"));
+        if !v1 && !v2 {
+            continue;
+        }
+        // This process's path in that hierarchy.
+        let Some(path) = proc_cgroup.lines().find_map(|l| {
+            let mut p = l.splitn(3, ':');
+            let (_, ctrl, path) = (p.next()?, p.next()?, p.next()?);
+            let mine = if v2 {
+                ctrl.is_empty()
+            } else {
+                ctrl.split(',').any(|x| x == "memory")
+            };
+            mine.then_some(path)
+        }) else {
+            continue;
+        };
+        let rel = if *root == "/" {
+            path
+        } else {
+            path.strip_prefix(root).unwrap_or("/")
+        };
+        let top = Path::new(mnt);
+        let mut dir = top.join(rel.trim_start_matches('/'));
+        let (limit_f, usage_f, stat_f, inactive) = if v2 {
+            (
+                "memory.max",
+                "memory.current",
+                "memory.stat",
+                "inactive_file",
+            )
+        } else {
+            (
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "memory.stat",
+                "total_inactive_file",
+            )
+        };
+        loop {
+            if let (Some(limit), Some(usage)) =
+                (read_u64(&dir.join(limit_f)), read_u64(&dir.join(usage_f)))
+            {
+                if limit < NO_LIMIT {
+                    let free = limit
+                        .saturating_sub(usage)
+                        .saturating_add(stat_field(&dir.join(stat_f), inactive))
+                        .min(limit);
+                    if best.as_ref().is_none_or(|b| free < b.bytes) {
+                        best = Some(MemoryAvailable {
+                            bytes: free,
+                            source: format!(
+                                "the memory cgroup {} (limit {limit} bytes)",
+                                dir.display()
+                            ),
+                        });
+                    }
+                }
+            }
+            if dir == top || !dir.pop() || !dir.starts_with(top) {
+                break;
+            }
+        }
+    }
+    best
 }
 
 impl Region {
@@ -94,14 +230,14 @@ impl Region {
     pub fn map(cfg: &PoolConfig) -> Result<Region, PoolError> {
         cfg.validate()?;
         if cfg.prefault && !cfg.use_hugepages {
-            if let Some(avail) = mem_available() {
-                if cfg.capacity_bytes > avail {
+            if let Some(avail) = memory_available() {
+                if cfg.capacity_bytes > avail.bytes {
                     return Err(CoreError::option(
                         "capacity_bytes",
                         format!(
-                            "{} bytes cannot be prefaulted: only {} bytes of memory are available on this host; \
+                            "{} bytes cannot be prefaulted: only {} bytes of memory are available to this process ({}); \
                              lower capacity_bytes/total_capacity_bytes, or set dram_prefault false to populate on demand",
-                            cfg.capacity_bytes, avail
+                            cfg.capacity_bytes, avail.bytes, avail.source
                         ),
                     )
                     .into());
@@ -474,6 +610,55 @@ mod tests {
             e.contains("capacity_bytes") && e.contains("dram_prefault"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn cgroup_limits_are_read_for_v2_and_v1_up_the_hierarchy() {
+        let d = std::env::temp_dir().join(format!("umbp-cg-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let w = |p: &str, v: &str| {
+            let p = d.join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, v).unwrap();
+        };
+        // v2: the parent's limit is tighter than the process's own (which has none).
+        w("v2/a/memory.max", "1073741824\n");
+        w("v2/a/memory.current", "100\n");
+        w("v2/a/memory.stat", "anon 100\ninactive_file 50\n");
+        w("v2/a/b/memory.max", "max\n");
+        w("v2/a/b/memory.current", "100\n");
+        // v1, mounted with its root at /outer (a namespaced container view).
+        w("v1/c/memory.limit_in_bytes", "2147483648\n");
+        w("v1/c/memory.usage_in_bytes", "1000\n");
+        w("v1/memory.limit_in_bytes", "9223372036854771712\n");
+        w("v1/memory.usage_in_bytes", "5\n");
+        let mi = |v2: bool| {
+            if v2 {
+                format!(
+                    "41 31 0:38 / {} rw - cgroup2 cgroup2 rw\n",
+                    d.join("v2").display()
+                )
+            } else {
+                format!(
+                    "35 31 0:32 /outer {} rw - cgroup cgroup rw,memory\n",
+                    d.join("v1").display()
+                )
+            }
+        };
+        let a = cgroup_available("0::/a/b\n", &mi(true)).unwrap();
+        assert_eq!(a.bytes, (1 << 30) - 100 + 50);
+        assert!(
+            a.source.contains("v2/a ") && a.source.contains("1073741824"),
+            "{a:?}"
+        );
+        let a = cgroup_available("4:memory:/outer/c\n0::/\n", &mi(false)).unwrap();
+        assert_eq!(a.bytes, (2 << 30) - 1000);
+        assert!(
+            cgroup_available("4:memory:/outer\n", &mi(false)).is_none(),
+            "no limit"
+        );
+        assert!(cgroup_available("4:cpu:/x\n", &mi(false)).is_none());
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]

@@ -57,6 +57,7 @@ fn store_err(py: Python<'_>, e: StoreError) -> PyErr {
             CopyError::Closed => "StoreClosedError",
             CopyError::Pool(_) => "TransferError",
         },
+        StoreError::Unmapped { .. } => "RegistrationError",
         StoreError::Cuda(c) => match c {
             CudaError::Option { .. } => "ConfigError",
             CudaError::BadMemory { .. } | CudaError::Device { .. } => "RegistrationError",
@@ -210,6 +211,8 @@ impl KeyBuilder {
 struct Job {
     handle: JobHandle,
     timeout: Duration,
+    /// The process that made it (a forked child cannot wait for the parent's copy threads).
+    pid: u32,
 }
 
 #[pymethods]
@@ -229,6 +232,9 @@ impl Job {
     /// per-key statuses; raises `TransferTimeout` when the job is still running.
     #[pyo3(signature = (timeout_ms=None))]
     fn wait(&self, py: Python<'_>, timeout_ms: Option<u64>) -> PyResult<Vec<&'static str>> {
+        if std::process::id() != self.pid {
+            return Err(forked_err(py, "job", self.pid));
+        }
         let t = timeout_ms.map_or(self.timeout, Duration::from_millis);
         let h = self.handle.clone();
         let r = py
@@ -277,6 +283,34 @@ impl<T: Send> ReleaseGilOnDrop<T> {
             pid: std::process::id(),
         }
     }
+}
+
+impl<T: Send> ReleaseGilOnDrop<T> {
+    /// Whether this is a forked child of the process that made the value.
+    fn forked(&self) -> bool {
+        std::process::id() != self.pid
+    }
+
+    /// The value, or `StoreClosedError` in a forked child: its background threads, and any
+    /// lock they held at the fork, exist only in the parent, so using it could hang or panic.
+    fn live(&self, py: Python<'_>, what: &str) -> PyResult<&T> {
+        if self.forked() {
+            return Err(forked_err(py, what, self.pid));
+        }
+        Ok(self)
+    }
+}
+
+fn forked_err(py: Python<'_>, what: &str, parent: u32) -> PyErr {
+    raise(
+        py,
+        "StoreClosedError",
+        format!(
+            "this {what} was created in process {parent} and cannot be used in its forked \
+             child (pid {}): its threads exist only in the parent; create a new one in the child",
+            std::process::id()
+        ),
+    )
 }
 
 impl<T: Send> std::ops::Deref for ReleaseGilOnDrop<T> {
@@ -440,12 +474,13 @@ impl EmbeddedStore {
         // SAFETY: the Python-facing contract (documented above and in the stubs) is that the
         // caller keeps the memory alive while it is registered; the connector holds the KV
         // cache tensors for the store's whole life.
-        unsafe { self.inner.register_memory(addr, length) }.map_err(|e| store_err(py, e))
+        unsafe { self.live(py)?.register_memory(addr, length) }.map_err(|e| store_err(py, e))
     }
 
     /// Removes one registration (waiting for transfers that still use it).
     fn deregister_memory(&self, py: Python<'_>, region_id: u64) -> PyResult<()> {
-        py.detach(|| self.inner.deregister_memory(region_id))
+        let s = self.live(py)?;
+        py.detach(|| s.deregister_memory(region_id))
             .map_err(|e| store_err(py, e))
     }
 
@@ -473,7 +508,7 @@ impl EmbeddedStore {
             gl.push(GroupLayout::new(specs).map_err(|e| core_err(py, e))?);
         }
         let layout = KvLayout::new(gl).map_err(|e| core_err(py, e))?;
-        self.inner
+        self.live(py)?
             .register_layout(layout)
             .map_err(|e| store_err(py, e))
     }
@@ -523,7 +558,7 @@ impl EmbeddedStore {
             gl.push(GroupLayout::new(specs).map_err(|e| core_err(py, e))?);
         }
         let layout = KvLayout::new(gl).map_err(|e| core_err(py, e))?;
-        self.inner
+        self.live(py)?
             .register_layout(layout)
             .map_err(|e| store_err(py, e))
     }
@@ -536,7 +571,10 @@ impl EmbeddedStore {
         py: Python<'py>,
         layout_id: u32,
     ) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let l = self.inner.layout(layout_id).map_err(|e| store_err(py, e))?;
+        let l = self
+            .live(py)?
+            .layout(layout_id)
+            .map_err(|e| store_err(py, e))?;
         l.groups()
             .iter()
             .map(|g| {
@@ -554,18 +592,25 @@ impl EmbeddedStore {
 
     /// Bytes of one block's object in `group` of layout `layout_id`.
     fn object_bytes(&self, py: Python<'_>, layout_id: u32, group: u32) -> PyResult<u64> {
-        let l = self.inner.layout(layout_id).map_err(|e| store_err(py, e))?;
+        let l = self
+            .live(py)?
+            .layout(layout_id)
+            .map_err(|e| store_err(py, e))?;
         Ok(l.group(group).map_err(|e| core_err(py, e))?.object_bytes())
     }
 
     /// Which keys are in the pool. Pins nothing and never refreshes recency.
-    fn exists(&self, keys: &Keys) -> Vec<bool> {
-        self.inner.exists(&keys.keys)
+    fn exists(&self, py: Python<'_>, keys: &Keys) -> PyResult<Vec<bool>> {
+        self.live(py)?
+            .exists(&keys.keys)
+            .map_err(|e| store_err(py, e))
     }
 
     /// How many keys, from the first, are in the pool.
-    fn prefix_hits(&self, keys: &Keys) -> usize {
-        self.inner.prefix_hits(&keys.keys)
+    fn prefix_hits(&self, py: Python<'_>, keys: &Keys) -> PyResult<usize> {
+        self.live(py)?
+            .prefix_hits(&keys.keys)
+            .map_err(|e| store_err(py, e))
     }
 
     /// Starts copying `block_ids` of cache group `group` into the pool under `keys`. For a CUDA
@@ -617,13 +662,14 @@ impl EmbeddedStore {
     }
 
     /// Removes every object; returns how many.
-    fn clear(&self, py: Python<'_>) -> u64 {
-        py.detach(|| self.inner.clear())
+    fn clear(&self, py: Python<'_>) -> PyResult<u64> {
+        let s = self.live(py)?;
+        py.detach(|| s.clear()).map_err(|e| store_err(py, e))
     }
 
     /// Counters and placement as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
+        let s = self.live(py)?.stats().map_err(|e| store_err(py, e))?;
         let d = PyDict::new(py);
         d.set_item("capacity_bytes", s.capacity_bytes)?;
         d.set_item("used_bytes", s.used_bytes)?;
@@ -664,6 +710,11 @@ impl EmbeddedStore {
 
     /// Stops the copy workers (after queued transfers) and the evictor. Idempotent.
     fn close(&self, py: Python<'_>) {
+        // In a forked child the store's threads (and any lock they held) exist only in the
+        // parent: closing there would join threads that are not there. Nothing to do.
+        if self.inner.forked() {
+            return;
+        }
         py.detach(|| self.inner.close());
     }
 
@@ -687,7 +738,7 @@ impl EmbeddedStore {
         length: u64,
         device: i32,
     ) -> PyResult<u64> {
-        let inner = Arc::clone(&self.inner);
+        let inner = Arc::clone(self.live(py)?);
         // SAFETY: the Python-facing contract (documented above and in the stubs) is that the
         // caller keeps the memory allocated while it is registered.
         py.detach(move || unsafe { inner.register_cuda_memory(addr, length, device) })
@@ -697,7 +748,7 @@ impl EmbeddedStore {
     /// The CUDA backend's counters and the pool's DMA registration as a dict, or None before
     /// any CUDA memory is registered.
     fn cuda_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some((s, p)) = self.inner.cuda_status() else {
+        let Some((s, p)) = self.live(py)?.cuda_status() else {
             return Ok(None);
         };
         let d = PyDict::new(py);
@@ -724,13 +775,17 @@ impl EmbeddedStore {
 
     /// Waits (GIL released) up to `timeout_ms` for the pool's DMA registration; False when it
     /// has not finished or no CUDA memory is registered.
-    fn wait_pool_registered(&self, py: Python<'_>, timeout_ms: u64) -> bool {
-        let inner = Arc::clone(&self.inner);
-        py.detach(move || inner.wait_pool_registered(Duration::from_millis(timeout_ms)))
+    fn wait_pool_registered(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<bool> {
+        let inner = Arc::clone(self.live(py)?);
+        Ok(py.detach(move || inner.wait_pool_registered(Duration::from_millis(timeout_ms))))
     }
 }
 
 impl EmbeddedStore {
+    fn live(&self, py: Python<'_>) -> PyResult<&Arc<CoreStore>> {
+        self.inner.live(py, "store")
+    }
+
     /// Starts a store or a load (the shared body of `store` and `load`).
     #[allow(clippy::too_many_arguments)]
     fn start(
@@ -746,12 +801,15 @@ impl EmbeddedStore {
         let ids = to_u64s(block_ids, "block ids", py)?;
         let keys = keys.keys.clone();
         let started = match direction {
-            Direction::Store => self.inner.store_on(layout_id, group, &ids, keys, stream),
-            Direction::Load => self.inner.load_on(layout_id, group, &ids, keys, stream),
+            Direction::Store => self
+                .live(py)?
+                .store_on(layout_id, group, &ids, keys, stream),
+            Direction::Load => self.live(py)?.load_on(layout_id, group, &ids, keys, stream),
         };
         Ok(Job {
             handle: started.map_err(|e| store_err(py, e))?,
-            timeout: self.inner.timeout(),
+            timeout: self.live(py)?.timeout(),
+            pid: std::process::id(),
         })
     }
 }
@@ -780,7 +838,11 @@ impl LookupServer {
         describe: String,
     ) -> PyResult<Self> {
         let keys = key_builder(py, namespace, tp, pcp, dcp, pp)?;
-        let target = Arc::new(StoreLookup::new(Arc::clone(&store.inner), keys, describe));
+        let target = Arc::new(StoreLookup::new(
+            Arc::clone(store.live(py)?),
+            keys,
+            describe,
+        ));
         let inner = Arc::new(
             CoreLookupServer::bind(&path, target)
                 .map_err(|e| raise(py, "LookupServiceError", e.to_string()))?,
@@ -799,6 +861,10 @@ impl LookupServer {
 
     /// Stops serving and removes the socket. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
+        // A forked child has no service thread, and the socket is the parent's: leave both.
+        if self.inner.forked() {
+            return;
+        }
         py.detach(|| self.inner.shutdown());
     }
 }
@@ -807,16 +873,35 @@ impl LookupServer {
 #[pyclass(module = "umbp._native", frozen)]
 struct LookupClient {
     inner: CoreLookupClient,
+    /// The process that made it: a forked child must not share its connections.
+    pid: u32,
+}
+
+impl LookupClient {
+    fn live(&self, py: Python<'_>) -> PyResult<&CoreLookupClient> {
+        if std::process::id() != self.pid {
+            return Err(forked_err(py, "lookup client", self.pid));
+        }
+        Ok(&self.inner)
+    }
 }
 
 #[pymethods]
 impl LookupClient {
     #[new]
     #[pyo3(signature = (paths, timeout_ms=1000))]
-    fn new(paths: Vec<std::path::PathBuf>, timeout_ms: u64) -> Self {
-        LookupClient {
-            inner: CoreLookupClient::new(paths, Duration::from_millis(timeout_ms)),
+    fn new(py: Python<'_>, paths: Vec<std::path::PathBuf>, timeout_ms: u64) -> PyResult<Self> {
+        if paths.is_empty() {
+            return Err(raise(
+                py,
+                "ConfigError",
+                "LookupClient needs the socket path of at least one worker; got none".into(),
+            ));
         }
+        Ok(LookupClient {
+            inner: CoreLookupClient::new(paths, Duration::from_millis(timeout_ms)),
+            pid: std::process::id(),
+        })
     }
 
     /// Blocks, from the first, that every worker holds (0 on any failure).
@@ -827,7 +912,9 @@ impl LookupClient {
         packed_hashes: &[u8],
         hash_len: usize,
     ) -> u32 {
-        py.detach(|| self.inner.prefix_hits(group, packed_hashes, hash_len))
+        // A forked child's lookups are misses (the connections are the parent's).
+        let Ok(c) = self.live(py) else { return 0 };
+        py.detach(|| c.prefix_hits(group, packed_hashes, hash_len))
     }
 
     /// Which blocks every worker holds (all False on any failure).
@@ -838,19 +925,24 @@ impl LookupClient {
         packed_hashes: &[u8],
         hash_len: usize,
     ) -> Vec<bool> {
-        py.detach(|| self.inner.exists_all(group, packed_hashes, hash_len))
+        let Ok(c) = self.live(py) else {
+            return vec![false; packed_hashes.len() / hash_len.max(1)];
+        };
+        py.detach(|| c.exists_all(group, packed_hashes, hash_len))
     }
 
     /// Clears every worker's pool; returns the objects removed.
     #[pyo3(signature = (timeout_ms=10000))]
     fn clear(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<u64> {
-        py.detach(|| self.inner.clear(Duration::from_millis(timeout_ms)))
+        let c = self.live(py)?;
+        py.detach(|| c.clear(Duration::from_millis(timeout_ms)))
             .map_err(|e| raise(py, "LookupServiceError", e.to_string()))
     }
 
     /// Waits until every worker answers; returns their descriptions.
     fn wait_ready(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<Vec<String>> {
-        py.detach(|| self.inner.wait_ready(Duration::from_millis(timeout_ms)))
+        let c = self.live(py)?;
+        py.detach(|| c.wait_ready(Duration::from_millis(timeout_ms)))
             .map_err(|e| raise(py, "LookupServiceError", e.to_string()))
     }
 
@@ -870,6 +962,13 @@ fn socket_path(
     worker: u32,
 ) -> std::path::PathBuf {
     umbp_lookup::socket_path(&dir, tag, dp_rank, worker)
+}
+
+/// Memory this process may still use, `(bytes, what limits it)`: the host's `MemAvailable`, or
+/// less where its memory cgroup (v2 or v1) has less room; None when neither can be read.
+#[pyfunction]
+fn memory_available() -> Option<(u64, String)> {
+    umbp_pool::memory_available().map(|m| (m.bytes, m.source))
 }
 
 /// Runs the `umbp` command with `argv` (program name first); returns its exit code.
@@ -895,6 +994,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LookupClient>()?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_available, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -45,6 +45,66 @@ pub enum StoreError {
     /// The CUDA backend failed (or there is no CUDA).
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// Host memory to register is not mapped readable and writable in this process.
+    #[error("cannot register host memory {addr:#x}+{len}: {reason}; pass the address and byte size of a live, writable allocation (e.g. a tensor's data_ptr() and its storage's nbytes())")]
+    Unmapped {
+        /// Start of the range.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// Checks through `/proc/self/maps` that `[addr, addr + len)` is mapped readable and writable
+/// in this process: a range that is not would crash the process on the first copy.
+fn check_mapped_writable(addr: u64, len: u64) -> Result<(), StoreError> {
+    let err = |reason: String| StoreError::Unmapped { addr, len, reason };
+    let end = addr
+        .checked_add(len)
+        .ok_or_else(|| err("the range wraps around the address space".into()))?;
+    let maps = match std::fs::read_to_string("/proc/self/maps") {
+        Ok(m) => m,
+        Err(e) => {
+            log::warn!("umbp: /proc/self/maps unreadable ({e}); registered memory is not checked");
+            return Ok(());
+        }
+    };
+    let mut spans: Vec<(u64, u64, bool)> = maps
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (lo, hi) = f.next()?.split_once('-')?;
+            let perms = f.next()?.as_bytes();
+            let rw = perms.len() >= 2 && perms[0] == b'r' && perms[1] == b'w';
+            Some((
+                u64::from_str_radix(lo, 16).ok()?,
+                u64::from_str_radix(hi, 16).ok()?,
+                rw,
+            ))
+        })
+        .collect();
+    spans.sort_unstable();
+    let mut at = addr;
+    for (lo, hi, rw) in spans {
+        if hi <= at {
+            continue;
+        }
+        if lo > at || at >= end {
+            break;
+        }
+        if !rw {
+            return Err(err(format!(
+                "{at:#x} lies in a mapping that is not readable and writable"
+            )));
+        }
+        at = hi;
+    }
+    if at < end {
+        return Err(err(format!("{at:#x} is not mapped in this process")));
+    }
+    Ok(())
 }
 
 /// Everything that shapes an embedded store.
@@ -160,6 +220,9 @@ impl EmbeddedStore {
     /// As [`MemoryRegistry::register`]: the memory stays valid until deregistered.
     pub unsafe fn register_memory(&self, addr: u64, len: u64) -> Result<RegionId, StoreError> {
         self.check_open()?;
+        if len > 0 {
+            check_mapped_writable(addr, len)?;
+        }
         // SAFETY: forwarded contract.
         Ok(unsafe { self.engine.registry().register(addr, len, MemoryKind::Host) }?)
     }
@@ -204,14 +267,16 @@ impl EmbeddedStore {
             .ok_or(StoreError::UnknownLayout(id))
     }
 
-    /// Which keys are in the pool (pins nothing).
-    pub fn exists(&self, keys: &[BlockKey]) -> Vec<bool> {
-        self.pool.exists_many(keys)
+    /// Which keys are in the pool (pins nothing). [`StoreError::Closed`] after `close`.
+    pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
+        self.check_open()?;
+        Ok(self.pool.exists_many(keys))
     }
 
-    /// How many keys, from the first, are in the pool.
-    pub fn prefix_hits(&self, keys: &[BlockKey]) -> usize {
-        self.pool.prefix_hits(keys)
+    /// How many keys, from the first, are in the pool. [`StoreError::Closed`] after `close`.
+    pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
+        self.check_open()?;
+        Ok(self.pool.prefix_hits(keys))
     }
 
     fn submit(
@@ -391,14 +456,16 @@ impl EmbeddedStore {
         self.timeout
     }
 
-    /// Removes every object.
-    pub fn clear(&self) -> u64 {
-        self.pool.clear()
+    /// Removes every object; returns how many. [`StoreError::Closed`] after `close`.
+    pub fn clear(&self) -> Result<u64, StoreError> {
+        self.check_open()?;
+        Ok(self.pool.clear())
     }
 
-    /// Pool counters.
-    pub fn stats(&self) -> PoolStats {
-        self.pool.stats()
+    /// Pool counters. [`StoreError::Closed`] after `close`.
+    pub fn stats(&self) -> Result<PoolStats, StoreError> {
+        self.check_open()?;
+        Ok(self.pool.stats())
     }
 
     /// Stored / removed notifications.
@@ -448,6 +515,7 @@ impl StoreLookup {
 
 impl umbp_lookup::LookupTarget for StoreLookup {
     fn prefix_hits(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<u32, String> {
+        // A closed store holds nothing: its lookups fail (the scheduler counts a miss).
         self.store.check_open().map_err(|e| e.to_string())?;
         if hash_len == 0 || hash_len > 32 || !packed.len().is_multiple_of(hash_len) {
             return Err(format!(
@@ -470,15 +538,17 @@ impl umbp_lookup::LookupTarget for StoreLookup {
             .keys
             .keys_packed(group, packed, hash_len)
             .map_err(|e| e.to_string())?;
-        Ok(self.store.exists(&keys))
+        self.store.exists(&keys).map_err(|e| e.to_string())
     }
 
     fn clear(&self) -> u64 {
-        self.store.clear()
+        self.store.clear().unwrap_or(0)
     }
 
     fn describe(&self) -> String {
-        let s = self.store.stats();
+        let Ok(s) = self.store.stats() else {
+            return format!("{} (store closed)", self.describe);
+        };
         format!(
             "{} objects={} used_bytes={} evictions={}",
             self.describe, s.objects, s.used_bytes, s.evictions
@@ -529,7 +599,7 @@ mod tests {
             .wait(&s.store(lid, 0, &[3], keys.clone()).unwrap())
             .unwrap();
         assert_eq!(r, vec![KeyResult::Done]);
-        assert_eq!(s.prefix_hits(&keys), 1);
+        assert_eq!(s.prefix_hits(&keys).unwrap(), 1);
         assert!(
             s.load(lid, 1, &[3], keys.clone()).is_err(),
             "group 1 does not exist"
@@ -544,6 +614,60 @@ mod tests {
             s.register_layout(KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap()),
             Err(StoreError::Closed)
         ));
+    }
+
+    #[test]
+    fn memory_that_is_not_mapped_writable_is_refused_at_registration() {
+        let s = store();
+        // SAFETY: mapping a fresh anonymous region for this test, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                3 * 4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let a = p as u64;
+        // SAFETY: unmapping / protecting pages of our own mapping.
+        unsafe {
+            libc::munmap(p.cast::<u8>().add(2 * 4096).cast(), 4096);
+            libc::mprotect(p.cast::<u8>().add(4096).cast(), 4096, libc::PROT_READ);
+        }
+        // SAFETY: every registration below is refused or never copied; the store is dropped
+        // before the mapping.
+        unsafe {
+            let e = s
+                .register_memory(a + 2 * 4096, 4096)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("is not mapped") && e.contains("data_ptr"), "{e}");
+            let e = s.register_memory(a, 2 * 4096).unwrap_err().to_string();
+            assert!(e.contains("not readable and writable"), "{e}");
+            let e = s.register_memory(a, 3 * 4096).unwrap_err().to_string();
+            assert!(e.contains("cannot register host memory"), "{e}");
+            s.register_memory(a, 4096).unwrap();
+        }
+        s.close();
+        drop(s);
+        // SAFETY: our own mapping, no longer registered anywhere.
+        unsafe { libc::munmap(p, 2 * 4096) };
+    }
+
+    #[test]
+    fn a_closed_store_answers_nothing() {
+        let s = store();
+        let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
+        let keys = vec![kb.key(0, b"h").unwrap()];
+        assert_eq!(s.exists(&keys).unwrap(), vec![false]);
+        s.close();
+        assert!(matches!(s.exists(&keys), Err(StoreError::Closed)));
+        assert!(matches!(s.prefix_hits(&keys), Err(StoreError::Closed)));
+        assert!(matches!(s.clear(), Err(StoreError::Closed)));
+        assert!(matches!(s.stats(), Err(StoreError::Closed)));
     }
 
     #[test]

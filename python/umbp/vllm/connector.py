@@ -43,6 +43,7 @@ import umbp
 from umbp.errors import ConfigError
 from umbp.kv_layout import describe_tensor, register_tensor_layout, summary_line
 from umbp.vllm.config import ConnectorConfig
+from umbp.vllm.host import check_engine_memory, socket_dir
 from umbp.vllm.namespace import derive_namespace, socket_tag
 
 # Hooks that not every supported vLLM has: the connector uses them where they exist.
@@ -145,15 +146,20 @@ class _Topology:
     def force_async_loads(self) -> bool:
         return self.per_request_failures
 
+    nnodes: int = 1  # hosts the engine's workers are spread over
+
     @property
     def workers(self) -> int:
         return self.tp_size * self.pcp_size
 
+    @property
+    def workers_per_host(self) -> int:
+        return max(1, -(-self.workers // max(1, self.nnodes)))
+
     def socket_paths(self, lookup_dir: str) -> list[str]:
-        return [
-            str(umbp.socket_path(lookup_dir, self.tag, self.dp_rank, w))
-            for w in range(self.workers)
-        ]
+        """Every worker's socket, in this user's private directory under `lookup_dir`."""
+        d = socket_dir(lookup_dir)
+        return [str(umbp.socket_path(d, self.tag, self.dp_rank, w)) for w in range(self.workers)]
 
 
 def _topology(cfg: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: Any) -> _Topology:
@@ -215,6 +221,7 @@ def _topology(cfg: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: An
         load_groups=tuple(load_groups),
         eagle_drop=_eagle_drops_last_block(vllm_config),
         per_request_failures=len(groups) > 1,
+        nnodes=int(getattr(pc, "nnodes", 1) or 1),
     )
 
 
@@ -723,6 +730,12 @@ class _WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self.cfg
         capacity = cfg.worker_capacity(self.topo.workers)
+        if cfg.dram_prefault and not cfg.dram_use_hugepages:
+            # Every worker of this engine on this host prefaults a pool: check their sum.
+            claims = socket_dir(cfg.lookup_dir) / (
+                f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}.claims"
+            )
+            check_engine_memory(claims, capacity, self.topo.workers_per_host)
         self.store = umbp.EmbeddedStore(
             capacity,
             high_watermark=cfg.dram_high_watermark,
@@ -754,7 +767,7 @@ class _WorkerSide:
                 else:
                     self.store.register_memory(ptr, storage.nbytes())
         self.layout = self._register_layout(kv_caches)
-        path = umbp.socket_path(self.cfg.lookup_dir, self.topo.tag, self.topo.dp_rank, self.worker)
+        path = self.topo.socket_paths(self.cfg.lookup_dir)[self.worker]
         self.server = umbp.LookupServer(
             self.store,
             path,
