@@ -63,3 +63,24 @@ def test_a_forked_child_that_drops_a_store_exits():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["child", "0"]
+
+
+def test_only_sockets_nobody_serves_are_removed(tmp_path):
+    import socket
+
+    from umbp.vllm.host import remove_dead_sockets
+
+    live, dead, other = tmp_path / "live.sock", tmp_path / "dead.sock", tmp_path / "file.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(live))
+    server.listen(1)
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gone.bind(str(dead))
+    gone.close()  # bound, never listening again: connections are refused
+    other.write_text("not a socket")
+    try:
+        paths = [live, dead, other, tmp_path / "missing.sock"]
+        assert remove_dead_sockets(paths) == [str(dead)]
+        assert live.exists() and other.exists() and not dead.exists()
+    finally:
+        server.close()

@@ -103,9 +103,9 @@ def finish(proc: subprocess.Popen, timeout: float = 420) -> dict:
             break
         time.sleep(0.5)
     if result:
-        if "startup_error" in result[0]:
-            # vLLM reports the root cause in its engine process's output, above the exception.
-            result[0]["output"] = "".join(lines)
+        # Everything the engine's processes logged (vLLM reports a start-up failure's root
+        # cause in its engine process's output, above the exception).
+        result[0]["output"] = "".join(lines)
         return result[0]
     raise AssertionError(
         "engine produced no result; its output ended with:\n" + "".join(lines)[-4000:]

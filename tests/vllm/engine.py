@@ -9,7 +9,8 @@ Scenario keys: model, connector (kv_connector_extra_config, or null for no conne
 kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
 kv_events (an ipc:// endpoint to publish KV events to), steps: a list of
 {"generate": [prompt, ...]}, {"reset": bool reset_external}, {"signal": path},
-{"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events}.
+{"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events}. A step that raises (e.g. the engine died) ends
+the scenario; the result then has "error".
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ def main() -> None:
         return
     out: dict = {"startup_s": time.time() - t0, "steps": []}
     sp = SamplingParams(temperature=0.0, max_tokens=sc.get("max_tokens", 8))
+    try:
+        run_steps(llm, sc, sp, out, events)
+    except Exception as e:  # e.g. the engine died: report what ran
+        out["error"] = f"{type(e).__name__}: {e}"
+    print("UMBP_RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # skip vLLM's slow teardown; the harness kills the process group
+
+
+def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
+    from vllm import SamplingParams
+
     for step in sc["steps"]:
         if "generate" in step:
             res = []
@@ -104,8 +116,6 @@ def main() -> None:
             llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)  # flush a step
             time.sleep(step["events"])
             out["steps"].append(list(events))
-    print("UMBP_RESULT " + json.dumps(out), flush=True)
-    os._exit(0)  # skip vLLM's slow teardown; the harness kills the process group
 
 
 def collect_events(endpoint: str, sink: list) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import struct
+import time
 from pathlib import Path
 
 import umbp
@@ -372,3 +377,40 @@ def test_hybrid_model_two_groups_restore_and_outputs_stay_identical(hybrid_model
     assert objects == 2 * 14, objects
     for o in restored:
         assert o["cached"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK, restored
+
+
+def test_a_killed_worker_leaves_no_socket_behind(model, tmp_path):
+    """A worker removes its socket when it shuts down; one killed outright (vLLM's forced kill
+    of workers that do not stop in time, the OOM killer) cannot. vLLM then stops the engine,
+    and the scheduler side, shut down after the workers, removes the sockets nobody serves."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    engine = run_engine(
+        {
+            "model": model,
+            "connector": connector(tmp_path),
+            "steps": [
+                {"generate": prompts(1)},
+                {"signal": str(ready)},
+                {"wait_for": str(go)},
+                {"generate": prompts(1, seed=1)},
+            ],
+        },
+        background=True,
+    )
+    try:
+        wait_for(ready)
+        (sock,) = socket_dir(tmp_path).glob("*.sock")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(str(sock))
+            cred = c.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        worker_pid = struct.unpack("3i", cred)[0]
+        assert worker_pid not in (0, engine.pid)
+        os.kill(worker_pid, signal.SIGKILL)
+        # vLLM notices the dead worker and shuts the engine down.
+        deadline = time.monotonic() + 120
+        while sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not sock.exists(), f"{sock} was left behind by the killed worker"
+    finally:
+        go.write_text("go")
+        finish(engine)

@@ -43,7 +43,7 @@ import umbp
 from umbp.errors import ConfigError
 from umbp.kv_layout import describe_tensor, register_tensor_layout, summary_line
 from umbp.vllm.config import ConnectorConfig
-from umbp.vllm.host import check_engine_memory, socket_dir
+from umbp.vllm.host import check_engine_memory, remove_dead_sockets, socket_dir
 from umbp.vllm.namespace import derive_namespace, socket_tag
 
 # Hooks that not every supported vLLM has: the connector uses them where they exist.
@@ -338,6 +338,19 @@ class _SchedulerSide:
             topo.workers,
             cfg.lookup_dir,
         )
+
+    def shutdown(self) -> None:
+        # vLLM shuts the scheduler down after the executor has stopped (or killed) the
+        # workers: remove the sockets of workers that could not remove their own.
+        if self.lookup_pool is not None:
+            self.lookup_pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            paths = self.topo.socket_paths(self.cfg.lookup_dir)
+        except ConfigError as e:  # the directory changed under us: leave it alone
+            logger.warning("umbp: lookup sockets not checked at shutdown: %s", e)
+            return
+        for p in remove_dead_sockets(paths):
+            logger.info("umbp: removed the socket of a worker that did not shut down: %s", p)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -1022,6 +1035,8 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # -- scheduler side ----------------------------------------------------------------------
 

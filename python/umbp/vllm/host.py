@@ -96,3 +96,43 @@ def check_engine_memory(claims: Path, capacity: int, workers_on_host: int) -> No
         f.truncate()
         f.write("".join(x + "\n" for x in live) + f"{os.getpid()} {capacity}\n")
         f.flush()
+
+
+def remove_dead_sockets(paths: list[str] | list[Path]) -> list[str]:
+    """Removes those of `paths` that are socket files no process serves any more; returns them.
+
+    A worker removes its socket when it shuts down, but one killed (SIGKILL: vLLM's forced kill
+    of workers that do not stop in time, the OOM killer) leaves it. A socket is dead when a
+    connection to it is refused; one that accepts, or whose queue is full, is live and kept, as
+    is anything that is not a socket. The file is removed only if it is still the one tried
+    (same device and inode), so a socket bound again at the path meanwhile stays.
+    """
+    import socket
+
+    removed = []
+    for p in map(str, paths):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode):
+            continue
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(p)
+            continue  # served
+        except ConnectionRefusedError:
+            pass
+        except OSError:
+            continue  # a full queue (EAGAIN) is a live server; anything else: leave it
+        finally:
+            s.close()
+        try:
+            now = os.lstat(p)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(p)
+                removed.append(p)
+        except OSError:
+            pass
+    return removed
