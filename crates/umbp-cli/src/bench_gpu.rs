@@ -117,6 +117,30 @@ fn sweep_shape(piece: u64, block: u64, blocks: u64) -> Shape {
     }
 }
 
+/// A comma-separated list of positive KiB numbers (`what` names the option in errors).
+fn parse_kib_list(v: &str, what: &str) -> Result<Vec<u64>> {
+    v.split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<u64>()
+                .ok()
+                .filter(|&k| k > 0)
+                .with_context(|| format!("{what} takes positive KiB numbers, not {s:?}"))
+        })
+        .collect()
+}
+
+/// A comma-separated list of copy methods (`what` names the option in errors).
+fn parse_methods(v: &str, what: &str) -> Result<Vec<CopyMethod>> {
+    v.split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<CopyMethod>()
+                .map_err(|_| anyhow::anyhow!("{what}: {s:?} is not one of auto, dma, staged"))
+        })
+        .collect()
+}
+
 fn sweep(
     a: &Args,
     dev: &Arc<Device>,
@@ -124,24 +148,9 @@ fn sweep(
     ceil: &Value,
     traces: &mut Vec<Value>,
 ) -> Result<Vec<Value>> {
-    let list = |v: &str, what: &str| -> Result<Vec<u64>> {
-        v.split(',')
-            .map(|s| {
-                s.trim()
-                    .parse::<u64>()
-                    .ok()
-                    .filter(|&k| k > 0)
-                    .with_context(|| format!("{what} takes positive KiB numbers, not {s:?}"))
-            })
-            .collect()
-    };
-    let kibs = list(&a.sweep_kib, "--sweep-kib")?;
-    let block_kibs = list(&a.sweep_block_kib, "--sweep-block-kib")?;
-    let methods: Vec<CopyMethod> = a
-        .sweep_methods
-        .split(',')
-        .map(|s| s.trim().parse::<CopyMethod>().map_err(anyhow::Error::from))
-        .collect::<Result<_>>()?;
+    let kibs = parse_kib_list(&a.sweep_kib, "--sweep-kib")?;
+    let block_kibs = parse_kib_list(&a.sweep_block_kib, "--sweep-block-kib")?;
+    let methods = parse_methods(&a.sweep_methods, "--sweep-methods")?;
     let mut out = Vec::new();
     for &block_kib in &block_kibs {
         for &kib in &kibs {
@@ -1038,6 +1047,12 @@ fn under_load_shape(
             / (c.staged_bytes + c.dma_bytes).max(1) as f64)),
     );
     p.store.close();
+    // The loop's noise band over all three modes' lone rounds.
+    let noise = ["store", "load", "both"]
+        .iter()
+        .filter_map(|m| out[*m]["noise_pct"].as_f64())
+        .fold(0.0, f64::max);
+    out.insert("noise_pct".into(), json!(noise));
     let v = Value::Object(out);
     let f = |m: &str, k: &str| v[m][k].as_f64().unwrap_or(f64::NAN);
     println!(
@@ -1052,9 +1067,7 @@ fn under_load_shape(
         f("store", "slowdown_pct"),
         f("load", "slowdown_pct"),
         f("both", "slowdown_pct"),
-        f("store", "noise_pct")
-            .max(f("load", "noise_pct"))
-            .max(f("both", "noise_pct")),
+        noise,
         100.0 * v["staged_share"].as_f64().unwrap_or(0.0),
         v["auto_switches"].as_u64().unwrap_or(0),
     );
@@ -1069,11 +1082,7 @@ fn under_load(
     host: &mut Pinned,
     ceil: &Value,
 ) -> Result<Value> {
-    let methods: Vec<CopyMethod> = a
-        .under_load_methods
-        .split(',')
-        .map(|s| s.trim().parse::<CopyMethod>().map_err(anyhow::Error::from))
-        .collect::<Result<_>>()?;
+    let methods = parse_methods(&a.under_load_methods, "--under-load-methods")?;
     let stream = dev.stream()?;
     let (mm, lib) = Matmul::new(dev, &stream, a.matmul_n)?;
     // Calibrate: how many matmuls fill --load-ms.
@@ -1127,9 +1136,7 @@ fn under_load(
             f("store", "slowdown_pct"),
             f("load", "slowdown_pct"),
             f("both", "slowdown_pct"),
-            f("store", "noise_pct")
-                .max(f("load", "noise_pct"))
-                .max(f("both", "noise_pct")),
+            r["noise_pct"].as_f64().unwrap_or(f64::NAN),
         );
     }
     Ok(json!({
@@ -1248,6 +1255,15 @@ pub fn run(a: &Args) -> Result<()> {
     );
     let method: CopyMethod = a.method.parse()?;
     let shapes = parse_shapes(&a.shapes, a.num_blocks)?;
+    // Refuse bad lists before the device is opened.
+    if a.sweep {
+        parse_kib_list(&a.sweep_kib, "--sweep-kib")?;
+        parse_kib_list(&a.sweep_block_kib, "--sweep-block-kib")?;
+        parse_methods(&a.sweep_methods, "--sweep-methods")?;
+    }
+    if a.under_load {
+        parse_methods(&a.under_load_methods, "--under-load-methods")?;
+    }
     let dev = Device::open(a.device)?;
     let drv = umbp_cuda::driver()?;
     progress!(
@@ -1266,9 +1282,8 @@ pub fn run(a: &Args) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(if a.sweep {
-            a.sweep_block_kib
-                .split(',')
-                .filter_map(|s| s.trim().parse::<u64>().ok())
+            parse_kib_list(&a.sweep_block_kib, "--sweep-block-kib")?
+                .into_iter()
                 .max()
                 .unwrap_or(0)
                 << 10

@@ -9,24 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use umbp_lookup::{LookupClient, LookupServer, LookupTarget};
+use umbp_lookup::{LookupClient, LookupServer};
 
-struct AllHeld;
-
-impl LookupTarget for AllHeld {
-    fn prefix_hits(&self, _g: u32, packed: &[u8], hl: usize) -> Result<u32, String> {
-        Ok((packed.len() / hl) as u32)
-    }
-    fn exists(&self, _g: u32, packed: &[u8], hl: usize) -> Result<Vec<bool>, String> {
-        Ok(vec![true; packed.len() / hl])
-    }
-    fn clear(&self) -> u64 {
-        0
-    }
-    fn describe(&self) -> String {
-        "fuzz worker".into()
-    }
-}
+mod common;
+use common::AllHeld;
 
 fn frame(magic: &[u8; 4], op: u8, body: &[u8]) -> Vec<u8> {
     let mut f = magic.to_vec();
@@ -93,7 +79,7 @@ fn server() -> &'static (LookupServer, LookupClient) {
         let dir = std::env::temp_dir().join(format!("umbp-lookup-fuzz-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("w.sock");
-        let s = LookupServer::bind(&path, Arc::new(AllHeld)).unwrap();
+        let s = LookupServer::bind(&path, Arc::new(AllHeld("fuzz worker"))).unwrap();
         let c = LookupClient::new(vec![path], Duration::from_secs(5));
         (s, c)
     })

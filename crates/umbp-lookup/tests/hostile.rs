@@ -9,25 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use umbp_lookup::{LookupClient, LookupServer, LookupTarget};
+use umbp_lookup::{LookupClient, LookupServer};
 
-/// Holds every block: prefix hits are the number of hashes asked.
-struct AllHeld;
-
-impl LookupTarget for AllHeld {
-    fn prefix_hits(&self, _g: u32, packed: &[u8], hl: usize) -> Result<u32, String> {
-        Ok((packed.len() / hl) as u32)
-    }
-    fn exists(&self, _g: u32, packed: &[u8], hl: usize) -> Result<Vec<bool>, String> {
-        Ok(vec![true; packed.len() / hl])
-    }
-    fn clear(&self) -> u64 {
-        0
-    }
-    fn describe(&self) -> String {
-        "hostile-test worker".into()
-    }
-}
+mod common;
+use common::AllHeld;
 
 /// The worker process: serves `UMBP_HOSTILE_SOCKET` until its stdin closes.
 #[test]
@@ -36,7 +21,11 @@ fn worker_process() {
     let Some(path) = std::env::var_os("UMBP_HOSTILE_SOCKET") else {
         return;
     };
-    let server = LookupServer::bind(Path::new(&path), std::sync::Arc::new(AllHeld)).unwrap();
+    let server = LookupServer::bind(
+        Path::new(&path),
+        std::sync::Arc::new(AllHeld("hostile-test worker")),
+    )
+    .unwrap();
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
     server.shutdown();
@@ -175,6 +164,20 @@ fn memfd(size: usize, sealing: bool) -> OwnedFd {
     fd
 }
 
+/// `fd` with its size sealed (`F_SEAL_SHRINK | F_SEAL_GROW`), as the client seals its buffers.
+fn sealed(fd: OwnedFd) -> OwnedFd {
+    // SAFETY: sealing our own memfd.
+    let rc = unsafe {
+        libc::fcntl(
+            fd.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
+        )
+    };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    fd
+}
+
 /// Sends `data` with `fds` attached in one `SCM_RIGHTS` message.
 fn send_fds(s: &UnixStream, data: &[u8], fds: &[RawFd]) {
     let mut iov = libc::iovec {
@@ -232,16 +235,7 @@ fn a_shrunk_shared_buffer_does_not_kill_the_worker() {
     // A sealed buffer is accepted, and every range is checked against its sealed size.
     let mut s = UnixStream::connect(&w.path).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let fd = memfd(64 << 10, true);
-    // SAFETY: sealing our own memfd.
-    let rc = unsafe {
-        libc::fcntl(
-            fd.as_raw_fd(),
-            libc::F_ADD_SEALS,
-            libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
-        )
-    };
-    assert_eq!(rc, 0);
+    let fd = sealed(memfd(64 << 10, true));
     send_fds(&s, &frame(5, &[]), &[fd.as_raw_fd()]);
     assert_eq!(reply(&mut s).unwrap().0, 0);
     // SAFETY: trying to shrink our own sealed memfd (the kernel refuses).
@@ -267,19 +261,8 @@ fn descriptors_beyond_the_expected_one_are_closed() {
     let before = w.fd_count();
     let mut s = UnixStream::connect(&w.path).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let a = memfd(4096, true);
-    let b = memfd(4096, true);
-    for fd in [&a, &b] {
-        // SAFETY: sealing our own memfd.
-        let rc = unsafe {
-            libc::fcntl(
-                fd.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW,
-            )
-        };
-        assert_eq!(rc, 0);
-    }
+    let a = sealed(memfd(4096, true));
+    let b = sealed(memfd(4096, true));
     let attach = frame(5, &[]);
     for i in 0..20_000 {
         send_fds(&s, &attach, &[a.as_raw_fd(), b.as_raw_fd()]);
