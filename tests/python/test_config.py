@@ -116,7 +116,7 @@ def test_namespace_covers_the_model_config():
     assert socket_tag(a, "x") != socket_tag(a, "y")
 
 
-def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
+def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name(caplog):
     pytest.importorskip("vllm")
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -124,6 +124,7 @@ def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
 
     reg = KVConnectorFactory._registry
     saved = reg.pop("UMBPStoreConnector", None)
+    caplog.set_level("INFO", logger="umbp.vllm")
     try:
 
         class UMBPStoreConnector:  # stands in for vLLM 0.33's dormant in-tree class
@@ -134,7 +135,35 @@ def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
         plugin.register()  # vLLM runs plugins in every process, sometimes twice
         cls = reg["UMBPStoreConnector"]()
         assert cls.__module__ == "umbp.vllm.connector"
+        # The takeover is logged once, at WARNING, with both ways to keep vLLM's class.
+        (record,) = [r for r in caplog.records if "UMBPStoreConnector" in r.getMessage()]
+        assert record.levelname == "WARNING"
+        msg = record.getMessage()
+        assert "kv_connector_module_path" in msg and "VLLM_PLUGINS" in msg and "`umbp`" in msg
     finally:
+        reg.pop("UMBPStoreConnector", None)
+        if saved is not None:
+            reg["UMBPStoreConnector"] = saved
+
+
+def test_plugin_takeover_warning_names_the_module_of_vllms_class(caplog):
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from umbp.vllm import plugin
+
+    reg = KVConnectorFactory._registry
+    saved = reg.pop("UMBPStoreConnector", None)
+    caplog.set_level("WARNING", logger="umbp.vllm")
+    try:
+        # Registered the way vLLM registers its in-tree connectors.
+        in_tree = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+        KVConnectorFactory.register_connector("UMBPStoreConnector", in_tree, "UMBPStoreConnector")
+        plugin.register()
+        (record,) = caplog.records
+        assert f'"kv_connector_module_path": "{in_tree}"' in record.getMessage()
+    finally:
+        reg.pop("UMBPStoreConnector", None)
         if saved is not None:
             reg["UMBPStoreConnector"] = saved
 
