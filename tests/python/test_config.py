@@ -86,12 +86,12 @@ def test_standalone_endpoints():
 
 def test_pipeline_parallelism_is_rejected():
     pytest.importorskip("vllm")
-    from umbp.vllm.connector import _topology
+    from umbp.vllm.topology import engine_topology
 
     pc = types.SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1)
     vc = types.SimpleNamespace(parallel_config=pc)
     with pytest.raises(ConfigError, match="pipeline"):
-        _topology(ConnectorConfig.parse({}, None), vc, None)
+        engine_topology(ConnectorConfig.parse({}, None), vc, None)
 
 
 def test_namespace_covers_the_model_config():
