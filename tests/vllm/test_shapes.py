@@ -52,6 +52,32 @@ BS = 16  # tokens per block in these tests
 BF16 = torch.bfloat16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def parallel_groups():
+    """vLLM's parallel groups of a one-worker engine, as a real worker process has them: the
+    worker side reads its ranks from them (it refuses to guess rank 0)."""
+    import socket
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ps.ensure_model_parallel_initialized(1, 1)
+    yield
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+
+
 @pytest.fixture(scope="module")
 def model_config(model) -> ModelConfig:
     plugin.register()

@@ -110,7 +110,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
             self._scheduler = SchedulerSide(self.cfg, topo, runtime(self.cfg, topo), vllm_config)
         else:
             self._worker = WorkerSide(
-                self.cfg, topo, runtime(self.cfg, topo), kv_cache_config, local_ranks()
+                self.cfg, topo, runtime(self.cfg, topo), kv_cache_config, local_ranks(topo)
             )
 
     # -- worker side -----------------------------------------------------------------------

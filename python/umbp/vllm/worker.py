@@ -27,21 +27,51 @@ from umbp.vllm.topology import Ranks, Topology
 logger = logging.getLogger("umbp.vllm")
 
 
-def local_ranks() -> Ranks:
-    """This worker's TP, PCP and DCP ranks, from vLLM's parallel groups."""
+#: (what, topology field, vLLM's getter) of each rank a worker's keys carry.
+_RANK_GROUPS = (
+    ("tensor parallel", "tp_size", "get_tp_group"),
+    ("prefill context parallel", "pcp_size", "get_pcp_group"),
+    ("decode context parallel", "dcp_size", "get_dcp_group"),
+)
+
+
+def local_ranks(topo: Topology) -> Ranks:
+    """This worker's TP, PCP and DCP ranks, from vLLM's parallel groups of this process.
+
+    Raises instead of guessing: a worker that took rank 0 for a rank it could not find would
+    store its blocks under another rank's keys and answer lookups for that rank, and with a
+    pool shared across engines another rank's workers would restore its KV as their own.
+    """
     from vllm.distributed import parallel_state as ps
 
-    def rank(getter: str) -> int:
+    found = []
+    for what, size_field, getter in _RANK_GROUPS:
+        size = getattr(topo, size_field)
+        get = getattr(ps, getter, None)
+        if get is None:
+            raise RuntimeError(
+                f"UMBPStoreConnector cannot tell this worker's {what} rank: this vLLM has no "
+                f"`vllm.distributed.parallel_state.{getter}`; use a supported vLLM (0.32 or newer)"
+            )
         try:
-            return getattr(ps, getter)().rank_in_group
-        except Exception:
-            return 0
-
-    try:
-        tp = ps.get_tensor_model_parallel_rank()
-    except Exception:
-        tp = 0
-    return Ranks(tp=tp, pcp=rank("get_pcp_group"), dcp=rank("get_dcp_group"))
+            group = get()
+            rank, world = int(group.rank_in_group), int(group.world_size)
+        except Exception as e:
+            raise RuntimeError(
+                f"UMBPStoreConnector cannot tell this worker's {what} rank: "
+                f"`vllm.distributed.parallel_state.{getter}()` failed ({type(e).__name__}: {e}). "
+                "The worker side must be created in a vLLM worker whose parallel groups are "
+                "initialised; it does not assume rank 0, which would serve another rank's KV"
+            ) from e
+        if world != size or not 0 <= rank < size:
+            raise RuntimeError(
+                f"UMBPStoreConnector: vLLM's {what} group of this worker has rank {rank} of "
+                f"{world}, but the engine's configuration says {size_field}={size}; the worker's "
+                "keys would not match the scheduler's"
+            )
+        found.append(rank)
+    tp, pcp, dcp = found
+    return Ranks(tp=tp, pcp=pcp, dcp=dcp)
 
 
 class WorkerSide:
