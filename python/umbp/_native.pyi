@@ -3,7 +3,7 @@
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 Status = Literal[
     "pending", "done", "already_present", "missing", "pool_full", "cancelled", "failed"
@@ -152,3 +152,12 @@ def socket_path(
 ) -> pathlib.Path: ...
 def memory_available() -> tuple[int, str] | None: ...
 def cli_main(argv: list[str]) -> int: ...
+def connector_options(extra_json: str, kv_role: str | None = None) -> dict[str, Any]:
+    """Validates `kv_connector_extra_config` (a JSON object) and `kv_role` against the options
+    schema; every option, defaulted. Raises `ConfigError` naming a bad option."""
+    ...
+
+def connector_option_schema() -> list[dict[str, Any]]:
+    """Every connector option: name, scope, type, default, nullable, min, max, unit, choices,
+    doc, default_doc, rejected."""
+    ...

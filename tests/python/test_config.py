@@ -1,9 +1,13 @@
 """Connector option validation (no vLLM needed)."""
 
+import dataclasses
+import inspect
 import types
+from pathlib import Path
 
 import pytest
 
+import umbp
 from umbp import ConfigError
 from umbp.vllm.config import ConnectorConfig, parse_endpoint
 
@@ -86,12 +90,12 @@ def test_standalone_endpoints():
 
 def test_pipeline_parallelism_is_rejected():
     pytest.importorskip("vllm")
-    from umbp.vllm.connector import _topology
+    from umbp.vllm.topology import engine_topology
 
     pc = types.SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1)
     vc = types.SimpleNamespace(parallel_config=pc)
     with pytest.raises(ConfigError, match="pipeline"):
-        _topology(ConnectorConfig.parse({}, None), vc, None)
+        engine_topology(ConnectorConfig.parse({}, None), vc, None)
 
 
 def test_namespace_covers_the_model_config():
@@ -116,7 +120,7 @@ def test_namespace_covers_the_model_config():
     assert socket_tag(a, "x") != socket_tag(a, "y")
 
 
-def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
+def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name(caplog):
     pytest.importorskip("vllm")
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -124,6 +128,7 @@ def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
 
     reg = KVConnectorFactory._registry
     saved = reg.pop("UMBPStoreConnector", None)
+    caplog.set_level("INFO", logger="umbp.vllm")
     try:
 
         class UMBPStoreConnector:  # stands in for vLLM 0.33's dormant in-tree class
@@ -134,7 +139,35 @@ def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name():
         plugin.register()  # vLLM runs plugins in every process, sometimes twice
         cls = reg["UMBPStoreConnector"]()
         assert cls.__module__ == "umbp.vllm.connector"
+        # The takeover is logged once, at WARNING, with both ways to keep vLLM's class.
+        (record,) = [r for r in caplog.records if "UMBPStoreConnector" in r.getMessage()]
+        assert record.levelname == "WARNING"
+        msg = record.getMessage()
+        assert "kv_connector_module_path" in msg and "VLLM_PLUGINS" in msg and "`umbp`" in msg
     finally:
+        reg.pop("UMBPStoreConnector", None)
+        if saved is not None:
+            reg["UMBPStoreConnector"] = saved
+
+
+def test_plugin_takeover_warning_names_the_module_of_vllms_class(caplog):
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from umbp.vllm import plugin
+
+    reg = KVConnectorFactory._registry
+    saved = reg.pop("UMBPStoreConnector", None)
+    caplog.set_level("WARNING", logger="umbp.vllm")
+    try:
+        # Registered the way vLLM registers its in-tree connectors.
+        in_tree = "vllm.distributed.kv_transfer.kv_connector.v1.umbp"
+        KVConnectorFactory.register_connector("UMBPStoreConnector", in_tree, "UMBPStoreConnector")
+        plugin.register()
+        (record,) = caplog.records
+        assert f'"kv_connector_module_path": "{in_tree}"' in record.getMessage()
+    finally:
+        reg.pop("UMBPStoreConnector", None)
         if saved is not None:
             reg["UMBPStoreConnector"] = saved
 
@@ -152,3 +185,97 @@ def test_lookup_workers_is_the_in_tree_option_name():
     for bad in (0, 1.5, "4", 1000):
         with pytest.raises(ConfigError, match="lookup_workers"):
             ConnectorConfig.parse({"lookup_workers": bad}, "kv_both")
+
+
+# ---------------------------------------------------------------------------------------------
+# One schema (crates/umbp-core/src/options.rs) for checks, defaults, the store and the docs
+# ---------------------------------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def test_docs_option_tables_are_the_schema():
+    from umbp.vllm import config
+
+    text = DOCS.read_text(encoding="utf-8")
+    assert config.render_docs(text) == text, (
+        "docs/configuration.md's option tables differ from the schema; run "
+        "`python -m umbp.vllm.config --write docs/configuration.md`"
+    )
+    lines = text.splitlines()
+    for s in config.SCHEMA:  # every option is in one table, once
+        row = f"| `{s['name']}` | {s['default_doc']} |"
+        assert sum(line.startswith(row) for line in lines) == 1, s["name"]
+
+
+def test_connector_config_fields_are_the_schemas_options():
+    from umbp.vllm import config
+
+    fields = {f.name for f in dataclasses.fields(ConnectorConfig)} - {"extra", "kv_role"}
+    assert fields == set(config.OPTIONS)
+    parsed = ConnectorConfig.parse({}, None)
+    for s in config.SCHEMA:
+        if s["scope"] != "standalone":
+            assert getattr(parsed, s["name"]) == s["default"], s["name"]
+
+
+#: The store's keyword arguments that are connector options under another name.
+STORE_ARGS = {
+    "high_watermark": "dram_high_watermark",
+    "low_watermark": "dram_low_watermark",
+    "use_hugepages": "dram_use_hugepages",
+    "hugepage_size": "dram_hugepage_size",
+    "numa_node": "dram_numa_node",
+    "prefault": "dram_prefault",
+    "num_workers": "num_workers",
+    "timeout_ms": "timeout_ms",
+}
+
+
+def test_store_arguments_default_to_the_connector_options():
+    from umbp.vllm import config
+
+    params = inspect.signature(umbp.EmbeddedStore).parameters
+    for arg, option in STORE_ARGS.items():
+        assert params[arg].default == config.OPTIONS[option]["default"], arg
+    # And the store table of the docs shows the same defaults.
+    rows = {}
+    for line in DOCS.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[1].startswith("`") and cells[1] != "—":
+            rows[cells[0].split()[0].strip("`")] = (cells[1].strip("`"), cells[2])
+    for arg, option in STORE_ARGS.items():
+        assert rows[arg] == (option, config.OPTIONS[option]["default_doc"]), arg
+
+
+@pytest.mark.parametrize(
+    "option, value, store_arg",
+    [
+        ("num_workers", 0, "num_workers"),
+        ("num_workers", 257, "num_workers"),
+        ("timeout_ms", 0, "timeout_ms"),
+        ("dram_high_watermark", 1.5, "high_watermark"),
+    ],
+)
+def test_connector_and_store_refuse_with_one_message(option, value, store_arg):
+    with pytest.raises(ConfigError) as connector:
+        ConnectorConfig.parse({option: value}, "kv_both")
+    with pytest.raises(ConfigError) as store:
+        umbp.EmbeddedStore(8 << 20, prefault=False, **{store_arg: value})
+    assert str(connector.value) == str(store.value)
+    assert f"`{option}`" in str(store.value) and str(value) in str(store.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), object(), {1, 2}])
+def test_values_json_cannot_carry_are_refused_by_name(value):
+    with pytest.raises(ConfigError, match="dram_high_watermark"):
+        ConnectorConfig.parse({"dram_high_watermark": value}, "kv_both")
+
+
+def test_null_means_unset_only_for_optional_options():
+    c = ConnectorConfig.parse({"capacity_bytes": None, "dram_numa_node": None}, None)
+    assert c.worker_capacity(1) == 64 << 30 and c.dram_numa_node is None
+    with pytest.raises(ConfigError, match="num_workers"):
+        ConnectorConfig.parse({"num_workers": None}, None)
+    with pytest.raises(ConfigError, match="kv_role"):
+        ConnectorConfig.parse({}, 3)  # type: ignore[arg-type]

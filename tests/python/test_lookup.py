@@ -55,3 +55,15 @@ def test_engines_with_different_instances_never_answer_each_other(tmp_path):
         umbp.LookupClient([b]).wait_ready(200)
     srv.shutdown()
     store.close()
+
+
+def test_lookup_bench_runs_against_the_schedulers_socket_paths(monkeypatch, capsys):
+    # The benchmark drives the connector's real scheduler side: its workers must serve where
+    # the embedded runtime looks (the private directory under lookup_dir).
+    pytest.importorskip("vllm")
+    from umbp.vllm import bench_lookup
+
+    argv = ["bench_lookup", "--tokens", "1024", "--tp", "2", "--repeats", "2"]
+    monkeypatch.setattr("sys.argv", argv)
+    assert bench_lookup.main() == 0
+    assert "speedup" in capsys.readouterr().out

@@ -29,8 +29,11 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import kv_matrix  # noqa: E402
 
-from umbp.vllm import connector as c  # noqa: E402
 from umbp.vllm.config import ConnectorConfig  # noqa: E402
+from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata  # noqa: E402
+from umbp.vllm.runtime import EmbeddedRuntime  # noqa: E402
+from umbp.vllm.topology import Ranks, Topology  # noqa: E402
+from umbp.vllm.worker import WorkerSide  # noqa: E402
 
 LAYERS, BLOCKS, BS, HEAD = 3, 24, 16, 32
 
@@ -85,7 +88,7 @@ def test_worker_restores_every_layout_exactly(layout, heads, kernel_bs, tmp_path
         {"total_capacity_bytes": 16 << 20, "dram_prefault": False, "lookup_dir": str(tmp_path)},
         "kv_both",
     )
-    topo = c._Topology(
+    topo = Topology(
         namespace=f"worker-layouts-{layout}-{heads}",
         tag=f"wl{layout}{heads}",
         tp_size=1,
@@ -95,7 +98,7 @@ def test_worker_restores_every_layout_exactly(layout, heads, kernel_bs, tmp_path
         block_size=BS,
         num_groups=1,
     )
-    w = c._WorkerSide(cfg, topo, kcc)
+    w = WorkerSide(cfg, topo, EmbeddedRuntime(cfg, topo), kcc, Ranks(tp=0, pcp=0, dcp=0))
     try:
         w.register_kv_caches(caches)
         g = torch.Generator().manual_seed(3)
@@ -103,8 +106,8 @@ def test_worker_restores_every_layout_exactly(layout, heads, kernel_bs, tmp_path
         before = buf.clone()
         src, dst = [3, 7, 11, 20], [0, 5, 13, 22]
         hashes = b"".join(i.to_bytes(8, "little") * 4 for i in src)
-        store = c._Transfer(group=0, block_ids=src, hashes=hashes, hash_len=32, store_id=1)
-        w.wait_for_save(c.UMBPConnectorMetadata(stores=[store]))
+        store = Transfer(group=0, block_ids=src, hashes=hashes, hash_len=32, store_id=1)
+        w.wait_for_save(UMBPConnectorMetadata(stores=[store]))
         assert w.stores[1].wait(30_000) == ["done"] * 4
         buf.copy_(torch.randint(-128, 128, buf.shape, generator=g, dtype=torch.int8))
         expect = buf.clone()
@@ -116,8 +119,8 @@ def test_worker_restores_every_layout_exactly(layout, heads, kernel_bs, tmp_path
             bv = torch.as_strided(before, tb.shape, tb.stride(), offset)
             r = tb.shape[0] // BLOCKS  # kernel rows per manager block
             ev.unflatten(0, (BLOCKS, r))[dst] = bv.unflatten(0, (BLOCKS, r))[src]
-        load = c._Transfer(group=0, block_ids=dst, hashes=hashes, hash_len=32, req_id="r")
-        w.start_load_kv(c.UMBPConnectorMetadata(loads=[load]))
+        load = Transfer(group=0, block_ids=dst, hashes=hashes, hash_len=32, req_id="r")
+        w.start_load_kv(UMBPConnectorMetadata(loads=[load]))
         assert not w.take_load_errors()
         assert torch.equal(buf, expect), f"{layout} h{heads}: restored cache differs"
     finally:

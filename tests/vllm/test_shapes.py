@@ -43,11 +43,39 @@ from vllm.v1.request import Request
 from umbp.errors import ConfigError
 from umbp.vllm import plugin
 from umbp.vllm.config import ConnectorConfig
-from umbp.vllm.connector import UMBPStoreConnector, _topology
+from umbp.vllm.connector import UMBPStoreConnector
 from umbp.vllm.namespace import derive_namespace
+from umbp.vllm.runtime import socket_paths
+from umbp.vllm.topology import engine_topology
 
 BS = 16  # tokens per block in these tests
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_groups():
+    """vLLM's parallel groups of a one-worker engine, as a real worker process has them: the
+    worker side reads its ranks from them (it refuses to guess rank 0)."""
+    import socket
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ps.ensure_model_parallel_initialized(1, 1)
+    yield
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +142,9 @@ def test_dense_dp_engines_get_distinct_sockets_from_the_dp_index(model_config, t
         # What vLLM's engine core does for a dense model's DP engine (they are independent):
         vc.parallel_config.reconfigure_for_independent_dp_rank()
         assert vc.parallel_config.data_parallel_rank == 0
-        topo = _topology(ConnectorConfig.parse({"lookup_dir": str(tmp_path)}), vc, kc)
+        topo = engine_topology(ConnectorConfig.parse({"lookup_dir": str(tmp_path)}), vc, kc)
         assert topo.dp_rank == rank
-        paths.append(topo.socket_paths(str(tmp_path)))
+        paths.append(socket_paths(topo, str(tmp_path)))
     assert paths[0] != paths[1], "two DP engines on one host must not share lookup sockets"
 
 
@@ -130,13 +158,13 @@ def test_dcp_block_hashes_cover_block_size_times_dcp_tokens(model_config, tmp_pa
     vc = vllm_config(model_config, tmp_path, pc)
     kc = kv_config((["l0"], full()))
     cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)})
-    topo = _topology(cfg, vc, kc)
+    topo = engine_topology(cfg, vc, kc)
     assert topo.block_size == BS * 2, "one block hash covers block_size x dcp tokens"
     kc.hash_block_size = BS * 2  # as vLLM's engine core resolves it
-    assert _topology(cfg, vc, kc).block_size == BS * 2
+    assert engine_topology(cfg, vc, kc).block_size == BS * 2
     kc.hash_block_size = BS  # a finer prefix-match unit than the block: refused by name
     with pytest.raises(ConfigError, match="prefix_match_unit"):
-        _topology(cfg, vc, kc)
+        engine_topology(cfg, vc, kc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,9 +225,9 @@ def test_scheduler_and_workers_derive_one_namespace_for_every_spec_type(model_co
     worker = kv_config((["a", "b"], specs["UniformTypeKVCacheSpecs"]), (["c"], sliding()))
     scheduler = generate_scheduler_kv_cache_config([worker])
     cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)})
-    w, s = _topology(cfg, vc, worker), _topology(cfg, vc, scheduler)
+    w, s = engine_topology(cfg, vc, worker), engine_topology(cfg, vc, scheduler)
     assert (w.namespace, w.tag, w.load_groups) == (s.namespace, s.tag, s.load_groups)
-    assert w.socket_paths(str(tmp_path)) == s.socket_paths(str(tmp_path))
+    assert socket_paths(w, str(tmp_path)) == socket_paths(s, str(tmp_path))
 
 
 def _subclasses(cls):

@@ -6,7 +6,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::CoreError;
+use crate::{options, CoreError};
 
 /// 1 MiB.
 pub const MIB: u64 = 1 << 20;
@@ -95,15 +95,20 @@ pub struct PoolConfig {
 }
 
 impl Default for PoolConfig {
+    /// The connector options' defaults ([`crate::options`]), so the store and the connector
+    /// never disagree.
     fn default() -> Self {
         PoolConfig {
-            capacity_bytes: 64 * GIB,
-            high_watermark: 0.9,
-            low_watermark: 0.7,
-            use_hugepages: false,
-            hugepage_size: HugepageSize::Size2MiB,
+            capacity_bytes: options::CAPACITY_BYTES.default_u64(),
+            high_watermark: options::DRAM_HIGH_WATERMARK.default_f64(),
+            low_watermark: options::DRAM_LOW_WATERMARK.default_f64(),
+            use_hugepages: options::DRAM_USE_HUGEPAGES.default_bool(),
+            hugepage_size: options::DRAM_HUGEPAGE_SIZE
+                .default_str()
+                .parse()
+                .expect("the schema's huge page size parses"),
             numa_node: None,
-            prefault: true,
+            prefault: options::DRAM_PREFAULT.default_bool(),
             prefault_threads: 0,
             backing: MemoryBacking::Anonymous,
             segment_bytes: 0,
@@ -120,43 +125,13 @@ impl PoolConfig {
         }
     }
 
-    /// Checks every option that can be checked without asking the system.
+    /// Checks every option that can be checked without asking the system, with the ranges
+    /// and messages of the connector's options ([`crate::options`]).
     pub fn validate(&self) -> Result<(), CoreError> {
-        if self.capacity_bytes == 0 {
-            return Err(CoreError::option(
-                "capacity_bytes",
-                "must be greater than 0; set the pool size in bytes (e.g. 68719476736 for 64 GiB)",
-            ));
-        }
-        if self.capacity_bytes < MIB {
-            return Err(CoreError::option(
-                "capacity_bytes",
-                format!(
-                    "{} bytes is below the 1 MiB minimum; set at least 1048576",
-                    self.capacity_bytes
-                ),
-            ));
-        }
-        for (name, v) in [
-            ("dram_high_watermark", self.high_watermark),
-            ("dram_low_watermark", self.low_watermark),
-        ] {
-            if !(v > 0.0 && v <= 1.0) {
-                return Err(CoreError::option(
-                    name,
-                    format!("{v} is outside (0, 1]; give a fraction of capacity such as 0.9"),
-                ));
-            }
-        }
-        if self.low_watermark >= self.high_watermark {
-            return Err(CoreError::option(
-                "dram_low_watermark",
-                format!(
-                    "{} must be below dram_high_watermark ({}); lower it or raise the high watermark",
-                    self.low_watermark, self.high_watermark
-                ),
-            ));
-        }
+        options::CAPACITY_BYTES.check_u64(self.capacity_bytes)?;
+        options::DRAM_HIGH_WATERMARK.check_f64(self.high_watermark)?;
+        options::DRAM_LOW_WATERMARK.check_f64(self.low_watermark)?;
+        options::check_watermarks(self.high_watermark, self.low_watermark)?;
         if self.segment_bytes != 0
             && (!self.segment_bytes.is_power_of_two() || self.segment_bytes < 64 * 1024)
         {

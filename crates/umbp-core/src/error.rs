@@ -13,6 +13,14 @@ pub enum CoreError {
         /// What is wrong and what to change.
         message: String,
     },
+    /// An option that no mode knows (a typo, or an option of another product).
+    #[error("unknown option `{option}` in kv_connector_extra_config; known options: {known}")]
+    UnknownOption {
+        /// The name given.
+        option: String,
+        /// The options of the mode, sorted, comma-separated.
+        known: String,
+    },
     /// A KV layout description is inconsistent.
     #[error("invalid KV layout: {0}")]
     InvalidLayout(String),

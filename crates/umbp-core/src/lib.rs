@@ -6,6 +6,8 @@
 //! * [`strided`]: the runs of one block of a strided tensor view ([`TensorView`]), so a layout
 //!   can be built from what the engine's tensors really look like.
 //! * [`config`]: pool configuration ([`PoolConfig`]) with up-front validation.
+//! * [`options`]: the vLLM connector's options: one schema ([`options::SCHEMA`]) owning every
+//!   default, range and message, and the validated [`ConnectorOptions`].
 //!
 //! Nothing here allocates threads, maps memory or knows about Python or CUDA.
 
@@ -13,10 +15,12 @@ pub mod config;
 pub mod error;
 pub mod key;
 pub mod layout;
+pub mod options;
 pub mod strided;
 
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};
 pub use error::CoreError;
 pub use key::{BlockKey, KeyBuilder, RankTopology};
 pub use layout::{CopyRange, GroupLayout, KvLayout, LayerSpec, LayoutSummary, RangePlan};
+pub use options::ConnectorOptions;
 pub use strided::TensorView;

@@ -4,6 +4,8 @@
 //! (pool creation and its prefault, waits, clears, close) releases the GIL. Errors are raised as
 //! the classes of `umbp.errors`.
 
+mod options;
+
 use std::time::Duration;
 
 use pyo3::exceptions::PyRuntimeError;
@@ -995,6 +997,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(memory_available, m)?)?;
+    options::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -14,7 +14,7 @@ use thiserror::Error;
 use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
 };
-use umbp_core::{BlockKey, CoreError, KeyBuilder, KvLayout, PoolConfig};
+use umbp_core::{options, BlockKey, CoreError, KeyBuilder, KvLayout, PoolConfig};
 use umbp_cuda::CudaMover;
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
@@ -124,8 +124,8 @@ impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
             pool: PoolConfig::default(),
-            num_workers: 4,
-            timeout: Duration::from_millis(30_000),
+            num_workers: options::NUM_WORKERS.default_u64() as usize,
+            timeout: Duration::from_millis(options::TIMEOUT_MS.default_u64()),
             cuda: CudaOptions::default(),
         }
     }
@@ -135,15 +135,11 @@ impl StoreConfig {
     /// Checks every option.
     pub fn validate(&self) -> Result<(), CoreError> {
         self.pool.validate()?;
-        if !(1..=256).contains(&self.num_workers) {
-            return Err(CoreError::option(
-                "num_workers",
-                format!("{} is outside 1..=256", self.num_workers),
-            ));
-        }
-        if self.timeout.is_zero() {
-            return Err(CoreError::option("timeout_ms", "must be greater than 0"));
-        }
+        // The connector's ranges and messages (umbp_core::options).
+        options::NUM_WORKERS.check_u64(self.num_workers as u64)?;
+        // Below 1 ms but not zero counts as 1 ms: only a zero deadline is refused.
+        let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+        options::TIMEOUT_MS.check_u64(ms.max(u64::from(!self.timeout.is_zero())))?;
         self.cuda.validate().map_err(|e| match e {
             CudaError::Option { name, reason } => CoreError::option(name, reason),
             other => CoreError::option("cuda", other.to_string()),

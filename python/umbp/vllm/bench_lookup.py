@@ -36,13 +36,15 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    from umbp.vllm.connector import _SchedulerSide, _Topology
+    from umbp.vllm.runtime import EmbeddedRuntime
+    from umbp.vllm.scheduler import SchedulerSide
+    from umbp.vllm.topology import Topology
 
     nblocks = a.tokens // a.block_size
     hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(nblocks)]
     ns = "bench-lookup"
     tmp = tempfile.mkdtemp(prefix="umbp-bench-")
-    topo = _Topology(
+    topo = Topology(
         namespace=ns, tag="bench", tp_size=a.tp, pcp_size=1, dcp_size=1, dp_rank=0,
         block_size=a.block_size, num_groups=1,
     )  # fmt: skip
@@ -50,6 +52,9 @@ def main() -> int:
     print(
         f"[bench] starting {a.tp} worker stores with {nblocks} resident blocks each ...", flush=True
     )
+    runtime = EmbeddedRuntime(cfg, topo)
+    # Where the scheduler side looks: the private socket directory under lookup_dir.
+    paths = runtime.socket_paths()
     workers = []
     piece = 64
     for rank in range(a.tp):
@@ -59,9 +64,8 @@ def main() -> int:
         layout = store.register_layout([[(kv.ctypes.data, nblocks, piece, piece)]])
         keys = umbp.KeyBuilder(ns, tp=rank).keys(0, hashes)
         assert set(store.store(layout, 0, list(range(nblocks)), keys).wait()) == {"done"}
-        path = umbp.socket_path(tmp, "bench", 0, rank)
-        workers.append((store, kv, umbp.LookupServer(store, path, ns, tp=rank)))
-    sched = _SchedulerSide(cfg, topo, types.SimpleNamespace(kv_events_config=None))
+        workers.append((store, kv, umbp.LookupServer(store, paths[rank], ns, tp=rank)))
+    sched = SchedulerSide(cfg, topo, runtime, types.SimpleNamespace(kv_events_config=None))
     sched.client.wait_ready(5000)
     request = types.SimpleNamespace(
         request_id="r", block_hashes=hashes, num_tokens=a.tokens + 1, num_prompt_tokens=a.tokens + 1

@@ -1,0 +1,155 @@
+"""Where the connector's store, lookup client and lookup server come from: the runtime seam.
+
+The scheduler side and the worker side never look at the mode. They are given a runtime, built
+once per process by the connector, and ask it for what they need:
+
+- the scheduler side, for a lookup client (`prefix_hits`, `exists_all`, `clear` over every
+  worker of the engine), and to clean up at shutdown;
+- the worker side, for its store (which it registers the KV cache with and copies through), and
+  for a service that answers the scheduler's lookups from that store.
+
+`EmbeddedRuntime` is the only runtime today: a private pool per worker, answering lookups on a
+Unix socket in this user's private directory under `lookup_dir`. A standalone runtime (one
+node-wide server) will provide the same methods; until it exists, `mode: standalone` is refused
+at start-up by `runtime_class`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Protocol
+
+import umbp
+from umbp.errors import ConfigError
+from umbp.vllm.config import ConnectorConfig
+from umbp.vllm.host import check_engine_memory, remove_dead_sockets, socket_dir
+from umbp.vllm.topology import Ranks, Topology
+
+logger = logging.getLogger("umbp.vllm")
+
+
+class Runtime(Protocol):
+    """What the scheduler side and the worker side need from a mode."""
+
+    def __init__(self, cfg: ConnectorConfig, topo: Topology) -> None: ...
+
+    # Scheduler side.
+    def lookup_client(self) -> umbp.LookupClient:
+        """A client that asks every worker of the engine at once."""
+        ...
+
+    def scheduler_shutdown(self) -> None:
+        """Called once when the scheduler side shuts down, after the workers have stopped."""
+        ...
+
+    # Worker side.
+    def open_store(self) -> umbp.EmbeddedStore:
+        """This worker's store (the worker registers its KV cache with it)."""
+        ...
+
+    def serve_lookups(self, store: umbp.EmbeddedStore, ranks: Ranks) -> umbp.LookupServer | None:
+        """Starts answering the scheduler's lookups for this worker's keys, if the mode needs
+        the worker to (the caller shuts the returned service down)."""
+        ...
+
+    def describe_worker(self) -> str:
+        """A few words for the worker's start-up log line: its pool and where it answers."""
+        ...
+
+
+def runtime_class(cfg: ConnectorConfig) -> type[Runtime]:
+    """The runtime of `cfg.mode`; raises `ConfigError` for a mode this release cannot run."""
+    if cfg.mode == "standalone":
+        raise ConfigError(
+            'option `mode`: "standalone" needs umbp_standalone_server, which this release '
+            'does not include yet; use "embedded"'
+        )
+    return EmbeddedRuntime
+
+
+def socket_paths(topo: Topology, lookup_dir: str) -> list[str]:
+    """Every worker's lookup socket (embedded mode), in this user's private directory under
+    `lookup_dir`, in worker order."""
+    d = socket_dir(lookup_dir)
+    return [str(umbp.socket_path(d, topo.tag, topo.dp_rank, w)) for w in range(topo.workers)]
+
+
+class EmbeddedRuntime:
+    """Embedded mode: every worker owns a private pool and serves the scheduler's lookups and
+    clears on its own Unix socket; a block hits only when every worker holds it."""
+
+    mode = "embedded"
+
+    def __init__(self, cfg: ConnectorConfig, topo: Topology) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.capacity: int | None = None  # the worker's pool bytes, once opened
+        self.path: str | None = None  # the worker's socket, once serving
+
+    def socket_paths(self) -> list[str]:
+        return socket_paths(self.topo, self.cfg.lookup_dir)
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def lookup_client(self) -> umbp.LookupClient:
+        client = umbp.LookupClient(self.socket_paths(), timeout_ms=self.cfg.lookup_timeout_ms)
+        logger.info(
+            "umbp: scheduler side: namespace %s, %d worker socket(s) in %s",
+            self.topo.namespace,
+            self.topo.workers,
+            self.cfg.lookup_dir,
+        )
+        return client
+
+    def scheduler_shutdown(self) -> None:
+        # vLLM shuts the scheduler down after the executor has stopped (or killed) the
+        # workers: remove the sockets of workers that could not remove their own.
+        try:
+            paths = self.socket_paths()
+        except ConfigError as e:  # the directory changed under us: leave it alone
+            logger.warning("umbp: lookup sockets not checked at shutdown: %s", e)
+            return
+        for p in remove_dead_sockets(paths):
+            logger.info("umbp: removed the socket of a worker that did not shut down: %s", p)
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def open_store(self) -> umbp.EmbeddedStore:
+        cfg, topo = self.cfg, self.topo
+        capacity = cfg.worker_capacity(topo.workers)
+        if cfg.dram_prefault and not cfg.dram_use_hugepages:
+            # Every worker of this engine on this host prefaults a pool: check their sum.
+            claims = socket_dir(cfg.lookup_dir) / f"umbp-{topo.tag}-dp{topo.dp_rank}.claims"
+            check_engine_memory(claims, capacity, topo.workers_per_host)
+        store = umbp.EmbeddedStore(
+            capacity,
+            high_watermark=cfg.dram_high_watermark,
+            low_watermark=cfg.dram_low_watermark,
+            use_hugepages=cfg.dram_use_hugepages,
+            hugepage_size=cfg.dram_hugepage_size,
+            numa_node=cfg.dram_numa_node,
+            prefault=cfg.dram_prefault,
+            num_workers=cfg.num_workers,
+            timeout_ms=cfg.timeout_ms,
+        )
+        self.capacity = capacity
+        return store
+
+    def serve_lookups(self, store: umbp.EmbeddedStore, ranks: Ranks) -> umbp.LookupServer:
+        path = self.socket_paths()[ranks.worker(self.topo)]
+        server = umbp.LookupServer(
+            store,
+            path,
+            self.topo.namespace,
+            tp=ranks.tp,
+            pcp=ranks.pcp,
+            dcp=ranks.dcp,
+            describe=f"pid {os.getpid()} tp{ranks.tp} pcp{ranks.pcp} dcp{ranks.dcp}",
+        )
+        self.path = path
+        return server
+
+    def describe_worker(self) -> str:
+        pool = f"{(self.capacity or 0) / (1 << 30):.2f} GiB pool"
+        return f"{pool}, lookups on {self.path}" if self.path else pool

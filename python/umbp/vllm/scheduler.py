@@ -1,0 +1,447 @@
+"""The scheduler side of `UMBPStoreConnector` (vLLM's scheduler process).
+
+- `get_num_new_matched_tokens` asks every worker how many of the request's next blocks it holds
+  (through the runtime's lookup client; the smallest answer counts);
+- `update_state_after_alloc` queues a load into the blocks vLLM allocated;
+- `build_connector_meta` sends the step's loads and the stores of blocks the step completes.
+  Store sources are pinned in vLLM's block pool (`touch`) until every worker reports the
+  store finished (`update_connector_output`), so `request_finished` never has to delay;
+- with KV events enabled, stored objects are published once every worker holds them, and
+  removals found by rechecking them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import umbp
+from umbp.vllm.config import ConnectorConfig
+from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata, UMBPWorkerMetadata, pack_hashes
+from umbp.vllm.runtime import Runtime
+from umbp.vllm.topology import Topology
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("umbp.vllm")
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    block_ids: list[list[int]]
+    stored_upto: int = 0  # blocks [0, stored_upto) were stored, queued or restored
+    load_start: int = 0
+    load_blocks: int = 0
+
+
+@dataclass
+class _AsyncLookup:
+    """A lookup running off the scheduler thread, and what it looked up."""
+
+    first: int
+    hashes: tuple[bytes, ...]
+    future: Future
+
+
+@dataclass
+class _InFlightStore:
+    blocks: list[Any]
+    remaining: int
+    transfer: Transfer
+
+
+class SchedulerSide:
+    """The connector's scheduler role: lookups, load planning, store pinning, KV events."""
+
+    def __init__(
+        self, cfg: ConnectorConfig, topo: Topology, runtime: Runtime, vllm_config: VllmConfig
+    ) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.runtime = runtime
+        self.client = runtime.lookup_client()
+        self.block_pool: BlockPool | None = None
+        self.requests: dict[str, _RequestState] = {}
+        self.pending_loads: list[Transfer] = []
+        self.in_flight: dict[int, _InFlightStore] = {}
+        self.store_ids = itertools.count(1)
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.events_enabled = bool(
+            kv_events and getattr(kv_events, "enable_kv_cache_events", False)
+        )
+        self.events: list[Any] = []
+        # Tracked stored objects for KV events: hash -> group, bounded by kv_event_max_objects.
+        self.tracked: dict[bytes, int] = {}
+        self.last_recheck = time.monotonic()
+        self.load_async = cfg.load_async or topo.force_async_loads
+        self.failed_loads: list[tuple[str, bool, list[int]]] = []
+        # Lazy offload: a cursor into vLLM's free queue and the hashes already offloaded.
+        self.lazy_cursor: Any = None
+        self.lazy_stored: OrderedDict[bytes, None] = OrderedDict()
+        batched = getattr(
+            getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None
+        )
+        self.lazy_max = cfg.lazy_offload_max_blocks or max(
+            1, 2 * -(-(batched or 8192) // topo.block_size)
+        )
+        # lookup_async: one lookup per request at a time, on `lookup_workers` threads.
+        self.async_lookups: dict[str, _AsyncLookup] = {}
+        self.lookup_pool: ThreadPoolExecutor | None = None
+
+    def shutdown(self) -> None:
+        if self.lookup_pool is not None:
+            self.lookup_pool.shutdown(wait=False, cancel_futures=True)
+        self.runtime.scheduler_shutdown()
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def _lookup_range(self, request: Request, num_computed_tokens: int) -> tuple[int, int]:
+        bs = self.topo.block_size
+        # Leave at least one prompt token for vLLM to compute.
+        last = min((request.num_tokens - 1) // bs, len(request.block_hashes))
+        return num_computed_tokens // bs, last
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        """Leading blocks every worker holds, in every group a load restores."""
+        packed, hash_len = pack_hashes(hashes)
+        hits = len(hashes)
+        for g in self.topo.load_groups:
+            hits = min(hits, self.client.prefix_hits(g, packed, hash_len))
+            if hits <= 0:
+                return 0
+        return hits
+
+    def _lookup_async(self, rid: str, first: int, hashes: list[bytes]) -> int | None:
+        """The hits of a finished background lookup of exactly these blocks, or None (asked
+        again later). A lookup of another range or other hashes (the request's tokens or its
+        local hit changed meanwhile) is dropped and started again."""
+        key = tuple(hashes)
+        entry = self.async_lookups.get(rid)
+        if entry is not None and (entry.first != first or entry.hashes != key):
+            entry.future.cancel()
+            entry = None
+        if entry is None:
+            if self.lookup_pool is None:
+                self.lookup_pool = ThreadPoolExecutor(
+                    max_workers=self.cfg.lookup_workers, thread_name_prefix="umbp-lookup"
+                )
+            entry = _AsyncLookup(first, key, self.lookup_pool.submit(self._lookup, hashes))
+            self.async_lookups[rid] = entry
+        if not entry.future.done():
+            return None
+        del self.async_lookups[rid]
+        try:
+            return entry.future.result()
+        except Exception as e:  # a failed lookup is a miss
+            logger.warning("umbp: lookup of request %s failed: %s", rid, e)
+            return 0
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            state = _RequestState(
+                request=request, block_ids=[[] for _ in range(self.topo.num_groups)]
+            )
+            self.requests[request.request_id] = state
+        if not self.cfg.restores:
+            return 0, False
+        first, last = self._lookup_range(request, num_computed_tokens)
+        if last <= first:
+            return 0, False
+        hashes = list(request.block_hashes[first:last])
+        if self.cfg.lookup_async:
+            found = self._lookup_async(request.request_id, first, hashes)
+            if found is None:
+                return None, False
+            hits = found
+        else:
+            hits = self._lookup(hashes)
+        if self.topo.eagle_drop:
+            # As vLLM's own prefix cache: the drafter recomputes the last matched block.
+            hits -= 1
+        if hits <= 0:
+            return 0, False
+        state.load_start, state.load_blocks = first, hits
+        return hits * self.topo.block_size, self.load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self.requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        n = num_external_tokens // self.topo.block_size
+        first = state.load_start
+        ids_by_group = blocks.get_block_ids()
+        block_hashes = list(request.block_hashes[first : first + n])
+        rid = request.request_id
+        loads = []
+        for g in self.topo.load_groups:
+            targets = list(ids_by_group[g][first : first + n]) if g < len(ids_by_group) else []
+            if len(targets) != n:
+                logger.warning(
+                    "umbp: request %s: %d blocks of group %d allocated for %d restored blocks; "
+                    "its load is reported failed and vLLM recomputes it",
+                    rid,
+                    len(targets),
+                    g,
+                    n,
+                )
+                allocated = [b for ids in ids_by_group for b in ids[first : first + n] if b]
+                self.failed_loads.append((rid, self.load_async, allocated))
+                loads = []
+                break
+            # Null blocks (block 0: e.g. sliding-window blocks outside the window) hold nothing.
+            keep = [i for i, b in enumerate(targets) if b != 0]
+            if not keep:
+                continue
+            hashes, hash_len = pack_hashes([block_hashes[i] for i in keep])
+            loads.append(
+                Transfer(
+                    group=g,
+                    block_ids=[targets[i] for i in keep],
+                    hashes=hashes,
+                    hash_len=hash_len,
+                    req_id=rid,
+                    load_async=self.load_async,
+                )
+            )
+        self.pending_loads.extend(loads)
+        # Restored blocks are in the pool already: do not store them again.
+        state.stored_upto = max(state.stored_upto, first + n)
+
+    # -- stores ----------------------------------------------------------------------------
+
+    def _scheduled(self, so: SchedulerOutput):
+        """(req_id, new block ids per group or None, resumed, computed tokens before the step)."""
+        for r in so.scheduled_new_reqs:
+            yield r.req_id, r.block_ids, False, r.num_computed_tokens
+        c = so.scheduled_cached_reqs
+        resumed = getattr(c, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(c.req_ids):
+            yield rid, c.new_block_ids[i], rid in resumed, c.num_computed_tokens[i]
+
+    def build_connector_meta(self, so: SchedulerOutput) -> UMBPConnectorMetadata:
+        meta = UMBPConnectorMetadata(loads=self.pending_loads, failed_loads=self.failed_loads)
+        self.pending_loads, self.failed_loads = [], []
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            state = self.requests.get(rid)
+            if state is not None:
+                state.block_ids = [[] for _ in range(self.topo.num_groups)]
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            lookup = self.async_lookups.pop(rid, None)
+            if lookup is not None:
+                lookup.future.cancel()
+        if not self.cfg.stores or self.block_pool is None:
+            return meta
+        if self.cfg.lazy_offload:
+            self._lazy_stores(meta)
+            return meta
+        bs = self.topo.block_size
+        for rid, new_ids, resumed, computed in self._scheduled(so):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            if new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    if g >= len(state.block_ids) or ids is None:
+                        continue
+                    if resumed:
+                        state.block_ids[g] = list(ids)
+                    else:
+                        state.block_ids[g].extend(ids)
+            req = state.request
+            done_tokens = computed + so.num_scheduled_tokens.get(rid, 0)
+            full = min(done_tokens // bs, len(req.block_hashes))
+            if not self.cfg.save_decode_cache:
+                full = min(full, req.num_prompt_tokens // bs)
+            first = state.stored_upto
+            if full <= first:
+                continue
+            state.stored_upto = full
+            hashes = list(req.block_hashes[first:full])
+            for g in self.topo.load_groups:  # only what a hash-addressed store can serve
+                if g >= len(state.block_ids):
+                    continue
+                block_ids = state.block_ids[g][first:full]
+                if len(block_ids) != full - first:
+                    continue  # this group's blocks are not all allocated
+                # Null blocks (block 0: sliding-window blocks outside the window, e.g. those
+                # of vLLM's own prefix hit) hold nothing; the group's other blocks are stored.
+                keep = [i for i, b in enumerate(block_ids) if b != 0]
+                if not keep:
+                    continue
+                self._add_store(
+                    meta,
+                    g,
+                    [self.block_pool.blocks[block_ids[i]] for i in keep],
+                    [hashes[i] for i in keep],
+                    rid,
+                )
+        return meta
+
+    def _add_store(
+        self,
+        meta: UMBPConnectorMetadata,
+        group: int,
+        blocks: list[Any],
+        hashes: list[bytes],
+        rid: str,
+    ) -> None:
+        """Pins `blocks` until every worker has stored them, and queues their store."""
+        assert self.block_pool is not None
+        self.block_pool.touch(blocks)
+        packed, hash_len = pack_hashes(hashes)
+        sid = next(self.store_ids)
+        t = Transfer(
+            group=group,
+            block_ids=[b.block_id for b in blocks],
+            hashes=packed,
+            hash_len=hash_len,
+            req_id=rid,
+            store_id=sid,
+        )
+        self.in_flight[sid] = _InFlightStore(blocks=blocks, remaining=self.topo.workers, transfer=t)
+        meta.stores.append(t)
+
+    def _lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
+        """Stores cached blocks that are next in line for eviction from vLLM's free queue."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        assert self.block_pool is not None
+        queue = self.block_pool.free_block_queue
+        if self.lazy_cursor is not None and self.lazy_cursor.ref_cnt > 0:
+            self.lazy_cursor = None  # the cursor block was reused: start over from the head
+        picked: dict[int, list[Any]] = {}
+        last = self.lazy_cursor
+        for n, node in enumerate(queue.iter_blocks_after(self.lazy_cursor)):
+            if n >= self.lazy_max:
+                break
+            last = node
+            bh = node.block_hash
+            if bh is None or node.is_null or bh in self.lazy_stored:
+                continue
+            if get_group_id(bh) not in self.topo.load_groups:
+                continue
+            picked.setdefault(get_group_id(bh), []).append(node)
+        self.lazy_cursor = last
+        cap = 4 * len(self.block_pool.blocks)
+        for g, nodes in picked.items():
+            for node in nodes:
+                self.lazy_stored[node.block_hash] = None
+            while len(self.lazy_stored) > cap:
+                self.lazy_stored.popitem(last=False)
+            self._add_store(meta, g, nodes, [get_block_hash(n.block_hash) for n in nodes], "")
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        wm = getattr(out, "kv_connector_worker_meta", None)
+        if not isinstance(wm, UMBPWorkerMetadata):
+            return
+        finished: list[Transfer] = []
+        for sid, n in wm.finished_stores.items():
+            st = self.in_flight.get(sid)
+            if st is None:
+                continue
+            st.remaining -= n
+            if st.remaining <= 0:
+                del self.in_flight[sid]
+                assert self.block_pool is not None
+                self.block_pool.free_blocks(st.blocks)
+                finished.append(st.transfer)
+        if finished and self.events_enabled:
+            self._publish_stored(finished)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self.in_flight)
+
+    # -- KV events ---------------------------------------------------------------------------
+
+    def _publish_stored(self, transfers: list[Transfer]) -> None:
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        for t in transfers:
+            present = self.client.exists_all(t.group, t.hashes, t.hash_len)
+            hashes = [t.hashes[i * t.hash_len : (i + 1) * t.hash_len] for i in range(len(present))]
+            new = [h for h, p in zip(hashes, present) if p and h not in self.tracked]
+            room = self.cfg.kv_event_max_objects - len(self.tracked)
+            new = new[: max(room, 0)]
+            if not new:
+                continue
+            for h in new:
+                self.tracked[h] = t.group
+            self.events.append(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(h) for h in new],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self.topo.block_size,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                    group_idx=t.group,
+                )
+            )
+
+    def _recheck_tracked(self) -> None:
+        from vllm.distributed.kv_events import BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        by_group: dict[int, list[bytes]] = {}
+        for h, g in self.tracked.items():
+            by_group.setdefault(g, []).append(h)
+        for g, hashes in by_group.items():
+            packed, hash_len = pack_hashes(hashes)
+            present = self.client.exists_all(g, packed, hash_len)
+            gone = [h for h, p in zip(hashes, present) if not p]
+            for h in gone:
+                del self.tracked[h]
+            if gone:
+                self.events.append(
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(h) for h in gone],
+                        medium="CPU",
+                        group_idx=g,
+                    )
+                )
+
+    def take_events(self):
+        if not self.events_enabled:
+            return ()
+        if self.tracked and time.monotonic() - self.last_recheck >= 1.0:
+            self.last_recheck = time.monotonic()
+            self._recheck_tracked()
+        events, self.events = self.events, []
+        return events
+
+    def reset_cache(self) -> bool:
+        if self.in_flight:
+            # A store still in flight would land after the clear: not done yet (vLLM's
+            # contract lets a connector answer False; the caller tries again).
+            logger.info(
+                "umbp: %d store(s) in flight; the pools are cleared once they finish",
+                len(self.in_flight),
+            )
+            return False
+        try:
+            removed = self.client.clear()
+        except umbp.UmbpError as e:
+            logger.warning("umbp: clearing the workers' pools failed: %s", e)
+            return False
+        logger.info("umbp: cleared %d objects from the workers' pools", removed)
+        return True

@@ -1,0 +1,160 @@
+"""The engine's shape as the connector sees it: key namespace, ranks, block size, cache groups.
+
+Both sides of `UMBPStoreConnector` derive one `Topology` from the same vLLM configuration, so
+the scheduler and every worker agree on the namespace, the number of workers and the groups a
+load restores. Shapes the connector cannot serve are refused here, at start-up, by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from umbp.errors import ConfigError
+from umbp.vllm.config import ConnectorConfig
+from umbp.vllm.namespace import derive_namespace, socket_tag
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass(frozen=True)
+class Topology:
+    namespace: str
+    tag: str
+    tp_size: int
+    pcp_size: int
+    dcp_size: int
+    dp_rank: int
+    block_size: int  # tokens per block hash (the per-rank block size times DCP)
+    num_groups: int
+    # Groups stored and restored: the prefix-cacheable groups vLLM transfers (vLLM's own
+    # `prefix_cacheable_group_ids`, which is also what it expects a load to restore).
+    load_groups: tuple[int, ...] = (0,)
+    eagle_drop: bool = False  # EAGLE-style drafting: drop the last block of a hit
+    per_request_failures: bool = False  # several groups: block ids are ambiguous
+
+    @property
+    def force_async_loads(self) -> bool:
+        return self.per_request_failures
+
+    nnodes: int = 1  # hosts the engine's workers are spread over
+
+    @property
+    def workers(self) -> int:
+        return self.tp_size * self.pcp_size
+
+    @property
+    def workers_per_host(self) -> int:
+        return max(1, -(-self.workers // max(1, self.nnodes)))
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """One worker's position in the engine: its TP, PCP and DCP ranks."""
+
+    tp: int = 0
+    pcp: int = 0
+    dcp: int = 0
+
+    def worker(self, topo: Topology) -> int:
+        """The worker's index among the engine's `topo.workers` (its lookup socket)."""
+        return self.tp + topo.tp_size * self.pcp
+
+
+def engine_topology(
+    cfg: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: Any
+) -> Topology:
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise ConfigError(
+            f"UMBPStoreConnector does not support pipeline parallelism "
+            f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use tensor parallelism, "
+            "or run without the connector"
+        )
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if not groups:
+        raise ConfigError("UMBPStoreConnector needs a KV cache with at least one cache group")
+    dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
+    sizes = {tokens_per_block(g.kv_cache_spec, dcp) for g in groups}
+    if len(sizes) != 1 or None in sizes:
+        raise ConfigError(
+            "UMBPStoreConnector needs every KV cache group to use one block size "
+            f"(got {sorted(map(str, sizes))}); hybrid models with mixed block sizes are not "
+            "supported: run them without the connector"
+        )
+    block_size = sizes.pop()
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block_size not in (None, block_size):
+        raise ConfigError(
+            f"UMBPStoreConnector stores whole {block_size}-token blocks but vLLM hashes every "
+            f"{hash_block_size} tokens; unset `prefix_match_unit` (--prefix-match-unit)"
+        )
+    if cfg.enable_partial_hash_hits:
+        unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
+        if unit not in (None, block_size):
+            raise ConfigError(
+                f"option `enable_partial_hash_hits`: the engine matches prefixes every {unit} "
+                f"tokens but UMBP stores whole {block_size}-token blocks; set it to false"
+            )
+    load_groups = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    if load_groups is None:  # older vLLM: every group that takes part in prefix caching
+        load_groups = [
+            i
+            for i, g in enumerate(groups)
+            if getattr(g, "enable_kv_transfer", True)
+            and getattr(g.kv_cache_spec, "prefix_cacheable", True)
+        ]
+    if not load_groups:
+        raise ConfigError(
+            "UMBPStoreConnector: no KV cache group of this model takes part in prefix caching, "
+            "so there is nothing to offload; run without the connector"
+        )
+    namespace = cfg.key_namespace or derive_namespace(vllm_config, kv_cache_config)
+    return Topology(
+        namespace=namespace,
+        tag=socket_tag(namespace, cfg.lookup_instance),
+        tp_size=pc.tensor_parallel_size,
+        pcp_size=getattr(pc, "prefill_context_parallel_size", 1),
+        dcp_size=dcp,
+        dp_rank=dp_index(pc),
+        block_size=block_size,
+        num_groups=len(groups),
+        load_groups=tuple(load_groups),
+        eagle_drop=eagle_drops_last_block(vllm_config),
+        per_request_failures=len(groups) > 1,
+        nnodes=int(getattr(pc, "nnodes", 1) or 1),
+    )
+
+
+def dp_index(pc: Any) -> int:
+    """The engine's data-parallel rank. vLLM resets `data_parallel_rank` to 0 in every engine
+    of a dense model (its DP engines are independent) and keeps the real rank in
+    `data_parallel_index`; older vLLM has only the rank."""
+    index = getattr(pc, "data_parallel_index", None)
+    if index is None:
+        index = getattr(pc, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
+def tokens_per_block(spec: Any, dcp: int) -> int | None:
+    """Tokens one block hash covers: with decode context parallelism a block of `block_size`
+    tokens per rank spans `block_size × dcp` tokens (vLLM's `resolve_dcp_kv_block_size`)."""
+    size = getattr(spec, "block_size", None)
+    if size is None:
+        return None
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+    except ImportError:  # older vLLM
+        return size * (dcp if getattr(spec, "dcp_sharded", True) else 1)
+    return resolve_dcp_kv_block_size(spec, dcp)
+
+
+def eagle_drops_last_block(vllm_config: Any) -> bool:
+    """Whether vLLM's own prefix cache drops the last matched block (EAGLE-style drafters
+    recompute it to rebuild their hidden states)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    check = getattr(spec, "use_eagle_block_drop", None) or getattr(spec, "use_eagle", None)
+    return bool(check()) if callable(check) else False

@@ -1,0 +1,272 @@
+"""The worker side of `UMBPStoreConnector` (one per vLLM worker process).
+
+- `register_kv_caches` opens this worker's store through the runtime, registers the KV cache
+  memory and every cache group's layout with it, and starts answering the scheduler's lookups;
+- `start_load_kv` copies restored blocks in (waiting for synchronous loads before the forward
+  pass); `wait_for_save` submits the step's stores after the forward pass;
+- `worker_meta` reports finished stores, `get_finished` finished async loads, and
+  `take_load_errors` the blocks that could not be restored, which vLLM recomputes under
+  `kv_load_failure_policy: recompute`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+import umbp
+from umbp.errors import ConfigError
+from umbp.kv_layout import describe_tensor, register_tensor_layout, summary_line
+from umbp.vllm.config import ConnectorConfig
+from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata, UMBPWorkerMetadata
+from umbp.vllm.runtime import Runtime
+from umbp.vllm.topology import Ranks, Topology
+
+logger = logging.getLogger("umbp.vllm")
+
+
+#: (what, topology field, vLLM's getter) of each rank a worker's keys carry.
+_RANK_GROUPS = (
+    ("tensor parallel", "tp_size", "get_tp_group"),
+    ("prefill context parallel", "pcp_size", "get_pcp_group"),
+    ("decode context parallel", "dcp_size", "get_dcp_group"),
+)
+
+
+def local_ranks(topo: Topology) -> Ranks:
+    """This worker's TP, PCP and DCP ranks, from vLLM's parallel groups of this process.
+
+    Raises instead of guessing: a worker that took rank 0 for a rank it could not find would
+    store its blocks under another rank's keys and answer lookups for that rank, and with a
+    pool shared across engines another rank's workers would restore its KV as their own.
+    """
+    from vllm.distributed import parallel_state as ps
+
+    found = []
+    for what, size_field, getter in _RANK_GROUPS:
+        size = getattr(topo, size_field)
+        get = getattr(ps, getter, None)
+        if get is None:
+            raise RuntimeError(
+                f"UMBPStoreConnector cannot tell this worker's {what} rank: this vLLM has no "
+                f"`vllm.distributed.parallel_state.{getter}`; use a supported vLLM (0.32 or newer)"
+            )
+        try:
+            group = get()
+            rank, world = int(group.rank_in_group), int(group.world_size)
+        except Exception as e:
+            raise RuntimeError(
+                f"UMBPStoreConnector cannot tell this worker's {what} rank: "
+                f"`vllm.distributed.parallel_state.{getter}()` failed ({type(e).__name__}: {e}). "
+                "The worker side must be created in a vLLM worker whose parallel groups are "
+                "initialised; it does not assume rank 0, which would serve another rank's KV"
+            ) from e
+        if world != size or not 0 <= rank < size:
+            raise RuntimeError(
+                f"UMBPStoreConnector: vLLM's {what} group of this worker has rank {rank} of "
+                f"{world}, but the engine's configuration says {size_field}={size}; the worker's "
+                "keys would not match the scheduler's"
+            )
+        found.append(rank)
+    tp, pcp, dcp = found
+    return Ranks(tp=tp, pcp=pcp, dcp=dcp)
+
+
+class WorkerSide:
+    """The connector's worker role: this rank's store, its loads and stores, its lookups."""
+
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        topo: Topology,
+        runtime: Runtime,
+        kv_cache_config: Any,
+        ranks: Ranks,
+    ) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.runtime = runtime
+        self.kv_cache_config = kv_cache_config
+        self.tp, self.pcp, self.dcp = ranks.tp, ranks.pcp, ranks.dcp
+        self.ranks = ranks
+        self.worker = ranks.worker(topo)
+        self.keys = umbp.KeyBuilder(topo.namespace, tp=self.tp, pcp=self.pcp, dcp=self.dcp)
+        self.store: umbp.EmbeddedStore | None = None
+        self.server: umbp.LookupServer | None = None
+        self.layout = -1
+        self.async_loads: dict[str, list[tuple[umbp.Job, list[int]]]] = {}
+        self.load_errors: set[int] = set()
+        self.failed_recving: set[str] = set()  # async loads that failed (several groups)
+        self.unplanned_loads: set[str] = set()  # async loads the scheduler could not plan
+        self.stores: dict[int, umbp.Job] = {}
+        self.cuda_device: torch.device | None = None
+
+    def _stream(self) -> int | None:
+        """The engine's current CUDA stream: copies are ordered after the work queued on it
+        (stores copy what the forward pass wrote; loads wait for readers of their blocks)."""
+        if self.cuda_device is None:
+            return None
+        return torch.cuda.current_stream(self.cuda_device).cuda_stream
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.store = self.runtime.open_store()
+        # Register each backing allocation once (all layers are views into one or a few).
+        # CUDA tensors go through the GPU copy path (the CUDA driver is loaded only here, in
+        # the worker, after vLLM has initialised CUDA); CPU tensors through host copies.
+        seen: set[int] = set()
+        for t in kv_caches.values():
+            if t.device.type not in ("cpu", "cuda"):
+                raise ConfigError(
+                    f"UMBPStoreConnector: KV cache on {t.device} is not supported; "
+                    "use a CUDA or CPU engine"
+                )
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                if t.device.type == "cuda":
+                    self.store.register_cuda_memory(ptr, storage.nbytes(), t.device.index or 0)
+                    self.cuda_device = t.device
+                else:
+                    self.store.register_memory(ptr, storage.nbytes())
+        self.layout = self._register_layout(kv_caches)
+        self.server = self.runtime.serve_lookups(self.store, self.ranks)
+        logger.info(
+            "umbp: worker %d: %s, %d layers registered; %s",
+            self.worker,
+            self.runtime.describe_worker(),
+            sum(len(g.layer_names) for g in self.kv_cache_config.kv_cache_groups),
+            summary_line(self.store.layout_summary(self.layout)),
+        )
+
+    def _register_layout(self, kv_caches: dict[str, torch.Tensor]) -> int:
+        """Registers every cache group's layers from their tensor views: the store finds the
+        runs of a block from each view's strides (one per layer in LBHNC/LBNHC, one per KV head
+        in LHBNC/BHLNC) and refuses a view it cannot plan exactly, naming it."""
+        assert self.store is not None
+        num_blocks = self.kv_cache_config.num_blocks
+        groups = []
+        for gi, g in enumerate(self.kv_cache_config.kv_cache_groups):
+            layers = []
+            seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+            for name in g.layer_names:
+                t = kv_caches[name]
+                view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+                if view in seen:
+                    # A layer that reuses another layer's KV cache (cross-layer KV sharing):
+                    # its bytes are already in the object.
+                    continue
+                seen.add(view)
+                spec = g.kv_cache_spec
+                specs = getattr(spec, "kv_cache_specs", None)
+                if isinstance(specs, dict):
+                    spec = specs.get(name, spec)
+                if getattr(spec, "has_layer_views", True) is False:
+                    raise ConfigError(
+                        f"UMBPStoreConnector: KV cache group {gi} ({type(spec).__name__}) has "
+                        "no per-layer KV views (e.g. Mamba state); models with such layers "
+                        "are not supported yet"
+                    )
+                expected = getattr(spec, "unpadded_page_size_bytes", None)
+                layers.append(
+                    describe_tensor(
+                        name, t, num_blocks, expected if isinstance(expected, int) else None
+                    )
+                )
+            groups.append(layers)
+        return register_tensor_layout(
+            self.store,
+            groups,
+            [num_blocks] * len(groups),
+            layout_name=getattr(self.kv_cache_config, "kv_cache_layout", None),
+        )
+
+    def _keys(self, t: Transfer) -> umbp.Keys:
+        return self.keys.keys_packed(t.group, t.hashes, t.hash_len)
+
+    def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
+        assert self.store is not None
+        for rid, is_async, ids in meta.failed_loads:
+            if is_async:
+                self.unplanned_loads.add(rid)  # reported finished (and failed) by get_finished
+            else:
+                self.load_errors.update(ids)
+        sync: list[tuple[umbp.Job, list[int]]] = []
+        for t in meta.loads:
+            job = self.store.load(
+                self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
+            )
+            if t.load_async:
+                self.async_loads.setdefault(t.req_id, []).append((job, t.block_ids))
+            else:
+                sync.append((job, t.block_ids))
+        for job, ids in sync:
+            try:
+                statuses = job.wait(self.cfg.timeout_ms)
+            except umbp.TransferTimeout as e:
+                # The blocks may still be written: never let the step use them.
+                raise RuntimeError(
+                    f"UMBP: a synchronous load of {len(ids)} blocks did not finish within "
+                    f"timeout_ms={self.cfg.timeout_ms}; failing the step"
+                ) from e
+            self._note_failures(statuses, ids)
+
+    def _note_failures(self, statuses: list[str], ids: list[int]) -> None:
+        failed = [b for s, b in zip(statuses, ids) if s != "done"]
+        if failed:
+            # A block after a failed one is useless for the prefix too: report the rest.
+            first = statuses.index(next(s for s in statuses if s != "done"))
+            self.load_errors.update(ids[first:])
+            logger.info(
+                "umbp: %d of %d restored blocks failed to load; vLLM recomputes them",
+                len(ids) - first,
+                len(ids),
+            )
+
+    def wait_for_save(self, meta: UMBPConnectorMetadata) -> None:
+        assert self.store is not None
+        for t in meta.stores:
+            self.stores[t.store_id] = self.store.store(
+                self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
+            )
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        done: set[str] = set()
+        for rid, jobs in list(self.async_loads.items()):
+            if all(j.done for j, _ in jobs):
+                for j, ids in jobs:
+                    statuses = j.poll() or []
+                    if not self.topo.per_request_failures:
+                        self._note_failures(statuses, ids)
+                    elif any(st != "done" for st in statuses):
+                        # Block ids are per group: vLLM takes only whole-request failures.
+                        self.failed_recving.add(rid)
+                del self.async_loads[rid]
+                done.add(rid)
+        for rid in self.unplanned_loads - self.async_loads.keys():
+            self.unplanned_loads.discard(rid)
+            self.failed_recving.add(rid)
+            done.add(rid)
+        return None, done or None
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self.failed_recving = self.failed_recving, set()
+        return failed
+
+    def worker_meta(self) -> UMBPWorkerMetadata | None:
+        finished = {sid: 1 for sid, job in self.stores.items() if job.done}
+        for sid in finished:
+            del self.stores[sid]
+        return UMBPWorkerMetadata(finished_stores=finished) if finished else None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+        if self.store is not None:
+            self.store.close()
