@@ -30,8 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use umbp_copy::{BlockCopy, Mover};
-use umbp_pool::Pool;
+use umbp_copy::{BlockCopy, MoveError, MoveResult, Mover, OrderToken, TokenOwner};
 
 use crate::device::{Device, DeviceBuffer, Event, HostBuffer, Stream};
 use crate::driver::BatchFn;
@@ -331,16 +330,19 @@ impl Dir {
 pub struct CudaMover {
     dev: Arc<Device>,
     opts: CudaOptions,
-    pinner: PoolPinner,
+    /// The pool's DMA registration, shared with the other devices' movers.
+    pinner: Arc<PoolPinner>,
     store: Lane,
     load: Lane,
     kernels: Option<Kernels>,
     slot_bytes: u64,
     /// The slots' flag words, both directions (None: events order the stages).
     _flags: Option<DeviceBuffer>,
-    events: Mutex<Vec<Event>>,
     timing_events: Mutex<Vec<Event>>,
-    tokens: Mutex<HashMap<u64, Event>>,
+    /// Ordering tokens handed out and not yet given back, and the idle (non-timing) events.
+    tokens: Arc<TokenTable>,
+    /// `tokens`, as the owner the tokens it made point back to.
+    token_owner: Arc<dyn TokenOwner>,
     counters: Counters,
     tracing: std::sync::atomic::AtomicBool,
     tracer: Mutex<Option<Tracer>>,
@@ -388,9 +390,14 @@ fn small_pieces_by_dma(now: bool, ms_per_gb: f64) -> bool {
 }
 
 impl CudaMover {
-    /// A mover for device `device` that copies into and out of `pool`, whose registration for
-    /// DMA starts now on a background thread.
-    pub fn new(device: i32, pool: Arc<Pool>, opts: CudaOptions) -> Result<CudaMover, CudaError> {
+    /// A mover for device `device` that copies into and out of the pool `pinner` registers for
+    /// DMA (one pinner serves every device's mover: registrations are portable to every
+    /// context).
+    pub fn new(
+        device: i32,
+        pinner: Arc<PoolPinner>,
+        opts: CudaOptions,
+    ) -> Result<CudaMover, CudaError> {
         opts.validate()?;
         let dev = Device::open(device)?;
         let want_staging = opts.method != CopyMethod::Dma && opts.staging_bytes > 0;
@@ -464,7 +471,6 @@ impl CudaMover {
         };
         let store = lane(kernels.is_some())?;
         let load = lane(kernels.is_some())?;
-        let pinner = PoolPinner::start(Arc::clone(&dev), pool, opts.pin_chunk_bytes)?;
         log::info!(
             "umbp: CUDA mover on device {} ({}): method {}, staging {} x {} bytes per direction{}",
             dev.ordinal(),
@@ -482,6 +488,7 @@ impl CudaMover {
                 ""
             }
         );
+        let tokens = Arc::new(TokenTable::default());
         Ok(CudaMover {
             dev,
             opts,
@@ -491,9 +498,9 @@ impl CudaMover {
             kernels,
             slot_bytes,
             _flags: flags,
-            events: Mutex::new(Vec::new()),
             timing_events: Mutex::new(Vec::new()),
-            tokens: Mutex::new(HashMap::new()),
+            token_owner: Arc::clone(&tokens) as Arc<dyn TokenOwner>,
+            tokens,
             counters: Counters::default(),
             tracing: std::sync::atomic::AtomicBool::new(false),
             tracer: Mutex::new(None),
@@ -521,13 +528,13 @@ impl CudaMover {
         self.pinner.progress().status()
     }
 
-    /// Stops registering and unregisters the pool (call after the last copy).
+    /// Waits for everything queued on this mover's streams (call after the last copy). The
+    /// pool's registration is the pinner's: its owner unregisters it after every mover.
     pub fn shutdown(&self) {
         for lane in [&self.store, &self.load] {
             let _ = lane.dma.synchronize();
             let _ = lane.kern.synchronize();
         }
-        self.pinner.shutdown();
     }
 
     /// Counters so far.
@@ -643,7 +650,7 @@ impl CudaMover {
     /// default stream) and returns it as an ordering token for [`umbp_copy::CopyEngine`]. The
     /// copies of the job wait for it on the device. Fails while the stream is being captured
     /// into a CUDA graph.
-    pub fn record_after(&self, stream: u64) -> Result<u64, CudaError> {
+    pub fn record_after(&self, stream: u64) -> Result<OrderToken, CudaError> {
         let _g = self.dev.scoped()?;
         let d = self.dev.driver();
         let s = stream as CUstream;
@@ -657,24 +664,21 @@ impl CudaMover {
                 "the stream is being captured into a CUDA graph; submit stores and loads outside graph capture".into(),
             ));
         }
-        let ev = match self.events.lock().pop() {
-            Some(e) => e,
-            None => self.dev.event(false)?,
-        };
+        let ev = self.take_event(false)?;
         if let Err(e) = ev.record_raw(s) {
-            self.events.lock().push(ev);
+            self.give_event(ev, false);
             return Err(e);
         }
-        let token = ev.raw() as u64;
-        self.tokens.lock().insert(token, ev);
-        Ok(token)
+        let raw = ev.raw() as u64;
+        self.tokens.live.lock().insert(raw, ev);
+        Ok(OrderToken::new(raw, Arc::clone(&self.token_owner)))
     }
 
     fn take_event(&self, timing: bool) -> Result<Event, CudaError> {
         let pool = if timing {
             &self.timing_events
         } else {
-            &self.events
+            &self.tokens.free
         };
         match pool.lock().pop() {
             Some(e) => Ok(e),
@@ -686,15 +690,30 @@ impl CudaMover {
         if timing {
             self.timing_events.lock().push(e)
         } else {
-            self.events.lock().push(e)
+            self.tokens.free.lock().push(e)
         }
     }
 
-    fn after_event(&self, after: u64) -> Option<CUevent> {
-        if after == 0 {
-            return None;
+    /// The event behind `after`, which must be a token this mover made.
+    fn after_event(&self, after: Option<&OrderToken>) -> Result<Option<CUevent>, MoveError> {
+        let Some(t) = after else {
+            return Ok(None);
+        };
+        let not_ours = || {
+            MoveError::Unsupported(format!(
+                "the job's ordering token was not made by the mover of CUDA device {}; submit with the stream of the device whose memory the job moves",
+                self.dev.ordinal()
+            ))
+        };
+        if !t.is_from(&self.token_owner) {
+            return Err(not_ours());
         }
-        self.tokens.lock().get(&after).map(Event::raw)
+        self.tokens
+            .live
+            .lock()
+            .get(&t.raw())
+            .map(|e| Some(e.raw()))
+            .ok_or_else(not_ours)
     }
 
     fn choose(&self, dir: Dir, blocks: &[BlockCopy<'_>]) -> CopyMethod {
@@ -733,13 +752,31 @@ impl CudaMover {
         }
     }
 
-    fn copy(&self, dir: Dir, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>> {
+    /// A device error as a mover's error: a sticky error (the context is unusable from now on)
+    /// reads as a lost device, any other as one failed call.
+    fn move_error(&self, e: &CudaError) -> MoveError {
+        if e.is_sticky() {
+            MoveError::DeviceLost {
+                device: format!("CUDA device {}", self.dev.ordinal()),
+                message: e.to_string(),
+            }
+        } else {
+            MoveError::Device(e.to_string())
+        }
+    }
+
+    fn copy(
+        &self,
+        dir: Dir,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
         let call_start = std::time::Instant::now();
-        let mut results: Vec<Result<(), String>> = vec![Ok(()); blocks.len()];
-        let fail_all = |results: &mut Vec<Result<(), String>>, e: &CudaError| {
+        let mut results: Vec<MoveResult> = vec![Ok(()); blocks.len()];
+        let fail_all = |results: &mut Vec<MoveResult>, e: &CudaError| {
             for r in results.iter_mut() {
                 if r.is_ok() {
-                    *r = Err(e.to_string());
+                    *r = Err(self.move_error(e));
                 }
             }
         };
@@ -747,7 +784,10 @@ impl CudaMover {
             fail_all(&mut results, &e);
             return results;
         }
-        let after = self.after_event(after);
+        let after = match self.after_event(after) {
+            Ok(a) => a,
+            Err(e) => return vec![Err(e); blocks.len()],
+        };
         // DMA only to registered pool memory: register what this batch touches now if the
         // background thread has not reached it yet.
         let pin = self.pinner.progress();
@@ -885,7 +925,7 @@ impl CudaMover {
         blocks: &[BlockCopy<'_>],
         after: Option<CUevent>,
         done: &Event,
-        results: &mut [Result<(), String>],
+        results: &mut [MoveResult],
         timings: &mut Vec<Timed>,
     ) -> Result<(), CudaError> {
         let lane = self.lane(dir);
@@ -1003,7 +1043,7 @@ impl CudaMover {
 
     /// Plain copies: batched where the driver can and every host side is registered, else one
     /// call each. A failure fails the blocks the copy touches.
-    fn singles(&self, dir: Dir, stream: &Stream, runs: &[Run], results: &mut [Result<(), String>]) {
+    fn singles(&self, dir: Dir, stream: &Stream, runs: &[Run], results: &mut [MoveResult]) {
         if runs.is_empty() {
             return;
         }
@@ -1100,7 +1140,7 @@ impl CudaMover {
                 }
                 Err(e) => {
                     for b in r.first_block..=r.last_block {
-                        results[b as usize] = Err(e.to_string());
+                        results[b as usize] = Err(self.move_error(&e));
                     }
                 }
             }
@@ -1115,7 +1155,7 @@ impl CudaMover {
         stream: &Stream,
         s: &Slice,
         stage: u64,
-        results: &mut [Result<(), String>],
+        results: &mut [MoveResult],
     ) {
         let runs: Vec<Run> = s
             .dmas
@@ -1146,7 +1186,7 @@ impl CudaMover {
         slices: &[Slice],
         after: Option<CUevent>,
         done: &Event,
-        results: &mut [Result<(), String>],
+        results: &mut [MoveResult],
         timings: &mut Vec<Timed>,
     ) -> Result<(), CudaError> {
         let lane = self.lane(dir);
@@ -1254,12 +1294,12 @@ impl CudaMover {
                     t1,
                 })
             };
-            let dmas = |results: &mut [Result<(), String>], timings: &mut Vec<Timed>| {
+            let dmas = |results: &mut [MoveResult], timings: &mut Vec<Timed>| {
                 let t0 = self.dma_begin(&lane.dma);
                 self.slot_dmas(dir, &lane.dma, s, stage, results);
                 self.dma_end(&lane.dma, t0, slice_bytes, timings);
             };
-            let step = |results: &mut [Result<(), String>],
+            let step = |results: &mut [MoveResult],
                         timings: &mut Vec<Timed>|
              -> Result<Timed, CudaError> {
                 if slot.flags() {
@@ -1298,7 +1338,7 @@ impl CudaMover {
                 }
                 Err(e) => {
                     for &b in &s.blocks {
-                        results[b] = Err(e.to_string());
+                        results[b] = Err(self.move_error(&e));
                     }
                     // Keep the protocol whatever was queued, so that no later wait hangs and
                     // `done` (on the second stream) still follows everything of this use:
@@ -1427,17 +1467,35 @@ impl Mover for CudaMover {
         2
     }
 
-    unsafe fn gather(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>> {
+    unsafe fn gather(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
         self.copy(Dir::Store, blocks, after)
     }
 
-    unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>> {
+    unsafe fn scatter(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
         self.copy(Dir::Load, blocks, after)
     }
+}
 
-    fn release_token(&self, after: u64) {
-        if let Some(ev) = self.tokens.lock().remove(&after) {
-            self.events.lock().push(ev);
+/// The ordering tokens of one mover: the events behind the tokens handed out (by the token's
+/// value), and the idle events, to which a dropped token's event goes back.
+#[derive(Debug, Default)]
+struct TokenTable {
+    live: Mutex<HashMap<u64, Event>>,
+    free: Mutex<Vec<Event>>,
+}
+
+impl TokenOwner for TokenTable {
+    fn release(&self, raw: u64) {
+        if let Some(ev) = self.live.lock().remove(&raw) {
+            self.free.lock().push(ev);
         }
     }
 }

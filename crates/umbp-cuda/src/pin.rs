@@ -254,7 +254,10 @@ impl PoolPinner {
             std::thread::Builder::new()
                 .name("umbp-cuda-pin".into())
                 .spawn(move || pin_loop(&dev, &progress, &stop))
-                .map_err(|e| CudaError::Invalid(format!("cannot start the pinning thread: {e}")))?
+                .map_err(|e| CudaError::Spawn {
+                    thread: "umbp-cuda-pin",
+                    reason: e.to_string(),
+                })?
         };
         Ok(PoolPinner {
             progress,
