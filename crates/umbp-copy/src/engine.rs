@@ -1,5 +1,6 @@
 //! Asynchronous copy jobs between registered engine memory and pool objects.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use umbp_core::{BlockKey, CopyRange, RangePlan};
 use umbp_pool::{CommitOutcome, Pool, PoolError};
 
-use crate::memcpy;
+use crate::mover::{BlockCopy, KeyFailure, KeyResult, Mover, OrderToken};
 use crate::registry::{MemoryKind, MemoryRegistry, Registration};
 use crate::CopyError;
 
@@ -23,126 +24,6 @@ pub enum Direction {
     Load,
 }
 
-/// What happened to one key of a job.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyResult {
-    /// Not finished yet.
-    Pending,
-    /// Stored, or loaded.
-    Done,
-    /// Store skipped: the key was already in the pool (or another writer committed it first).
-    AlreadyPresent,
-    /// Load failed: the key is not in the pool (never stored, or evicted).
-    Missing,
-    /// Store failed: the pool had no room even after eviction.
-    PoolFull,
-    /// Cancelled before it ran.
-    Cancelled,
-    /// Failed for another reason (a range outside registered memory, a size mismatch, ...).
-    Failed(String),
-}
-
-impl KeyResult {
-    /// Whether the key's transfer succeeded (a store of a present key counts).
-    pub fn is_ok(&self) -> bool {
-        matches!(self, KeyResult::Done | KeyResult::AlreadyPresent)
-    }
-}
-
-/// One block's side of a copy: the pool object's address and the engine ranges.
-#[derive(Debug, Clone, Copy)]
-pub struct BlockCopy<'a> {
-    /// First byte of the pool object.
-    pub object: *mut u8,
-    /// Engine ranges, with their offsets inside the object.
-    pub ranges: &'a [CopyRange],
-}
-
-impl BlockCopy<'_> {
-    /// Bytes of the object the ranges reach (the end of the furthest range).
-    pub fn extent(&self) -> u64 {
-        self.ranges
-            .iter()
-            .map(|r| r.object_offset + r.len)
-            .max()
-            .unwrap_or(0)
-    }
-}
-
-/// Moves bytes between engine memory and pool objects, a batch of blocks at a time. The host
-/// implementation uses CPU copies; device implementations plug in here.
-pub trait Mover: Send + Sync + std::fmt::Debug {
-    /// Blocks a worker hands over per call.
-    fn batch_size(&self) -> usize {
-        8
-    }
-
-    /// Copies each block's engine ranges into its object. `after` is the submitter's ordering
-    /// token (0: none), e.g. an event the copies must wait for. Returns one result per block.
-    ///
-    /// # Safety
-    /// Every range must lie inside a live registration of the kind this mover serves, and each
-    /// object must point to at least `max(object_offset + len)` writable bytes that nothing else
-    /// accesses during the call.
-    unsafe fn gather(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>>;
-
-    /// Copies each object into its block's engine ranges.
-    ///
-    /// # Safety
-    /// As for [`Mover::gather`], with the objects readable and the engine ranges writable.
-    unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], after: u64) -> Vec<Result<(), String>>;
-
-    /// Most workers one job may occupy at once.
-    fn max_workers_per_job(&self) -> usize {
-        usize::MAX
-    }
-
-    /// Called once when the last key of a job submitted with ordering token `after` (non-zero)
-    /// has finished: no call will use the token again.
-    fn release_token(&self, _after: u64) {}
-}
-
-/// Copies between host memories (streaming stores for large pieces, see [`crate::memcpy`]).
-#[derive(Debug, Default, Clone, Copy)]
-pub struct HostMover;
-
-impl Mover for HostMover {
-    unsafe fn gather(&self, blocks: &[BlockCopy<'_>], _after: u64) -> Vec<Result<(), String>> {
-        for b in blocks {
-            for r in b.ranges {
-                // SAFETY: the caller guarantees both sides are valid for `r.len` bytes and do
-                // not overlap (one is pool memory, the other registered engine memory).
-                unsafe {
-                    memcpy::copy(
-                        b.object.add(r.object_offset as usize),
-                        r.host_addr as *const u8,
-                        r.len as usize,
-                    )
-                };
-            }
-        }
-        memcpy::fence();
-        vec![Ok(()); blocks.len()]
-    }
-
-    unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], _after: u64) -> Vec<Result<(), String>> {
-        for b in blocks {
-            for r in b.ranges {
-                // SAFETY: as in `gather`, in the other direction.
-                unsafe {
-                    memcpy::copy(
-                        r.host_addr as *mut u8,
-                        b.object.add(r.object_offset as usize),
-                        r.len as usize,
-                    )
-                };
-            }
-        }
-        memcpy::fence();
-        vec![Ok(()); blocks.len()]
-    }
-}
-
 /// Keys per worker when spreading a job.
 const CHUNK: usize = 8;
 
@@ -153,10 +34,11 @@ struct JobState {
     plan: RangePlan,
     /// Keys whose ranges failed validation, with the reason; they are never copied.
     invalid: Vec<Option<String>>,
-    /// Ordering token handed to the mover (0: none).
-    after: u64,
-    /// Whether the job's engine memory is device memory (moved by the device mover).
-    device: bool,
+    /// The submitter's ordering token, handed to the mover; dropped (given back to the mover
+    /// that made it) when the last key has finished.
+    after: RwLock<Option<OrderToken>>,
+    /// The device mover that moves the job's engine memory (None: host memory).
+    device: Option<Arc<dyn Mover>>,
     /// Registrations the job touches, held until it finishes.
     regions: Mutex<Vec<Arc<Registration>>>,
     next: AtomicUsize,
@@ -175,6 +57,7 @@ impl JobState {
         let last = self.remaining.fetch_sub(n, Ordering::AcqRel) == n;
         if last {
             on_last();
+            self.after.write().take();
             self.regions.lock().clear();
             *self.done.lock() = true;
             self.done_cv.notify_all();
@@ -253,7 +136,8 @@ pub struct CopyEngine {
     pool: Arc<Pool>,
     registry: Arc<MemoryRegistry>,
     mover: Arc<dyn Mover>,
-    device_mover: Arc<RwLock<Option<Arc<dyn Mover>>>>,
+    /// One mover per device, by the kind of memory it serves.
+    device_movers: RwLock<HashMap<MemoryKind, Arc<dyn Mover>>>,
     queue: Mutex<Option<Sender<Arc<JobState>>>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     num_workers: usize,
@@ -276,7 +160,6 @@ impl CopyEngine {
         }
         let (tx, rx) = channel::<Arc<JobState>>();
         let rx = Arc::new(Mutex::new(rx));
-        let device_mover: Arc<RwLock<Option<Arc<dyn Mover>>>> = Arc::new(RwLock::new(None));
         // Held while a worker reserves one batch, so a batch's objects are neighbours in the
         // pool (one DMA can then cover many of them).
         let reserve = Arc::new(Mutex::new(()));
@@ -285,19 +168,19 @@ impl CopyEngine {
             let rx = Arc::clone(&rx);
             let pool = Arc::clone(&pool);
             let mover = Arc::clone(&mover);
-            let device = Arc::clone(&device_mover);
             let reserve = Arc::clone(&reserve);
+            let thread = format!("umbp-copy-{i}");
             let h = std::thread::Builder::new()
-                .name(format!("umbp-copy-{i}"))
-                .spawn(move || worker_loop(&rx, &pool, &mover, &device, &reserve))
-                .map_err(|e| CopyError::InvalidRequest(format!("cannot start a worker: {e}")))?;
+                .name(thread.clone())
+                .spawn(move || worker_loop(&rx, &pool, &mover, &reserve))
+                .map_err(|source| CopyError::Spawn { thread, source })?;
             workers.push(h);
         }
         Ok(CopyEngine {
             pool,
             registry,
             mover,
-            device_mover,
+            device_movers: RwLock::new(HashMap::new()),
             queue: Mutex::new(Some(tx)),
             workers: Mutex::new(workers),
             num_workers,
@@ -323,17 +206,18 @@ impl CopyEngine {
         keys: Vec<BlockKey>,
         plan: RangePlan,
     ) -> Result<JobHandle, CopyError> {
-        self.submit_after(direction, keys, plan, 0)
+        self.submit_after(direction, keys, plan, None)
     }
 
     /// Like [`CopyEngine::submit`], with an ordering token for the mover (for a device mover,
-    /// an event recorded on the engine's stream that the copies must wait for).
+    /// an event recorded on the engine's stream that the copies must wait for). The job owns
+    /// the token and drops it when its last key has finished.
     pub fn submit_after(
         &self,
         direction: Direction,
         keys: Vec<BlockKey>,
         plan: RangePlan,
-        after: u64,
+        after: Option<OrderToken>,
     ) -> Result<JobHandle, CopyError> {
         if keys.len() != plan.num_blocks() {
             return Err(CopyError::InvalidRequest(format!(
@@ -344,22 +228,23 @@ impl CopyEngine {
         }
         let n = keys.len();
         let (invalid, regions, kind) = self.validate(&plan);
-        // A job with no valid range still hands its token back to the mover that made it.
         let device = match kind {
-            Some(k) => matches!(k, MemoryKind::Cuda { .. }),
-            None => after != 0 && self.device_mover.read().is_some(),
+            None | Some(MemoryKind::Host) => None,
+            Some(k) => match self.device_movers.read().get(&k) {
+                Some(m) => Some(Arc::clone(m)),
+                None => {
+                    return Err(CopyError::InvalidRequest(format!(
+                        "the job moves {k:?} memory but no mover for it is installed; register device memory through the store"
+                    )))
+                }
+            },
         };
-        if device && self.device_mover.read().is_none() {
-            return Err(CopyError::InvalidRequest(
-                "the job moves device memory but no device mover is installed; register CUDA memory through the store".into(),
-            ));
-        }
         let state = Arc::new(JobState {
             direction,
             keys,
             plan,
             invalid,
-            after,
+            after: RwLock::new(after),
             device,
             regions: Mutex::new(regions),
             next: AtomicUsize::new(0),
@@ -374,14 +259,11 @@ impl CopyEngine {
             let queue = self.queue.lock();
             let tx = queue.as_ref().ok_or(CopyError::Closed)?;
             // Spread big jobs over the workers; small ones take one.
-            let limit = if device {
-                self.device_mover
-                    .read()
-                    .as_ref()
-                    .map_or(1, |m| m.max_workers_per_job())
-            } else {
-                self.mover.max_workers_per_job()
-            };
+            let limit = state
+                .device
+                .as_ref()
+                .unwrap_or(&self.mover)
+                .max_workers_per_job();
             let helpers = n
                 .div_ceil(CHUNK * 4)
                 .clamp(1, self.num_workers.min(limit).max(1));
@@ -486,21 +368,31 @@ impl CopyEngine {
         &self.mover
     }
 
-    /// Installs the mover of jobs whose engine memory is device memory (once).
-    pub fn set_device_mover(&self, mover: Arc<dyn Mover>) -> Result<(), CopyError> {
-        let mut m = self.device_mover.write();
-        if m.is_some() {
+    /// Installs the mover of jobs whose engine memory is of `kind` (one device's memory; once
+    /// per device).
+    pub fn set_device_mover(
+        &self,
+        kind: MemoryKind,
+        mover: Arc<dyn Mover>,
+    ) -> Result<(), CopyError> {
+        if kind == MemoryKind::Host {
             return Err(CopyError::InvalidRequest(
-                "a device mover is already installed".into(),
+                "host memory is moved by the engine's own mover; a device mover serves one device's memory".into(),
             ));
         }
-        *m = Some(mover);
+        let mut m = self.device_movers.write();
+        if m.contains_key(&kind) {
+            return Err(CopyError::InvalidRequest(format!(
+                "a mover for {kind:?} memory is already installed"
+            )));
+        }
+        m.insert(kind, mover);
         Ok(())
     }
 
-    /// The mover of device-memory jobs, if one is installed.
-    pub fn device_mover(&self) -> Option<Arc<dyn Mover>> {
-        self.device_mover.read().clone()
+    /// The mover of `kind` memory, if one is installed.
+    pub fn device_mover(&self, kind: MemoryKind) -> Option<Arc<dyn Mover>> {
+        self.device_movers.read().get(&kind).cloned()
     }
 
     /// Stops the workers after the jobs already queued.
@@ -522,7 +414,6 @@ fn worker_loop(
     rx: &Mutex<Receiver<Arc<JobState>>>,
     pool: &Pool,
     host: &Arc<dyn Mover>,
-    device: &RwLock<Option<Arc<dyn Mover>>>,
     reserve: &Mutex<()>,
 ) {
     loop {
@@ -530,15 +421,7 @@ fn worker_loop(
             Ok(j) => j,
             Err(_) => return,
         };
-        let mover = if job.device {
-            // `submit` checked that a device mover is installed; it is never removed.
-            match device.read().clone() {
-                Some(m) => m,
-                None => continue,
-            }
-        } else {
-            Arc::clone(host)
-        };
+        let mover = job.device.as_ref().unwrap_or(host);
         run_job(&job, pool, mover.as_ref(), reserve);
     }
 }
@@ -566,11 +449,7 @@ fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover, reserve: &Mutex<()>) 
                 all[i] = r;
             }
         }
-        job.finish_keys(last - first, || {
-            if job.after != 0 {
-                mover.release_token(job.after);
-            }
-        });
+        job.finish_keys(last - first, || {});
     }
 }
 
@@ -609,7 +488,7 @@ fn store_batch(
     let guard = reserve.lock();
     for i in keys {
         let r = if let Some(why) = &job.invalid[i] {
-            KeyResult::Failed(why.clone())
+            KeyResult::Failed(KeyFailure::InvalidRange(why.clone()))
         } else if pool.contains(&job.keys[i]) {
             KeyResult::AlreadyPresent
         } else {
@@ -619,7 +498,7 @@ fn store_batch(
                     KeyResult::Pending
                 }
                 Err(PoolError::Full { .. }) => KeyResult::PoolFull,
-                Err(e) => KeyResult::Failed(e.to_string()),
+                Err(e) => KeyResult::Failed(KeyFailure::Pool(e.to_string())),
             }
         };
         results.push(r);
@@ -634,9 +513,11 @@ fn store_batch(
         todo.iter_mut().map(|(_, i, res)| (*i, res.as_mut_ptr())),
         &mut ranges,
     );
+    let after = job.after.read();
     // SAFETY: `submit` checked every range against live registrations, which the job holds
     // until it finishes; each reservation is `object_bytes` long and ours alone.
-    let outcomes = unsafe { mover.gather(&copies, job.after) };
+    let outcomes = unsafe { mover.gather(&copies, after.as_ref()) };
+    drop(after);
     drop(copies);
     for ((at, i, res), outcome) in todo.into_iter().zip(outcomes) {
         results[at] = match outcome {
@@ -644,7 +525,7 @@ fn store_batch(
                 CommitOutcome::Stored => KeyResult::Done,
                 CommitOutcome::AlreadyPresent => KeyResult::AlreadyPresent,
             },
-            Err(e) => KeyResult::Failed(e),
+            Err(e) => KeyResult::Failed(e.into()),
         };
     }
     results
@@ -660,15 +541,16 @@ fn load_batch(
     let mut todo = Vec::new(); // (result index, key index, pinned object)
     for i in keys {
         let r = if let Some(why) = &job.invalid[i] {
-            KeyResult::Failed(why.clone())
+            KeyResult::Failed(KeyFailure::InvalidRange(why.clone()))
         } else {
             match pool.get(&job.keys[i]) {
                 None => KeyResult::Missing,
-                Some(obj) if obj.len() != job.plan.object_bytes() => KeyResult::Failed(format!(
-                    "stored object has {} bytes but the layout expects {}; a different layout wrote this key",
-                    obj.len(),
-                    job.plan.object_bytes()
-                )),
+                Some(obj) if obj.len() != job.plan.object_bytes() => {
+                    KeyResult::Failed(KeyFailure::SizeMismatch {
+                        stored: obj.len(),
+                        expected: job.plan.object_bytes(),
+                    })
+                }
                 Some(obj) => {
                     todo.push((results.len(), i, obj));
                     KeyResult::Pending
@@ -686,14 +568,16 @@ fn load_batch(
         todo.iter().map(|(_, i, obj)| (*i, obj.as_ptr() as *mut u8)),
         &mut ranges,
     );
+    let after = job.after.read();
     // SAFETY: ranges were checked against live registrations held by the job; each pinned
     // object is `object_bytes` long and stays allocated (and unwritten) while pinned; the
     // mover only reads from it.
-    let outcomes = unsafe { mover.scatter(&copies, job.after) };
+    let outcomes = unsafe { mover.scatter(&copies, after.as_ref()) };
+    drop(after);
     for ((at, _, _obj), outcome) in todo.into_iter().zip(outcomes) {
         results[at] = match outcome {
             Ok(()) => KeyResult::Done,
-            Err(e) => KeyResult::Failed(e),
+            Err(e) => KeyResult::Failed(e.into()),
         };
     }
     results

@@ -43,6 +43,14 @@ pub enum CopyError {
     /// The engine is shut down.
     #[error("the copy engine is closed")]
     Closed,
+    /// A worker thread could not be started.
+    #[error("could not start copy worker thread {thread}: {source}; the process is at its thread or memory limit (check `ulimit -u` and the container's pids limit, or lower num_workers)")]
+    Spawn {
+        /// The thread.
+        thread: String,
+        /// The system error.
+        source: std::io::Error,
+    },
     /// Arguments do not fit together.
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -12,8 +12,13 @@
 mod engine;
 mod error;
 pub mod memcpy;
+mod mover;
 mod registry;
 
-pub use engine::{BlockCopy, CopyEngine, Direction, HostMover, JobHandle, KeyResult, Mover};
+pub use engine::{CopyEngine, Direction, JobHandle};
 pub use error::CopyError;
+pub use mover::{
+    BlockCopy, HostMover, KeyFailure, KeyResult, MoveError, MoveResult, Mover, OrderToken,
+    TokenOwner,
+};
 pub use registry::{MemoryKind, MemoryRegistry, RegionId};

@@ -11,8 +11,9 @@ use crate::CopyError;
 /// Identifies one registration.
 pub type RegionId = u64;
 
-/// What kind of memory a registration is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What kind of memory a registration is. Each device kind and ordinal is moved by its own
+/// mover (see [`crate::CopyEngine::set_device_mover`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MemoryKind {
     /// Host memory this process can read and write directly.
     Host,

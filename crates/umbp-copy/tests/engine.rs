@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use umbp_copy::{
-    CopyEngine, CopyError, Direction, HostMover, KeyResult, MemoryKind, MemoryRegistry,
+    CopyEngine, CopyError, Direction, HostMover, KeyResult, MemoryKind, MemoryRegistry, MoveResult,
+    OrderToken, TokenOwner,
 };
 use umbp_core::{
     BlockKey, GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RangePlan, RankTopology,
@@ -160,7 +161,7 @@ fn a_layout_partly_outside_registered_memory_fails_only_the_blocks_outside() {
     assert_eq!(res[2], KeyResult::Done);
     for r in [&res[1], &res[3]] {
         assert!(
-            matches!(r, KeyResult::Failed(m) if m.contains("outside registered memory")),
+            matches!(r, KeyResult::Failed(m) if m.to_string().contains("outside registered memory")),
             "{res:?}"
         );
     }
@@ -189,7 +190,7 @@ fn one_bad_key_does_not_fail_its_siblings() {
         .unwrap();
     assert_eq!(res[0], KeyResult::Done);
     assert!(
-        matches!(&res[1], KeyResult::Failed(m) if m.contains("outside registered memory")),
+        matches!(&res[1], KeyResult::Failed(m) if m.to_string().contains("outside registered memory")),
         "{res:?}"
     );
     assert_eq!(res[2], KeyResult::Done);
@@ -234,7 +235,7 @@ fn size_mismatch_and_bad_arguments_are_errors() {
         .wait(Duration::from_secs(5))
         .unwrap();
     assert!(
-        matches!(&res[0], KeyResult::Failed(m) if m.contains("layout")),
+        matches!(&res[0], KeyResult::Failed(m) if m.to_string().contains("layout")),
         "{res:?}"
     );
     let e = engine
@@ -309,11 +310,10 @@ fn deregistration_waits_for_jobs_in_flight() {
     }
 }
 
-/// A device mover for tests: host copies that record the tokens it sees and gets back.
+/// A device mover for tests: host copies that record the tokens it sees.
 #[derive(Debug, Default)]
 struct RecordingMover {
     seen: parking_lot::Mutex<Vec<u64>>,
-    released: parking_lot::Mutex<Vec<u64>>,
 }
 
 impl umbp_copy::Mover for RecordingMover {
@@ -324,9 +324,9 @@ impl umbp_copy::Mover for RecordingMover {
     unsafe fn gather(
         &self,
         blocks: &[umbp_copy::BlockCopy<'_>],
-        after: u64,
-    ) -> Vec<Result<(), String>> {
-        self.seen.lock().push(after);
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
+        self.seen.lock().push(after.map_or(0, OrderToken::raw));
         // SAFETY: forwarded contract (the test's "device" memory is host memory).
         unsafe { umbp_copy::Mover::gather(&HostMover, blocks, after) }
     }
@@ -334,86 +334,105 @@ impl umbp_copy::Mover for RecordingMover {
     unsafe fn scatter(
         &self,
         blocks: &[umbp_copy::BlockCopy<'_>],
-        after: u64,
-    ) -> Vec<Result<(), String>> {
-        self.seen.lock().push(after);
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
+        self.seen.lock().push(after.map_or(0, OrderToken::raw));
         // SAFETY: forwarded contract.
         unsafe { umbp_copy::Mover::scatter(&HostMover, blocks, after) }
     }
+}
 
-    fn release_token(&self, after: u64) {
-        self.released.lock().push(after);
+/// Where the test's tokens go back to.
+#[derive(Debug, Default)]
+struct Released(parking_lot::Mutex<Vec<u64>>);
+
+impl TokenOwner for Released {
+    fn release(&self, raw: u64) {
+        self.0.lock().push(raw);
     }
 }
 
 #[test]
-fn device_memory_jobs_use_the_device_mover_and_return_its_token() {
+fn device_memory_jobs_use_their_devices_mover_and_drop_their_token() {
     let (engine, kb) = setup(3);
     let src = Cache::new(|i| (i * 7 % 253) as u8);
     let mut dst = Cache::new(|_| 0);
-    // "Device" memory for the engine's bookkeeping; the recording mover copies it on the host.
+    // "Device" memory of two devices for the engine's bookkeeping; the recording movers copy
+    // it on the host.
+    let (dev0, dev1) = (
+        MemoryKind::Cuda { device: 0 },
+        MemoryKind::Cuda { device: 1 },
+    );
     // SAFETY: both buffers outlive the engine's jobs (waited below).
     let ids = unsafe {
         [
-            engine.registry().register(
-                src.buf.as_ptr() as u64,
-                src.buf.len() as u64,
-                MemoryKind::Cuda { device: 0 },
-            ),
-            engine.registry().register(
-                dst.buf.as_ptr() as u64,
-                dst.buf.len() as u64,
-                MemoryKind::Cuda { device: 0 },
-            ),
+            engine
+                .registry()
+                .register(src.buf.as_ptr() as u64, src.buf.len() as u64, dev0),
+            engine
+                .registry()
+                .register(dst.buf.as_ptr() as u64, dst.buf.len() as u64, dev1),
         ]
     };
+    let released = Arc::new(Released::default());
+    let owner: Arc<dyn TokenOwner> = released.clone();
+    let token = |raw| Some(OrderToken::new(raw, Arc::clone(&owner)));
     let blocks: Vec<u64> = (0..10).collect();
-    // Without a device mover, a device job is refused up front.
+    // Without a mover for the device, a device job is refused up front; its token goes back.
     let e = engine
         .submit_after(
             Direction::Store,
             keys(&kb, &blocks),
             src.layout.plan(&blocks).unwrap(),
-            7,
+            token(5),
         )
         .unwrap_err();
-    assert!(e.to_string().contains("device mover"), "{e}");
-    let m = Arc::new(RecordingMover::default());
-    engine.set_device_mover(m.clone()).unwrap();
-    assert!(engine.set_device_mover(m.clone()).is_err(), "only once");
+    assert!(e.to_string().contains("no mover"), "{e}");
+    assert_eq!(*released.0.lock(), vec![5]);
+    let m0 = Arc::new(RecordingMover::default());
+    let m1 = Arc::new(RecordingMover::default());
+    engine.set_device_mover(dev0, m0.clone()).unwrap();
+    assert!(
+        engine.set_device_mover(dev0, m1.clone()).is_err(),
+        "once per device"
+    );
+    assert!(engine
+        .set_device_mover(MemoryKind::Host, m1.clone())
+        .is_err());
+    engine.set_device_mover(dev1, m1.clone()).unwrap();
     let res = engine
         .submit_after(
             Direction::Store,
             keys(&kb, &blocks),
             src.layout.plan(&blocks).unwrap(),
-            7,
+            token(7),
         )
         .unwrap()
         .wait(Duration::from_secs(10))
         .unwrap();
     assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
     let targets: Vec<u64> = blocks.iter().map(|b| b + 20).collect();
-    let res = engine
+    let job = engine
         .submit_after(
             Direction::Load,
             keys(&kb, &blocks),
             dst.layout.plan(&targets).unwrap(),
-            9,
+            token(9),
         )
-        .unwrap()
-        .wait(Duration::from_secs(10))
         .unwrap();
+    let res = job.wait(Duration::from_secs(10)).unwrap();
     assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
     for (b, t) in blocks.iter().zip(&targets) {
         assert_eq!(src.block_bytes(*b), dst.block_bytes(*t));
     }
-    // Every call saw its job's token; each token came back exactly once, after the job.
-    let seen = m.seen.lock().clone();
-    assert!(seen.contains(&7) && seen.contains(&9), "{seen:?}");
-    assert!(seen.iter().all(|t| *t == 7 || *t == 9));
-    let mut released = m.released.lock().clone();
-    released.sort_unstable();
-    assert_eq!(released, vec![7, 9]);
+    // Each device's mover saw only its own jobs' token; every token came back exactly once,
+    // when its job finished (the handle is still alive).
+    assert!(m0.seen.lock().iter().all(|t| *t == 7) && !m0.seen.lock().is_empty());
+    assert!(m1.seen.lock().iter().all(|t| *t == 9) && !m1.seen.lock().is_empty());
+    let mut back = released.0.lock().clone();
+    back.sort_unstable();
+    assert_eq!(back, vec![5, 7, 9]);
+    drop(job);
     // A job mixing host and device memory fails the mixed key alone.
     let host = Cache::new(|_| 3);
     register(&engine, &host);
@@ -432,7 +451,7 @@ fn device_memory_jobs_use_the_device_mover_and_return_its_token() {
         .unwrap();
     assert_eq!(res[0], KeyResult::Done);
     assert!(
-        matches!(&res[1], KeyResult::Failed(m) if m.contains("one kind")),
+        matches!(&res[1], KeyResult::Failed(m) if m.to_string().contains("one kind")),
         "{res:?}"
     );
     for id in ids {

@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 
-use crate::driver::{driver, Driver};
+use crate::driver::{driver, BatchFn, Driver};
 use crate::ffi::*;
 use crate::CudaError;
 
@@ -377,6 +377,61 @@ impl Device {
         })
     }
 
+    /// Registers `[addr, addr + len)` of host memory for DMA from every context (portable,
+    /// mapped), with no guard: the caller unregisters it with [`Device::host_unregister`].
+    /// Needs a current context.
+    ///
+    /// # Safety
+    /// The memory must stay mapped until it is unregistered.
+    pub(crate) unsafe fn host_register(&self, addr: u64, len: u64) -> Result<(), CudaError> {
+        // SAFETY: forwarded contract; PORTABLE makes it pinned for every context, DEVICEMAP
+        // maps it for the device.
+        self.drv.check("cuMemHostRegister", unsafe {
+            (self.drv.mem_host_register)(
+                addr as *mut c_void,
+                len as usize,
+                CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP,
+            )
+        })
+    }
+
+    /// Unregisters host memory that [`Device::host_register`] registered at `addr` (its
+    /// exact base). Needs a current context.
+    ///
+    /// # Safety
+    /// No copy may use the memory any more.
+    pub(crate) unsafe fn host_unregister(&self, addr: u64) -> Result<(), CudaError> {
+        // SAFETY: forwarded contract.
+        self.drv.check("cuMemHostUnregister", unsafe {
+            (self.drv.mem_host_unregister)(addr as *mut c_void)
+        })
+    }
+
+    /// Whether `stream` (a caller's raw handle; 0 is the legacy default stream) is being
+    /// captured into a CUDA graph. Needs a current context.
+    ///
+    /// # Safety
+    /// `stream` must be 0 or a live stream handle of this device's context.
+    pub(crate) unsafe fn is_capturing(&self, stream: CUstream) -> Result<bool, CudaError> {
+        let mut status: c_int = 0;
+        // SAFETY: forwarded contract; a valid out-pointer.
+        self.drv.check("cuStreamIsCapturing", unsafe {
+            (self.drv.stream_is_capturing)(stream, &mut status)
+        })?;
+        Ok(status != CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Waits on the host for the latest record of `event`.
+    ///
+    /// # Safety
+    /// `event` must be a live event handle of this device's context.
+    pub(crate) unsafe fn wait_event(&self, event: CUevent) -> Result<(), CudaError> {
+        // SAFETY: forwarded contract.
+        self.drv.check("cuEventSynchronize", unsafe {
+            (self.drv.event_synchronize)(event)
+        })
+    }
+
     /// Waits for all work on `stream`.
     pub fn synchronize(&self, stream: &Stream) -> Result<(), CudaError> {
         // SAFETY: a live stream of this device.
@@ -448,6 +503,131 @@ impl Stream {
         // SAFETY: as for `wait_flag`.
         d.check("cuStreamWriteValue32", unsafe {
             f(self.raw, flag, value, CU_STREAM_WRITE_VALUE_DEFAULT)
+        })
+    }
+
+    /// Queues the 2-D copy `c`.
+    ///
+    /// # Safety
+    /// Every row of both sides must be valid memory (device memory of this device, or host
+    /// memory registered or pageable) until the copy has completed, and nothing else may write
+    /// the destination meanwhile.
+    pub(crate) unsafe fn copy_2d(&self, c: &CUDA_MEMCPY2D) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        // SAFETY: forwarded contract; `c` is fully initialised.
+        d.check("cuMemcpy2DAsync", unsafe {
+            (d.memcpy_2d_async)(c, self.raw)
+        })
+    }
+
+    /// Queues the 3-D copy `c`.
+    ///
+    /// # Safety
+    /// As [`Stream::copy_2d`], for every slice.
+    pub(crate) unsafe fn copy_3d(&self, c: &CUDA_MEMCPY3D) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        // SAFETY: forwarded contract.
+        d.check("cuMemcpy3DAsync", unsafe {
+            (d.memcpy_3d_async)(c, self.raw)
+        })
+    }
+
+    /// Whether the driver can batch copies ([`Stream::copy_batch`]).
+    pub(crate) fn can_batch(&self) -> bool {
+        self.dev.drv.memcpy_batch_async.is_some()
+    }
+
+    /// Queues `sizes.len()` plain copies, `srcs[i]` to `dsts[i]`, in one driver call, ordered
+    /// after the stream's earlier work and preferring overlap with compute.
+    ///
+    /// # Safety
+    /// The three slices have the same length; each pair of ranges is valid device memory of
+    /// this device or registered host memory until the copies complete, and nothing else
+    /// writes the destinations meanwhile.
+    pub(crate) unsafe fn copy_batch(
+        &self,
+        dsts: &mut [u64],
+        srcs: &mut [u64],
+        sizes: &mut [usize],
+    ) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        let batch = d
+            .memcpy_batch_async
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("cuMemcpyBatchAsync is not exported".into()))?;
+        let n = sizes.len();
+        debug_assert!(dsts.len() == n && srcs.len() == n);
+        let mut attrs = [CUmemcpyAttributes {
+            srcAccessOrder: CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            flags: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+            ..Default::default()
+        }];
+        let mut idx = [0usize];
+        let rc = match batch {
+            // SAFETY: forwarded contract; the arrays hold `n` entries each and one attribute
+            // applies to all copies; the stream is ours (never the legacy NULL stream).
+            BatchFn::V2(f) => unsafe {
+                f(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    n,
+                    attrs.as_mut_ptr(),
+                    idx.as_mut_ptr(),
+                    1,
+                    self.raw,
+                )
+            },
+            BatchFn::V1(f) => {
+                let mut fail = 0usize;
+                // SAFETY: as above, with the 12.8 ABI's failIdx out-pointer.
+                unsafe {
+                    f(
+                        dsts.as_mut_ptr(),
+                        srcs.as_mut_ptr(),
+                        sizes.as_mut_ptr(),
+                        n,
+                        attrs.as_mut_ptr(),
+                        idx.as_mut_ptr(),
+                        1,
+                        &mut fail,
+                        self.raw,
+                    )
+                }
+            }
+        };
+        d.check("cuMemcpyBatchAsync", rc)
+    }
+
+    /// Queues kernel `f` on `grid` thread blocks of `block` threads.
+    ///
+    /// # Safety
+    /// `f` is a function of a live module of this context, `params` points at one live value
+    /// per kernel parameter with the kernel's types, and every address the kernel reads or
+    /// writes through them stays valid until the kernel has completed.
+    pub(crate) unsafe fn launch(
+        &self,
+        f: CUfunction,
+        grid: u32,
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), CudaError> {
+        let d = self.dev.drv;
+        // SAFETY: forwarded contract; no dynamic shared memory, no extra options.
+        d.check("cuLaunchKernel", unsafe {
+            (d.launch_kernel)(
+                f,
+                grid,
+                1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                self.raw,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
         })
     }
 
@@ -646,6 +826,81 @@ impl Drop for HostRegistration {
             if let Ok(_g) = self.dev.scoped() {
                 // SAFETY: the base this guard registered; its user stopped copying.
                 unsafe { (self.dev.drv.mem_host_unregister)(self.ptr as *mut c_void) };
+            }
+        }
+    }
+}
+
+/// A loaded PTX module; unloaded when dropped.
+#[derive(Debug)]
+pub(crate) struct Module {
+    dev: Arc<Device>,
+    raw: CUmodule,
+}
+
+// SAFETY: module and function handles may be used from any thread of the process; the handle
+// is never mutated.
+unsafe impl Send for Module {}
+// SAFETY: as above.
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// JIT-compiles and loads `ptx` (NUL-terminated) into the device's context; the error
+    /// carries the JIT log.
+    pub(crate) fn load_ptx(dev: &Arc<Device>, ptx: &str) -> Result<Module, CudaError> {
+        if !ptx.ends_with('\0') {
+            return Err(CudaError::Invalid("PTX must be NUL-terminated".into()));
+        }
+        let _g = dev.scoped()?;
+        let d = dev.drv;
+        let mut raw: CUmodule = std::ptr::null_mut();
+        let mut log = vec![0u8; 8192];
+        let mut opts = [CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
+        let mut vals: [*mut c_void; 2] =
+            [log.as_mut_ptr() as *mut c_void, log.len() as *mut c_void];
+        // SAFETY: `ptx` is NUL-terminated (checked); the two JIT options point at a live
+        // buffer of that size.
+        let rc = unsafe {
+            (d.module_load_data_ex)(
+                &mut raw,
+                ptx.as_ptr() as *const c_void,
+                2,
+                opts.as_mut_ptr(),
+                vals.as_mut_ptr(),
+            )
+        };
+        if let Err(e) = d.check("cuModuleLoadDataEx", rc) {
+            let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+            return Err(CudaError::Invalid(format!(
+                "{e}; JIT log: {}",
+                String::from_utf8_lossy(&log[..end])
+            )));
+        }
+        Ok(Module {
+            dev: Arc::clone(dev),
+            raw,
+        })
+    }
+
+    /// The kernel `name` of this module.
+    pub(crate) fn function(&self, name: &std::ffi::CStr) -> Result<CUfunction, CudaError> {
+        let d = self.dev.drv;
+        let mut f: CUfunction = std::ptr::null_mut();
+        // SAFETY: a loaded module and a NUL-terminated name.
+        d.check("cuModuleGetFunction", unsafe {
+            (d.module_get_function)(&mut f, self.raw, name.as_ptr())
+        })?;
+        Ok(f)
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if driver().is_ok() {
+            if let Ok(_g) = self.dev.scoped() {
+                // SAFETY: our module; its owner synchronised every stream that launched its
+                // kernels before dropping it.
+                unsafe { (self.dev.drv.module_unload)(self.raw) };
             }
         }
     }

@@ -77,7 +77,65 @@ pub enum CudaError {
         /// What to change.
         reason: String,
     },
+    /// A thread of the CUDA backend could not be started.
+    #[error("could not start the CUDA backend's {thread} thread: {reason}; the process is at its thread or memory limit (check `ulimit -u` and the container's pids limit)")]
+    Spawn {
+        /// The thread.
+        thread: &'static str,
+        /// The system error's text.
+        reason: String,
+    },
     /// Something else the caller asked for cannot be done.
     #[error("CUDA: {0}")]
     Invalid(String),
+}
+
+/// `CUresult`s after which the context is unusable: every later call fails too, until the
+/// process exits (CUDA's "sticky" errors).
+const STICKY: [i32; 9] = [
+    214, // CUDA_ERROR_ECC_UNCORRECTABLE
+    700, // CUDA_ERROR_ILLEGAL_ADDRESS
+    702, // CUDA_ERROR_LAUNCH_TIMEOUT
+    714, // CUDA_ERROR_HARDWARE_STACK_ERROR
+    715, // CUDA_ERROR_ILLEGAL_INSTRUCTION
+    716, // CUDA_ERROR_MISALIGNED_ADDRESS
+    717, // CUDA_ERROR_INVALID_ADDRESS_SPACE
+    718, // CUDA_ERROR_INVALID_PC
+    719, // CUDA_ERROR_LAUNCH_FAILED
+];
+
+impl CudaError {
+    /// Whether this is a driver call that failed with a sticky error: the context (and with
+    /// it every transfer to or from its device) is unusable from now on.
+    pub fn is_sticky(&self) -> bool {
+        matches!(self, CudaError::Call { code, .. } if STICKY.contains(code))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(code: i32) -> CudaError {
+        CudaError::Call {
+            call: "cuMemcpyAsync",
+            code,
+            name: format!("E{code}"),
+            text: String::new(),
+        }
+    }
+
+    #[test]
+    fn sticky_errors_are_told_apart_from_others() {
+        assert!(call(700).is_sticky() && call(719).is_sticky() && call(214).is_sticky());
+        assert!(
+            !call(1).is_sticky(),
+            "CUDA_ERROR_INVALID_VALUE leaves the context usable"
+        );
+        assert!(
+            !call(2).is_sticky(),
+            "out of memory leaves the context usable"
+        );
+        assert!(!CudaError::Invalid("x".into()).is_sticky());
+    }
 }

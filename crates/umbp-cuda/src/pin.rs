@@ -25,7 +25,6 @@ use parking_lot::Mutex;
 use umbp_pool::Pool;
 
 use crate::device::Device;
-use crate::driver::Driver;
 use crate::ffi::*;
 use crate::CudaError;
 
@@ -156,7 +155,7 @@ impl PinProgress {
 
     /// Registers chunk `c` unless it is registered or being registered (then waits for it).
     /// Needs a current context. Returns whether the chunk is usable for DMA.
-    fn register_chunk(&self, d: &Driver, c: usize) -> bool {
+    fn register_chunk(&self, dev: &Device, c: usize) -> bool {
         let s = &self.states[c];
         loop {
             match s.compare_exchange(TODO, BUSY, Ordering::AcqRel, Ordering::Acquire) {
@@ -169,20 +168,16 @@ impl PinProgress {
         let addr = self.base + c as u64 * self.chunk;
         let n = self.chunk.min(self.base + self.len - addr);
         // SAFETY: `[addr, addr + n)` lies inside the pool's mapping, which the pinner keeps
-        // alive; PORTABLE makes it pinned for every context, DEVICEMAP maps it for the device.
-        let rc = unsafe {
-            (d.mem_host_register)(
-                addr as *mut std::ffi::c_void,
-                n as usize,
-                CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP,
-            )
-        };
-        let state = match rc {
-            CUDA_SUCCESS => OURS,
-            CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => FOREIGN,
-            _ => {
-                let e = d.check("cuMemHostRegister", rc).err();
-                let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        // alive until it unregisters every chunk.
+        let state = match unsafe { dev.host_register(addr, n) } {
+            Ok(()) => OURS,
+            Err(CudaError::Call { code, .. })
+                if code == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED =>
+            {
+                FOREIGN
+            }
+            Err(e) => {
+                let msg = e.to_string();
                 log::warn!(
                     "umbp: registering pool bytes {addr:#x}+{n} for DMA failed ({msg}); copies to them use the driver's slower pageable path"
                 );
@@ -199,9 +194,9 @@ impl PinProgress {
 
     /// Makes sure `[addr, addr + len)` (pool memory) is registered, registering missing chunks
     /// now. Needs a current context. Returns false when a chunk cannot be registered.
-    pub(crate) fn ensure(&self, d: &Driver, addr: u64, len: u64) -> bool {
+    pub(crate) fn ensure(&self, dev: &Device, addr: u64, len: u64) -> bool {
         match self.chunks_of(addr, len) {
-            Some(r) => r.into_iter().all(|c| self.register_chunk(d, c)),
+            Some(r) => r.into_iter().all(|c| self.register_chunk(dev, c)),
             None => false,
         }
     }
@@ -254,7 +249,10 @@ impl PoolPinner {
             std::thread::Builder::new()
                 .name("umbp-cuda-pin".into())
                 .spawn(move || pin_loop(&dev, &progress, &stop))
-                .map_err(|e| CudaError::Invalid(format!("cannot start the pinning thread: {e}")))?
+                .map_err(|e| CudaError::Spawn {
+                    thread: "umbp-cuda-pin",
+                    reason: e.to_string(),
+                })?
         };
         Ok(PoolPinner {
             progress,
@@ -282,14 +280,12 @@ impl PoolPinner {
         let Ok(_g) = self.dev.scoped() else {
             return;
         };
-        let d = self.dev.driver();
         for (c, s) in p.states.iter().enumerate() {
             if s.swap(TODO, Ordering::AcqRel) == OURS {
                 let addr = p.base + c as u64 * p.chunk;
                 // SAFETY: the exact base of a chunk this pinner registered; no copy uses it any
                 // more (the caller's contract).
-                let rc = unsafe { (d.mem_host_unregister)(addr as *mut std::ffi::c_void) };
-                if let Err(e) = d.check("cuMemHostUnregister", rc) {
+                if let Err(e) = unsafe { self.dev.host_unregister(addr) } {
                     log::warn!("umbp: {e}");
                 }
             }
@@ -321,14 +317,13 @@ fn pin_loop(dev: &Device, p: &PinProgress, stop: &AtomicBool) {
         p.done.store(true, Ordering::Release);
         return;
     }
-    let d = dev.driver();
     for c in 0..p.states.len() {
         if stop.load(Ordering::Acquire) {
             p.done.store(true, Ordering::Release);
             return;
         }
         let t0 = Instant::now();
-        p.register_chunk(d, c);
+        p.register_chunk(dev, c);
         // The driver serialises other calls (ours and the engine's) with a registration, and
         // back-to-back registrations would starve them: always leave a gap, so any call waits
         // behind at most one chunk. While copies run, leave the driver to them most of the time.

@@ -35,6 +35,14 @@ pub enum PoolError {
         /// The largest object the pool can hold.
         max: u64,
     },
+    /// A thread the pool needs could not be started.
+    #[error("could not start the pool's {thread} thread: {source}; the process is at its thread or memory limit (check `ulimit -u` and the container's pids limit)")]
+    Spawn {
+        /// The thread.
+        thread: &'static str,
+        /// The system error.
+        source: std::io::Error,
+    },
     /// The pool was closed.
     #[error("the pool is closed")]
     Closed,

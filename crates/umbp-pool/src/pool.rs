@@ -322,10 +322,9 @@ impl Pool {
         let evictor = std::thread::Builder::new()
             .name("umbp-evictor".into())
             .spawn(move || evictor_loop(weak))
-            .map_err(|e| PoolError::Map {
-                bytes: 0,
-                what: "spawning the evictor thread",
-                source: e,
+            .map_err(|source| PoolError::Spawn {
+                thread: "umbp-evictor",
+                source,
             })?;
         Ok(Pool {
             inner,

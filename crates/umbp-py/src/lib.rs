@@ -12,7 +12,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PySlice};
 use std::sync::Arc;
-use umbp_copy::{CopyError, Direction, JobHandle, KeyResult};
+use umbp_copy::{CopyError, Direction, JobHandle, KeyFailure, KeyResult, MoveError};
 use umbp_core::{
     BlockKey, CoreError, GroupLayout, HugepageSize, KeyBuilder as CoreKeyBuilder, KvLayout,
     LayerSpec, MemoryBacking, PoolConfig, RankTopology, TensorView,
@@ -50,6 +50,7 @@ fn store_err(py: Python<'_>, e: StoreError) -> PyErr {
         StoreError::Pool(PoolError::TooLarge { .. }) => "ConfigError",
         StoreError::Pool(PoolError::Closed) | StoreError::Closed => "StoreClosedError",
         StoreError::Pool(PoolError::Map { .. }) => "PoolError",
+        StoreError::Pool(PoolError::Spawn { .. }) => "UmbpError",
         StoreError::Copy(c) => match c {
             CopyError::Core(_) | CopyError::InvalidRequest(_) => "ConfigError",
             CopyError::BadRegistration { .. }
@@ -58,6 +59,7 @@ fn store_err(py: Python<'_>, e: StoreError) -> PyErr {
             CopyError::Timeout { .. } => "TransferTimeout",
             CopyError::Closed => "StoreClosedError",
             CopyError::Pool(_) => "TransferError",
+            CopyError::Spawn { .. } => "UmbpError",
         },
         StoreError::Unmapped { .. } => "RegistrationError",
         StoreError::Cuda(c) => match c {
@@ -78,6 +80,17 @@ fn status(r: &KeyResult) -> &'static str {
         KeyResult::PoolFull => "pool_full",
         KeyResult::Cancelled => "cancelled",
         KeyResult::Failed(_) => "failed",
+    }
+}
+
+fn failure_kind(f: &KeyFailure) -> &'static str {
+    match f {
+        KeyFailure::InvalidRange(_) => "invalid_range",
+        KeyFailure::SizeMismatch { .. } => "size_mismatch",
+        KeyFailure::Pool(_) => "pool",
+        KeyFailure::Move(MoveError::DeviceLost { .. }) => "device_lost",
+        KeyFailure::Move(MoveError::Device(_)) => "device",
+        KeyFailure::Move(MoveError::Unsupported(_)) => "unsupported",
     }
 }
 
@@ -258,7 +271,23 @@ impl Job {
             .into_iter()
             .enumerate()
             .filter_map(|(i, r)| match r {
-                KeyResult::Failed(m) => Some((i, m)),
+                KeyResult::Failed(m) => Some((i, m.to_string())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Keys that ended "failed", by key index, with why in one word and in words: the word is
+    /// "invalid_range", "size_mismatch", "pool", "device" (one device call failed),
+    /// "device_lost" (the device is unusable until the process restarts) or "unsupported".
+    fn failures(&self) -> Vec<(usize, &'static str, String)> {
+        self.handle
+            .poll()
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, r)| match r {
+                KeyResult::Failed(f) => Some((i, failure_kind(&f), f.to_string())),
                 _ => None,
             })
             .collect()

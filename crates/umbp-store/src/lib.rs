@@ -4,7 +4,7 @@
 //! registered [`KvLayout`]s and a [`CopyEngine`] together. Callers pass block ids and keys in
 //! bulk; range planning and copies happen here.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,11 +15,11 @@ use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
 };
 use umbp_core::{options, BlockKey, CoreError, KeyBuilder, KvLayout, PoolConfig};
-use umbp_cuda::CudaMover;
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
+use umbp_cuda::{CudaMover, Device, PoolPinner};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
 
-pub use umbp_copy::KeyResult;
+pub use umbp_copy::{KeyFailure, KeyResult, MoveError};
 
 /// Identifies a registered layout.
 pub type LayoutId = u32;
@@ -157,10 +157,14 @@ pub struct EmbeddedStore {
     timeout: Duration,
     closed: AtomicBool,
     cuda_opts: CudaOptions,
-    /// The CUDA mover, created by the first CUDA registration (never before: no CUDA at start).
-    cuda: Mutex<Option<Arc<CudaMover>>>,
-    /// Layouts whose memory is CUDA memory.
-    cuda_layouts: RwLock<HashSet<LayoutId>>,
+    /// One CUDA mover per device, each created by the first registration of that device's
+    /// memory (never before: no CUDA at start).
+    cuda: Mutex<BTreeMap<i32, Arc<CudaMover>>>,
+    /// The pool's registration for DMA, shared by every device's mover (pinned once, whatever
+    /// the number of devices; released after the last mover, when the store closes).
+    pinner: Mutex<Option<Arc<PoolPinner>>>,
+    /// Layouts whose memory is CUDA memory, with their device.
+    cuda_layouts: RwLock<HashMap<LayoutId, i32>>,
 }
 
 impl EmbeddedStore {
@@ -192,8 +196,9 @@ impl EmbeddedStore {
             timeout: cfg.timeout,
             closed: AtomicBool::new(false),
             cuda_opts: cfg.cuda,
-            cuda: Mutex::new(None),
-            cuda_layouts: RwLock::new(HashSet::new()),
+            cuda: Mutex::new(BTreeMap::new()),
+            pinner: Mutex::new(None),
+            cuda_layouts: RwLock::new(HashMap::new()),
         })
     }
 
@@ -247,8 +252,8 @@ impl EmbeddedStore {
             .into());
         }
         let id = self.next_layout.fetch_add(1, Ordering::Relaxed);
-        if matches!(first, Some(MemoryKind::Cuda { .. })) {
-            self.cuda_layouts.write().insert(id);
+        if let Some(MemoryKind::Cuda { device }) = first {
+            self.cuda_layouts.write().insert(id, device);
         }
         self.layouts.write().insert(id, Arc::new(layout));
         Ok(id)
@@ -287,43 +292,34 @@ impl EmbeddedStore {
         self.check_open()?;
         let layout = self.layout(layout_id)?;
         let plan = layout.group(group)?.plan(block_ids)?;
-        let mut token = 0;
+        let mut token = None;
         if let Some(stream) = stream {
-            if !self.cuda_layouts.read().contains(&layout_id) {
+            let Some(device) = self.cuda_layouts.read().get(&layout_id).copied() else {
                 return Err(CoreError::option(
                     "stream",
                     format!("layout {layout_id} is host memory; a CUDA stream orders only copies of CUDA memory"),
                 )
                 .into());
-            }
+            };
             if !block_ids.is_empty() && keys.len() == block_ids.len() {
-                let m = self.cuda_mover()?;
-                token = m.record_after(stream)?;
+                let m = self.cuda_on(device).ok_or_else(|| {
+                    CoreError::option(
+                        "stream",
+                        format!("no CUDA memory of device {device} is registered with this store"),
+                    )
+                })?;
+                token = Some(m.record_after(stream)?);
             }
         }
-        match self.engine.submit_after(dir, keys, plan, token) {
-            Ok(h) => Ok(h),
-            Err(e) => {
-                if token != 0 {
-                    if let Ok(m) = self.cuda_mover() {
-                        umbp_copy::Mover::release_token(m.as_ref(), token);
-                    }
-                }
-                Err(e.into())
-            }
-        }
-    }
-
-    fn cuda_mover(&self) -> Result<Arc<CudaMover>, StoreError> {
-        self.cuda.lock().clone().ok_or_else(|| {
-            CoreError::option("stream", "no CUDA memory is registered with this store").into()
-        })
+        // A job that is refused drops its token, which goes back to its mover.
+        Ok(self.engine.submit_after(dir, keys, plan, token)?)
     }
 
     /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`
-    /// and byte size). The first call loads the CUDA driver, creates the CUDA mover and starts
-    /// registering the pool for DMA in the background; later calls must name the same device.
-    /// The range must be device memory of that device, inside one allocation.
+    /// and byte size). The first call loads the CUDA driver and starts registering the pool for
+    /// DMA in the background; the first call for each device creates that device's mover (all
+    /// of them share the pool's one registration). The range must be device memory of that
+    /// device, inside one allocation.
     ///
     /// # Safety
     /// As [`MemoryRegistry::register`]: the memory stays allocated until deregistered.
@@ -335,27 +331,15 @@ impl EmbeddedStore {
     ) -> Result<RegionId, StoreError> {
         self.check_open()?;
         let mover = {
-            let mut slot = self.cuda.lock();
-            match slot.as_ref() {
-                Some(m) if m.device().ordinal() != device => {
-                    return Err(CudaError::Device {
-                        device,
-                        reason: format!(
-                        "this store already copies for CUDA device {}; use one store per device",
-                        m.device().ordinal()
-                    ),
-                    }
-                    .into())
-                }
+            let mut movers = self.cuda.lock();
+            match movers.get(&device) {
                 Some(m) => Arc::clone(m),
                 None => {
-                    let m = Arc::new(CudaMover::new(
-                        device,
-                        Arc::clone(&self.pool),
-                        self.cuda_opts.clone(),
-                    )?);
-                    self.engine.set_device_mover(m.clone())?;
-                    *slot = Some(Arc::clone(&m));
+                    let pinner = self.pinner_for(device)?;
+                    let m = Arc::new(CudaMover::new(device, pinner, self.cuda_opts.clone())?);
+                    self.engine
+                        .set_device_mover(MemoryKind::Cuda { device }, m.clone())?;
+                    movers.insert(device, Arc::clone(&m));
                     m
                 }
             }
@@ -367,6 +351,21 @@ impl EmbeddedStore {
                 .registry()
                 .register(addr, len, MemoryKind::Cuda { device })
         }?)
+    }
+
+    /// The pool's DMA registration, started (with `device`'s context) by the first call.
+    fn pinner_for(&self, device: i32) -> Result<Arc<PoolPinner>, StoreError> {
+        let mut p = self.pinner.lock();
+        if let Some(p) = p.as_ref() {
+            return Ok(Arc::clone(p));
+        }
+        let pinner = Arc::new(PoolPinner::start(
+            Device::open(device)?,
+            Arc::clone(&self.pool),
+            self.cuda_opts.pin_chunk_bytes,
+        )?);
+        *p = Some(Arc::clone(&pinner));
+        Ok(pinner)
     }
 
     /// Starts storing like [`EmbeddedStore::store`]; with `stream` (a raw CUDA stream handle,
@@ -399,25 +398,33 @@ impl EmbeddedStore {
         self.submit(Direction::Load, layout, group, block_ids, keys, stream)
     }
 
-    /// The CUDA mover, once CUDA memory is registered (for its trace and statistics).
+    /// The CUDA mover of the lowest-numbered device whose memory is registered (for its trace
+    /// and statistics; one device per engine process is the common case).
     pub fn cuda(&self) -> Option<Arc<CudaMover>> {
-        self.cuda.lock().clone()
+        self.cuda.lock().values().next().cloned()
     }
 
-    /// The CUDA mover's counters and the pool's DMA registration, once CUDA memory is
-    /// registered.
+    /// The CUDA mover of `device`, once memory of that device is registered.
+    pub fn cuda_on(&self, device: i32) -> Option<Arc<CudaMover>> {
+        self.cuda.lock().get(&device).cloned()
+    }
+
+    /// The devices whose memory is registered, in order.
+    pub fn cuda_devices(&self) -> Vec<i32> {
+        self.cuda.lock().keys().copied().collect()
+    }
+
+    /// The counters of [`EmbeddedStore::cuda`]'s mover and the pool's DMA registration, once
+    /// CUDA memory is registered.
     pub fn cuda_status(&self) -> Option<(CudaStats, PinStatus)> {
-        self.cuda
-            .lock()
-            .as_ref()
-            .map(|m| (m.stats(), m.pin_status()))
+        self.cuda().map(|m| (m.stats(), m.pin_status()))
     }
 
     /// Waits up to `timeout` for the pool's DMA registration; false when it has not finished
     /// (or no CUDA memory is registered).
     pub fn wait_pool_registered(&self, timeout: Duration) -> bool {
-        let m = self.cuda.lock().clone();
-        m.is_some_and(|m| m.pin_progress().wait(timeout))
+        let p = self.pinner.lock().clone();
+        p.is_some_and(|p| p.progress().wait(timeout))
     }
 
     /// Starts storing `block_ids` of cache group `group` under `keys` (one key per block).
@@ -474,9 +481,13 @@ impl EmbeddedStore {
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             self.engine.close();
-            if let Some(m) = self.cuda.lock().as_ref() {
-                // Every copy has finished: unregister the pool before it can be unmapped.
+            for m in self.cuda.lock().values() {
                 m.shutdown();
+            }
+            if let Some(p) = self.pinner.lock().as_ref() {
+                // Every copy of every device has finished: unregister the pool before it can
+                // be unmapped.
+                p.shutdown();
             }
             self.pool.close();
         }

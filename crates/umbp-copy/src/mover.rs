@@ -1,0 +1,284 @@
+//! What a [`Mover`] is given and what it answers: the blocks of one call, the submitter's
+//! [`OrderToken`], and per block `Ok` or a typed [`MoveError`]; and what a job reports per key
+//! ([`KeyResult`], with a typed [`KeyFailure`]).
+
+use std::sync::Arc;
+
+use thiserror::Error;
+use umbp_core::CopyRange;
+
+use crate::memcpy;
+
+/// What happened to one key of a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyResult {
+    /// Not finished yet.
+    Pending,
+    /// Stored, or loaded.
+    Done,
+    /// Store skipped: the key was already in the pool (or another writer committed it first).
+    AlreadyPresent,
+    /// Load failed: the key is not in the pool (never stored, or evicted).
+    Missing,
+    /// Store failed: the pool had no room even after eviction.
+    PoolFull,
+    /// Cancelled before it ran.
+    Cancelled,
+    /// Failed for another reason, kept typed (see [`KeyFailure`]).
+    Failed(KeyFailure),
+}
+
+impl KeyResult {
+    /// Whether the key's transfer succeeded (a store of a present key counts).
+    pub fn is_ok(&self) -> bool {
+        matches!(self, KeyResult::Done | KeyResult::AlreadyPresent)
+    }
+}
+
+/// Why one key failed.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum KeyFailure {
+    /// A range of the key's block is not inside registered memory, or mixes kinds of memory
+    /// (the caller's plan or registrations are wrong; nothing was copied).
+    #[error("{0}")]
+    InvalidRange(String),
+    /// The stored object's size differs from what the layout expects (another layout wrote
+    /// this key).
+    #[error("stored object has {stored} bytes but the layout expects {expected}; a different layout wrote this key")]
+    SizeMismatch {
+        /// Bytes of the stored object.
+        stored: u64,
+        /// Bytes the layout's blocks have.
+        expected: u64,
+    },
+    /// The pool refused for a reason other than being full.
+    #[error("{0}")]
+    Pool(String),
+    /// The mover failed to copy the block.
+    #[error(transparent)]
+    Move(#[from] MoveError),
+}
+
+/// Why a mover could not copy a block.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum MoveError {
+    /// The device failed in a way that lasts: every later call on its context fails too (CUDA's
+    /// sticky errors, such as an illegal address in a kernel). No transfer to or from this
+    /// device can succeed until the process restarts.
+    #[error("{device} is unusable after {message}; every later transfer with it fails until the process restarts")]
+    DeviceLost {
+        /// The device, in words ("CUDA device 0").
+        device: String,
+        /// The failure.
+        message: String,
+    },
+    /// One device call failed; the device stays usable.
+    #[error("{0}")]
+    Device(String),
+    /// The mover was handed something it cannot copy (memory of another device, a token of
+    /// another mover, a block larger than it supports).
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl MoveError {
+    /// Whether the device this error came from is unusable from now on.
+    pub fn is_device_lost(&self) -> bool {
+        matches!(self, MoveError::DeviceLost { .. })
+    }
+}
+
+/// Something a mover made that orders a job's copies after the submitter's work (for CUDA, an
+/// event recorded on the submitter's stream). It belongs to the job it was made for and goes
+/// back to its maker when dropped, which the job does when its last key has finished.
+pub struct OrderToken {
+    raw: u64,
+    owner: Arc<dyn TokenOwner>,
+}
+
+/// The maker of [`OrderToken`]s, given each token back when it is dropped.
+pub trait TokenOwner: Send + Sync + std::fmt::Debug {
+    /// Takes back token `raw` (called once per token, from any thread).
+    fn release(&self, raw: u64);
+}
+
+impl OrderToken {
+    /// A token `raw` (non-zero) that `owner` made and takes back on drop.
+    pub fn new(raw: u64, owner: Arc<dyn TokenOwner>) -> OrderToken {
+        OrderToken { raw, owner }
+    }
+
+    /// The value the owner knows the token by.
+    pub fn raw(&self) -> u64 {
+        self.raw
+    }
+
+    /// Whether `owner` made this token (a mover must only use its own tokens).
+    pub fn is_from(&self, owner: &Arc<dyn TokenOwner>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.owner), Arc::as_ptr(owner))
+    }
+}
+
+impl Drop for OrderToken {
+    fn drop(&mut self) {
+        self.owner.release(self.raw);
+    }
+}
+
+impl std::fmt::Debug for OrderToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrderToken")
+            .field("raw", &self.raw)
+            .finish()
+    }
+}
+
+/// One block's side of a copy: the pool object's address and the engine ranges.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockCopy<'a> {
+    /// First byte of the pool object.
+    pub object: *mut u8,
+    /// Engine ranges, with their offsets inside the object.
+    pub ranges: &'a [CopyRange],
+}
+
+impl BlockCopy<'_> {
+    /// Bytes of the object the ranges reach (the end of the furthest range).
+    pub fn extent(&self) -> u64 {
+        self.ranges
+            .iter()
+            .map(|r| r.object_offset + r.len)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// What a mover answers per block.
+pub type MoveResult = Result<(), MoveError>;
+
+/// Moves bytes between engine memory and pool objects, a batch of blocks at a time. The host
+/// implementation uses CPU copies; each device kind (CUDA today) plugs in its own, one per
+/// device, and the copy engine picks it by the kind of memory a job moves.
+pub trait Mover: Send + Sync + std::fmt::Debug {
+    /// Blocks a worker hands over per call.
+    fn batch_size(&self) -> usize {
+        8
+    }
+
+    /// Copies each block's engine ranges into its object. `after` is the submitter's ordering
+    /// token, if any; the copies must not read engine memory before the work it marks is
+    /// done. Returns one result per block.
+    ///
+    /// # Safety
+    /// Every range must lie inside a live registration of the kind this mover serves, and each
+    /// object must point to at least `max(object_offset + len)` writable bytes that nothing else
+    /// accesses during the call.
+    unsafe fn gather(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult>;
+
+    /// Copies each object into its block's engine ranges.
+    ///
+    /// # Safety
+    /// As for [`Mover::gather`], with the objects readable and the engine ranges writable.
+    unsafe fn scatter(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult>;
+
+    /// Most workers one job may occupy at once.
+    fn max_workers_per_job(&self) -> usize {
+        usize::MAX
+    }
+}
+
+/// Copies between host memories (streaming stores for large pieces, see [`crate::memcpy`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostMover;
+
+impl Mover for HostMover {
+    unsafe fn gather(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        _after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
+        for b in blocks {
+            for r in b.ranges {
+                // SAFETY: the caller guarantees both sides are valid for `r.len` bytes and do
+                // not overlap (one is pool memory, the other registered engine memory).
+                unsafe {
+                    memcpy::copy(
+                        b.object.add(r.object_offset as usize),
+                        r.host_addr as *const u8,
+                        r.len as usize,
+                    )
+                };
+            }
+        }
+        memcpy::fence();
+        vec![Ok(()); blocks.len()]
+    }
+
+    unsafe fn scatter(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        _after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
+        for b in blocks {
+            for r in b.ranges {
+                // SAFETY: as in `gather`, in the other direction.
+                unsafe {
+                    memcpy::copy(
+                        r.host_addr as *mut u8,
+                        b.object.add(r.object_offset as usize),
+                        r.len as usize,
+                    )
+                };
+            }
+        }
+        memcpy::fence();
+        vec![Ok(()); blocks.len()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[derive(Debug, Default)]
+    struct Counter(AtomicU64);
+    impl TokenOwner for Counter {
+        fn release(&self, raw: u64) {
+            self.0.fetch_add(raw, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_token_goes_back_to_its_owner_once_when_dropped() {
+        let c = Arc::new(Counter::default());
+        let owner: Arc<dyn TokenOwner> = c.clone();
+        let other: Arc<dyn TokenOwner> = Arc::new(Counter::default());
+        let t = OrderToken::new(7, Arc::clone(&owner));
+        assert!(t.is_from(&owner) && !t.is_from(&other));
+        assert_eq!(t.raw(), 7);
+        assert_eq!(c.0.load(Ordering::SeqCst), 0);
+        drop(t);
+        assert_eq!(c.0.load(Ordering::SeqCst), 7);
+    }
+
+    #[test]
+    fn a_lost_device_reads_differently_from_a_bad_range() {
+        let lost = KeyFailure::from(MoveError::DeviceLost {
+            device: "CUDA device 0".into(),
+            message: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
+        });
+        let range = KeyFailure::InvalidRange("range 0x10+4 is outside registered memory".into());
+        assert!(matches!(&lost, KeyFailure::Move(m) if m.is_device_lost()));
+        assert!(lost.to_string().contains("restarts"), "{lost}");
+        assert_ne!(lost, range);
+    }
+}

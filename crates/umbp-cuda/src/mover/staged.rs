@@ -1,0 +1,397 @@
+//! The staged method: a brief gather (store) or scatter (load) kernel between the KV cache and a
+//! device staging slot, and one DMA per run of neighbouring pool objects; and `auto`'s watch on
+//! the kernels while compute holds the SMs ([`StagedHealth`]).
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use umbp_copy::MoveResult;
+
+use super::trace::Timed;
+use super::{CopyMethod, CudaMover, Dir};
+use crate::device::{Device, DeviceBuffer, Event, HostBuffer, Stream};
+use crate::ffi::*;
+use crate::plan::{Run, Slice};
+use crate::CudaError;
+
+/// Most descriptors one staging slot carries.
+pub(super) const MAX_DESCS: usize = 16384;
+
+/// Descriptor buffers per staging slot where device flags order the stages: the host writes
+/// a slice's descriptors while up to this many earlier kernels of the slot are still queued.
+pub(super) const DESC_BUFFERS: usize = 4;
+
+#[derive(Debug)]
+pub(super) struct Slot {
+    pub(super) stage: DeviceBuffer,
+    /// Descriptor buffers (`devs | offs | lens`, `u64` each), written by the host and read by
+    /// the kernel through the mapping; used in turn.
+    pub(super) descs: Vec<HostBuffer>,
+    /// Per descriptor buffer: recorded after the kernel that read it.
+    pub(super) descs_read: Vec<Event>,
+    pub(super) descs_used: Vec<bool>,
+    pub(super) next_desc: usize,
+    /// Events mode: recorded after the slot's last stage; the host waits for it before
+    /// reusing the slot.
+    pub(super) free: Event,
+    /// Events mode: recorded after the slot's first stage; the second stage's stream waits
+    /// for it.
+    pub(super) ready: Event,
+    /// Flags mode (both non-zero): device addresses of two 32-bit words. Use `seq` of the slot
+    /// writes `seq` to `ready_flag` after its first stage (the second stage waits for it) and
+    /// to `free_flag` after its last stage (the next use's first stage waits for it). Each
+    /// flag is written by one stream, in increasing order, and waits are cyclic `>=`, so a
+    /// value written twice or skipped on an error path never strands a wait. The GPU polls
+    /// device memory, so no host thread waits between stages.
+    pub(super) ready_flag: u64,
+    pub(super) free_flag: u64,
+    /// The slot's use count.
+    pub(super) seq: u32,
+    pub(super) used: bool,
+}
+
+impl Slot {
+    fn flags(&self) -> bool {
+        self.ready_flag != 0
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct Ring {
+    pub(super) slots: Vec<Slot>,
+    pub(super) next: usize,
+}
+
+/// How long the staging kernels of one direction take per GB (GPU time from the moment their
+/// stream reaches them, so the wait for free SMs is included) and whether `auto` therefore
+/// sends small pieces by DMA for now. When compute kernels fill every SM, staging kernels
+/// start only as SMs free up: they then move less than DMA does (measured on the H200 beside
+/// a full-GPU bf16 matmul: 20-31 GB/s staged, 34-40 GB/s by DMA for 8 and 32 KiB pieces).
+#[derive(Debug, Default)]
+pub(super) struct StagedHealth {
+    /// Recent kernel milliseconds per GB (an exponential average, as f64 bits; 0: none yet).
+    pub(super) ms_per_gb: AtomicU64,
+    /// Small pieces go by DMA (set above [`STAGED_SLOW_MS_PER_GB`], cleared below
+    /// [`STAGED_FAST_MS_PER_GB`]).
+    pub(super) by_dma: std::sync::atomic::AtomicBool,
+    /// Calls decided while `by_dma`: every [`STAGED_PROBE_EVERY`]-th is staged anyway, to notice
+    /// when SMs are free again.
+    pub(super) calls: AtomicU64,
+    /// Times `auto` switched between the two.
+    pub(super) switches: AtomicU64,
+}
+
+/// Above this many kernel milliseconds per GB the staging kernels alone move less than 40 GB/s,
+/// about what DMA moves for small pieces while compute fills the GPU: `auto` switches small
+/// pieces to DMA.
+pub(super) const STAGED_SLOW_MS_PER_GB: f64 = 25.0;
+/// Below this (the kernels no longer limit the copy: idle they take 2-8 ms per GB) `auto`
+/// stages small pieces again.
+pub(super) const STAGED_FAST_MS_PER_GB: f64 = 15.0;
+/// While small pieces go by DMA, one call in this many is staged to measure the kernels again.
+pub(super) const STAGED_PROBE_EVERY: u64 = 8;
+
+/// Whether `auto` should send small pieces by DMA, given whether it does now and the staging
+/// kernels' recent milliseconds per GB (with hysteresis between the two thresholds).
+pub(super) fn small_pieces_by_dma(now: bool, ms_per_gb: f64) -> bool {
+    if now {
+        ms_per_gb >= STAGED_FAST_MS_PER_GB
+    } else {
+        ms_per_gb > STAGED_SLOW_MS_PER_GB
+    }
+}
+
+impl CudaMover {
+    /// Folds one staged call's kernel time per GB into `auto`'s view and switches small pieces
+    /// between staged and DMA when the kernels have become slow or fast again.
+    pub(super) fn note_kernels(&self, dir: Dir, ms_per_gb: f64) {
+        let h = &self.staged_health[dir.index()];
+        let old = f64::from_bits(h.ms_per_gb.load(Ordering::Relaxed));
+        let avg = if old > 0.0 {
+            0.5 * old + 0.5 * ms_per_gb
+        } else {
+            ms_per_gb
+        };
+        h.ms_per_gb.store(avg.to_bits(), Ordering::Relaxed);
+        if self.opts.method != CopyMethod::Auto {
+            return;
+        }
+        let by_dma = h.by_dma.load(Ordering::Relaxed);
+        let want = small_pieces_by_dma(by_dma, avg);
+        if want != by_dma {
+            h.by_dma.store(want, Ordering::Relaxed);
+            h.switches.fetch_add(1, Ordering::Relaxed);
+            log::debug!(
+                "umbp: {} staging kernels take {avg:.1} ms per GB (SMs are {}): small pieces go {}",
+                dir.name(),
+                if want { "busy" } else { "free again" },
+                if want { "by DMA" } else { "staged" }
+            );
+        }
+    }
+
+    /// The DMAs between a staging slot and the pool objects of slice `s`; a failure fails
+    /// the slice's blocks.
+    pub(super) fn slot_dmas(
+        &self,
+        dir: Dir,
+        stream: &Stream,
+        s: &Slice,
+        stage: u64,
+        results: &mut [MoveResult],
+    ) {
+        let runs: Vec<Run> = s
+            .dmas
+            .iter()
+            .map(|m| Run {
+                dev: stage + m.off,
+                host: m.host,
+                len: m.len,
+                dev_stride: 0,
+                host_stride: 0,
+                count: 1,
+                first_block: 0,
+                last_block: 0,
+            })
+            .collect();
+        let mut outcome = [Ok(())];
+        self.singles(dir, stream, &runs, &mut outcome);
+        if let [Err(e)] = outcome {
+            for &b in &s.blocks {
+                results[b] = Err(e.clone());
+            }
+        }
+    }
+
+    pub(super) fn run_staged(
+        &self,
+        dir: Dir,
+        slices: &[Slice],
+        after: Option<CUevent>,
+        done: &Event,
+        results: &mut [MoveResult],
+        timings: &mut Vec<Timed>,
+    ) -> Result<(), CudaError> {
+        let lane = self.lane(dir);
+        let kernels = self
+            .kernels
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("staging kernels are not loaded".into()))?;
+        let ring = lane
+            .ring
+            .as_ref()
+            .ok_or_else(|| CudaError::Invalid("no staging memory".into()))?;
+        // Held only while this call's slices are queued (in flags mode no host thread waits
+        // for the GPU here, except, rarely, for a descriptor buffer).
+        let mut ring = ring.lock();
+        if dir == Dir::Store {
+            if let Some(ev) = after {
+                lane.kern.wait(ev)?;
+            }
+        }
+        // Store: gather on `kern`, then DMA on `dma`. Load: DMA on `dma`, then scatter.
+        let (first, second) = match dir {
+            Dir::Store => (&lane.kern, &lane.dma),
+            Dir::Load => (&lane.dma, &lane.kern),
+        };
+        let mut bytes = 0u64;
+        for (k, s) in slices.iter().enumerate() {
+            let i = ring.next;
+            ring.next = (i + 1) % ring.slots.len();
+            let slot = &mut ring.slots[i];
+            if !slot.flags() && slot.used {
+                self.host_wait(dir, "slot_wait", &slot.free)?;
+            }
+            let j = slot.next_desc;
+            slot.next_desc = (j + 1) % slot.descs.len();
+            if slot.flags() && slot.descs_used[j] {
+                self.host_wait(dir, "desc_wait", &slot.descs_read[j])?;
+            }
+            let n = s.descs.len();
+            // Descriptors: devs | offs | lens.
+            // SAFETY: the buffer holds 3 * MAX_DESCS u64 and n <= MAX_DESCS (plan::staged);
+            // the kernel that last read it has finished (waited for above).
+            let desc =
+                unsafe { std::slice::from_raw_parts_mut(slot.descs[j].ptr() as *mut u64, 3 * n) };
+            for (m, x) in s.descs.iter().enumerate() {
+                desc[m] = x.dev;
+                desc[n + m] = x.off;
+                desc[2 * n + m] = x.len;
+            }
+            slot.descs_used[j] = true;
+            slot.used = true;
+            let prev = slot.seq;
+            slot.seq = prev.wrapping_add(1);
+            let slot = &*slot;
+            let stage = slot.stage.ptr();
+            // The kernel reads the descriptors through the mapping (24 bytes per piece over
+            // PCIe): measured faster than uploading them, whose copy queues behind the bulk
+            // host-to-device DMAs of loads.
+            let dp = slot.descs[j].device_ptr();
+            let slice_bytes = s.descs.iter().map(|x| x.len).sum::<u64>();
+            let launch = |f: CUfunction| -> Result<Timed, CudaError> {
+                let stream = &lane.kern;
+                let t0 = self.take_event(true)?;
+                let t1 = self.take_event(true)?;
+                t0.record(stream)?;
+                let mut a0: u64 = dp;
+                let mut a1: u64 = dp + 8 * n as u64;
+                let mut a2: u64 = dp + 16 * n as u64;
+                let mut a3: u64 = stage;
+                let mut a4: u32 = n as u32;
+                let mut params: [*mut c_void; 5] = [
+                    &mut a0 as *mut u64 as *mut c_void,
+                    &mut a1 as *mut u64 as *mut c_void,
+                    &mut a2 as *mut u64 as *mut c_void,
+                    &mut a3 as *mut u64 as *mut c_void,
+                    &mut a4 as *mut u32 as *mut c_void,
+                ];
+                let grid = (n.div_ceil(8) as u32).clamp(1, self.opts.max_ctas);
+                // SAFETY: the kernel takes (u64, u64, u64, u64, u32), matching `params`;
+                // every descriptor names a checked device range and a range inside this slot.
+                unsafe { stream.launch(f, grid, 256, &mut params) }?;
+                t1.record(stream)?;
+                slot.descs_read[j].record(stream)?;
+                self.counters
+                    .kernel_launches
+                    .fetch_add(1, Ordering::Relaxed);
+                Ok(Timed {
+                    step: "kernel",
+                    bytes: slice_bytes,
+                    t0,
+                    t1,
+                })
+            };
+            let dmas = |results: &mut [MoveResult], timings: &mut Vec<Timed>| {
+                let t0 = self.dma_begin(&lane.dma);
+                self.slot_dmas(dir, &lane.dma, s, stage, results);
+                self.dma_end(&lane.dma, t0, slice_bytes, timings);
+            };
+            let step = |results: &mut [MoveResult],
+                        timings: &mut Vec<Timed>|
+             -> Result<Timed, CudaError> {
+                if slot.flags() {
+                    // The previous use of the slot has finished with its staging memory.
+                    first.wait_flag(slot.free_flag, prev)?;
+                }
+                let t = match dir {
+                    Dir::Store => {
+                        let t = launch(kernels.gather)?;
+                        handoff(slot, first, second)?;
+                        dmas(results, timings);
+                        t
+                    }
+                    Dir::Load => {
+                        dmas(results, timings);
+                        handoff(slot, first, second)?;
+                        if k == 0 {
+                            if let Some(ev) = after {
+                                lane.kern.wait(ev)?;
+                            }
+                        }
+                        launch(kernels.scatter)?
+                    }
+                };
+                if slot.flags() {
+                    second.write_flag(slot.free_flag, slot.seq)?;
+                } else {
+                    slot.free.record(second)?;
+                }
+                Ok(t)
+            };
+            match step(results, timings) {
+                Ok(t) => {
+                    timings.push(t);
+                    bytes += slice_bytes;
+                }
+                Err(e) => {
+                    for &b in &s.blocks {
+                        results[b] = Err(self.move_error(&e));
+                    }
+                    // Keep the protocol whatever was queued, so that no later wait hangs and
+                    // `done` (on the second stream) still follows everything of this use:
+                    // first waits for the previous use (a repeated wait is harmless), hands
+                    // over to second, and second marks the slot free.
+                    if slot.flags() {
+                        let _ = first.wait_flag(slot.free_flag, prev);
+                    }
+                    let _ = handoff(slot, first, second);
+                    if slot.flags() {
+                        let _ = second.write_flag(slot.free_flag, slot.seq);
+                    } else {
+                        let _ = slot.free.record(second);
+                    }
+                    let _ = slot.descs_read[j].record(&lane.kern);
+                }
+            }
+        }
+        self.counters
+            .staged_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        done.record(second)
+    }
+
+    /// Waits on the host for `ev` (a step the caller cannot go on without), traced as `what`.
+    pub(super) fn host_wait(
+        &self,
+        dir: Dir,
+        what: &'static str,
+        ev: &Event,
+    ) -> Result<(), CudaError> {
+        if ev.query()? {
+            return Ok(());
+        }
+        let w = std::time::Instant::now();
+        ev.synchronize()?;
+        if self.tracing.load(Ordering::Relaxed) {
+            self.trace_host(dir, what, 0, w);
+        }
+        Ok(())
+    }
+}
+
+/// Makes `to`'s later work wait for `from`'s work so far on `slot`: through the slot's device
+/// flag where there is one, else through its `ready` event.
+pub(super) fn handoff(slot: &Slot, from: &Stream, to: &Stream) -> Result<(), CudaError> {
+    if slot.flags() {
+        from.write_flag(slot.ready_flag, slot.seq)?;
+        to.wait_flag(slot.ready_flag, slot.seq)
+    } else {
+        slot.ready.record(from)?;
+        to.wait(slot.ready.raw())
+    }
+}
+
+/// `n` zeroed 32-bit flag words in device memory, once a write and a wait through them were
+/// seen to work on this device.
+pub(super) fn device_flags(dev: &Arc<Device>, n: usize) -> Result<DeviceBuffer, CudaError> {
+    let buf = dev.alloc((4 * n as u64).max(256))?;
+    let s = dev.stream()?;
+    let k = dev.stream()?;
+    // SAFETY: our own fresh allocation, used by nothing else yet.
+    unsafe { dev.memset(buf.ptr(), 0, buf.len(), &s) }?;
+    s.write_flag(buf.ptr(), 1)?;
+    k.wait_flag(buf.ptr(), 1)?;
+    k.write_flag(buf.ptr(), 0)?;
+    k.synchronize()?;
+    s.synchronize()?;
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_switches_small_pieces_with_hysteresis() {
+        // Idle kernels (2-8 ms per GB, measured) stay staged; kernels waiting for SMs beside
+        // a full-GPU matmul (40-160 ms per GB) switch to DMA; back only once clearly fast.
+        assert!(!small_pieces_by_dma(false, 2.0));
+        assert!(!small_pieces_by_dma(false, 8.0));
+        assert!(!small_pieces_by_dma(false, 24.0));
+        assert!(small_pieces_by_dma(false, 40.0));
+        assert!(small_pieces_by_dma(true, 20.0));
+        assert!(!small_pieces_by_dma(true, 10.0));
+    }
+}
