@@ -20,8 +20,8 @@ use umbp_pool::PoolError;
 use umbp_lookup::{LookupClient as CoreLookupClient, LookupServer as CoreLookupServer};
 use umbp_store::{
     CopyMethod, CudaError, CudaOptions, EmbeddedStore as CoreStore, StoreConfig, StoreError,
-    StoreLookup,
 };
+use umbp_store_lookup::StoreLookup;
 
 /// Raises `umbp.errors.<class>(message)`.
 fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
