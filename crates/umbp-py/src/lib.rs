@@ -971,12 +971,6 @@ fn memory_available() -> Option<(u64, String)> {
     umbp_pool::memory_available().map(|m| (m.bytes, m.source))
 }
 
-/// Runs the `umbp` command with `argv` (program name first); returns its exit code.
-#[pyfunction]
-fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
-    py.detach(move || umbp_cli::main_with_args(argv))
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Route Rust `log` records to Python's `logging` (logger names start with "umbp").
@@ -992,7 +986,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Keys>()?;
     m.add_class::<LookupServer>()?;
     m.add_class::<LookupClient>()?;
-    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(memory_available, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
