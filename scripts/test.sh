@@ -13,7 +13,13 @@ ruff check python tests
 ruff format --check python tests
 step "Rust tests"
 cargo test --workspace -q
-step "Python tests (bindings, lookup service, connector options)"
+step "building a wheel (tests/python/test_packaging.py checks what it ships)"
+WHEEL_DIR="$(mktemp -d)"
+trap 'rm -rf "$WHEEL_DIR"' EXIT
+maturin build --release -q -o "$WHEEL_DIR"
+UMBP_WHEEL="$(ls "$WHEEL_DIR"/umbp-*.whl)"
+export UMBP_WHEEL
+step "Python tests (bindings, lookup service, connector options, packaging)"
 python -m pytest -q -p no:cacheprovider tests/python
 step "vLLM tests (real vLLM CPU engines; a few minutes)"
 python -m pytest -q -p no:cacheprovider tests/vllm

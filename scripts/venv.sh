@@ -1,6 +1,7 @@
 # Sourced by the other scripts: creates .venv/ at the repo root (if missing), installs the
-# Python tools, and builds + installs the umbp package (Rust extension and the `umbp` command)
-# into it. Needs: python3 (>= 3.9) with venv, and a Rust toolchain (rustup reads
+# Python tools, builds + installs the umbp package (the Rust extension) into it, and builds the
+# `umbp` command (the benchmarks: a Rust binary of its own, not part of the package) into
+# .venv/bin. Needs: python3 (>= 3.9) with venv, and a Rust toolchain (rustup reads
 # rust-toolchain.toml).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,3 +23,8 @@ if [ "${UMBP_SKIP_VLLM:-0}" != "1" ]; then
 fi
 step "building the umbp package (Rust, release) into .venv/"
 maturin develop --release -q
+step "building the umbp command (crates/umbp-cli, release) into .venv/bin/"
+cargo build --release --locked -q -p umbp-cli
+TARGET_DIR="$(cargo metadata --format-version 1 --no-deps --locked |
+  python -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
+install -m 755 "$TARGET_DIR/release/umbp" .venv/bin/umbp

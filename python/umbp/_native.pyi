@@ -11,6 +11,37 @@ Status = Literal[
 
 __version__: str
 
+# The exception classes (re-exported by umbp.errors, whose name they carry).
+class UmbpError(Exception):
+    """Base class of every UMBP error."""
+
+class ConfigError(UmbpError, ValueError):
+    """An option, layout, key or argument is invalid."""
+
+class PoolError(UmbpError):
+    """The pool's memory could not be set up."""
+
+class PoolFullError(UmbpError):
+    """The pool has no room even after eviction; retry later."""
+
+class RegistrationError(UmbpError):
+    """A memory registration is malformed, unknown, overlapping or still in use."""
+
+class TransferError(UmbpError):
+    """A transfer failed."""
+
+class TransferTimeout(UmbpError, TimeoutError):
+    """A wait ran past its deadline; the transfer is still running."""
+
+class StoreClosedError(UmbpError):
+    """The store was closed."""
+
+class LookupServiceError(UmbpError):
+    """A lookup service could not start, or its workers could not be reached."""
+
+class CudaError(UmbpError):
+    """CUDA is not available here (no NVIDIA driver), or a CUDA call failed."""
+
 class Keys:
     """An immutable batch of 64-byte block keys."""
 
@@ -151,7 +182,6 @@ def socket_path(
     dir: str | os.PathLike[str], tag: str, dp_rank: int, worker: int
 ) -> pathlib.Path: ...
 def memory_available() -> tuple[int, str] | None: ...
-def cli_main(argv: list[str]) -> int: ...
 def connector_options(extra_json: str, kv_role: str | None = None) -> dict[str, Any]:
     """Validates `kv_connector_extra_config` (a JSON object) and `kv_role` against the options
     schema; every option, defaulted. Raises `ConfigError` naming a bad option."""

@@ -1,46 +1,34 @@
-"""Exceptions raised by UMBP. Every error a user can cause says what to change."""
+"""Exceptions raised by UMBP. Every error a user can cause says what to change.
 
+The classes are created by the native extension, which raises them directly, and re-exported
+here (their ``__module__`` is ``umbp.errors``)::
 
-class UmbpError(Exception):
-    """Base class of every UMBP error."""
+    UmbpError(Exception)                  base class of every UMBP error
+    ConfigError(UmbpError, ValueError)    an option, layout, key or argument is invalid
+    PoolError(UmbpError)                  the pool's memory could not be set up
+    PoolFullError(UmbpError)              no room even after eviction; retry later
+    RegistrationError(UmbpError)          a memory registration is malformed, unknown,
+                                          overlapping or still in use
+    TransferError(UmbpError)              a transfer failed
+    TransferTimeout(UmbpError, TimeoutError)  a wait ran past its deadline (still running)
+    StoreClosedError(UmbpError)           the store was closed
+    LookupServiceError(UmbpError)         a lookup service could not start, or its workers
+                                          could not be reached
+    CudaError(UmbpError)                  no CUDA here (no NVIDIA driver), or a CUDA call failed
+"""
 
-
-class ConfigError(UmbpError, ValueError):
-    """An option, layout, key or argument is invalid."""
-
-
-class PoolError(UmbpError):
-    """The pool's memory could not be set up."""
-
-
-class PoolFullError(UmbpError):
-    """The pool has no room even after eviction (what is left is pinned or being written);
-    retry later."""
-
-
-class RegistrationError(UmbpError):
-    """A memory registration is malformed, unknown, overlapping or still in use."""
-
-
-class TransferError(UmbpError):
-    """A transfer failed."""
-
-
-class TransferTimeout(UmbpError, TimeoutError):
-    """A wait ran past its deadline; the transfer is still running."""
-
-
-class StoreClosedError(UmbpError):
-    """The store was closed."""
-
-
-class LookupServiceError(UmbpError):
-    """A lookup service could not start, or its workers could not be reached."""
-
-
-class CudaError(UmbpError):
-    """CUDA is not available here (no NVIDIA driver), or a CUDA call failed."""
-
+from umbp._native import (
+    ConfigError,
+    CudaError,
+    LookupServiceError,
+    PoolError,
+    PoolFullError,
+    RegistrationError,
+    StoreClosedError,
+    TransferError,
+    TransferTimeout,
+    UmbpError,
+)
 
 __all__ = [
     "UmbpError",

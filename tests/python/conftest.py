@@ -1,3 +1,7 @@
+import os
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -47,3 +51,16 @@ def kb():
 
 def hashes(ids):
     return [int(i).to_bytes(8, "little") + b"\x5a" * 24 for i in ids]
+
+
+def umbp_command():
+    """The `umbp` command (the Rust binary of crates/umbp-cli; not part of the Python package):
+    $UMBP_BIN, else this checkout's release build, else the one `scripts/venv.sh` installs next
+    to the Python that runs the tests."""
+    if os.environ.get("UMBP_BIN"):
+        return Path(os.environ["UMBP_BIN"])
+    root = Path(__file__).resolve().parents[2]
+    built = Path(os.environ.get("CARGO_TARGET_DIR", root / "target")) / "release" / "umbp"
+    if built.is_file():
+        return built
+    return Path(sys.executable).parent / "umbp"

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import umbp
-from conftest import KvCache, hashes
+from conftest import KvCache, hashes, umbp_command
 
 NO_DRIVER = {**os.environ, "UMBP_LIBCUDA": "/nonexistent/libcuda.so.1"}
 
@@ -37,7 +37,7 @@ def test_register_cuda_memory_raises_cuda_error():
 
 def test_umbp_bench_gpu_fails_with_a_message_naming_cuda():
     out = subprocess.run(
-        [sys.executable, "-m", "umbp", "bench", "gpu"],
+        [str(umbp_command()), "bench", "gpu"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 
 import umbp
-from conftest import KvCache, hashes
-
-VENV_BIN = Path(sys.executable).parent
+from conftest import KvCache, hashes, umbp_command
 
 
 def attach(store, cache):
@@ -212,9 +210,12 @@ def test_stubs_cover_the_module():
 
 
 def run_umbp(*args):
-    exe = VENV_BIN / "umbp"
     r = subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+        [str(umbp_command()), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
     )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -244,5 +245,5 @@ def test_umbp_bench_copy_json():
 
 
 def test_umbp_without_arguments_explains_itself():
-    r = subprocess.run([str(VENV_BIN / "umbp")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(umbp_command())], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bench" in r.stderr

@@ -1,3 +1,78 @@
-fn main() {
-    std::process::exit(umbp_cli::main_with_args(std::env::args_os()));
+//! The `umbp` command: benchmarks of the pool, the copy engine and the GPU path.
+//!
+//! A binary of its own (built and installed with cargo): no library links it, so neither clap
+//! nor the benchmarks are part of the Python extension.
+
+use clap::{Parser, Subcommand};
+
+mod bench_copy;
+mod bench_gpu;
+mod bench_pool;
+mod cublas;
+
+/// UMBP: a host-DRAM KV-cache offload store.
+#[derive(Debug, Parser)]
+#[command(name = "umbp", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
 }
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Benchmarks; with --json the last line printed is one JSON object.
+    #[command(subcommand)]
+    Bench(Bench),
+}
+
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// Pool operations: reserve/commit, batch lookups, pinned reads, eviction; metadata size.
+    Pool(bench_pool::Args),
+    /// Host copy engine moving KV-shaped batches both ways, beside a plain memcpy ceiling.
+    Copy(bench_copy::Args),
+    /// CUDA KV cache ↔ pool (needs an NVIDIA GPU), beside the pinned-copy ceiling and a naive
+    /// one-copy-per-piece baseline.
+    Gpu(Box<bench_gpu::Args>),
+}
+
+fn main() {
+    std::process::exit(run());
+}
+
+/// Parses the command line and runs the command. Returns the exit code.
+fn run() -> i32 {
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_timestamp_millis()
+        .try_init();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
+        }
+    };
+    let result = match cli.command {
+        Command::Bench(Bench::Pool(a)) => bench_pool::run(&a),
+        Command::Bench(Bench::Copy(a)) => bench_copy::run(&a),
+        Command::Bench(Bench::Gpu(a)) => bench_gpu::run(&a),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("umbp: error: {e:#}");
+            1
+        }
+    }
+}
+
+/// Threads to use when the user does not say: every core.
+pub(crate) fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Prints a progress line to stderr (stdout is kept for results).
+macro_rules! progress {
+    ($($t:tt)*) => { eprintln!("[umbp bench] {}", format!($($t)*)) };
+}
+pub(crate) use progress;

@@ -3,7 +3,8 @@
 //! Sizes, offsets and values were checked against `cuda.h` of CUDA 12.8 and 13.0 (x86-64 LP64);
 //! the `const` assertions below keep the struct layouts honest on every build.
 
-#![allow(non_camel_case_types, non_snake_case, dead_code)]
+// The names are those of `cuda.h`, so they can be checked against it.
+#![allow(non_camel_case_types, non_snake_case)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::mem::{align_of, offset_of, size_of};
@@ -19,7 +20,6 @@ pub type CUfunction = *mut c_void;
 pub type CUarray = *mut c_void;
 
 pub const CUDA_SUCCESS: CUresult = 0;
-pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
 pub const CUDA_ERROR_STUB_LIBRARY: CUresult = 34;
 pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
@@ -43,7 +43,6 @@ pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
 pub const CU_STREAM_WAIT_VALUE_GEQ: c_uint = 0x0;
 /// `cuStreamWriteValue32`: write after a memory barrier over the stream's earlier work.
 pub const CU_STREAM_WRITE_VALUE_DEFAULT: c_uint = 0x0;
-pub const CU_EVENT_DEFAULT: c_uint = 0;
 pub const CU_EVENT_BLOCKING_SYNC: c_uint = 1;
 pub const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 
@@ -55,8 +54,6 @@ pub const CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: c_uint = 1;
 pub const CU_DEVICE_ATTRIBUTE_MAX_PITCH: c_int = 11;
 pub const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
 pub const CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: c_int = 40;
-pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: c_int = 75;
-pub const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 
 pub const CU_JIT_ERROR_LOG_BUFFER: c_int = 5;
 pub const CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES: c_int = 6;
@@ -223,7 +220,6 @@ pub type FnDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, CUdevice) ->
 pub type FnDevicePrimaryCtxRetain = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
 pub type FnDevicePrimaryCtxRelease = unsafe extern "C" fn(CUdevice) -> CUresult;
 pub type FnCtxSetCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
-pub type FnCtxGetCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type FnCtxPushCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type FnCtxPopCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type FnStreamCreate = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUresult;

@@ -6,7 +6,6 @@
 //! `connector_option_schema()` returns the schema itself (the docs' tables are generated from
 //! it).
 
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::IntoPyObjectExt;
@@ -14,16 +13,9 @@ use serde_json::Value;
 use umbp_core::options::{Kind, TextRule, Unit, SCHEMA};
 use umbp_core::ConnectorOptions;
 
-/// `umbp.errors.ConfigError(msg)` (a RuntimeError if that module cannot be imported).
-fn config_error(py: Python<'_>, msg: String) -> PyErr {
-    match py
-        .import("umbp.errors")
-        .and_then(|m| m.getattr("ConfigError"))
-        .and_then(|c| c.call1((msg.clone(),)))
-    {
-        Ok(exc) => PyErr::from_value(exc),
-        Err(_) => PyRuntimeError::new_err(msg),
-    }
+/// `umbp.errors.ConfigError(msg)`, raised through the bindings' one error type.
+fn config_error(_py: Python<'_>, msg: String) -> PyErr {
+    crate::errors::Error::Config(msg).into()
 }
 
 /// A JSON value as the Python object `json.loads` would give.

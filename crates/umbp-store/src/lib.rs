@@ -14,7 +14,7 @@ use thiserror::Error;
 use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
 };
-use umbp_core::{options, BlockKey, CoreError, KeyBuilder, KvLayout, PoolConfig};
+use umbp_core::{options, BlockKey, CoreError, KvLayout, PoolConfig};
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_cuda::{CudaMover, Device, PoolPinner};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
@@ -202,7 +202,8 @@ impl EmbeddedStore {
         })
     }
 
-    fn check_open(&self) -> Result<(), StoreError> {
+    /// [`StoreError::Closed`] once [`close`](Self::close) has been called.
+    pub fn check_open(&self) -> Result<(), StoreError> {
         if self.closed.load(Ordering::Acquire) {
             Err(StoreError::Closed)
         } else {
@@ -278,6 +279,17 @@ impl EmbeddedStore {
     pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
         self.check_open()?;
         Ok(self.pool.prefix_hits(keys))
+    }
+
+    /// [`prefix_hits`](Self::prefix_hits) over `n` keys made on demand by `key(i)` (none is
+    /// made past the first miss).
+    pub fn prefix_hits_with(
+        &self,
+        n: usize,
+        key: impl Fn(usize) -> BlockKey,
+    ) -> Result<usize, StoreError> {
+        self.check_open()?;
+        Ok(self.pool.prefix_hits_with(n, key))
     }
 
     fn submit(
@@ -500,69 +512,6 @@ impl Drop for EmbeddedStore {
     }
 }
 
-/// Answers the scheduler's lookups from one worker's store: keys are built here, with this
-/// worker's ranks, from the block hashes the scheduler sends.
-#[derive(Debug)]
-pub struct StoreLookup {
-    store: Arc<EmbeddedStore>,
-    keys: KeyBuilder,
-    describe: String,
-}
-
-impl StoreLookup {
-    /// Serves `store`'s lookups for keys of `keys`' namespace and ranks.
-    pub fn new(store: Arc<EmbeddedStore>, keys: KeyBuilder, describe: String) -> Self {
-        StoreLookup {
-            store,
-            keys,
-            describe,
-        }
-    }
-}
-
-impl umbp_lookup::LookupTarget for StoreLookup {
-    fn prefix_hits(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<u32, String> {
-        // A closed store holds nothing: its lookups fail (the scheduler counts a miss).
-        self.store.check_open().map_err(|e| e.to_string())?;
-        if hash_len == 0 || hash_len > 32 || !packed.len().is_multiple_of(hash_len) {
-            return Err(format!(
-                "{} bytes are not whole {hash_len}-byte hashes",
-                packed.len()
-            ));
-        }
-        let hashes: Vec<&[u8]> = packed.chunks_exact(hash_len).collect();
-        let n = self.store.pool.prefix_hits_with(hashes.len(), |i| {
-            self.keys
-                .key(group, hashes[i])
-                .expect("hash length checked above")
-        });
-        Ok(n as u32)
-    }
-
-    fn exists(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {
-        self.store.check_open().map_err(|e| e.to_string())?;
-        let keys = self
-            .keys
-            .keys_packed(group, packed, hash_len)
-            .map_err(|e| e.to_string())?;
-        self.store.exists(&keys).map_err(|e| e.to_string())
-    }
-
-    fn clear(&self) -> u64 {
-        self.store.clear().unwrap_or(0)
-    }
-
-    fn describe(&self) -> String {
-        let Ok(s) = self.store.stats() else {
-            return format!("{} (store closed)", self.describe);
-        };
-        format!(
-            "{} objects={} used_bytes={} evictions={}",
-            self.describe, s.objects, s.used_bytes, s.evictions
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -714,42 +663,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("stream"), "{e}");
-    }
-
-    #[test]
-    fn a_lookup_service_over_a_closed_store_answers_misses() {
-        let s = Arc::new(store());
-        let buf = vec![0u8; 4096];
-        // SAFETY: `buf` outlives the store's use of it (the store is closed first).
-        unsafe { s.register_memory(buf.as_ptr() as u64, 4096) }.unwrap();
-        let layer = LayerSpec {
-            base_addr: buf.as_ptr() as u64,
-            num_blocks: 4,
-            block_stride: 1024,
-            block_bytes: 1024,
-        };
-        let lid = s
-            .register_layout(KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap())
-            .unwrap();
-        let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
-        let keys = vec![kb.key(0, b"h").unwrap()];
-        s.wait(&s.store(lid, 0, &[1], keys).unwrap()).unwrap();
-        let dir = std::env::temp_dir().join(format!("umbp-store-closed-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("w.sock");
-        let target = Arc::new(StoreLookup::new(Arc::clone(&s), kb, String::new()));
-        let server = umbp_lookup::LookupServer::bind(&path, target).unwrap();
-        let client = umbp_lookup::LookupClient::new(vec![path], Duration::from_secs(2));
-        assert_eq!(client.prefix_hits(0, b"h", 1), 1);
-        assert_eq!(client.exists_all(0, b"h", 1), [true]);
-        s.close();
-        assert_eq!(
-            client.prefix_hits(0, b"h", 1),
-            0,
-            "a closed store answered a hit"
-        );
-        assert_eq!(client.exists_all(0, b"h", 1), [false]);
-        server.shutdown();
     }
 
     #[test]

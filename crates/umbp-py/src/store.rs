@@ -1,0 +1,542 @@
+//! The embedded store (`EmbeddedStore`) and its transfers (`Job`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use umbp_copy::{Direction, JobHandle, KeyFailure, KeyResult, MoveError};
+use umbp_core::{
+    GroupLayout, HugepageSize, KvLayout, LayerSpec, MemoryBacking, PoolConfig, TensorView,
+};
+use umbp_store::{CopyMethod, CudaOptions, EmbeddedStore as CoreStore, StoreConfig};
+
+use crate::errors::{Error, Result};
+use crate::keys::Keys;
+use crate::lifecycle::{bulk, track_store, without_gil, Origin, ReleaseGilOnDrop};
+
+fn status(r: &KeyResult) -> &'static str {
+    match r {
+        KeyResult::Pending => "pending",
+        KeyResult::Done => "done",
+        KeyResult::AlreadyPresent => "already_present",
+        KeyResult::Missing => "missing",
+        KeyResult::PoolFull => "pool_full",
+        KeyResult::Cancelled => "cancelled",
+        KeyResult::Failed(_) => "failed",
+    }
+}
+
+fn failure_kind(f: &KeyFailure) -> &'static str {
+    match f {
+        KeyFailure::InvalidRange(_) => "invalid_range",
+        KeyFailure::SizeMismatch { .. } => "size_mismatch",
+        KeyFailure::Pool(_) => "pool",
+        KeyFailure::Move(MoveError::DeviceLost { .. }) => "device_lost",
+        KeyFailure::Move(MoveError::Device(_)) => "device",
+        KeyFailure::Move(MoveError::Unsupported(_)) => "unsupported",
+    }
+}
+
+/// A transfer in flight. Dropping it does not cancel it.
+#[pyclass(module = "umbp._native", frozen)]
+pub(crate) struct Job {
+    handle: JobHandle,
+    timeout: Duration,
+    /// A forked child cannot wait for the parent's copy threads.
+    origin: Origin,
+}
+
+#[pymethods]
+impl Job {
+    /// Per-key statuses once finished, else None. Never blocks.
+    fn poll(&self) -> Option<Vec<&'static str>> {
+        self.handle.poll().map(|r| r.iter().map(status).collect())
+    }
+
+    /// Whether the transfer has finished.
+    #[getter]
+    fn done(&self) -> bool {
+        self.handle.is_done()
+    }
+
+    /// Waits (GIL released) up to `timeout_ms` (default: the store's `timeout_ms`) and returns
+    /// per-key statuses; raises `TransferTimeout` when the job is still running.
+    #[pyo3(signature = (timeout_ms=None))]
+    fn wait(&self, py: Python<'_>, timeout_ms: Option<u64>) -> Result<Vec<&'static str>> {
+        self.origin.check("job")?;
+        let t = timeout_ms.map_or(self.timeout, Duration::from_millis);
+        let h = self.handle.clone();
+        let r = without_gil(py, move || h.wait(t))?;
+        Ok(r.iter().map(status).collect())
+    }
+
+    /// Stops keys that have not started (they end as "cancelled").
+    fn cancel(&self) {
+        self.handle.cancel();
+    }
+
+    /// Messages of keys that ended "failed", by key index (empty until finished).
+    fn errors(&self) -> Vec<(usize, String)> {
+        self.handle
+            .poll()
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, r)| match r {
+                KeyResult::Failed(m) => Some((i, m.to_string())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Keys that ended "failed", by key index, with why in one word and in words: the word is
+    /// "invalid_range", "size_mismatch", "pool", "device" (one device call failed),
+    /// "device_lost" (the device is unusable until the process restarts) or "unsupported".
+    fn failures(&self) -> Vec<(usize, &'static str, String)> {
+        self.handle
+            .poll()
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, r)| match r {
+                KeyResult::Failed(f) => Some((i, failure_kind(&f), f.to_string())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.handle.len()
+    }
+}
+
+/// A private host-DRAM pool with its copy engine (embedded mode).
+#[pyclass(module = "umbp._native", frozen)]
+pub(crate) struct EmbeddedStore {
+    inner: ReleaseGilOnDrop<Arc<CoreStore>>,
+}
+
+fn to_u64s(v: Vec<i64>, what: &str) -> Result<Vec<u64>> {
+    v.into_iter()
+        .map(|x| {
+            u64::try_from(x).map_err(|_| Error::Config(format!("{what} must be >= 0, got {x}")))
+        })
+        .collect()
+}
+
+/// One layer of `register_tensor_layout`: `(name, data_ptr, element_size, shape, strides,
+/// block_dim, expected_block_bytes)`.
+type TensorSpec = (String, u64, u64, Vec<u64>, Vec<i64>, usize, Option<u64>);
+
+#[pymethods]
+impl EmbeddedStore {
+    #[new]
+    #[pyo3(signature = (capacity_bytes, *, high_watermark=0.9, low_watermark=0.7, use_hugepages=false,
+        hugepage_size="2MiB", numa_node=None, prefault=true, prefault_threads=0, memfd=false,
+        segment_bytes=0, num_workers=4, timeout_ms=30000, cuda_copy_method="auto",
+        cuda_staging_bytes=None, cuda_max_ctas=None, cuda_pin_chunk_bytes=None,
+        cuda_batch_blocks=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        capacity_bytes: u64,
+        high_watermark: f64,
+        low_watermark: f64,
+        use_hugepages: bool,
+        hugepage_size: &str,
+        numa_node: Option<u32>,
+        prefault: bool,
+        prefault_threads: usize,
+        memfd: bool,
+        segment_bytes: u64,
+        num_workers: usize,
+        timeout_ms: u64,
+        cuda_copy_method: &str,
+        cuda_staging_bytes: Option<u64>,
+        cuda_max_ctas: Option<u32>,
+        cuda_pin_chunk_bytes: Option<u64>,
+        cuda_batch_blocks: Option<usize>,
+    ) -> Result<Self> {
+        let hugepage_size: HugepageSize = hugepage_size.parse()?;
+        let method: CopyMethod = cuda_copy_method.parse()?;
+        // Unset options take the store's defaults (CudaOptions::default, documented in
+        // docs/configuration.md).
+        let d = CudaOptions::default();
+        let cuda = CudaOptions {
+            method,
+            staging_bytes: cuda_staging_bytes.unwrap_or(d.staging_bytes),
+            max_ctas: cuda_max_ctas.unwrap_or(d.max_ctas),
+            pin_chunk_bytes: cuda_pin_chunk_bytes.unwrap_or(d.pin_chunk_bytes),
+            batch_blocks: cuda_batch_blocks.unwrap_or(d.batch_blocks),
+            ..d
+        };
+        let cfg = StoreConfig {
+            pool: PoolConfig {
+                capacity_bytes,
+                high_watermark,
+                low_watermark,
+                use_hugepages,
+                hugepage_size,
+                numa_node,
+                prefault,
+                prefault_threads,
+                backing: if memfd {
+                    MemoryBacking::Memfd
+                } else {
+                    MemoryBacking::Anonymous
+                },
+                segment_bytes,
+            },
+            num_workers,
+            timeout: Duration::from_millis(timeout_ms),
+            cuda,
+        };
+        let inner = Arc::new(without_gil(py, move || CoreStore::new(cfg))?);
+        track_store(&inner);
+        Ok(EmbeddedStore {
+            inner: ReleaseGilOnDrop::new(inner),
+        })
+    }
+
+    /// Registers host memory (e.g. a KV cache tensor's `data_ptr()` and byte size). The memory
+    /// must stay alive until `deregister_memory` returns or the store is closed.
+    fn register_memory(&self, py: Python<'_>, addr: u64, length: u64) -> Result<u64> {
+        let s = self.live()?;
+        // SAFETY: the Python-facing contract (documented above and in the stubs) is that the
+        // caller keeps the memory alive while it is registered; the connector holds the KV
+        // cache tensors for the store's whole life.
+        Ok(without_gil(py, || unsafe {
+            s.register_memory(addr, length)
+        })?)
+    }
+
+    /// Removes one registration (waiting for transfers that still use it).
+    fn deregister_memory(&self, py: Python<'_>, region_id: u64) -> Result<()> {
+        let s = self.live()?;
+        Ok(without_gil(py, || s.deregister_memory(region_id))?)
+    }
+
+    /// Registers a KV layout: one list per cache group, one
+    /// `(base_addr, num_blocks, block_stride, block_bytes)` tuple per layer. Every layer must
+    /// lie inside registered memory. Returns the layout id.
+    fn register_layout(
+        &self,
+        py: Python<'_>,
+        groups: Vec<Vec<(u64, u64, u64, u64)>>,
+    ) -> Result<u32> {
+        without_gil(py, move || {
+            let mut gl = Vec::with_capacity(groups.len());
+            for layers in groups {
+                let specs = layers
+                    .into_iter()
+                    .map(
+                        |(base_addr, num_blocks, block_stride, block_bytes)| LayerSpec {
+                            base_addr,
+                            num_blocks,
+                            block_stride,
+                            block_bytes,
+                        },
+                    )
+                    .collect();
+                gl.push(GroupLayout::new(specs)?);
+            }
+            let layout = KvLayout::new(gl)?;
+            Ok(self.live()?.register_layout(layout)?)
+        })
+    }
+
+    /// Registers a KV layout from tensor views: one list per cache group, one
+    /// `(name, data_ptr, element_size, shape, strides, block_dim, expected_block_bytes)` tuple
+    /// per layer (strides in elements, as `torch.Tensor.stride()` gives them;
+    /// `expected_block_bytes` may be None). `num_blocks[g]` is group `g`'s number of blocks; a
+    /// block dimension of `r * num_blocks` rows holds `r` rows per block. The runs of each
+    /// layer's block are found from the strides; a view that cannot be planned exactly raises
+    /// `ConfigError` naming the tensor. Returns the layout id.
+    fn register_tensor_layout(
+        &self,
+        py: Python<'_>,
+        groups: Vec<Vec<TensorSpec>>,
+        num_blocks: Vec<u64>,
+    ) -> Result<u32> {
+        if groups.len() != num_blocks.len() {
+            return Err(Error::Config(format!(
+                "register_tensor_layout: {} groups but {} block counts",
+                groups.len(),
+                num_blocks.len()
+            )));
+        }
+        without_gil(py, move || {
+            let mut gl = Vec::with_capacity(groups.len());
+            for (layers, nb) in groups.into_iter().zip(num_blocks) {
+                let mut specs = Vec::new();
+                for (name, addr, elem_bytes, shape, strides, block_dim, expected) in layers {
+                    let view = TensorView {
+                        name,
+                        addr,
+                        elem_bytes,
+                        shape,
+                        strides,
+                        block_dim,
+                    };
+                    specs.extend(view.layer_runs(nb, expected)?);
+                }
+                // Objects hold the runs in address order, so runs that follow each other in
+                // memory (a block's layers in BHLNC, say) merge into one copy.
+                specs.sort_by_key(|l| l.base_addr);
+                gl.push(GroupLayout::new(specs)?);
+            }
+            let layout = KvLayout::new(gl)?;
+            Ok(self.live()?.register_layout(layout)?)
+        })
+    }
+
+    /// Per cache group of layout `layout_id`: what copying one block involves, as a dict with
+    /// `runs`, `ranges_per_block` (after merging adjacent runs), `min_piece`, `max_piece` and
+    /// `object_bytes`.
+    fn layout_summary<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u32,
+    ) -> Result<Vec<Bound<'py, PyDict>>> {
+        let s = self.live()?;
+        let summaries = without_gil(py, || -> Result<Vec<_>> {
+            let l = s.layout(layout_id)?;
+            Ok(l.groups().iter().map(|g| g.summary()).collect())
+        })?;
+        summaries
+            .into_iter()
+            .map(|s| {
+                let d = PyDict::new(py);
+                d.set_item("runs", s.runs)?;
+                d.set_item("ranges_per_block", s.ranges_per_block)?;
+                d.set_item("min_piece", s.min_piece)?;
+                d.set_item("max_piece", s.max_piece)?;
+                d.set_item("object_bytes", s.object_bytes)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Bytes of one block's object in `group` of layout `layout_id`.
+    fn object_bytes(&self, layout_id: u32, group: u32) -> Result<u64> {
+        let l = self.live()?.layout(layout_id)?;
+        Ok(l.group(group)?.object_bytes())
+    }
+
+    /// Which keys are in the pool. Pins nothing and never refreshes recency.
+    fn exists(&self, py: Python<'_>, keys: &Keys) -> Result<Vec<bool>> {
+        let s = self.live()?;
+        Ok(bulk(py, keys.keys.len(), || s.exists(&keys.keys))?)
+    }
+
+    /// How many keys, from the first, are in the pool.
+    fn prefix_hits(&self, py: Python<'_>, keys: &Keys) -> Result<usize> {
+        let s = self.live()?;
+        Ok(bulk(py, keys.keys.len(), || s.prefix_hits(&keys.keys))?)
+    }
+
+    /// Starts copying `block_ids` of cache group `group` into the pool under `keys`. For a CUDA
+    /// layout, `stream` (`torch.cuda.current_stream().cuda_stream`) orders the copies after the
+    /// work already queued on that stream.
+    #[pyo3(signature = (layout_id, group, block_ids, keys, *, stream=None))]
+    fn store(
+        &self,
+        py: Python<'_>,
+        layout_id: u32,
+        group: u32,
+        block_ids: Vec<i64>,
+        keys: &Keys,
+        stream: Option<u64>,
+    ) -> Result<Job> {
+        self.start(
+            py,
+            Direction::Store,
+            (layout_id, group),
+            block_ids,
+            keys,
+            stream,
+        )
+    }
+
+    /// Starts copying `keys` from the pool into `block_ids` of cache group `group`. For a CUDA
+    /// layout, `stream` makes the copies wait for the work already queued on that stream; the
+    /// job finishes once the bytes are in place.
+    #[pyo3(signature = (layout_id, group, block_ids, keys, *, stream=None))]
+    fn load(
+        &self,
+        py: Python<'_>,
+        layout_id: u32,
+        group: u32,
+        block_ids: Vec<i64>,
+        keys: &Keys,
+        stream: Option<u64>,
+    ) -> Result<Job> {
+        self.start(
+            py,
+            Direction::Load,
+            (layout_id, group),
+            block_ids,
+            keys,
+            stream,
+        )
+    }
+
+    /// Removes every object; returns how many.
+    fn clear(&self, py: Python<'_>) -> Result<u64> {
+        let s = self.live()?;
+        Ok(without_gil(py, || s.clear())?)
+    }
+
+    /// Counters and placement as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
+        let st = self.live()?;
+        let s = without_gil(py, || st.stats())?;
+        let d = PyDict::new(py);
+        d.set_item("capacity_bytes", s.capacity_bytes)?;
+        d.set_item("used_bytes", s.used_bytes)?;
+        d.set_item("objects", s.objects)?;
+        d.set_item("puts", s.puts)?;
+        d.set_item("duplicate_puts", s.duplicate_puts)?;
+        d.set_item("gets", s.gets)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("bytes_in", s.bytes_in)?;
+        d.set_item("bytes_out", s.bytes_out)?;
+        d.set_item("reservations", s.reservations)?;
+        d.set_item("pinned", s.pinned)?;
+        d.set_item("events_dropped", s.events_dropped)?;
+        d.set_item("segment_bytes", s.segment_bytes)?;
+        d.set_item("free_segments", s.free_segments)?;
+        d.set_item("metadata_bytes", s.metadata_bytes)?;
+        let p = &s.placement;
+        d.set_item(
+            "hugepages_requested",
+            p.hugepages_requested.map(|h| h.to_string()),
+        )?;
+        d.set_item("hugepages_used", p.hugepages_used.map(|h| h.to_string()))?;
+        d.set_item("hugepage_fallback", p.hugepage_fallback.clone())?;
+        d.set_item("numa_node", p.numa_node)?;
+        d.set_item("prefaulted", p.prefaulted)?;
+        d.set_item("prefault_seconds", p.prefault_seconds)?;
+        d.set_item(
+            "backing",
+            match p.backing {
+                MemoryBacking::Anonymous => "anonymous",
+                MemoryBacking::Memfd => "memfd",
+            },
+        )?;
+        Ok(d)
+    }
+
+    /// Stops the copy workers (after queued transfers) and the evictor. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        // In a forked child the store's threads (and any lock they held) exist only in the
+        // parent: closing there would join threads that are not there. Nothing to do.
+        if self.inner.forked() {
+            return;
+        }
+        without_gil(py, || self.inner.close());
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
+        self.close(py);
+    }
+
+    /// Registers CUDA device memory of device `device` (a CUDA tensor's `data_ptr()` and byte
+    /// size). The first call loads the CUDA driver and starts registering the pool for DMA in
+    /// the background; without CUDA it raises `CudaError`. The memory must stay allocated until
+    /// `deregister_memory` returns or the store is closed.
+    fn register_cuda_memory(
+        &self,
+        py: Python<'_>,
+        addr: u64,
+        length: u64,
+        device: i32,
+    ) -> Result<u64> {
+        let s = self.live()?;
+        // SAFETY: the Python-facing contract (documented above and in the stubs) is that the
+        // caller keeps the memory allocated while it is registered.
+        Ok(without_gil(py, || unsafe {
+            s.register_cuda_memory(addr, length, device)
+        })?)
+    }
+
+    /// The CUDA backend's counters and the pool's DMA registration as a dict, or None before
+    /// any CUDA memory is registered.
+    fn cuda_stats<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyDict>>> {
+        let st = self.live()?;
+        let Some((s, p)) = without_gil(py, || st.cuda_status()) else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("dma_bytes", s.dma_bytes)?;
+        d.set_item("staged_bytes", s.staged_bytes)?;
+        d.set_item("kernel_ns", s.kernel_ns)?;
+        d.set_item("kernel_launches", s.kernel_launches)?;
+        d.set_item("copies_2d", s.copies_2d)?;
+        d.set_item("copies_3d", s.copies_3d)?;
+        d.set_item("copies_1d", s.copies_1d)?;
+        d.set_item("batch_calls", s.batch_calls)?;
+        d.set_item("staging_device_bytes", s.staging_device_bytes)?;
+        d.set_item("max_ctas", s.max_ctas)?;
+        d.set_item("sm_count", s.sm_count)?;
+        d.set_item("auto_switches", s.auto_switches)?;
+        d.set_item("small_pieces_by_dma", s.small_pieces_by_dma.to_vec())?;
+        d.set_item("pool_registered_bytes", p.registered_bytes)?;
+        d.set_item("pool_bytes", p.total_bytes)?;
+        d.set_item("pool_registration_done", p.done)?;
+        d.set_item("pool_registration_seconds", p.seconds)?;
+        d.set_item("pool_registration_error", p.error)?;
+        Ok(Some(d))
+    }
+
+    /// Waits (GIL released) up to `timeout_ms` for the pool's DMA registration; False when it
+    /// has not finished or no CUDA memory is registered.
+    fn wait_pool_registered(&self, py: Python<'_>, timeout_ms: u64) -> Result<bool> {
+        let s = self.live()?;
+        Ok(without_gil(py, || {
+            s.wait_pool_registered(Duration::from_millis(timeout_ms))
+        }))
+    }
+}
+
+impl EmbeddedStore {
+    /// The store, or `StoreClosedError` in a forked child.
+    pub(crate) fn live(&self) -> Result<&Arc<CoreStore>> {
+        self.inner.live("store")
+    }
+
+    /// Starts a store or a load (the shared body of `store` and `load`): checking the block
+    /// ids, the layout and the ranges and queueing the job happen without the GIL.
+    fn start(
+        &self,
+        py: Python<'_>,
+        direction: Direction,
+        (layout_id, group): (u32, u32),
+        block_ids: Vec<i64>,
+        keys: &Keys,
+        stream: Option<u64>,
+    ) -> Result<Job> {
+        let handle = without_gil(py, || -> Result<JobHandle> {
+            let ids = to_u64s(block_ids, "block ids")?;
+            let s = self.live()?;
+            let keys = keys.keys.clone();
+            Ok(match direction {
+                Direction::Store => s.store_on(layout_id, group, &ids, keys, stream),
+                Direction::Load => s.load_on(layout_id, group, &ids, keys, stream),
+            }?)
+        })?;
+        Ok(Job {
+            handle,
+            timeout: self.live()?.timeout(),
+            origin: Origin::here(),
+        })
+    }
+}

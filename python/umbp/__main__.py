@@ -1,3 +1,0 @@
-from umbp._cli import main
-
-main()
