@@ -57,7 +57,7 @@ fn store_err(py: Python<'_>, e: StoreError) -> PyErr {
             CopyError::Closed => "StoreClosedError",
             CopyError::Pool(_) => "TransferError",
         },
-        StoreError::Unmapped { .. } => "RegistrationError",
+        StoreError::Unmapped { .. } | StoreError::ForeignRegion(_) => "RegistrationError",
         StoreError::Cuda(c) => match c {
             CudaError::Option { .. } => "ConfigError",
             CudaError::BadMemory { .. } | CudaError::Device { .. } => "RegistrationError",

@@ -3,23 +3,26 @@
 //! [`EmbeddedStore`] ties a [`Pool`], the [`MemoryRegistry`] of the worker's KV cache, its
 //! registered [`KvLayout`]s and a [`CopyEngine`] together. Callers pass block ids and keys in
 //! bulk; range planning and copies happen here.
+//!
+//! Registrations, layouts and jobs belong to a [`Session`] (one client); dropping it releases
+//! them. Embedded mode is one session, which the store owns and its calls go to.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use thiserror::Error;
-use umbp_copy::{
-    CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
-};
+use umbp_copy::{CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryRegistry, RegionId};
 use umbp_core::{BlockKey, CoreError, KeyBuilder, KvLayout, PoolConfig};
 use umbp_cuda::CudaMover;
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
 
-pub use umbp_copy::KeyResult;
+pub use umbp_copy::{JobFinished, JobSet, KeyResult};
+
+mod session;
+pub use session::{RegionOffset, RelativeLayer, Session, SessionId, SessionRelease};
 
 /// Identifies a registered layout.
 pub type LayoutId = u32;
@@ -39,6 +42,9 @@ pub enum StoreError {
     /// No layout with this id.
     #[error("no KV layout with id {0}; register the layout first")]
     UnknownLayout(LayoutId),
+    /// A memory registration of another session was named.
+    #[error("memory region {0} was registered by another session; a session uses and deregisters only its own registrations")]
+    ForeignRegion(RegionId),
     /// The store was closed.
     #[error("the store is closed")]
     Closed,
@@ -59,7 +65,7 @@ pub enum StoreError {
 
 /// Checks through `/proc/self/maps` that `[addr, addr + len)` is mapped readable and writable
 /// in this process: a range that is not would crash the process on the first copy.
-fn check_mapped_writable(addr: u64, len: u64) -> Result<(), StoreError> {
+pub(crate) fn check_mapped_writable(addr: u64, len: u64) -> Result<(), StoreError> {
     let err = |reason: String| StoreError::Unmapped { addr, len, reason };
     let end = addr
         .checked_add(len)
@@ -151,57 +157,24 @@ impl StoreConfig {
     }
 }
 
-/// One worker's pool with its memory, layouts and copy engine.
+/// What every session of a store shares: the pool, the copy engine with its registry of all
+/// sessions' memory, the CUDA mover, and the counters that keep layout and session ids unique
+/// across sessions.
 #[derive(Debug)]
-pub struct EmbeddedStore {
-    pool: Arc<Pool>,
-    engine: CopyEngine,
-    layouts: RwLock<HashMap<LayoutId, Arc<KvLayout>>>,
+pub(crate) struct StoreShared {
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) engine: CopyEngine,
     next_layout: AtomicU32,
-    timeout: Duration,
+    next_session: AtomicU64,
+    pub(crate) timeout: Duration,
     closed: AtomicBool,
     cuda_opts: CudaOptions,
     /// The CUDA mover, created by the first CUDA registration (never before: no CUDA at start).
     cuda: Mutex<Option<Arc<CudaMover>>>,
-    /// Layouts whose memory is CUDA memory.
-    cuda_layouts: RwLock<HashSet<LayoutId>>,
 }
 
-impl EmbeddedStore {
-    /// Maps the pool and starts the copy workers.
-    pub fn new(cfg: StoreConfig) -> Result<Self, StoreError> {
-        cfg.validate()?;
-        let pool = Arc::new(Pool::new(cfg.pool.clone())?);
-        let engine = CopyEngine::new(
-            Arc::clone(&pool),
-            Arc::new(MemoryRegistry::new()),
-            Arc::new(HostMover),
-            cfg.num_workers,
-        )?;
-        let p = pool.placement();
-        log::info!(
-            "umbp: embedded store ready: {} bytes, hugepages {:?} (asked {:?}), numa {:?}, prefault {:.2}s, {} copy workers",
-            pool.capacity(),
-            p.hugepages_used,
-            p.hugepages_requested,
-            p.numa_node,
-            p.prefault_seconds,
-            cfg.num_workers
-        );
-        Ok(EmbeddedStore {
-            pool,
-            engine,
-            layouts: RwLock::new(HashMap::new()),
-            next_layout: AtomicU32::new(1),
-            timeout: cfg.timeout,
-            closed: AtomicBool::new(false),
-            cuda_opts: cfg.cuda,
-            cuda: Mutex::new(None),
-            cuda_layouts: RwLock::new(HashSet::new()),
-        })
-    }
-
-    fn check_open(&self) -> Result<(), StoreError> {
+impl StoreShared {
+    pub(crate) fn check_open(&self) -> Result<(), StoreError> {
         if self.closed.load(Ordering::Acquire) {
             Err(StoreError::Closed)
         } else {
@@ -209,91 +182,35 @@ impl EmbeddedStore {
         }
     }
 
-    /// The pool.
-    pub fn pool(&self) -> &Arc<Pool> {
-        &self.pool
+    /// A layout id no session has used.
+    pub(crate) fn new_layout_id(&self) -> LayoutId {
+        self.next_layout.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Registers host memory the store may copy to and from.
-    ///
-    /// # Safety
-    /// As [`MemoryRegistry::register`]: the memory stays valid until deregistered.
-    pub unsafe fn register_memory(&self, addr: u64, len: u64) -> Result<RegionId, StoreError> {
-        self.check_open()?;
-        if len > 0 {
-            check_mapped_writable(addr, len)?;
-        }
-        // SAFETY: forwarded contract.
-        Ok(unsafe { self.engine.registry().register(addr, len, MemoryKind::Host) }?)
+    /// A session id no session has used.
+    pub(crate) fn new_session_id(&self) -> SessionId {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Removes one registration, waiting up to the store's timeout for transfers using it.
-    pub fn deregister_memory(&self, id: RegionId) -> Result<(), StoreError> {
-        Ok(self.engine.registry().deregister(id, self.timeout)?)
-    }
-
-    /// Registers a layout after checking every layer lies inside registered memory, all of one
-    /// kind (host or CUDA).
-    pub fn register_layout(&self, layout: KvLayout) -> Result<LayoutId, StoreError> {
-        self.check_open()?;
-        let reg = self.engine.registry();
-        layout.validate_within(|a, n| reg.covers(a, n))?;
-        let mut kinds = layout
-            .groups()
-            .iter()
-            .flat_map(|g| g.layers())
-            .filter_map(|l| reg.find(l.base_addr, 1).map(|r| r.kind));
-        let first = kinds.next();
-        if kinds.any(|k| Some(k) != first) {
-            return Err(CoreError::InvalidLayout(
-                "the layout mixes host and CUDA memory; register one layout per kind".into(),
-            )
-            .into());
-        }
-        let id = self.next_layout.fetch_add(1, Ordering::Relaxed);
-        if matches!(first, Some(MemoryKind::Cuda { .. })) {
-            self.cuda_layouts.write().insert(id);
-        }
-        self.layouts.write().insert(id, Arc::new(layout));
-        Ok(id)
-    }
-
-    /// A registered layout.
-    pub fn layout(&self, id: LayoutId) -> Result<Arc<KvLayout>, StoreError> {
-        self.layouts
-            .read()
-            .get(&id)
-            .cloned()
-            .ok_or(StoreError::UnknownLayout(id))
-    }
-
-    /// Which keys are in the pool (pins nothing). [`StoreError::Closed`] after `close`.
-    pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
-        self.check_open()?;
-        Ok(self.pool.exists_many(keys))
-    }
-
-    /// How many keys, from the first, are in the pool. [`StoreError::Closed`] after `close`.
-    pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
-        self.check_open()?;
-        Ok(self.pool.prefix_hits(keys))
-    }
-
-    fn submit(
+    /// Plans blocks `block_ids` of group `group` of layout `layout_id` (`layout`, whose memory
+    /// is CUDA memory when `cuda`) and submits the copy.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn submit(
         &self,
         dir: Direction,
         layout_id: LayoutId,
+        layout: &KvLayout,
+        cuda: bool,
         group: u32,
         block_ids: &[u64],
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
         self.check_open()?;
-        let layout = self.layout(layout_id)?;
         let plan = layout.group(group)?.plan(block_ids)?;
         let mut token = 0;
         if let Some(stream) = stream {
-            if !self.cuda_layouts.read().contains(&layout_id) {
+            if !cuda {
                 return Err(CoreError::option(
                     "stream",
                     format!("layout {layout_id} is host memory; a CUDA stream orders only copies of CUDA memory"),
@@ -324,10 +241,156 @@ impl EmbeddedStore {
         })
     }
 
+    /// The CUDA mover of `device`, created (and installed in the engine) by the first call;
+    /// later calls must name the same device.
+    pub(crate) fn cuda_mover_for(&self, device: i32) -> Result<Arc<CudaMover>, StoreError> {
+        let mut slot = self.cuda.lock();
+        match slot.as_ref() {
+            Some(m) if m.device().ordinal() != device => Err(CudaError::Device {
+                device,
+                reason: format!(
+                    "this store already copies for CUDA device {}; use one store per device",
+                    m.device().ordinal()
+                ),
+            }
+            .into()),
+            Some(m) => Ok(Arc::clone(m)),
+            None => {
+                let m = Arc::new(CudaMover::new(
+                    device,
+                    Arc::clone(&self.pool),
+                    self.cuda_opts.clone(),
+                )?);
+                self.engine.set_device_mover(m.clone())?;
+                *slot = Some(Arc::clone(&m));
+                Ok(m)
+            }
+        }
+    }
+
+    fn close(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            self.engine.close();
+            if let Some(m) = self.cuda.lock().as_ref() {
+                // Every copy has finished: unregister the pool before it can be unmapped.
+                m.shutdown();
+            }
+            self.pool.close();
+        }
+    }
+}
+
+/// One worker's pool with its memory, layouts and copy engine.
+///
+/// Memory registrations, layouts and jobs belong to a [`Session`]; the store's own
+/// registration, layout and copy calls go to the default session it owns (embedded mode is one
+/// client), and [`EmbeddedStore::open_session`] opens more. Pool-wide operations (lookups,
+/// `clear`, statistics, `close`) stay on the store.
+#[derive(Debug)]
+pub struct EmbeddedStore {
+    shared: Arc<StoreShared>,
+    default: Session,
+}
+
+impl EmbeddedStore {
+    /// Maps the pool and starts the copy workers.
+    pub fn new(cfg: StoreConfig) -> Result<Self, StoreError> {
+        cfg.validate()?;
+        let pool = Arc::new(Pool::new(cfg.pool.clone())?);
+        let engine = CopyEngine::new(
+            Arc::clone(&pool),
+            Arc::new(MemoryRegistry::new()),
+            Arc::new(HostMover),
+            cfg.num_workers,
+        )?;
+        let p = pool.placement();
+        log::info!(
+            "umbp: embedded store ready: {} bytes, hugepages {:?} (asked {:?}), numa {:?}, prefault {:.2}s, {} copy workers",
+            pool.capacity(),
+            p.hugepages_used,
+            p.hugepages_requested,
+            p.numa_node,
+            p.prefault_seconds,
+            cfg.num_workers
+        );
+        let shared = Arc::new(StoreShared {
+            pool,
+            engine,
+            next_layout: AtomicU32::new(1),
+            next_session: AtomicU64::new(1),
+            timeout: cfg.timeout,
+            closed: AtomicBool::new(false),
+            cuda_opts: cfg.cuda,
+            cuda: Mutex::new(None),
+        });
+        let default = Session::new(Arc::clone(&shared));
+        Ok(EmbeddedStore { shared, default })
+    }
+
+    fn check_open(&self) -> Result<(), StoreError> {
+        self.shared.check_open()
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.shared.pool
+    }
+
+    /// The store's default session: the one its registration, layout and copy calls use.
+    pub fn session(&self) -> &Session {
+        &self.default
+    }
+
+    /// Opens another session (a client of this store): its memory, layouts and jobs are its
+    /// own, and dropping it releases them. [`StoreError::Closed`] after `close`.
+    pub fn open_session(&self) -> Result<Session, StoreError> {
+        self.check_open()?;
+        Ok(Session::new(Arc::clone(&self.shared)))
+    }
+
+    /// Registers host memory the store may copy to and from (in the default session).
+    ///
+    /// # Safety
+    /// As [`MemoryRegistry::register`]: the memory stays valid until deregistered.
+    pub unsafe fn register_memory(&self, addr: u64, len: u64) -> Result<RegionId, StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.default.register_memory(addr, len) }
+    }
+
+    /// Removes one registration of the default session, waiting up to the store's timeout for
+    /// transfers using it; layouts that lie in it are dropped with it.
+    pub fn deregister_memory(&self, id: RegionId) -> Result<(), StoreError> {
+        self.default.deregister_memory(id)
+    }
+
+    /// Registers a layout (in the default session) after checking every layer lies inside
+    /// registered memory, all of one kind (host or CUDA).
+    pub fn register_layout(&self, layout: KvLayout) -> Result<LayoutId, StoreError> {
+        self.default.register_layout(layout)
+    }
+
+    /// A registered layout of the default session.
+    pub fn layout(&self, id: LayoutId) -> Result<Arc<KvLayout>, StoreError> {
+        self.default.layout(id)
+    }
+
+    /// Which keys are in the pool (pins nothing). [`StoreError::Closed`] after `close`.
+    pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
+        self.check_open()?;
+        Ok(self.shared.pool.exists_many(keys))
+    }
+
+    /// How many keys, from the first, are in the pool. [`StoreError::Closed`] after `close`.
+    pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
+        self.check_open()?;
+        Ok(self.shared.pool.prefix_hits(keys))
+    }
+
     /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`
-    /// and byte size). The first call loads the CUDA driver, creates the CUDA mover and starts
-    /// registering the pool for DMA in the background; later calls must name the same device.
-    /// The range must be device memory of that device, inside one allocation.
+    /// and byte size), in the default session. The first call loads the CUDA driver, creates
+    /// the CUDA mover and starts registering the pool for DMA in the background; later calls
+    /// must name the same device. The range must be device memory of that device, inside one
+    /// allocation.
     ///
     /// # Safety
     /// As [`MemoryRegistry::register`]: the memory stays allocated until deregistered.
@@ -337,40 +400,8 @@ impl EmbeddedStore {
         len: u64,
         device: i32,
     ) -> Result<RegionId, StoreError> {
-        self.check_open()?;
-        let mover = {
-            let mut slot = self.cuda.lock();
-            match slot.as_ref() {
-                Some(m) if m.device().ordinal() != device => {
-                    return Err(CudaError::Device {
-                        device,
-                        reason: format!(
-                        "this store already copies for CUDA device {}; use one store per device",
-                        m.device().ordinal()
-                    ),
-                    }
-                    .into())
-                }
-                Some(m) => Arc::clone(m),
-                None => {
-                    let m = Arc::new(CudaMover::new(
-                        device,
-                        Arc::clone(&self.pool),
-                        self.cuda_opts.clone(),
-                    )?);
-                    self.engine.set_device_mover(m.clone())?;
-                    *slot = Some(Arc::clone(&m));
-                    m
-                }
-            }
-        };
-        mover.check_device_range(addr, len)?;
-        // SAFETY: forwarded contract; the range was checked to be memory of `device`.
-        Ok(unsafe {
-            self.engine
-                .registry()
-                .register(addr, len, MemoryKind::Cuda { device })
-        }?)
+        // SAFETY: forwarded contract.
+        unsafe { self.default.register_cuda_memory(addr, len, device) }
     }
 
     /// Starts storing like [`EmbeddedStore::store`]; with `stream` (a raw CUDA stream handle,
@@ -385,7 +416,8 @@ impl EmbeddedStore {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Store, layout, group, block_ids, keys, stream)
+        self.default
+            .store_on(layout, group, block_ids, keys, stream)
     }
 
     /// Starts loading like [`EmbeddedStore::load`]; with `stream`, the copies into the blocks
@@ -400,18 +432,19 @@ impl EmbeddedStore {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Load, layout, group, block_ids, keys, stream)
+        self.default.load_on(layout, group, block_ids, keys, stream)
     }
 
     /// The CUDA mover, once CUDA memory is registered (for its trace and statistics).
     pub fn cuda(&self) -> Option<Arc<CudaMover>> {
-        self.cuda.lock().clone()
+        self.shared.cuda.lock().clone()
     }
 
     /// The CUDA mover's counters and the pool's DMA registration, once CUDA memory is
     /// registered.
     pub fn cuda_status(&self) -> Option<(CudaStats, PinStatus)> {
-        self.cuda
+        self.shared
+            .cuda
             .lock()
             .as_ref()
             .map(|m| (m.stats(), m.pin_status()))
@@ -420,7 +453,7 @@ impl EmbeddedStore {
     /// Waits up to `timeout` for the pool's DMA registration; false when it has not finished
     /// (or no CUDA memory is registered).
     pub fn wait_pool_registered(&self, timeout: Duration) -> bool {
-        let m = self.cuda.lock().clone();
+        let m = self.cuda();
         m.is_some_and(|m| m.pin_progress().wait(timeout))
     }
 
@@ -448,42 +481,35 @@ impl EmbeddedStore {
 
     /// Waits for a job with the store's default timeout.
     pub fn wait(&self, job: &JobHandle) -> Result<Vec<KeyResult>, StoreError> {
-        Ok(job.wait(self.timeout)?)
+        Ok(job.wait(self.shared.timeout)?)
     }
 
     /// Default transfer timeout.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.shared.timeout
     }
 
     /// Removes every object; returns how many. [`StoreError::Closed`] after `close`.
     pub fn clear(&self) -> Result<u64, StoreError> {
         self.check_open()?;
-        Ok(self.pool.clear())
+        Ok(self.shared.pool.clear())
     }
 
     /// Pool counters. [`StoreError::Closed`] after `close`.
     pub fn stats(&self) -> Result<PoolStats, StoreError> {
         self.check_open()?;
-        Ok(self.pool.stats())
+        Ok(self.shared.pool.stats())
     }
 
     /// Stored / removed notifications.
     pub fn subscribe(&self, capacity: usize) -> std::sync::mpsc::Receiver<PoolEvent> {
-        self.pool.subscribe(capacity)
+        self.shared.pool.subscribe(capacity)
     }
 
     /// Stops the copy workers (after queued jobs) and the evictor; later calls fail with
-    /// [`StoreError::Closed`]. Idempotent.
+    /// [`StoreError::Closed`], in every session. Idempotent.
     pub fn close(&self) {
-        if !self.closed.swap(true, Ordering::AcqRel) {
-            self.engine.close();
-            if let Some(m) = self.cuda.lock().as_ref() {
-                // Every copy has finished: unregister the pool before it can be unmapped.
-                m.shutdown();
-            }
-            self.pool.close();
-        }
+        self.shared.close();
     }
 }
 
@@ -524,7 +550,7 @@ impl umbp_lookup::LookupTarget for StoreLookup {
             ));
         }
         let hashes: Vec<&[u8]> = packed.chunks_exact(hash_len).collect();
-        let n = self.store.pool.prefix_hits_with(hashes.len(), |i| {
+        let n = self.store.pool().prefix_hits_with(hashes.len(), |i| {
             self.keys
                 .key(group, hashes[i])
                 .expect("hash length checked above")
