@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Mutex, RwLock};
 use umbp_core::{BlockKey, CopyRange, RangePlan};
 use umbp_pool::{CommitOutcome, Pool, PoolError};
 
+use crate::jobs::Completion;
 use crate::mover::{BlockCopy, KeyFailure, KeyResult, Mover, OrderToken};
 use crate::registry::{MemoryKind, MemoryRegistry, Registration};
 use crate::CopyError;
@@ -28,7 +29,7 @@ pub enum Direction {
 const CHUNK: usize = 8;
 
 #[derive(Debug)]
-struct JobState {
+pub(crate) struct JobState {
     direction: Direction,
     keys: Vec<BlockKey>,
     plan: RangePlan,
@@ -44,43 +45,49 @@ struct JobState {
     next: AtomicUsize,
     remaining: AtomicUsize,
     cancelled: AtomicBool,
-    results: Mutex<Vec<KeyResult>>,
-    done: Mutex<bool>,
-    done_cv: Condvar,
+    pub(crate) results: Mutex<Vec<KeyResult>>,
+    /// Whether the job has finished, and who waits for it (threads, futures, callbacks).
+    pub(crate) completion: Completion,
     started: Instant,
 }
 
 impl JobState {
     /// Marks `n` keys finished; after the last ones, runs `on_last` and then reports the job
-    /// done.
+    /// done (waking its waiters and running its callbacks on this thread).
     fn finish_keys(&self, n: usize, on_last: impl FnOnce()) {
         let last = self.remaining.fetch_sub(n, Ordering::AcqRel) == n;
         if last {
             on_last();
             self.after.write().take();
             self.regions.lock().clear();
-            *self.done.lock() = true;
-            self.done_cv.notify_all();
             log::debug!(
                 "umbp: {:?} job of {} keys finished in {:?}",
                 self.direction,
                 self.keys.len(),
                 self.started.elapsed()
             );
+            self.completion.finish(|| self.results.lock().clone());
         }
+    }
+
+    /// Asks the job to stop (see [`JobHandle::cancel`]).
+    pub(crate) fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
     }
 }
 
-/// A submitted job. Dropping the handle does not cancel the job.
+/// A submitted job. Dropping the handle does not cancel the job. Besides polling and waiting
+/// on a thread, a job can be awaited ([`JobHandle::finished`]) or given a callback
+/// ([`JobHandle::on_done`]).
 #[derive(Debug, Clone)]
 pub struct JobHandle {
-    state: Arc<JobState>,
+    pub(crate) state: Arc<JobState>,
 }
 
 impl JobHandle {
     /// The results, if the job has finished.
     pub fn poll(&self) -> Option<Vec<KeyResult>> {
-        if *self.state.done.lock() {
+        if self.state.completion.is_done() {
             Some(self.state.results.lock().clone())
         } else {
             None
@@ -89,34 +96,23 @@ impl JobHandle {
 
     /// Whether the job has finished.
     pub fn is_done(&self) -> bool {
-        *self.state.done.lock()
+        self.state.completion.is_done()
     }
 
     /// Waits up to `timeout` for the job, then returns its results or [`CopyError::Timeout`].
     pub fn wait(&self, timeout: Duration) -> Result<Vec<KeyResult>, CopyError> {
-        let deadline = Instant::now() + timeout;
-        let mut done = self.state.done.lock();
-        while !*done {
-            if self
-                .state
-                .done_cv
-                .wait_until(&mut done, deadline)
-                .timed_out()
-                && !*done
-            {
-                return Err(CopyError::Timeout {
-                    ms: timeout.as_millis() as u64,
-                });
-            }
+        if !self.state.completion.wait_until(Instant::now() + timeout) {
+            return Err(CopyError::Timeout {
+                ms: timeout.as_millis() as u64,
+            });
         }
-        drop(done);
         Ok(self.state.results.lock().clone())
     }
 
     /// Asks the job to stop: keys not yet started end as [`KeyResult::Cancelled`]; keys being
     /// copied finish. Wait for the job before reusing its memory.
     pub fn cancel(&self) {
-        self.state.cancelled.store(true, Ordering::Release);
+        self.state.cancel();
     }
 
     /// Number of keys.
@@ -251,8 +247,7 @@ impl CopyEngine {
             remaining: AtomicUsize::new(n),
             cancelled: AtomicBool::new(false),
             results: Mutex::new(vec![KeyResult::Pending; n]),
-            done: Mutex::new(n == 0),
-            done_cv: Condvar::new(),
+            completion: Completion::new(n == 0),
             started: Instant::now(),
         });
         if n > 0 {

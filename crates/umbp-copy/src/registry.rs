@@ -155,6 +155,11 @@ impl MemoryRegistry {
         self.find(addr, len).is_some()
     }
 
+    /// Whether registration `id` exists.
+    pub fn contains(&self, id: RegionId) -> bool {
+        self.inner.read().by_addr.values().any(|r| r.id == id)
+    }
+
     /// Number of registrations.
     pub fn len(&self) -> usize {
         self.inner.read().by_addr.len()
@@ -176,7 +181,8 @@ mod tests {
         // SAFETY: no copies run in this test; the addresses are never dereferenced.
         let a = unsafe { r.register(0x1000, 0x1000, MemoryKind::Host) }.unwrap();
         // SAFETY: as above.
-        unsafe { r.register(0x3000, 0x100, MemoryKind::Host) }.unwrap();
+        let b = unsafe { r.register(0x3000, 0x100, MemoryKind::Host) }.unwrap();
+        assert!(r.contains(a) && r.contains(b));
         assert!(r.covers(0x1000, 0x1000));
         assert!(r.covers(0x1800, 0x10));
         assert!(!r.covers(0x1800, 0x1000), "runs past the end");
@@ -193,6 +199,8 @@ mod tests {
             r.deregister(a, Duration::ZERO),
             Err(CopyError::UnknownRegion(_))
         ));
+        assert!(!r.contains(a), "a deregistered id is gone");
+        assert!(r.contains(b), "the other registration's id is known");
     }
 
     #[test]

@@ -231,7 +231,7 @@ fn store_class(e: &StoreError) -> Class {
             CopyError::Pool(_) => Class::Transfer,
             CopyError::Spawn { .. } => Class::Umbp,
         },
-        StoreError::Unmapped { .. } => Class::Registration,
+        StoreError::Unmapped { .. } | StoreError::ForeignRegion(_) => Class::Registration,
         StoreError::Cuda(c) => match c {
             CudaError::Option { .. } => Class::Config,
             CudaError::BadMemory { .. } | CudaError::Device { .. } => Class::Registration,

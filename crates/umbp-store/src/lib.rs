@@ -3,13 +3,16 @@
 //! [`EmbeddedStore`] ties a [`Pool`], the [`MemoryRegistry`] of the worker's KV cache, its
 //! registered [`KvLayout`]s and a [`CopyEngine`] together. Callers pass block ids and keys in
 //! bulk; range planning and copies happen here.
+//!
+//! Registrations, layouts and jobs belong to a [`Session`] (one client); dropping it releases
+//! them. Embedded mode is one session, which the store owns and its calls go to.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use thiserror::Error;
 use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
@@ -19,7 +22,10 @@ pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_cuda::{CudaMover, Device, PoolPinner};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
 
-pub use umbp_copy::{KeyFailure, KeyResult, MoveError};
+pub use umbp_copy::{JobFinished, JobSet, KeyFailure, KeyResult, MoveError};
+
+mod session;
+pub use session::{RegionOffset, RelativeLayer, Session, SessionId, SessionRelease};
 
 /// Identifies a registered layout.
 pub type LayoutId = u32;
@@ -39,6 +45,9 @@ pub enum StoreError {
     /// No layout with this id.
     #[error("no KV layout with id {0}; register the layout first")]
     UnknownLayout(LayoutId),
+    /// A memory registration of another session was named.
+    #[error("memory region {0} was registered by another session; a session uses and deregisters only its own registrations")]
+    ForeignRegion(RegionId),
     /// The store was closed.
     #[error("the store is closed")]
     Closed,
@@ -59,7 +68,7 @@ pub enum StoreError {
 
 /// Checks through `/proc/self/maps` that `[addr, addr + len)` is mapped readable and writable
 /// in this process: a range that is not would crash the process on the first copy.
-fn check_mapped_writable(addr: u64, len: u64) -> Result<(), StoreError> {
+pub(crate) fn check_mapped_writable(addr: u64, len: u64) -> Result<(), StoreError> {
     let err = |reason: String| StoreError::Unmapped { addr, len, reason };
     let end = addr
         .checked_add(len)
@@ -147,14 +156,16 @@ impl StoreConfig {
     }
 }
 
-/// One worker's pool with its memory, layouts and copy engine.
+/// What every session of a store shares: the pool, the copy engine with its registry of all
+/// sessions' memory, the CUDA mover, and the counters that keep layout and session ids unique
+/// across sessions.
 #[derive(Debug)]
-pub struct EmbeddedStore {
-    pool: Arc<Pool>,
-    engine: CopyEngine,
-    layouts: RwLock<HashMap<LayoutId, Arc<KvLayout>>>,
+pub(crate) struct StoreShared {
+    pub(crate) pool: Arc<Pool>,
+    pub(crate) engine: CopyEngine,
     next_layout: AtomicU32,
-    timeout: Duration,
+    next_session: AtomicU64,
+    pub(crate) timeout: Duration,
     closed: AtomicBool,
     cuda_opts: CudaOptions,
     /// One CUDA mover per device, each created by the first registration of that device's
@@ -163,8 +174,122 @@ pub struct EmbeddedStore {
     /// The pool's registration for DMA, shared by every device's mover (pinned once, whatever
     /// the number of devices; released after the last mover, when the store closes).
     pinner: Mutex<Option<Arc<PoolPinner>>>,
-    /// Layouts whose memory is CUDA memory, with their device.
-    cuda_layouts: RwLock<HashMap<LayoutId, i32>>,
+}
+
+impl StoreShared {
+    pub(crate) fn check_open(&self) -> Result<(), StoreError> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(StoreError::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// A layout id no session has used.
+    pub(crate) fn new_layout_id(&self) -> LayoutId {
+        self.next_layout.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// A session id no session has used.
+    pub(crate) fn new_session_id(&self) -> SessionId {
+        self.next_session.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Plans blocks `block_ids` of group `group` of layout `layout_id` (`layout`, whose memory
+    /// is CUDA memory of device `cuda` when set) and submits the copy.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn submit(
+        &self,
+        dir: Direction,
+        layout_id: LayoutId,
+        layout: &KvLayout,
+        cuda: Option<i32>,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        stream: Option<u64>,
+    ) -> Result<JobHandle, StoreError> {
+        self.check_open()?;
+        let plan = layout.group(group)?.plan(block_ids)?;
+        let mut token = None;
+        if let Some(stream) = stream {
+            let Some(device) = cuda else {
+                return Err(CoreError::option(
+                    "stream",
+                    format!("layout {layout_id} is host memory; a CUDA stream orders only copies of CUDA memory"),
+                )
+                .into());
+            };
+            if !block_ids.is_empty() && keys.len() == block_ids.len() {
+                let m = self.cuda.lock().get(&device).cloned().ok_or_else(|| {
+                    CoreError::option(
+                        "stream",
+                        format!("no CUDA memory of device {device} is registered with this store"),
+                    )
+                })?;
+                token = Some(m.record_after(stream)?);
+            }
+        }
+        // A job that is refused drops its token, which goes back to its mover.
+        Ok(self.engine.submit_after(dir, keys, plan, token)?)
+    }
+
+    /// The CUDA mover of `device`, created (and installed in the engine) by the first call for
+    /// that device; every device's mover copies through the pool's one DMA registration.
+    pub(crate) fn cuda_mover_for(&self, device: i32) -> Result<Arc<CudaMover>, StoreError> {
+        let mut movers = self.cuda.lock();
+        if let Some(m) = movers.get(&device) {
+            return Ok(Arc::clone(m));
+        }
+        let pinner = self.pinner_for(device)?;
+        let m = Arc::new(CudaMover::new(device, pinner, self.cuda_opts.clone())?);
+        self.engine
+            .set_device_mover(MemoryKind::Cuda { device }, m.clone())?;
+        movers.insert(device, Arc::clone(&m));
+        Ok(m)
+    }
+
+    /// The pool's DMA registration, started (with `device`'s context) by the first call.
+    fn pinner_for(&self, device: i32) -> Result<Arc<PoolPinner>, StoreError> {
+        let mut p = self.pinner.lock();
+        if let Some(p) = p.as_ref() {
+            return Ok(Arc::clone(p));
+        }
+        let pinner = Arc::new(PoolPinner::start(
+            Device::open(device)?,
+            Arc::clone(&self.pool),
+            self.cuda_opts.pin_chunk_bytes,
+        )?);
+        *p = Some(Arc::clone(&pinner));
+        Ok(pinner)
+    }
+
+    fn close(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            self.engine.close();
+            for m in self.cuda.lock().values() {
+                m.shutdown();
+            }
+            if let Some(p) = self.pinner.lock().as_ref() {
+                // Every copy of every device has finished: unregister the pool before it can
+                // be unmapped.
+                p.shutdown();
+            }
+            self.pool.close();
+        }
+    }
+}
+
+/// One worker's pool with its memory, layouts and copy engine.
+///
+/// Memory registrations, layouts and jobs belong to a [`Session`]; the store's own
+/// registration, layout and copy calls go to the default session it owns (embedded mode is one
+/// client), and [`EmbeddedStore::open_session`] opens more. Pool-wide operations (lookups,
+/// `clear`, statistics, `close`) stay on the store.
+#[derive(Debug)]
+pub struct EmbeddedStore {
+    shared: Arc<StoreShared>,
+    default: Session,
 }
 
 impl EmbeddedStore {
@@ -188,97 +313,79 @@ impl EmbeddedStore {
             p.prefault_seconds,
             cfg.num_workers
         );
-        Ok(EmbeddedStore {
+        let shared = Arc::new(StoreShared {
             pool,
             engine,
-            layouts: RwLock::new(HashMap::new()),
             next_layout: AtomicU32::new(1),
+            next_session: AtomicU64::new(1),
             timeout: cfg.timeout,
             closed: AtomicBool::new(false),
             cuda_opts: cfg.cuda,
             cuda: Mutex::new(BTreeMap::new()),
             pinner: Mutex::new(None),
-            cuda_layouts: RwLock::new(HashMap::new()),
-        })
+        });
+        let default = Session::new(Arc::clone(&shared));
+        Ok(EmbeddedStore { shared, default })
     }
 
     /// [`StoreError::Closed`] once [`close`](Self::close) has been called.
     pub fn check_open(&self) -> Result<(), StoreError> {
-        if self.closed.load(Ordering::Acquire) {
-            Err(StoreError::Closed)
-        } else {
-            Ok(())
-        }
+        self.shared.check_open()
     }
 
     /// The pool.
     pub fn pool(&self) -> &Arc<Pool> {
-        &self.pool
+        &self.shared.pool
     }
 
-    /// Registers host memory the store may copy to and from.
+    /// The store's default session: the one its registration, layout and copy calls use.
+    pub fn session(&self) -> &Session {
+        &self.default
+    }
+
+    /// Opens another session (a client of this store): its memory, layouts and jobs are its
+    /// own, and dropping it releases them. [`StoreError::Closed`] after `close`.
+    pub fn open_session(&self) -> Result<Session, StoreError> {
+        self.check_open()?;
+        Ok(Session::new(Arc::clone(&self.shared)))
+    }
+
+    /// Registers host memory the store may copy to and from (in the default session).
     ///
     /// # Safety
     /// As [`MemoryRegistry::register`]: the memory stays valid until deregistered.
     pub unsafe fn register_memory(&self, addr: u64, len: u64) -> Result<RegionId, StoreError> {
-        self.check_open()?;
-        if len > 0 {
-            check_mapped_writable(addr, len)?;
-        }
         // SAFETY: forwarded contract.
-        Ok(unsafe { self.engine.registry().register(addr, len, MemoryKind::Host) }?)
+        unsafe { self.default.register_memory(addr, len) }
     }
 
-    /// Removes one registration, waiting up to the store's timeout for transfers using it.
+    /// Removes one registration of the default session, waiting up to the store's timeout for
+    /// transfers using it; layouts that lie in it are dropped with it.
     pub fn deregister_memory(&self, id: RegionId) -> Result<(), StoreError> {
-        Ok(self.engine.registry().deregister(id, self.timeout)?)
+        self.default.deregister_memory(id)
     }
 
-    /// Registers a layout after checking every layer lies inside registered memory, all of one
-    /// kind (host or CUDA).
+    /// Registers a layout (in the default session) after checking every layer lies inside
+    /// registered memory, all of one kind (host or CUDA).
     pub fn register_layout(&self, layout: KvLayout) -> Result<LayoutId, StoreError> {
-        self.check_open()?;
-        let reg = self.engine.registry();
-        layout.validate_within(|a, n| reg.covers(a, n))?;
-        let mut kinds = layout
-            .groups()
-            .iter()
-            .flat_map(|g| g.layers())
-            .filter_map(|l| reg.find(l.base_addr, 1).map(|r| r.kind));
-        let first = kinds.next();
-        if kinds.any(|k| Some(k) != first) {
-            return Err(CoreError::InvalidLayout(
-                "the layout mixes host and CUDA memory; register one layout per kind".into(),
-            )
-            .into());
-        }
-        let id = self.next_layout.fetch_add(1, Ordering::Relaxed);
-        if let Some(MemoryKind::Cuda { device }) = first {
-            self.cuda_layouts.write().insert(id, device);
-        }
-        self.layouts.write().insert(id, Arc::new(layout));
-        Ok(id)
+        self.default.register_layout(layout)
     }
 
-    /// A registered layout.
+    /// A registered layout of the default session.
     pub fn layout(&self, id: LayoutId) -> Result<Arc<KvLayout>, StoreError> {
-        self.layouts
-            .read()
-            .get(&id)
-            .cloned()
-            .ok_or(StoreError::UnknownLayout(id))
+        self.default.layout(id)
     }
 
     /// Which keys are in the pool (pins nothing). [`StoreError::Closed`] after `close`.
     pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
         self.check_open()?;
-        Ok(self.pool.exists_many(keys))
+        Ok(self.shared.pool.exists_many(keys))
     }
 
     /// How many keys, from the first, are in the pool. [`StoreError::Closed`] after `close`.
     pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
         self.check_open()?;
-        Ok(self.pool.prefix_hits(keys))
+        Ok(self.shared.pool.prefix_hits(keys))
     }
 
     /// [`prefix_hits`](Self::prefix_hits) over `n` keys made on demand by `key(i)` (none is
@@ -289,49 +396,14 @@ impl EmbeddedStore {
         key: impl Fn(usize) -> BlockKey,
     ) -> Result<usize, StoreError> {
         self.check_open()?;
-        Ok(self.pool.prefix_hits_with(n, key))
-    }
-
-    fn submit(
-        &self,
-        dir: Direction,
-        layout_id: LayoutId,
-        group: u32,
-        block_ids: &[u64],
-        keys: Vec<BlockKey>,
-        stream: Option<u64>,
-    ) -> Result<JobHandle, StoreError> {
-        self.check_open()?;
-        let layout = self.layout(layout_id)?;
-        let plan = layout.group(group)?.plan(block_ids)?;
-        let mut token = None;
-        if let Some(stream) = stream {
-            let Some(device) = self.cuda_layouts.read().get(&layout_id).copied() else {
-                return Err(CoreError::option(
-                    "stream",
-                    format!("layout {layout_id} is host memory; a CUDA stream orders only copies of CUDA memory"),
-                )
-                .into());
-            };
-            if !block_ids.is_empty() && keys.len() == block_ids.len() {
-                let m = self.cuda_on(device).ok_or_else(|| {
-                    CoreError::option(
-                        "stream",
-                        format!("no CUDA memory of device {device} is registered with this store"),
-                    )
-                })?;
-                token = Some(m.record_after(stream)?);
-            }
-        }
-        // A job that is refused drops its token, which goes back to its mover.
-        Ok(self.engine.submit_after(dir, keys, plan, token)?)
+        Ok(self.shared.pool.prefix_hits_with(n, key))
     }
 
     /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`
-    /// and byte size). The first call loads the CUDA driver and starts registering the pool for
-    /// DMA in the background; the first call for each device creates that device's mover (all
-    /// of them share the pool's one registration). The range must be device memory of that
-    /// device, inside one allocation.
+    /// and byte size), in the default session. The first call loads the CUDA driver, creates
+    /// the CUDA mover and starts registering the pool for DMA in the background; later calls
+    /// must name the same device. The range must be device memory of that device, inside one
+    /// allocation.
     ///
     /// # Safety
     /// As [`MemoryRegistry::register`]: the memory stays allocated until deregistered.
@@ -341,43 +413,8 @@ impl EmbeddedStore {
         len: u64,
         device: i32,
     ) -> Result<RegionId, StoreError> {
-        self.check_open()?;
-        let mover = {
-            let mut movers = self.cuda.lock();
-            match movers.get(&device) {
-                Some(m) => Arc::clone(m),
-                None => {
-                    let pinner = self.pinner_for(device)?;
-                    let m = Arc::new(CudaMover::new(device, pinner, self.cuda_opts.clone())?);
-                    self.engine
-                        .set_device_mover(MemoryKind::Cuda { device }, m.clone())?;
-                    movers.insert(device, Arc::clone(&m));
-                    m
-                }
-            }
-        };
-        mover.check_device_range(addr, len)?;
-        // SAFETY: forwarded contract; the range was checked to be memory of `device`.
-        Ok(unsafe {
-            self.engine
-                .registry()
-                .register(addr, len, MemoryKind::Cuda { device })
-        }?)
-    }
-
-    /// The pool's DMA registration, started (with `device`'s context) by the first call.
-    fn pinner_for(&self, device: i32) -> Result<Arc<PoolPinner>, StoreError> {
-        let mut p = self.pinner.lock();
-        if let Some(p) = p.as_ref() {
-            return Ok(Arc::clone(p));
-        }
-        let pinner = Arc::new(PoolPinner::start(
-            Device::open(device)?,
-            Arc::clone(&self.pool),
-            self.cuda_opts.pin_chunk_bytes,
-        )?);
-        *p = Some(Arc::clone(&pinner));
-        Ok(pinner)
+        // SAFETY: forwarded contract.
+        unsafe { self.default.register_cuda_memory(addr, len, device) }
     }
 
     /// Starts storing like [`EmbeddedStore::store`]; with `stream` (a raw CUDA stream handle,
@@ -392,7 +429,8 @@ impl EmbeddedStore {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Store, layout, group, block_ids, keys, stream)
+        self.default
+            .store_on(layout, group, block_ids, keys, stream)
     }
 
     /// Starts loading like [`EmbeddedStore::load`]; with `stream`, the copies into the blocks
@@ -407,23 +445,23 @@ impl EmbeddedStore {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Load, layout, group, block_ids, keys, stream)
+        self.default.load_on(layout, group, block_ids, keys, stream)
     }
 
     /// The CUDA mover of the lowest-numbered device whose memory is registered (for its trace
     /// and statistics; one device per engine process is the common case).
     pub fn cuda(&self) -> Option<Arc<CudaMover>> {
-        self.cuda.lock().values().next().cloned()
+        self.shared.cuda.lock().values().next().cloned()
     }
 
     /// The CUDA mover of `device`, once memory of that device is registered.
     pub fn cuda_on(&self, device: i32) -> Option<Arc<CudaMover>> {
-        self.cuda.lock().get(&device).cloned()
+        self.shared.cuda.lock().get(&device).cloned()
     }
 
     /// The devices whose memory is registered, in order.
     pub fn cuda_devices(&self) -> Vec<i32> {
-        self.cuda.lock().keys().copied().collect()
+        self.shared.cuda.lock().keys().copied().collect()
     }
 
     /// The counters of [`EmbeddedStore::cuda`]'s mover and the pool's DMA registration, once
@@ -435,7 +473,7 @@ impl EmbeddedStore {
     /// Waits up to `timeout` for the pool's DMA registration; false when it has not finished
     /// (or no CUDA memory is registered).
     pub fn wait_pool_registered(&self, timeout: Duration) -> bool {
-        let p = self.pinner.lock().clone();
+        let p = self.shared.pinner.lock().clone();
         p.is_some_and(|p| p.progress().wait(timeout))
     }
 
@@ -463,46 +501,35 @@ impl EmbeddedStore {
 
     /// Waits for a job with the store's default timeout.
     pub fn wait(&self, job: &JobHandle) -> Result<Vec<KeyResult>, StoreError> {
-        Ok(job.wait(self.timeout)?)
+        Ok(job.wait(self.shared.timeout)?)
     }
 
     /// Default transfer timeout.
     pub fn timeout(&self) -> Duration {
-        self.timeout
+        self.shared.timeout
     }
 
     /// Removes every object; returns how many. [`StoreError::Closed`] after `close`.
     pub fn clear(&self) -> Result<u64, StoreError> {
         self.check_open()?;
-        Ok(self.pool.clear())
+        Ok(self.shared.pool.clear())
     }
 
     /// Pool counters. [`StoreError::Closed`] after `close`.
     pub fn stats(&self) -> Result<PoolStats, StoreError> {
         self.check_open()?;
-        Ok(self.pool.stats())
+        Ok(self.shared.pool.stats())
     }
 
     /// Stored / removed notifications.
     pub fn subscribe(&self, capacity: usize) -> std::sync::mpsc::Receiver<PoolEvent> {
-        self.pool.subscribe(capacity)
+        self.shared.pool.subscribe(capacity)
     }
 
     /// Stops the copy workers (after queued jobs) and the evictor; later calls fail with
-    /// [`StoreError::Closed`]. Idempotent.
+    /// [`StoreError::Closed`], in every session. Idempotent.
     pub fn close(&self) {
-        if !self.closed.swap(true, Ordering::AcqRel) {
-            self.engine.close();
-            for m in self.cuda.lock().values() {
-                m.shutdown();
-            }
-            if let Some(p) = self.pinner.lock().as_ref() {
-                // Every copy of every device has finished: unregister the pool before it can
-                // be unmapped.
-                p.shutdown();
-            }
-            self.pool.close();
-        }
+        self.shared.close();
     }
 }
 
