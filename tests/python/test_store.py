@@ -49,6 +49,23 @@ def test_per_key_statuses(store, kb):
     assert store.prefix_hits(keys) == 2
 
 
+def test_failed_keys_say_why_in_a_word_and_in_words(store, kb):
+    src, dst = KvCache(fill_seed=4), KvCache()
+    ls = attach(store, src)
+    store.register_memory(dst.base, dst.buf.nbytes)
+    narrow = store.register_layout([dst.layout()[0][:2]])  # half the layers: half the object
+    keys = kb.keys(0, hashes([7, 8]))
+    assert store.store(ls, 0, [7, 8], keys).wait() == ["done", "done"]
+    job = store.load(narrow, 0, [1, 2], keys)
+    assert job.wait() == ["failed", "failed"]
+    failures = job.failures()
+    assert [(i, kind) for i, kind, _ in failures] == [(0, "size_mismatch"), (1, "size_mismatch")]
+    assert all("different layout" in why for _, _, why in failures), failures
+    assert job.errors() == [(i, why) for i, _, why in failures]
+    ok = store.load(ls, 0, [9], keys[0:1])
+    assert ok.wait() == ["done"] and ok.failures() == [] and ok.errors() == []
+
+
 def test_keys_are_bulk_and_readable(kb):
     keys = kb.keys(3, [b"\x01\xff"])
     assert kb.key_strings(keys) == ["umbp:vllm:v1:pytest-ns:tp0:pcp0:dcp0:pp0:g3:01ff"]
