@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use thiserror::Error;
 use umbp_core::CopyRange;
 
 use crate::memcpy;
@@ -35,16 +34,15 @@ impl KeyResult {
     }
 }
 
-/// Why one key failed.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
+/// Why one key failed: data carried in [`KeyResult::Failed`], not an error a call returns (the
+/// crate's error is [`crate::CopyError`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyFailure {
     /// A range of the key's block is not inside registered memory, or mixes kinds of memory
     /// (the caller's plan or registrations are wrong; nothing was copied).
-    #[error("{0}")]
     InvalidRange(String),
     /// The stored object's size differs from what the layout expects (another layout wrote
     /// this key).
-    #[error("stored object has {stored} bytes but the layout expects {expected}; a different layout wrote this key")]
     SizeMismatch {
         /// Bytes of the stored object.
         stored: u64,
@@ -52,20 +50,36 @@ pub enum KeyFailure {
         expected: u64,
     },
     /// The pool refused for a reason other than being full.
-    #[error("{0}")]
     Pool(String),
     /// The mover failed to copy the block.
-    #[error(transparent)]
-    Move(#[from] MoveError),
+    Move(MoveError),
 }
 
-/// Why a mover could not copy a block.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
+impl std::fmt::Display for KeyFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeyFailure::InvalidRange(m) | KeyFailure::Pool(m) => f.write_str(m),
+            KeyFailure::SizeMismatch { stored, expected } => write!(
+                f,
+                "stored object has {stored} bytes but the layout expects {expected}; a different layout wrote this key"
+            ),
+            KeyFailure::Move(e) => e.fmt(f),
+        }
+    }
+}
+
+impl From<MoveError> for KeyFailure {
+    fn from(e: MoveError) -> Self {
+        KeyFailure::Move(e)
+    }
+}
+
+/// Why a mover could not copy a block (per block, in a mover's answer; see [`KeyFailure`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MoveError {
     /// The device failed in a way that lasts: every later call on its context fails too (CUDA's
     /// sticky errors, such as an illegal address in a kernel). No transfer to or from this
     /// device can succeed until the process restarts.
-    #[error("{device} is unusable after {message}; every later transfer with it fails until the process restarts")]
     DeviceLost {
         /// The device, in words ("CUDA device 0").
         device: String,
@@ -73,12 +87,22 @@ pub enum MoveError {
         message: String,
     },
     /// One device call failed; the device stays usable.
-    #[error("{0}")]
     Device(String),
     /// The mover was handed something it cannot copy (memory of another device, a token of
     /// another mover, a block larger than it supports).
-    #[error("{0}")]
     Unsupported(String),
+}
+
+impl std::fmt::Display for MoveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MoveError::DeviceLost { device, message } => write!(
+                f,
+                "{device} is unusable after {message}; every later transfer with it fails until the process restarts"
+            ),
+            MoveError::Device(m) | MoveError::Unsupported(m) => f.write_str(m),
+        }
+    }
 }
 
 impl MoveError {

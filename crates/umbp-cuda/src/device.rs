@@ -469,9 +469,12 @@ impl Stream {
     }
 
     /// Makes later work on this stream wait for `event`'s latest record.
-    pub(crate) fn wait(&self, event: CUevent) -> Result<(), CudaError> {
+    ///
+    /// # Safety
+    /// `event` must be a live event of this device's context.
+    pub(crate) unsafe fn wait(&self, event: CUevent) -> Result<(), CudaError> {
         let d = self.dev.drv;
-        // SAFETY: live handles of one context.
+        // SAFETY: a live stream; forwarded contract for the event.
         d.check("cuStreamWaitEvent", unsafe {
             (d.stream_wait_event)(self.raw, event, 0)
         })
@@ -480,13 +483,16 @@ impl Stream {
     /// Makes later work on this stream wait until the 32-bit word at device address `flag`
     /// has reached `value` (cyclically: `(i32)(*flag - value) >= 0`), a stream memory
     /// operation: the GPU polls device memory, no PCIe.
-    pub(crate) fn wait_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
+    ///
+    /// # Safety
+    /// `flag` must be a 4-byte-aligned word of device memory of this device that stays
+    /// allocated until the wait has completed.
+    pub(crate) unsafe fn wait_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
         let d = self.dev.drv;
         let f = d
             .stream_wait_value32
             .ok_or_else(|| CudaError::Invalid("cuStreamWaitValue32 is not exported".into()))?;
-        // SAFETY: a live stream; `flag` is a 4-byte-aligned word of device memory owned by
-        // the caller for the stream's lifetime.
+        // SAFETY: a live stream; forwarded contract for `flag`.
         d.check("cuStreamWaitValue32", unsafe {
             f(self.raw, flag, value, CU_STREAM_WAIT_VALUE_GEQ)
         })
@@ -495,12 +501,15 @@ impl Stream {
     /// Writes `value` to the 32-bit word at device address `flag` once this stream's earlier
     /// work has finished and its writes are visible (the driver refuses the variant without
     /// that barrier on the H200 here).
-    pub(crate) fn write_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
+    ///
+    /// # Safety
+    /// As [`Stream::wait_flag`]; nothing else may use the word but flag waits and writes.
+    pub(crate) unsafe fn write_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
         let d = self.dev.drv;
         let f = d
             .stream_write_value32
             .ok_or_else(|| CudaError::Invalid("cuStreamWriteValue32 is not exported".into()))?;
-        // SAFETY: as for `wait_flag`.
+        // SAFETY: as for `wait_flag`: forwarded contract.
         d.check("cuStreamWriteValue32", unsafe {
             f(self.raw, flag, value, CU_STREAM_WRITE_VALUE_DEFAULT)
         })
@@ -671,9 +680,12 @@ impl Event {
 
     /// Records the event on a raw stream handle (any stream of this device's primary context,
     /// 0 for the legacy default stream).
-    pub(crate) fn record_raw(&self, stream: CUstream) -> Result<(), CudaError> {
+    ///
+    /// # Safety
+    /// `stream` must be 0 or a live stream of this device's primary context.
+    pub(crate) unsafe fn record_raw(&self, stream: CUstream) -> Result<(), CudaError> {
         let d = self.dev.drv;
-        // SAFETY: a live event; the caller passes a stream of the same context.
+        // SAFETY: a live event; forwarded contract for the stream.
         d.check("cuEventRecord", unsafe {
             (d.event_record)(self.raw, stream)
         })
@@ -681,7 +693,8 @@ impl Event {
 
     /// Records the event on `stream`.
     pub fn record(&self, stream: &Stream) -> Result<(), CudaError> {
-        self.record_raw(stream.raw)
+        // SAFETY: one of our live streams.
+        unsafe { self.record_raw(stream.raw) }
     }
 
     /// Blocks (yielding) until the event's latest record completed.

@@ -92,10 +92,11 @@ pub enum CudaError {
 
 /// `CUresult`s after which the context is unusable: every later call fails too, until the
 /// process exits (CUDA's "sticky" errors).
-const STICKY: [i32; 9] = [
+const STICKY: [i32; 10] = [
     214, // CUDA_ERROR_ECC_UNCORRECTABLE
     700, // CUDA_ERROR_ILLEGAL_ADDRESS
     702, // CUDA_ERROR_LAUNCH_TIMEOUT
+    710, // CUDA_ERROR_ASSERT (a device-side assert)
     714, // CUDA_ERROR_HARDWARE_STACK_ERROR
     715, // CUDA_ERROR_ILLEGAL_INSTRUCTION
     716, // CUDA_ERROR_MISALIGNED_ADDRESS

@@ -528,9 +528,14 @@ impl EmbeddedStore {
             let ids = to_u64s(block_ids, "block ids")?;
             let s = self.live()?;
             let keys = keys.keys.clone();
-            Ok(match direction {
-                Direction::Store => s.store_on(layout_id, group, &ids, keys, stream),
-                Direction::Load => s.load_on(layout_id, group, &ids, keys, stream),
+            // SAFETY: `stream` is the caller's CUDA stream of the layout's device, as the Python
+            // API documents (`torch.cuda.current_stream().cuda_stream`), like the addresses of
+            // `register_cuda_memory`; Python cannot check a raw handle.
+            Ok(unsafe {
+                match direction {
+                    Direction::Store => s.store_on(layout_id, group, &ids, keys, stream),
+                    Direction::Load => s.load_on(layout_id, group, &ids, keys, stream),
+                }
             }?)
         })?;
         Ok(Job {

@@ -197,8 +197,11 @@ impl StoreShared {
 
     /// Plans blocks `block_ids` of group `group` of layout `layout_id` (`layout`, whose memory
     /// is CUDA memory of device `cuda` when set) and submits the copy.
+    ///
+    /// # Safety
+    /// As [`EmbeddedStore::store_on`] for `stream`.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn submit(
+    pub(crate) unsafe fn submit(
         &self,
         dir: Direction,
         layout_id: LayoutId,
@@ -227,7 +230,8 @@ impl StoreShared {
                         format!("no CUDA memory of device {device} is registered with this store"),
                     )
                 })?;
-                token = Some(m.record_after(stream)?);
+                // SAFETY: forwarded contract: a live stream of this device (or 0).
+                token = Some(unsafe { m.record_after(stream) }?);
             }
         }
         // A job that is refused drops its token, which goes back to its mover.
@@ -241,8 +245,20 @@ impl StoreShared {
         if let Some(m) = movers.get(&device) {
             return Ok(Arc::clone(m));
         }
+        let first = self.pinner.lock().is_none();
         let pinner = self.pinner_for(device)?;
-        let m = Arc::new(CudaMover::new(device, pinner, self.cuda_opts.clone())?);
+        let m = match CudaMover::new(device, pinner, self.cuda_opts.clone()) {
+            Ok(m) => Arc::new(m),
+            Err(e) => {
+                // No mover: do not leave the pool page-locked for nothing.
+                if first {
+                    if let Some(p) = self.pinner.lock().take() {
+                        p.shutdown();
+                    }
+                }
+                return Err(e.into());
+            }
+        };
         self.engine
             .set_device_mover(MemoryKind::Cuda { device }, m.clone())?;
         movers.insert(device, Arc::clone(&m));
@@ -400,10 +416,10 @@ impl EmbeddedStore {
     }
 
     /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`
-    /// and byte size), in the default session. The first call loads the CUDA driver, creates
-    /// the CUDA mover and starts registering the pool for DMA in the background; later calls
-    /// must name the same device. The range must be device memory of that device, inside one
-    /// allocation.
+    /// and byte size), in the default session. The first call loads the CUDA driver and starts
+    /// registering the pool for DMA in the background; each device's first call creates that
+    /// device's mover (all devices share the pool's one registration). The range must be device
+    /// memory of that device, inside one allocation.
     ///
     /// # Safety
     /// As [`MemoryRegistry::register`]: the memory stays allocated until deregistered.
@@ -421,7 +437,12 @@ impl EmbeddedStore {
     /// 0 for the legacy default stream) the copies wait on the device for the work queued on
     /// that stream so far, so a store submitted right after the kernels that wrote its blocks
     /// copies their output. CUDA layouts only.
-    pub fn store_on(
+    ///
+    /// # Safety
+    /// `stream`, when given, must be 0 (the legacy default stream) or a live CUDA stream of the
+    /// primary context of the device the layout's memory is on (e.g. PyTorch's current stream
+    /// there): the driver dereferences the handle.
+    pub unsafe fn store_on(
         &self,
         layout: LayoutId,
         group: u32,
@@ -429,15 +450,21 @@ impl EmbeddedStore {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.default
-            .store_on(layout, group, block_ids, keys, stream)
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.default
+                .store_on(layout, group, block_ids, keys, stream)
+        }
     }
 
     /// Starts loading like [`EmbeddedStore::load`]; with `stream`, the copies into the blocks
     /// wait on the device for the work queued on that stream so far (which may still read the
     /// blocks). The job finishes once the bytes are in place: work launched after that sees
     /// them.
-    pub fn load_on(
+    ///
+    /// # Safety
+    /// As [`EmbeddedStore::store_on`].
+    pub unsafe fn load_on(
         &self,
         layout: LayoutId,
         group: u32,
@@ -445,7 +472,8 @@ impl EmbeddedStore {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.default.load_on(layout, group, block_ids, keys, stream)
+        // SAFETY: forwarded contract.
+        unsafe { self.default.load_on(layout, group, block_ids, keys, stream) }
     }
 
     /// The CUDA mover of the lowest-numbered device whose memory is registered (for its trace
@@ -485,7 +513,8 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.store_on(layout, group, block_ids, keys, None)
+        // SAFETY: no stream.
+        unsafe { self.store_on(layout, group, block_ids, keys, None) }
     }
 
     /// Starts loading `keys` into `block_ids` of cache group `group`.
@@ -496,7 +525,8 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.load_on(layout, group, block_ids, keys, None)
+        // SAFETY: no stream.
+        unsafe { self.load_on(layout, group, block_ids, keys, None) }
     }
 
     /// Waits for a job with the store's default timeout.
@@ -685,8 +715,8 @@ mod tests {
             .register_layout(KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap())
             .unwrap();
         let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
-        let e = s
-            .store_on(lid, 0, &[1], vec![kb.key(0, b"h").unwrap()], Some(0))
+        // SAFETY: stream 0 is the legacy default stream (and a host layout is refused first).
+        let e = unsafe { s.store_on(lid, 0, &[1], vec![kb.key(0, b"h").unwrap()], Some(0)) }
             .unwrap_err()
             .to_string();
         assert!(e.contains("stream"), "{e}");

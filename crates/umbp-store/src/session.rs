@@ -324,11 +324,14 @@ impl Session {
         }
         let found = found.into_inner();
         let kind = found.first().map(|(_, r)| r.kind);
-        if found.iter().any(|(_, r)| Some(r.kind) != kind) {
-            return Err(CoreError::InvalidLayout(
-                "the layout mixes host and CUDA memory; register one layout per kind".into(),
-            )
-            .into());
+        if let Some((_, other)) = found.iter().find(|(_, r)| Some(r.kind) != kind) {
+            let why = match (kind, other.kind) {
+                (Some(MemoryKind::Cuda { device: a }), MemoryKind::Cuda { device: b }) => format!(
+                    "the layout spans CUDA devices {a} and {b}; register one layout per device"
+                ),
+                _ => "the layout mixes host and CUDA memory; register one layout per kind".into(),
+            };
+            return Err(CoreError::InvalidLayout(why).into());
         }
         let mut regions: Vec<RegionId> = found.into_iter().map(|(id, _)| id).collect();
         regions.sort_unstable();
@@ -375,7 +378,9 @@ impl Session {
         self.jobs.len()
     }
 
-    fn submit(
+    /// # Safety
+    /// As [`crate::EmbeddedStore::store_on`] for `stream`.
+    unsafe fn submit(
         &self,
         dir: Direction,
         layout_id: LayoutId,
@@ -392,16 +397,22 @@ impl Session {
                 .ok_or(StoreError::UnknownLayout(layout_id))?;
             (Arc::clone(&l.layout), l.cuda)
         };
-        let job = self.shared.submit(
-            dir, layout_id, &layout, cuda, group, block_ids, keys, stream,
-        )?;
+        // SAFETY: forwarded contract.
+        let job = unsafe {
+            self.shared.submit(
+                dir, layout_id, &layout, cuda, group, block_ids, keys, stream,
+            )
+        }?;
         self.jobs.insert(&job);
         Ok(job)
     }
 
     /// Starts storing `block_ids` of group `group` of layout `layout` under `keys`, like
     /// [`crate::EmbeddedStore::store_on`]. The job is this session's.
-    pub fn store_on(
+    ///
+    /// # Safety
+    /// As [`crate::EmbeddedStore::store_on`] for `stream`.
+    pub unsafe fn store_on(
         &self,
         layout: LayoutId,
         group: u32,
@@ -409,12 +420,16 @@ impl Session {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Store, layout, group, block_ids, keys, stream)
+        // SAFETY: forwarded contract.
+        unsafe { self.submit(Direction::Store, layout, group, block_ids, keys, stream) }
     }
 
     /// Starts loading `keys` into `block_ids`, like [`crate::EmbeddedStore::load_on`]. The
     /// job is this session's.
-    pub fn load_on(
+    ///
+    /// # Safety
+    /// As [`crate::EmbeddedStore::store_on`] for `stream`.
+    pub unsafe fn load_on(
         &self,
         layout: LayoutId,
         group: u32,
@@ -422,7 +437,8 @@ impl Session {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
-        self.submit(Direction::Load, layout, group, block_ids, keys, stream)
+        // SAFETY: forwarded contract.
+        unsafe { self.submit(Direction::Load, layout, group, block_ids, keys, stream) }
     }
 
     /// [`Session::store_on`] without a stream.
@@ -433,7 +449,8 @@ impl Session {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.store_on(layout, group, block_ids, keys, None)
+        // SAFETY: no stream.
+        unsafe { self.store_on(layout, group, block_ids, keys, None) }
     }
 
     /// [`Session::load_on`] without a stream.
@@ -444,7 +461,8 @@ impl Session {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        self.load_on(layout, group, block_ids, keys, None)
+        // SAFETY: no stream.
+        unsafe { self.load_on(layout, group, block_ids, keys, None) }
     }
 
     /// Waits for a job with the store's default timeout.

@@ -26,7 +26,8 @@ impl CudaMover {
     ) -> Result<(), CudaError> {
         let lane = self.lane(dir);
         if let Some(ev) = after {
-            lane.dma.wait(ev)?;
+            // SAFETY: `ev` is the job's token event, alive until the job finishes.
+            unsafe { lane.dma.wait(ev) }?;
         }
         let (base, g) = (self.pinner.progress().base, self.pinner.progress().chunk);
         let ps = plan::split(&plan::pieces(blocks), base, g);

@@ -334,18 +334,22 @@ impl CudaMover {
     /// default stream) and returns it as an ordering token for [`umbp_copy::CopyEngine`]. The
     /// copies of the job wait for it on the device. Fails while the stream is being captured
     /// into a CUDA graph.
-    pub fn record_after(&self, stream: u64) -> Result<OrderToken, CudaError> {
+    ///
+    /// # Safety
+    /// `stream` must be 0 or a live stream of this device's primary context: the driver
+    /// dereferences the handle.
+    pub unsafe fn record_after(&self, stream: u64) -> Result<OrderToken, CudaError> {
         let _g = self.dev.scoped()?;
         let s = stream as CUstream;
-        // SAFETY: `s` is the caller's stream of this device (the submitter's current stream);
-        // the driver answers CUDA_ERROR_INVALID_HANDLE for a handle it does not know.
+        // SAFETY: forwarded contract.
         if unsafe { self.dev.is_capturing(s) }? {
             return Err(CudaError::Invalid(
                 "the stream is being captured into a CUDA graph; submit stores and loads outside graph capture".into(),
             ));
         }
         let ev = self.take_event(false)?;
-        if let Err(e) = ev.record_raw(s) {
+        // SAFETY: forwarded contract; `ev` is an event of this device's context.
+        if let Err(e) = unsafe { ev.record_raw(s) } {
             self.give_event(ev, false);
             return Err(e);
         }

@@ -187,7 +187,8 @@ impl CudaMover {
         let mut ring = ring.lock();
         if dir == Dir::Store {
             if let Some(ev) = after {
-                lane.kern.wait(ev)?;
+                // SAFETY: `ev` is the job's token event, alive until the job finishes.
+                unsafe { lane.kern.wait(ev) }?;
             }
         }
         // Store: gather on `kern`, then DMA on `dma`. Load: DMA on `dma`, then scatter.
@@ -273,7 +274,8 @@ impl CudaMover {
              -> Result<Timed, CudaError> {
                 if slot.flags() {
                     // The previous use of the slot has finished with its staging memory.
-                    first.wait_flag(slot.free_flag, prev)?;
+                    // SAFETY: the slot's flag word lives as long as the mover's flag buffer.
+                    unsafe { first.wait_flag(slot.free_flag, prev) }?;
                 }
                 let t = match dir {
                     Dir::Store => {
@@ -287,14 +289,16 @@ impl CudaMover {
                         handoff(slot, first, second)?;
                         if k == 0 {
                             if let Some(ev) = after {
-                                lane.kern.wait(ev)?;
+                                // SAFETY: `ev` is the job's token event, alive until the job finishes.
+                                unsafe { lane.kern.wait(ev) }?;
                             }
                         }
                         launch(kernels.scatter)?
                     }
                 };
                 if slot.flags() {
-                    second.write_flag(slot.free_flag, slot.seq)?;
+                    // SAFETY: the slot's flag word lives as long as the mover's flag buffer.
+                    unsafe { second.write_flag(slot.free_flag, slot.seq) }?;
                 } else {
                     slot.free.record(second)?;
                 }
@@ -314,11 +318,13 @@ impl CudaMover {
                     // first waits for the previous use (a repeated wait is harmless), hands
                     // over to second, and second marks the slot free.
                     if slot.flags() {
-                        let _ = first.wait_flag(slot.free_flag, prev);
+                        // SAFETY: the slot's flag word lives as long as the mover's flag buffer.
+                        let _ = unsafe { first.wait_flag(slot.free_flag, prev) };
                     }
                     let _ = handoff(slot, first, second);
                     if slot.flags() {
-                        let _ = second.write_flag(slot.free_flag, slot.seq);
+                        // SAFETY: the slot's flag word lives as long as the mover's flag buffer.
+                        let _ = unsafe { second.write_flag(slot.free_flag, slot.seq) };
                     } else {
                         let _ = slot.free.record(second);
                     }
@@ -355,11 +361,14 @@ impl CudaMover {
 /// flag where there is one, else through its `ready` event.
 pub(super) fn handoff(slot: &Slot, from: &Stream, to: &Stream) -> Result<(), CudaError> {
     if slot.flags() {
-        from.write_flag(slot.ready_flag, slot.seq)?;
-        to.wait_flag(slot.ready_flag, slot.seq)
+        // SAFETY: the slot's flag word lives as long as the mover's flag buffer.
+        unsafe { from.write_flag(slot.ready_flag, slot.seq) }?;
+        // SAFETY: as above.
+        unsafe { to.wait_flag(slot.ready_flag, slot.seq) }
     } else {
         slot.ready.record(from)?;
-        to.wait(slot.ready.raw())
+        // SAFETY: the slot's own live event.
+        unsafe { to.wait(slot.ready.raw()) }
     }
 }
 
@@ -371,9 +380,12 @@ pub(super) fn device_flags(dev: &Arc<Device>, n: usize) -> Result<DeviceBuffer, 
     let k = dev.stream()?;
     // SAFETY: our own fresh allocation, used by nothing else yet.
     unsafe { dev.memset(buf.ptr(), 0, buf.len(), &s) }?;
-    s.write_flag(buf.ptr(), 1)?;
-    k.wait_flag(buf.ptr(), 1)?;
-    k.write_flag(buf.ptr(), 0)?;
+    // SAFETY: a word of our fresh allocation, alive while `buf` is.
+    unsafe { s.write_flag(buf.ptr(), 1) }?;
+    // SAFETY: as above.
+    unsafe { k.wait_flag(buf.ptr(), 1) }?;
+    // SAFETY: the flag word of our fresh allocation, alive while `buf` is.
+    unsafe { k.write_flag(buf.ptr(), 0) }?;
     k.synchronize()?;
     s.synchronize()?;
     Ok(buf)
