@@ -281,3 +281,19 @@ def test_the_pools_of_an_engines_workers_on_a_host_are_checked_together(tmp_path
     claims.write_text("999999999 1\n")
     with pytest.raises(umbp.errors.ConfigError):
         check_engine_memory(claims, cap, 2)
+
+
+def test_a_stopped_engine_leaves_no_memory_claims(tmp_path):
+    from umbp.vllm.host import release_engine_memory_claim
+
+    claims = tmp_path / "e.claims"
+    assert not release_engine_memory_claim(claims, os.getpid()), "no file: nothing to do"
+    # A live sibling's claim stays; this worker's and a dead process's go.
+    claims.write_text(f"{os.getppid()} 1\n{os.getpid()} 1\n999999999 1\n")
+    assert not release_engine_memory_claim(claims, os.getpid())
+    assert claims.read_text().splitlines() == [f"{os.getppid()} 1"]
+    # The last claim gone (the sibling's, as the scheduler sees it once the worker is dead),
+    # the file goes too.
+    claims.write_text(f"{os.getpid()} 1\n999999999 1\n")
+    assert release_engine_memory_claim(claims, os.getpid())
+    assert not claims.exists()

@@ -44,7 +44,8 @@ def test_restored_prefixes_give_identical_outputs(model, tmp_path):
     r = run_engine(
         {
             "model": model,
-            "connector": connector(tmp_path),
+            # Prefaulted, so the workers claim their pools' memory (a claims file).
+            "connector": connector(tmp_path, dram_prefault=True),
             "steps": [
                 {"generate": ps},
                 {"reset": False},  # vLLM's own prefix cache only
@@ -63,6 +64,8 @@ def test_restored_prefixes_give_identical_outputs(model, tmp_path):
         assert o["cached"] == full_blocks * BLOCK, restored
     # The prompts share a 600-token head, so only the first one after the reset is fully cold.
     assert recomputed[0]["cached"] == 0, "reset_external must clear the pools"
+    # A stopped engine leaves nothing behind: no lookup socket, no memory claims file.
+    assert list(socket_dir(tmp_path).iterdir()) == []
 
 
 def test_small_pool_evicts_and_outputs_stay_identical(model, tmp_path):

@@ -349,8 +349,8 @@ pub const LOOKUP_DIR: OptionSpec = OptionSpec {
     doc: "Where this user's private socket directory `umbp-<uid>/` is made (0700, checked on \
           every use; see [vllm.md](vllm.md#security-one-host-embedded-mode)). The per-worker \
           lookup sockets in it are named `umbp-<tag>-dp<DP rank>-w<worker>.sock`, where the tag \
-          hashes the namespace and `lookup_instance`; beside them, a `.claims` file per engine \
-          for the memory check over its workers.",
+          hashes the namespace and `lookup_instance`; beside them, a `.claims` file per running \
+          engine for the memory check over its workers. A stopped engine leaves neither.",
     also_rejected: Some(
         "The private directory is not a real directory owned by this user with mode 700.",
     ),

@@ -3,6 +3,7 @@ directory under `lookup_dir`, and the memory check over every worker of an engin
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
@@ -96,6 +97,36 @@ def check_engine_memory(claims: Path, capacity: int, workers_on_host: int) -> No
         f.truncate()
         f.write("".join(x + "\n" for x in live) + f"{os.getpid()} {capacity}\n")
         f.flush()
+
+
+def release_engine_memory_claim(claims: Path, pid: int | None = None) -> bool:
+    """Drops the claim of process `pid` (this worker, at shutdown; None: none in particular)
+    and those of dead processes from `claims` (see `check_engine_memory`), under its lock, and
+    removes the file once no claim is left. Returns whether the file was removed."""
+    if not os.path.exists(claims):
+        return False
+    with open(claims, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        live = []
+        for line in f.read().splitlines():
+            try:
+                p = int(line.split()[0])
+            except (ValueError, IndexError):
+                continue
+            if p != pid and _alive(p):
+                live.append(line)
+        if not live:
+            # Unlinked while locked: a worker that opened it meanwhile writes its claim into
+            # this file's inode, which it holds until it has checked; the next one starts anew.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(claims)
+            return True
+        f.seek(0)
+        f.truncate()
+        f.write("".join(x + "\n" for x in live))
+        f.flush()
+        return False
 
 
 def remove_dead_sockets(paths: list[str] | list[Path]) -> list[str]:

@@ -23,7 +23,12 @@ from typing import Protocol
 import umbp
 from umbp.errors import ConfigError
 from umbp.vllm.config import ConnectorConfig
-from umbp.vllm.host import check_engine_memory, remove_dead_sockets, socket_dir
+from umbp.vllm.host import (
+    check_engine_memory,
+    release_engine_memory_claim,
+    remove_dead_sockets,
+    socket_dir,
+)
 from umbp.vllm.topology import Ranks, Topology
 
 logger = logging.getLogger("umbp.vllm")
@@ -57,6 +62,10 @@ class Runtime(Protocol):
         """A few words for the worker's start-up log line: its pool and where it answers."""
         ...
 
+    def worker_shutdown(self) -> None:
+        """Called once when the worker side shuts down, after its store has closed."""
+        ...
+
 
 def runtime_class(cfg: ConnectorConfig) -> type[Runtime]:
     """The runtime of `cfg.mode`; raises `ConfigError` for a mode this release cannot run."""
@@ -86,6 +95,7 @@ class EmbeddedRuntime:
         self.topo = topo
         self.capacity: int | None = None  # the worker's pool bytes, once opened
         self.path: str | None = None  # the worker's socket, once serving
+        self.claims: str | None = None  # the engine's memory claims file, once claimed
 
     def socket_paths(self) -> list[str]:
         return socket_paths(self.topo, self.cfg.lookup_dir)
@@ -112,6 +122,13 @@ class EmbeddedRuntime:
             return
         for p in remove_dead_sockets(paths):
             logger.info("umbp: removed the socket of a worker that did not shut down: %s", p)
+        # The claims of workers that were killed before they could drop their own.
+        release_engine_memory_claim(self._claims_path())
+
+    def _claims_path(self):
+        return (
+            socket_dir(self.cfg.lookup_dir) / f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}.claims"
+        )
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -120,8 +137,9 @@ class EmbeddedRuntime:
         capacity = cfg.worker_capacity(topo.workers)
         if cfg.dram_prefault and not cfg.dram_use_hugepages:
             # Every worker of this engine on this host prefaults a pool: check their sum.
-            claims = socket_dir(cfg.lookup_dir) / f"umbp-{topo.tag}-dp{topo.dp_rank}.claims"
+            claims = self._claims_path()
             check_engine_memory(claims, capacity, topo.workers_per_host)
+            self.claims = str(claims)
         store = umbp.EmbeddedStore(
             capacity,
             high_watermark=cfg.dram_high_watermark,
@@ -149,6 +167,11 @@ class EmbeddedRuntime:
         )
         self.path = path
         return server
+
+    def worker_shutdown(self) -> None:
+        if self.claims is not None:
+            release_engine_memory_claim(self.claims, os.getpid())
+            self.claims = None
 
     def describe_worker(self) -> str:
         pool = f"{(self.capacity or 0) / (1 << 30):.2f} GiB pool"

@@ -270,3 +270,4 @@ class WorkerSide:
             self.server.shutdown()
         if self.store is not None:
             self.store.close()
+        self.runtime.worker_shutdown()
