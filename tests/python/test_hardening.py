@@ -297,3 +297,42 @@ def test_a_stopped_engine_leaves_no_memory_claims(tmp_path):
     claims.write_text(f"{os.getpid()} 1\n999999999 1\n")
     assert release_engine_memory_claim(claims, os.getpid())
     assert not claims.exists()
+
+
+def test_the_scheduler_removes_dead_sockets_of_an_earlier_engine_with_more_workers(tmp_path):
+    import socket
+
+    from umbp.vllm.config import ConnectorConfig
+    from umbp.vllm.host import socket_dir
+    from umbp.vllm.runtime import EmbeddedRuntime
+    from umbp.vllm.topology import Topology
+
+    def topo(tp):
+        return Topology(
+            namespace="sweep", tag="sweep", tp_size=tp, pcp_size=1, dcp_size=1, dp_rank=0,
+            block_size=16, num_groups=1,
+        )  # fmt: skip
+
+    cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)}, "kv_both")
+    d = socket_dir(str(tmp_path))
+    # An earlier TP 4 engine of the namespace: worker 3 was killed (its socket file is left,
+    # nobody listens), worker 2 still serves; worker 0 is a path this engine will bind itself.
+    old = EmbeddedRuntime(cfg, topo(4)).socket_paths()
+    servers = []
+    for w in (0, 2, 3):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(old[w])
+        s.listen()
+        servers.append(s)
+    servers[0].close()
+    servers[2].close()  # worker 3: dead
+    other = d / "umbp-othertag-dp0-w3.sock"  # another namespace's: never touched
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(other))
+    s.close()
+    EmbeddedRuntime(cfg, topo(2)).lookup_client()
+    assert not os.path.exists(old[3]), "the dead socket of a worker beyond this engine's is gone"
+    assert os.path.exists(old[2]), "a live server's socket stays"
+    assert os.path.exists(old[0]), "this engine's own paths are its workers' to replace"
+    assert other.exists()
+    servers[1].close()
