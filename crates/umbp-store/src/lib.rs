@@ -513,8 +513,7 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        // SAFETY: no stream.
-        unsafe { self.store_on(layout, group, block_ids, keys, None) }
+        self.default.store(layout, group, block_ids, keys)
     }
 
     /// Starts loading `keys` into `block_ids` of cache group `group`.
@@ -525,8 +524,7 @@ impl EmbeddedStore {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
     ) -> Result<JobHandle, StoreError> {
-        // SAFETY: no stream.
-        unsafe { self.load_on(layout, group, block_ids, keys, None) }
+        self.default.load(layout, group, block_ids, keys)
     }
 
     /// Waits for a job with the store's default timeout.

@@ -60,6 +60,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _live_claims(f, drop_pid: int | None) -> list[str]:
+    """The lines of the locked claims file `f` whose process is alive and is not `drop_pid`."""
+    f.seek(0)
+    live = []
+    for line in f.read().splitlines():
+        try:
+            pid = int(line.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if pid != drop_pid and _alive(pid):
+            live.append(line)
+    return live
+
+
+def _write_claims(f, lines: list[str]) -> None:
+    f.seek(0)
+    f.truncate()
+    f.write("".join(x + "\n" for x in lines))
+    f.flush()
+
+
 def check_engine_memory(claims: Path, capacity: int, workers_on_host: int) -> None:
     """Checks, before this worker's pool is prefaulted, that the pools of the engine's
     workers on this host fit together in the memory this process may use (host or memory
@@ -73,15 +94,7 @@ def check_engine_memory(claims: Path, capacity: int, workers_on_host: int) -> No
     """
     with open(claims, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        live = []
-        for line in f.read().splitlines():
-            try:
-                pid = int(line.split()[0])
-            except (ValueError, IndexError):
-                continue
-            if pid != os.getpid() and _alive(pid):
-                live.append(line)
+        live = _live_claims(f, os.getpid())
         pending = max(1, workers_on_host - len(live))
         avail = umbp.memory_available()
         need = capacity * pending
@@ -93,10 +106,7 @@ def check_engine_memory(claims: Path, capacity: int, workers_on_host: int) -> No
                 "capacity_bytes/total_capacity_bytes, or set dram_prefault false to populate on "
                 "demand"
             )
-        f.seek(0)
-        f.truncate()
-        f.write("".join(x + "\n" for x in live) + f"{os.getpid()} {capacity}\n")
-        f.flush()
+        _write_claims(f, [*live, f"{os.getpid()} {capacity}"])
 
 
 def release_engine_memory_claim(claims: Path, pid: int | None = None) -> bool:
@@ -107,25 +117,14 @@ def release_engine_memory_claim(claims: Path, pid: int | None = None) -> bool:
         return False
     with open(claims, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        f.seek(0)
-        live = []
-        for line in f.read().splitlines():
-            try:
-                p = int(line.split()[0])
-            except (ValueError, IndexError):
-                continue
-            if p != pid and _alive(p):
-                live.append(line)
+        live = _live_claims(f, pid)
         if not live:
             # Unlinked while locked: a worker that opened it meanwhile writes its claim into
             # this file's inode, which it holds until it has checked; the next one starts anew.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(claims)
             return True
-        f.seek(0)
-        f.truncate()
-        f.write("".join(x + "\n" for x in live))
-        f.flush()
+        _write_claims(f, live)
         return False
 
 

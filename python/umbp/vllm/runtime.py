@@ -107,7 +107,7 @@ class EmbeddedRuntime:
         # layout) are nobody's now: this engine's workers replace only their own paths.
         ours = set(self.socket_paths())
         d = socket_dir(self.cfg.lookup_dir)
-        stale = [p for p in d.glob(f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}-w*.sock")]
+        stale = d.glob(f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}-w*.sock")
         for p in remove_dead_sockets([p for p in stale if str(p) not in ours]):
             logger.info("umbp: removed the socket of an earlier engine's worker: %s", p)
         client = umbp.LookupClient(self.socket_paths(), timeout_ms=self.cfg.lookup_timeout_ms)
