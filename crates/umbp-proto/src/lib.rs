@@ -1,0 +1,226 @@
+//! The standalone server's gRPC API and the conventions both ends share.
+//!
+//! The service is generated from `proto/umbp/v1/store.proto` at build time by protox and
+//! tonic-prost-build (no `protoc` needed). Besides the generated types this crate holds what
+//! the server and its clients must agree on: the protocol version, how an endpoint is written
+//! ([`Endpoint::parse`]), where the descriptor side channel lives, and the side channel's
+//! message format.
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+/// The generated messages, client and server of `umbp.v1`.
+#[allow(missing_docs, missing_debug_implementations, clippy::all)]
+pub mod v1 {
+    tonic::include_proto!("umbp.v1");
+}
+
+/// Version of the protocol (bumped on incompatible changes; the server refuses other versions
+/// at attach).
+pub const PROTOCOL: u32 = 1;
+
+/// Bytes of a block key on the wire.
+pub const KEY_BYTES: usize = 64;
+
+/// Largest gRPC message either end accepts by default (a transfer of 65,536 keys is 4 MiB of
+/// keys and 512 KiB of block ids).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// The response header that carries the server's boot id on every reply.
+pub const BOOT_ID_HEADER: &str = "umbp-boot-id";
+
+/// Bytes of a session's side-channel secret.
+pub const SECRET_BYTES: usize = 16;
+
+/// Most descriptors one side-channel message carries.
+pub const MAX_FDS_PER_MESSAGE: usize = 64;
+
+/// Errors of endpoint parsing and the side channel's wire format.
+#[derive(Debug, Error)]
+pub enum ProtoError {
+    /// The endpoint is not a Unix socket address.
+    #[error("endpoint {given:?}: {why}; give an absolute socket path such as /run/umbp/node.grpc.sock or unix:///run/umbp/node.grpc.sock")]
+    Endpoint {
+        /// What was given.
+        given: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A side-channel message is malformed.
+    #[error("descriptor side channel: {0}")]
+    SideChannel(String),
+}
+
+/// Where the server listens: a Unix-domain socket, and beside it the descriptor side channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    path: PathBuf,
+}
+
+impl Endpoint {
+    /// Parses `unix:///abs/path` or `/abs/path`. TCP addresses and relative paths are refused:
+    /// the server is node-local, and descriptors and peer credentials need a Unix socket.
+    pub fn parse(s: &str) -> Result<Self, ProtoError> {
+        let bad = |why| ProtoError::Endpoint {
+            given: s.to_string(),
+            why,
+        };
+        let t = s.trim();
+        if t.is_empty() {
+            return Err(bad("it is empty"));
+        }
+        let path = if let Some(rest) = t.strip_prefix("unix://") {
+            rest
+        } else if let Some(rest) = t.strip_prefix("unix:") {
+            rest
+        } else if t.contains("://") {
+            return Err(bad("only unix:// addresses are served (no TCP)"));
+        } else {
+            t
+        };
+        if path.is_empty() {
+            return Err(bad("it names no path"));
+        }
+        if !path.starts_with('/') {
+            return Err(bad("the socket path is relative"));
+        }
+        if path.ends_with('/') {
+            return Err(bad("the path names a directory"));
+        }
+        // sockaddr_un holds 108 bytes with the terminating NUL (the side channel adds 4).
+        if path.len() + ".fds".len() > 107 {
+            return Err(bad(
+                "the path is longer than a Unix socket address allows (103 bytes)",
+            ));
+        }
+        Ok(Endpoint {
+            path: PathBuf::from(path),
+        })
+    }
+
+    /// The gRPC socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The descriptor side channel's path: the socket's path with `.fds` appended.
+    pub fn fd_socket(&self) -> PathBuf {
+        let mut p = self.path.clone().into_os_string();
+        p.push(".fds");
+        PathBuf::from(p)
+    }
+
+    /// `unix://` and the path.
+    pub fn uri(&self) -> String {
+        format!("unix://{}", self.path.display())
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "unix://{}", self.path.display())
+    }
+}
+
+/// The side channel's request header: the session, its secret and how many descriptors ride
+/// along (in one `SCM_RIGHTS` control message). The reply is one little-endian `u64` ticket
+/// per descriptor, or, when refused, `u64::MAX` followed by a UTF-8 message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdHeader {
+    /// The session the descriptors are for.
+    pub session_id: u64,
+    /// The session's secret from `AttachReply`.
+    pub secret: [u8; SECRET_BYTES],
+    /// Descriptors attached.
+    pub count: u32,
+}
+
+impl FdHeader {
+    /// Bytes of an encoded header.
+    pub const BYTES: usize = 8 + SECRET_BYTES + 4;
+
+    /// Little-endian encoding.
+    pub fn encode(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[..8].copy_from_slice(&self.session_id.to_le_bytes());
+        b[8..8 + SECRET_BYTES].copy_from_slice(&self.secret);
+        b[8 + SECRET_BYTES..].copy_from_slice(&self.count.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header, refusing a wrong length or descriptor count.
+    pub fn decode(b: &[u8]) -> Result<Self, ProtoError> {
+        if b.len() != Self::BYTES {
+            return Err(ProtoError::SideChannel(format!(
+                "header has {} bytes, expected {}",
+                b.len(),
+                Self::BYTES
+            )));
+        }
+        let mut secret = [0u8; SECRET_BYTES];
+        secret.copy_from_slice(&b[8..8 + SECRET_BYTES]);
+        let count = u32::from_le_bytes(b[8 + SECRET_BYTES..].try_into().expect("4 bytes"));
+        if count == 0 || count as usize > MAX_FDS_PER_MESSAGE {
+            return Err(ProtoError::SideChannel(format!(
+                "{count} descriptors announced; send 1 to {MAX_FDS_PER_MESSAGE} per message"
+            )));
+        }
+        Ok(FdHeader {
+            session_id: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            secret,
+            count,
+        })
+    }
+}
+
+/// The ticket value that marks a refused side-channel request.
+pub const FD_REFUSED: u64 = u64::MAX;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_are_unix_paths_only() {
+        let e = Endpoint::parse("unix:///run/umbp/node.grpc.sock").unwrap();
+        assert_eq!(e.path(), Path::new("/run/umbp/node.grpc.sock"));
+        assert_eq!(e.fd_socket(), PathBuf::from("/run/umbp/node.grpc.sock.fds"));
+        assert_eq!(e, Endpoint::parse("/run/umbp/node.grpc.sock").unwrap());
+        assert_eq!(e.to_string(), "unix:///run/umbp/node.grpc.sock");
+        for bad in [
+            "",
+            "tcp://127.0.0.1:5000",
+            "http://h:1",
+            "relative.sock",
+            "unix://x.sock",
+            "unix://",
+            "/dir/",
+        ] {
+            let err = Endpoint::parse(bad).unwrap_err().to_string();
+            assert!(err.contains("absolute socket path"), "{bad}: {err}");
+        }
+        let long = format!("/{}", "a".repeat(110));
+        assert!(Endpoint::parse(&long)
+            .unwrap_err()
+            .to_string()
+            .contains("longer"));
+    }
+
+    #[test]
+    fn fd_headers_round_trip_and_refuse_garbage() {
+        let h = FdHeader {
+            session_id: 7,
+            secret: [3; SECRET_BYTES],
+            count: 2,
+        };
+        assert_eq!(FdHeader::decode(&h.encode()).unwrap(), h);
+        assert!(FdHeader::decode(&[0; 5]).is_err());
+        let mut zero = h;
+        zero.count = 0;
+        assert!(FdHeader::decode(&zero.encode()).is_err());
+        let mut many = h;
+        many.count = 1000;
+        assert!(FdHeader::decode(&many.encode()).is_err());
+    }
+}
