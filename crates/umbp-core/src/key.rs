@@ -177,6 +177,14 @@ impl KeyBuilder {
         &self.namespace
     }
 
+    /// The 16-byte namespace id every key of this builder starts with
+    /// ([`BlockKey::namespace_id`]).
+    pub fn namespace_id(&self) -> [u8; 16] {
+        let mut id = [0u8; 16];
+        id.copy_from_slice(&self.prefix[..16]);
+        id
+    }
+
     /// The ranks every key of this builder carries.
     pub fn ranks(&self) -> RankTopology {
         self.ranks

@@ -626,6 +626,16 @@ impl Pool {
 
     /// Removes every object (pinned ones are freed when unpinned). Returns how many.
     pub fn clear(&self) -> u64 {
+        self.clear_where(|_| true)
+    }
+
+    /// Removes the objects of one key namespace (`namespace_id`: the first 16 bytes of its
+    /// keys, [`BlockKey::namespace_id`]); other namespaces are untouched. Returns how many.
+    pub fn clear_namespace(&self, namespace_id: &[u8; 16]) -> u64 {
+        self.clear_where(|k| k.namespace_id() == *namespace_id)
+    }
+
+    fn clear_where(&self, matches: impl Fn(&BlockKey) -> bool) -> u64 {
         let inner = &self.inner;
         let mut removed = 0;
         for shard in inner.shards.iter() {
@@ -633,7 +643,11 @@ impl Pool {
             let mut slots = Vec::new();
             let mut keys = Vec::new();
             for idx in s.live_ids() {
-                keys.push((s.entry(idx).key, RemoveCause::Cleared));
+                let key = s.entry(idx).key;
+                if !matches(&key) {
+                    continue;
+                }
+                keys.push((key, RemoveCause::Cleared));
                 slots.extend(s.remove(idx));
             }
             drop(s);
@@ -900,6 +914,23 @@ mod tests {
             .unwrap()
             .key(0, &i.to_le_bytes())
             .unwrap()
+    }
+
+    #[test]
+    fn clear_namespace_removes_only_that_namespace() {
+        let p = pool(1 << 20, 64 << 10);
+        let other = KeyBuilder::new("other", RankTopology::default()).unwrap();
+        for i in 0..20u64 {
+            p.put(key(i), &[1; 100]).unwrap();
+            p.put(other.key(0, &i.to_le_bytes()).unwrap(), &[2; 100])
+                .unwrap();
+        }
+        assert_eq!(p.clear_namespace(&key(0).namespace_id()), 20);
+        assert!((0..20).all(|i| !p.contains(&key(i))));
+        assert!((0..20u64).all(|i| p.contains(&other.key(0, &i.to_le_bytes()).unwrap())));
+        assert_eq!(p.stats().objects, 20);
+        assert_eq!(p.clear_namespace(&key(0).namespace_id()), 0);
+        assert_eq!(p.clear(), 20);
     }
 
     #[test]

@@ -218,7 +218,9 @@ fn store_class(e: &StoreError) -> Class {
         StoreError::Pool(PoolError::Full { .. }) => Class::PoolFull,
         StoreError::Pool(PoolError::Config(_)) => Class::Config,
         StoreError::Pool(PoolError::TooLarge { .. }) => Class::Config,
-        StoreError::Pool(PoolError::Closed) | StoreError::Closed => Class::StoreClosed,
+        StoreError::Pool(PoolError::Closed)
+        | StoreError::Closed
+        | StoreError::SessionReleased(_) => Class::StoreClosed,
         StoreError::Pool(PoolError::Map { .. }) => Class::Pool,
         StoreError::Pool(PoolError::Spawn { .. }) => Class::Umbp,
         StoreError::Copy(c) => match c {

@@ -51,6 +51,9 @@ pub enum StoreError {
     /// The store was closed.
     #[error("the store is closed")]
     Closed,
+    /// The session was released (its client detached or went away).
+    #[error("session {0} was released; attach again")]
+    SessionReleased(SessionId),
     /// The CUDA backend failed (or there is no CUDA).
     #[error(transparent)]
     Cuda(#[from] CudaError),
@@ -541,6 +544,14 @@ impl EmbeddedStore {
     pub fn clear(&self) -> Result<u64, StoreError> {
         self.check_open()?;
         Ok(self.shared.pool.clear())
+    }
+
+    /// Removes the objects of one key namespace (the string keys were built from); returns
+    /// how many. Other namespaces are untouched.
+    pub fn clear_namespace(&self, namespace: &str) -> Result<u64, StoreError> {
+        self.check_open()?;
+        let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
+        Ok(self.shared.pool.clear_namespace(&id))
     }
 
     /// Pool counters. [`StoreError::Closed`] after `close`.

@@ -148,7 +148,7 @@ impl Session {
     /// As [`MemoryRegistry::register`]: the memory stays valid until deregistered (by
     /// [`Session::deregister_memory`] or by releasing the session).
     pub unsafe fn register_memory(&self, addr: u64, len: u64) -> Result<RegionId, StoreError> {
-        self.shared.check_open()?;
+        self.check_live()?;
         if len > 0 {
             check_mapped_writable(addr, len)?;
         }
@@ -166,7 +166,7 @@ impl Session {
         len: u64,
         device: i32,
     ) -> Result<RegionId, StoreError> {
-        self.shared.check_open()?;
+        self.check_live()?;
         let mover = self.shared.cuda_mover_for(device)?;
         mover.check_device_range(addr, len)?;
         // SAFETY: forwarded contract; the range was checked to be memory of `device`.
@@ -180,10 +180,14 @@ impl Session {
     unsafe fn own(&self, addr: u64, len: u64, kind: MemoryKind) -> Result<RegionId, StoreError> {
         // SAFETY: forwarded contract.
         let id = unsafe { self.registry().register(addr, len, kind) }?;
-        self.owned
-            .write()
-            .regions
-            .insert(id, OwnedRegion { addr, len, kind });
+        let mut owned = self.owned.write();
+        if self.is_released() {
+            // Released while registering: the release did not see this region.
+            drop(owned);
+            let _ = self.registry().deregister(id, self.shared.timeout);
+            return Err(StoreError::SessionReleased(self.id));
+        }
+        owned.regions.insert(id, OwnedRegion { addr, len, kind });
         Ok(id)
     }
 
@@ -221,7 +225,7 @@ impl Session {
     /// Registers a layout given in absolute addresses, after checking every layer lies inside
     /// one of this session's registrations, all of one kind (host or CUDA).
     pub fn register_layout(&self, layout: KvLayout) -> Result<LayoutId, StoreError> {
-        self.shared.check_open()?;
+        self.check_live()?;
         let mut owned = self.owned.write();
         self.insert_layout(&mut owned, layout)
     }
@@ -233,7 +237,7 @@ impl Session {
         &self,
         groups: Vec<Vec<RelativeLayer>>,
     ) -> Result<LayoutId, StoreError> {
-        self.shared.check_open()?;
+        self.check_live()?;
         let mut owned = self.owned.write();
         let mut resolved = Vec::with_capacity(groups.len());
         for (g, layers) in groups.iter().enumerate() {
@@ -297,6 +301,9 @@ impl Session {
 
     /// Checks `layout` against this session's registrations and keeps it under a new id.
     fn insert_layout(&self, owned: &mut Owned, layout: KvLayout) -> Result<LayoutId, StoreError> {
+        if self.is_released() {
+            return Err(StoreError::SessionReleased(self.id));
+        }
         // Per layer, the registration it lies in (or, when none of ours does, another
         // session's that does: the error then names it).
         let found = RefCell::new(Vec::new());
@@ -389,6 +396,7 @@ impl Session {
         keys: Vec<BlockKey>,
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
+        self.check_live()?;
         let (layout, cuda) = {
             let owned = self.owned.read();
             let l = owned
@@ -474,6 +482,27 @@ impl Session {
     /// the same, and logs it).
     pub fn release(self) -> SessionRelease {
         self.release_owned()
+    }
+
+    /// [`Session::release`] through a shared reference (a server whose requests may still
+    /// hold the session): from now on the session refuses new registrations, layouts and
+    /// jobs ([`StoreError::SessionReleased`]); a second call does nothing.
+    pub fn release_now(&self) -> SessionRelease {
+        self.release_owned()
+    }
+
+    /// Whether the session has been released.
+    pub fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    fn check_live(&self) -> Result<(), StoreError> {
+        self.shared.check_open()?;
+        if self.is_released() {
+            Err(StoreError::SessionReleased(self.id))
+        } else {
+            Ok(())
+        }
     }
 
     fn release_owned(&self) -> SessionRelease {

@@ -1,1 +1,301 @@
-fn main() {}
+//! `umbp_standalone_server`: the node-local UMBP pool server.
+//!
+//! Every setting comes from a flag or, when the flag is absent, from its `UMBP_*` environment
+//! variable, or else its default (shown by `--help`).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use umbp_core::{HugepageSize, PoolConfig};
+use umbp_proto::Endpoint;
+use umbp_server::{Access, ServerConfig};
+use umbp_store::StoreConfig;
+
+/// UMBP standalone server: one host-DRAM KV-cache pool per node, shared by every engine and
+/// worker on the host over gRPC on a Unix-domain socket. Clients register their KV cache
+/// memory (no KV bytes cross the socket) and the server copies. SIGTERM or SIGINT stops it:
+/// new transfers are refused, in-flight ones get the grace period, the socket is removed, and
+/// it exits 0.
+#[derive(Debug, Parser)]
+#[command(name = "umbp_standalone_server", version, about, long_about = None)]
+struct Args {
+    /// Socket to listen on: unix:///abs/path or /abs/path (TCP is not served). The descriptor
+    /// side channel listens beside it at <path>.fds.
+    #[arg(
+        long,
+        env = "UMBP_STANDALONE_ADDRESS",
+        default_value = "unix:///run/umbp/node.grpc.sock"
+    )]
+    address: String,
+    /// Pool size in bytes (suffixes K, M, G, T, KiB, MiB, GiB, TiB are accepted).
+    #[arg(long, env = "UMBP_DRAM_CAPACITY", default_value = "64GiB", value_parser = parse_bytes)]
+    capacity: u64,
+    /// Occupancy (fraction of capacity) above which eviction starts.
+    #[arg(
+        long = "high-watermark",
+        env = "UMBP_DRAM_HIGH_WM",
+        default_value_t = 0.9
+    )]
+    high_watermark: f64,
+    /// Occupancy eviction brings the pool down to.
+    #[arg(
+        long = "low-watermark",
+        env = "UMBP_DRAM_LOW_WM",
+        default_value_t = 0.7
+    )]
+    low_watermark: f64,
+    /// Back the pool with huge pages (falls back to normal pages, logged, when there are none).
+    #[arg(long = "use-hugepages", env = "UMBP_DRAM_USE_HUGEPAGES", default_value_t = false, action = clap::ArgAction::Set, value_parser = parse_bool)]
+    use_hugepages: bool,
+    /// Huge page size: 2MB or 1GB.
+    #[arg(
+        long = "hugepage-size",
+        env = "UMBP_DRAM_HUGEPAGE_SIZE",
+        default_value = "2MB"
+    )]
+    hugepage_size: String,
+    /// Bind the pool's memory to this NUMA node (default: no binding).
+    #[arg(long = "numa-node", env = "UMBP_DRAM_NUMA_NODE")]
+    numa_node: Option<u32>,
+    /// Touch every page of the pool at start so copies never take page faults.
+    #[arg(long, env = "UMBP_DRAM_PREFAULT", default_value_t = true, action = clap::ArgAction::Set, value_parser = parse_bool)]
+    prefault: bool,
+    /// Copy worker threads, shared by every client.
+    #[arg(long, env = "UMBP_NUM_WORKERS", default_value_t = 8)]
+    workers: usize,
+    /// Default transfer deadline in milliseconds (a client may ask for less or more per call).
+    #[arg(long = "timeout-ms", env = "UMBP_TIMEOUT_MS", default_value_t = 30000)]
+    timeout_ms: u64,
+    /// Mode of the socket files, octal. 0600: only this user; --allow-group makes it 0660.
+    #[arg(long = "socket-mode", env = "UMBP_SOCKET_MODE", default_value = "600", value_parser = parse_mode)]
+    socket_mode: u32,
+    /// Also accept clients running as this uid (repeatable). The socket mode must let them
+    /// connect too.
+    #[arg(long = "allow-uid", env = "UMBP_ALLOW_UIDS", value_delimiter = ',')]
+    allow_uid: Vec<u32>,
+    /// Accept clients in this group (gid or name): the socket files are given to the group
+    /// and made 0660 unless --socket-mode says otherwise.
+    #[arg(long = "allow-group", env = "UMBP_ALLOW_GROUP")]
+    allow_group: Option<String>,
+    /// Milliseconds in-flight transfers get to finish after SIGTERM before being cancelled.
+    #[arg(
+        long = "shutdown-grace-ms",
+        env = "UMBP_SHUTDOWN_GRACE_MS",
+        default_value_t = 10000
+    )]
+    shutdown_grace_ms: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (off by default; loopback only unless
+    /// --metrics-allow-remote).
+    #[arg(long = "metrics-address", env = "UMBP_METRICS_ADDRESS")]
+    metrics_address: Option<SocketAddr>,
+    /// Allow a non-loopback --metrics-address.
+    #[arg(long = "metrics-allow-remote", default_value_t = false)]
+    metrics_allow_remote: bool,
+    /// Largest gRPC message accepted or sent, in bytes.
+    #[arg(long = "max-message-bytes", env = "UMBP_MAX_MESSAGE_BYTES", default_value_t = umbp_proto::DEFAULT_MAX_MESSAGE_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=1 << 30))]
+    max_message_bytes: u64,
+    /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
+    #[arg(long, env = "UMBP_LOG", default_value = "info")]
+    log: String,
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count (e.g. 68719476736 or 64GiB)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" | "kb" => 1 << 10,
+        "m" | "mib" | "mb" => 1 << 20,
+        "g" | "gib" | "gb" => 1 << 30,
+        "t" | "tib" | "tb" => 1 << 40,
+        u => {
+            return Err(format!(
+                "unknown unit {u:?} in {s:?}; use K, M, G or T (powers of 1024)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!("{s:?} is not a boolean; use true or false")),
+    }
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let m = u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .map_err(|_| format!("{s:?} is not an octal mode such as 600 or 660"))?;
+    if m & !0o777 != 0 {
+        return Err(format!(
+            "{s:?}: only permission bits (at most 777) are allowed"
+        ));
+    }
+    if m & 0o600 != 0o600 {
+        return Err(format!("{s:?}: the owner needs read and write (6xx)"));
+    }
+    Ok(m)
+}
+
+fn group_id(g: &str) -> anyhow::Result<u32> {
+    if let Ok(n) = g.parse() {
+        return Ok(n);
+    }
+    let c = std::ffi::CString::new(g).context("group name contains a NUL byte")?;
+    // SAFETY: a NUL-terminated name; getgrnam returns null or a pointer to static storage,
+    // read at once.
+    let gr = unsafe { libc::getgrnam(c.as_ptr()) };
+    if gr.is_null() {
+        bail!("--allow-group {g:?}: no such group");
+    }
+    // SAFETY: non-null, pointing at a valid struct group.
+    Ok(unsafe { (*gr).gr_gid })
+}
+
+fn config(a: &Args) -> anyhow::Result<ServerConfig> {
+    let endpoint = Endpoint::parse(&a.address).context("--address / UMBP_STANDALONE_ADDRESS")?;
+    let hugepage_size: HugepageSize = a
+        .hugepage_size
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--hugepage-size / UMBP_DRAM_HUGEPAGE_SIZE: {e}"))?;
+    if a.workers == 0 {
+        bail!("--workers / UMBP_NUM_WORKERS must be at least 1");
+    }
+    if a.timeout_ms == 0 {
+        bail!("--timeout-ms / UMBP_TIMEOUT_MS must be at least 1");
+    }
+    let allow_gid = a.allow_group.as_deref().map(group_id).transpose()?;
+    let mut socket_mode = a.socket_mode;
+    if allow_gid.is_some() && socket_mode == 0o600 {
+        socket_mode = 0o660;
+    }
+    let mut cfg = ServerConfig::new(endpoint, a.capacity);
+    cfg.store = StoreConfig {
+        pool: PoolConfig {
+            capacity_bytes: a.capacity,
+            high_watermark: a.high_watermark,
+            low_watermark: a.low_watermark,
+            use_hugepages: a.use_hugepages,
+            hugepage_size,
+            numa_node: a.numa_node,
+            prefault: a.prefault,
+            ..PoolConfig::default()
+        },
+        num_workers: a.workers,
+        timeout: Duration::from_millis(a.timeout_ms),
+        ..StoreConfig::default()
+    };
+    cfg.store
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{e} (flags --capacity, --high-watermark, --low-watermark, ... or their UMBP_DRAM_* variables)"))?;
+    cfg.socket_mode = socket_mode;
+    cfg.access = Access {
+        own_uid: cfg.access.own_uid,
+        allow_uids: a.allow_uid.clone(),
+        allow_gid,
+    };
+    cfg.shutdown_grace = Duration::from_millis(a.shutdown_grace_ms);
+    cfg.metrics_address = a.metrics_address;
+    cfg.metrics_allow_remote = a.metrics_allow_remote;
+    cfg.max_message_bytes = a.max_message_bytes as usize;
+    Ok(cfg)
+}
+
+async fn signalled() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install the SIGTERM/SIGINT handlers; stop the server with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|e| {
+        eprintln!(
+            "umbp_standalone_server: --log / UMBP_LOG {:?}: {e}; using info",
+            args.log
+        );
+        tracing_subscriber::EnvFilter::new("info")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let code = match run(&args) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(args: &Args) -> anyhow::Result<()> {
+    let cfg = config(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .thread_name("umbp-server")
+        .enable_all()
+        .build()
+        .context("cannot start the server's runtime")?;
+    rt.block_on(umbp_server::serve(cfg, signalled()))?;
+    // Blocking release threads still finishing are not waited for past this point.
+    rt.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_modes_and_booleans_parse() {
+        assert_eq!(parse_bytes("68719476736").unwrap(), 64 << 30);
+        assert_eq!(parse_bytes("64GiB").unwrap(), 64 << 30);
+        assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("5PB").is_err());
+        assert_eq!(parse_mode("600").unwrap(), 0o600);
+        assert_eq!(parse_mode("660").unwrap(), 0o660);
+        assert!(parse_mode("644x").is_err());
+        assert!(parse_mode("400").is_err());
+        assert!(parse_mode("1777").is_err());
+        assert!(parse_bool("yes").unwrap());
+        assert!(!parse_bool("0").unwrap());
+        assert!(parse_bool("maybe").is_err());
+    }
+
+    #[test]
+    fn flags_override_the_environment_and_bad_values_name_the_flag() {
+        let a = Args::parse_from(["s", "--address", "/tmp/x.sock", "--capacity", "1GiB"]);
+        let c = config(&a).unwrap();
+        assert_eq!(c.endpoint.path(), std::path::Path::new("/tmp/x.sock"));
+        assert_eq!(c.store.pool.capacity_bytes, 1 << 30);
+        assert_eq!(c.socket_mode, 0o600);
+        let a = Args::parse_from(["s", "--address", "tcp://1.2.3.4:5"]);
+        assert!(format!("{:#}", config(&a).unwrap_err()).contains("--address"));
+        let a = Args::parse_from(["s", "--address", "/tmp/x.sock", "--low-watermark", "0.95"]);
+        assert!(format!("{:#}", config(&a).unwrap_err()).contains("watermark"));
+        let a = Args::parse_from(["s", "--address", "/tmp/x.sock", "--allow-group", "0"]);
+        assert_eq!(config(&a).unwrap().socket_mode, 0o660);
+    }
+}

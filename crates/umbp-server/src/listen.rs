@@ -1,0 +1,225 @@
+//! The listening socket: binding (stale sockets replaced, live ones never stolen), its mode,
+//! and accepted connections that know their peer and tell the server when they close.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{UnixListener, UnixStream};
+use tonic::transport::server::Connected;
+
+use crate::ServerError;
+
+/// Who is at the other end of a connection (from `SO_PEERCRED`), and which connection it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// Unique per accepted connection.
+    pub conn: u64,
+    /// The peer's user id.
+    pub uid: u32,
+    /// The peer's group id.
+    pub gid: u32,
+    /// The peer's process id (0 when the kernel could not tell, e.g. another pid namespace).
+    pub pid: u32,
+}
+
+/// Called with the connection's id when a connection closes.
+pub(crate) type OnClose = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// An accepted connection: the stream, its peer, and a hook run when it is dropped (the
+/// connection closed, or the server dropped it).
+pub(crate) struct PeerConn {
+    stream: UnixStream,
+    peer: PeerInfo,
+    on_close: OnClose,
+}
+
+impl std::fmt::Debug for PeerConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerConn")
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+impl Drop for PeerConn {
+    fn drop(&mut self) {
+        (self.on_close)(self.peer.conn);
+    }
+}
+
+impl Connected for PeerConn {
+    type ConnectInfo = PeerInfo;
+
+    fn connect_info(&self) -> PeerInfo {
+        self.peer
+    }
+}
+
+impl AsyncRead for PeerConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for PeerConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+/// Wraps an accepted stream with its peer's credentials.
+pub(crate) fn accept(stream: UnixStream, on_close: OnClose) -> io::Result<PeerConn> {
+    let cred = stream.peer_cred()?;
+    let peer = PeerInfo {
+        conn: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
+        uid: cred.uid(),
+        gid: cred.gid(),
+        pid: cred.pid().map_or(0, |p| p.max(0) as u32),
+    };
+    Ok(PeerConn {
+        stream,
+        peer,
+        on_close,
+    })
+}
+
+/// The credentials of a std Unix stream's peer (`SO_PEERCRED`).
+pub(crate) fn peer_of(stream: &std::os::unix::net::UnixStream) -> io::Result<(u32, u32, u32)> {
+    use std::os::fd::AsRawFd;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: a valid socket descriptor and an out-buffer of the size passed.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((cred.uid, cred.gid, cred.pid.max(0) as u32))
+}
+
+/// Binds a Unix socket at `path` with permissions `mode`.
+///
+/// A file already at `path` is replaced only when it is a socket nobody answers on (a killed
+/// server's leftover); a socket with a live server behind it is never taken over, and any
+/// other kind of file is left alone. The mode is set on the socket file before anyone can
+/// connect (the socket is bound under a restrictive umask, then chmod'ed).
+pub(crate) fn bind(path: &Path, mode: u32) -> Result<UnixListener, ServerError> {
+    let bind_err = |reason: String| ServerError::Bind {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if let Some(dir) = path.parent() {
+        if !dir.is_dir() {
+            return Err(bind_err(format!(
+                "directory {} does not exist; create it (e.g. mkdir -p {0}) or choose another address",
+                dir.display()
+            )));
+        }
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) => {
+            if !meta.file_type().is_socket() {
+                return Err(bind_err(
+                    "a file that is not a socket is in the way; remove it or choose another address"
+                        .into(),
+                ));
+            }
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(_) => return Err(ServerError::LiveServer(path.to_path_buf())),
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                    log::warn!(
+                        "umbp server: {} is a stale socket (nobody answers it); replacing it",
+                        path.display()
+                    );
+                    std::fs::remove_file(path)
+                        .map_err(|e| bind_err(format!("cannot remove the stale socket: {e}")))?;
+                }
+                Err(e) => {
+                    return Err(bind_err(format!(
+                        "a socket is there and connecting to it failed ({e}); remove it if no server uses it"
+                    )))
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(bind_err(e.to_string())),
+    }
+    // Nobody may connect between bind and chmod: bind with everything masked but the owner.
+    // SAFETY: umask only changes this process's file-creation mask (restored below).
+    let old = unsafe { libc::umask(0o177) };
+    let bound = std::os::unix::net::UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let listener = bound.map_err(|e| bind_err(e.to_string()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| bind_err(format!("cannot set mode {mode:o}: {e}")))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| bind_err(e.to_string()))?;
+    UnixListener::from_std(listener).map_err(|e| bind_err(e.to_string()))
+}
+
+/// Removes the socket file at `path` if it is still the one this server bound (same inode).
+pub(crate) fn unlink_if_ours(path: &Path, ino: Option<u64>) {
+    use std::os::unix::fs::MetadataExt;
+    if let (Ok(meta), Some(ino)) = (std::fs::symlink_metadata(path), ino) {
+        if meta.ino() == ino {
+            if let Err(e) = std::fs::remove_file(path) {
+                log::warn!("umbp server: cannot remove {}: {e}", path.display());
+            }
+        }
+    }
+}
+
+/// The inode of the file at `path`.
+pub(crate) fn inode(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| m.ino())
+}

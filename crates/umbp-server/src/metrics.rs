@@ -1,0 +1,292 @@
+//! Counters, latency histograms and the opt-in Prometheus endpoint.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Upper bounds of the transfer latency buckets, in seconds.
+const BUCKETS: [f64; 14] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+];
+
+/// A latency histogram (Prometheus' cumulative buckets are computed when rendered).
+#[derive(Debug, Default)]
+pub(crate) struct Histogram {
+    counts: [AtomicU64; BUCKETS.len() + 1],
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    pub(crate) fn observe(&self, d: Duration) {
+        let s = d.as_secs_f64();
+        let i = BUCKETS
+            .iter()
+            .position(|b| s <= *b)
+            .unwrap_or(BUCKETS.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cum = 0;
+        for (i, b) in BUCKETS.iter().enumerate() {
+            cum += self.counts[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {cum}");
+        }
+        cum += self.counts[BUCKETS.len()].load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cum}");
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {cum}");
+    }
+}
+
+/// Per direction: transfers, keys, bytes and latency.
+#[derive(Debug, Default)]
+pub(crate) struct DirectionMetrics {
+    pub(crate) transfers: AtomicU64,
+    pub(crate) keys_ok: AtomicU64,
+    pub(crate) keys_failed: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+    pub(crate) latency: Histogram,
+}
+
+/// What the server counts.
+#[derive(Debug, Default)]
+pub(crate) struct Metrics {
+    pub(crate) store: DirectionMetrics,
+    pub(crate) load: DirectionMetrics,
+    pub(crate) lookups: AtomicU64,
+    pub(crate) lookup_keys: AtomicU64,
+    pub(crate) lookup_latency: Histogram,
+    pub(crate) sessions_attached: AtomicU64,
+    pub(crate) sessions_released: AtomicU64,
+    /// Sessions ended whose release has not finished.
+    pub(crate) releasing: AtomicU64,
+    pub(crate) refused: AtomicU64,
+}
+
+/// Gauges read when rendering.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Gauges {
+    pub(crate) sessions: u64,
+    pub(crate) registrations: u64,
+    pub(crate) layouts: u64,
+    pub(crate) transfers_in_flight: u64,
+    pub(crate) capacity_bytes: u64,
+    pub(crate) used_bytes: u64,
+    pub(crate) objects: u64,
+    pub(crate) hits: u64,
+    pub(crate) misses: u64,
+    pub(crate) evictions: u64,
+    pub(crate) reservations: u64,
+    pub(crate) pinned: u64,
+}
+
+impl Metrics {
+    /// The Prometheus text exposition of everything.
+    pub(crate) fn render(&self, g: &Gauges) -> String {
+        let mut o = String::with_capacity(8192);
+        let gauge = |o: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                o,
+                "# HELP umbp_{name} {help}\n# TYPE umbp_{name} gauge\numbp_{name} {v}"
+            );
+        };
+        let counter = |o: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                o,
+                "# HELP umbp_{name} {help}\n# TYPE umbp_{name} counter\numbp_{name} {v}"
+            );
+        };
+        gauge(
+            &mut o,
+            "pool_capacity_bytes",
+            "Usable bytes of the pool.",
+            g.capacity_bytes,
+        );
+        gauge(
+            &mut o,
+            "pool_used_bytes",
+            "Bytes held by objects and open reservations.",
+            g.used_bytes,
+        );
+        gauge(&mut o, "pool_objects", "Objects in the pool.", g.objects);
+        gauge(
+            &mut o,
+            "pool_reservations",
+            "Reservations open now.",
+            g.reservations,
+        );
+        gauge(
+            &mut o,
+            "pool_pinned_objects",
+            "Objects pinned by loads now.",
+            g.pinned,
+        );
+        counter(
+            &mut o,
+            "pool_hits_total",
+            "Keys found by lookups and loads.",
+            g.hits,
+        );
+        counter(
+            &mut o,
+            "pool_misses_total",
+            "Keys not found by lookups and loads.",
+            g.misses,
+        );
+        counter(
+            &mut o,
+            "pool_evictions_total",
+            "Objects evicted.",
+            g.evictions,
+        );
+        gauge(&mut o, "sessions", "Attached client sessions.", g.sessions);
+        gauge(
+            &mut o,
+            "registrations",
+            "Memory registrations of attached sessions.",
+            g.registrations,
+        );
+        gauge(
+            &mut o,
+            "layouts",
+            "KV layouts of attached sessions.",
+            g.layouts,
+        );
+        gauge(
+            &mut o,
+            "transfers_in_flight",
+            "Transfers being copied.",
+            g.transfers_in_flight,
+        );
+        counter(
+            &mut o,
+            "sessions_attached_total",
+            "Sessions attached since start.",
+            self.sessions_attached.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "sessions_released_total",
+            "Sessions released since start.",
+            self.sessions_released.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "requests_refused_total",
+            "Requests refused (bad input, unknown ids, other uids).",
+            self.refused.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "lookups_total",
+            "Lookup requests.",
+            self.lookups.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "lookup_keys_total",
+            "Keys looked up.",
+            self.lookup_keys.load(Ordering::Relaxed),
+        );
+        let _ = writeln!(o, "# HELP umbp_lookup_seconds Lookup latency in the server.\n# TYPE umbp_lookup_seconds histogram");
+        self.lookup_latency
+            .render(&mut o, "umbp_lookup_seconds", "service=\"exists\"");
+        for (name, help) in [
+            ("transfers_total", "Transfers finished."),
+            (
+                "transfer_keys_ok_total",
+                "Keys transferred (or already present).",
+            ),
+            (
+                "transfer_keys_failed_total",
+                "Keys that failed, were missing or cancelled.",
+            ),
+            ("transfer_bytes_total", "Bytes copied."),
+        ] {
+            let _ = writeln!(o, "# HELP umbp_{name} {help}\n# TYPE umbp_{name} counter");
+            for (dir, m) in [("store", &self.store), ("load", &self.load)] {
+                let v = match name {
+                    "transfers_total" => &m.transfers,
+                    "transfer_keys_ok_total" => &m.keys_ok,
+                    "transfer_keys_failed_total" => &m.keys_failed,
+                    _ => &m.bytes,
+                };
+                let _ = writeln!(
+                    o,
+                    "umbp_{name}{{direction=\"{dir}\"}} {}",
+                    v.load(Ordering::Relaxed)
+                );
+            }
+        }
+        let _ = writeln!(o, "# HELP umbp_transfer_seconds Transfer latency in the server, from request to reply.\n# TYPE umbp_transfer_seconds histogram");
+        self.store
+            .latency
+            .render(&mut o, "umbp_transfer_seconds", "direction=\"store\"");
+        self.load
+            .latency
+            .render(&mut o, "umbp_transfer_seconds", "direction=\"load\"");
+        o
+    }
+}
+
+/// Serves `GET /metrics` on `listener` until `stop` resolves; every other path is a 404.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    render: Arc<dyn Fn() -> String + Send + Sync>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            accepted = listener.accept() => {
+                let Ok((mut sock, _)) = accepted else { continue };
+                let render = Arc::clone(&render);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let n = match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await {
+                        Ok(Ok(n)) => n,
+                        _ => return,
+                    };
+                    let req = String::from_utf8_lossy(&buf[..n]);
+                    let path = req.split_whitespace().nth(1).unwrap_or("");
+                    let (status, body) = if req.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
+                        ("200 OK", render())
+                    } else {
+                        ("404 Not Found", "only GET /metrics is served here\n".to_string())
+                    };
+                    let head = format!(
+                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = sock.write_all(head.as_bytes()).await;
+                    let _ = sock.write_all(body.as_bytes()).await;
+                    let _ = sock.shutdown().await;
+                });
+            }
+        }
+    }
+}
+
+/// Binds the metrics listener, refusing a non-loopback address unless allowed.
+pub(crate) async fn bind(
+    addr: SocketAddr,
+    allow_remote: bool,
+) -> Result<TcpListener, crate::ServerError> {
+    if !addr.ip().is_loopback() && !allow_remote {
+        return Err(crate::ServerError::Config(format!(
+            "--metrics-address {addr} is not a loopback address; pass --metrics-allow-remote to expose metrics beyond this host"
+        )));
+    }
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| crate::ServerError::Config(format!("--metrics-address {addr}: {e}")))
+}

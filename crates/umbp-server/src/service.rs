@@ -1,0 +1,654 @@
+//! The gRPC service: every request checked against its caller (uid, connection, session)
+//! before anything is touched, then answered by the shared store.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tonic::{Code, Request, Response, Status};
+use umbp_copy::{CopyError, KeyFailure, KeyResult};
+use umbp_core::{BlockKey, CoreError, KeyBuilder, RankTopology};
+use umbp_proto::v1::{self, store_server::Store};
+use umbp_proto::{Endpoint, KEY_BYTES, PROTOCOL};
+use umbp_store::{EmbeddedStore, RegionOffset, RelativeLayer, StoreError};
+
+use crate::listen::PeerInfo;
+use crate::metrics::{Gauges, Metrics};
+use crate::sessions::{Backing, ClientSession, EndReason, Sessions};
+use crate::Access;
+
+/// Everything the service's handlers share.
+#[derive(Debug)]
+pub(crate) struct State {
+    pub(crate) store: Arc<EmbeddedStore>,
+    pub(crate) sessions: Arc<Sessions>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) boot_id: String,
+    pub(crate) started: Instant,
+    pub(crate) access: Access,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) max_message_bytes: usize,
+    /// Set when the server starts shutting down: new transfers are refused.
+    pub(crate) draining: AtomicBool,
+    pub(crate) in_flight: AtomicU64,
+}
+
+impl State {
+    /// Statistics of the pool and the sessions.
+    pub(crate) fn gauges(&self) -> Gauges {
+        let t = self.sessions.totals();
+        let mut g = Gauges {
+            sessions: self.sessions.len() as u64,
+            registrations: t.registrations,
+            layouts: t.layouts,
+            transfers_in_flight: self.in_flight.load(Ordering::Relaxed),
+            ..Gauges::default()
+        };
+        if let Ok(p) = self.store.stats() {
+            g.capacity_bytes = p.capacity_bytes;
+            g.used_bytes = p.used_bytes;
+            g.objects = p.objects;
+            g.hits = p.hits;
+            g.misses = p.misses;
+            g.evictions = p.evictions;
+            g.reservations = p.reservations;
+            g.pinned = p.pinned;
+        }
+        g
+    }
+}
+
+/// The `umbp.v1.Store` service.
+#[derive(Debug, Clone)]
+pub(crate) struct Service {
+    pub(crate) state: Arc<State>,
+}
+
+/// The gRPC status of a store error: the code says what kind of problem, the message what to
+/// change.
+pub(crate) fn status_of(e: &StoreError) -> Status {
+    let code = match e {
+        StoreError::Core(_) | StoreError::Unmapped { .. } => Code::InvalidArgument,
+        StoreError::UnknownLayout(_) => Code::NotFound,
+        StoreError::ForeignRegion(_) => Code::PermissionDenied,
+        StoreError::Closed => Code::Unavailable,
+        StoreError::SessionReleased(_) => Code::FailedPrecondition,
+        StoreError::Pool(umbp_pool::PoolError::Full { .. }) => Code::ResourceExhausted,
+        StoreError::Pool(_) => Code::Internal,
+        StoreError::Copy(c) => match c {
+            CopyError::Core(_)
+            | CopyError::InvalidRequest(_)
+            | CopyError::BadRegistration { .. } => Code::InvalidArgument,
+            CopyError::UnknownRegion(_) => Code::NotFound,
+            CopyError::RegionBusy { .. } => Code::FailedPrecondition,
+            CopyError::Timeout { .. } => Code::DeadlineExceeded,
+            CopyError::Closed => Code::Unavailable,
+            _ => Code::Internal,
+        },
+        StoreError::Cuda(_) => Code::FailedPrecondition,
+    };
+    Status::new(code, e.to_string())
+}
+
+fn invalid(msg: impl Into<String>) -> Status {
+    Status::invalid_argument(msg)
+}
+
+/// Splits packed 64-byte keys.
+pub(crate) fn unpack_keys(b: &[u8], what: &str) -> Result<Vec<BlockKey>, Status> {
+    if b.len() % KEY_BYTES != 0 {
+        return Err(invalid(format!(
+            "{what}: {} bytes is not a whole number of {KEY_BYTES}-byte keys",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(KEY_BYTES)
+        .map(|c| BlockKey::from_bytes(c.try_into().expect("64 bytes")))
+        .collect())
+}
+
+fn ranks(r: &v1::Ranks) -> Result<RankTopology, Status> {
+    let f = |v: u32, n: &str| {
+        u16::try_from(v)
+            .map_err(|_| invalid(format!("ranks.{n} = {v} is out of range (at most 65535)")))
+    };
+    Ok(RankTopology {
+        tp: f(r.tp, "tp")?,
+        pcp: f(r.pcp, "pcp")?,
+        dcp: f(r.dcp, "dcp")?,
+        pp: f(r.pp, "pp")?,
+    })
+}
+
+/// The keys of an `Exists` request, rank-major, and the number of blocks.
+fn exists_keys(r: &v1::ExistsRequest) -> Result<(Vec<BlockKey>, usize, usize), Status> {
+    let ks = r.keys.as_ref().ok_or_else(|| invalid("keys are missing"))?;
+    if !ks.packed.is_empty() {
+        let keys = unpack_keys(&ks.packed, "keys.packed")?;
+        let n_ranks = r.packed_ranks.max(1) as usize;
+        if keys.len() % n_ranks != 0 {
+            return Err(invalid(format!(
+                "{} packed keys do not split into {n_ranks} ranks",
+                keys.len()
+            )));
+        }
+        let n = keys.len() / n_ranks;
+        return Ok((keys, n, n_ranks));
+    }
+    if ks.hashes.is_empty() {
+        return Ok((Vec::new(), 0, 1));
+    }
+    if r.ranks.is_empty() {
+        return Err(invalid(
+            "hashes given without ranks; name at least one rank",
+        ));
+    }
+    let hash_len = ks.hash_bytes as usize;
+    let base = KeyBuilder::new(&ks.namespace, RankTopology::default())
+        .map_err(|e| invalid(e.to_string()))?;
+    let mut keys = Vec::new();
+    let mut n = 0;
+    for rk in &r.ranks {
+        let b = base.with_ranks(ranks(rk)?);
+        let k = b
+            .keys_packed(ks.group, &ks.hashes, hash_len)
+            .map_err(|e| invalid(e.to_string()))?;
+        n = k.len();
+        keys.extend(k);
+    }
+    Ok((keys, n, r.ranks.len()))
+}
+
+fn key_status(r: &KeyResult, timed_out: bool) -> v1::KeyStatus {
+    use v1::KeyStatus as S;
+    match r {
+        KeyResult::Pending => S::TimedOut,
+        KeyResult::Done => S::Done,
+        KeyResult::AlreadyPresent => S::AlreadyPresent,
+        KeyResult::Missing => S::Missing,
+        KeyResult::PoolFull => S::PoolFull,
+        KeyResult::Cancelled if timed_out => S::TimedOut,
+        KeyResult::Cancelled => S::Cancelled,
+        KeyResult::Failed(_) => S::Failed,
+    }
+}
+
+fn failure_kind(f: &KeyFailure) -> &'static str {
+    match f {
+        KeyFailure::InvalidRange(_) => "invalid_range",
+        KeyFailure::SizeMismatch { .. } => "size_mismatch",
+        KeyFailure::Pool(_) => "pool",
+        KeyFailure::Move(_) => "move",
+    }
+}
+
+/// Cancels a job when the request is dropped before it finished (the client went away or
+/// cancelled the call).
+struct CancelOnDrop(Option<umbp_copy::JobHandle>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(j) = self.0.take() {
+            if !j.is_done() {
+                j.cancel();
+            }
+        }
+    }
+}
+
+/// Counts a transfer in flight while alive.
+struct InFlight<'a>(&'a AtomicU64);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Extra time a timed-out transfer gets to stop (keys being copied finish) before the reply.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+impl Service {
+    fn refuse(&self, s: Status) -> Status {
+        self.state.metrics.refused.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(code = ?s.code(), message = s.message(), "request refused");
+        s
+    }
+
+    /// The caller, if its uid is allowed.
+    fn peer<T>(&self, req: &Request<T>) -> Result<PeerInfo, Status> {
+        let Some(p) = req.extensions().get::<PeerInfo>().copied() else {
+            return Err(self.refuse(Status::internal("the connection's peer is unknown")));
+        };
+        self.state
+            .access
+            .check(&p)
+            .map_err(|m| self.refuse(Status::permission_denied(m)))?;
+        Ok(p)
+    }
+
+    /// The caller's session `id`, attached on this very connection.
+    fn session(&self, peer: &PeerInfo, id: u64) -> Result<Arc<ClientSession>, Status> {
+        self.state.sessions.get(id, peer.conn).ok_or_else(|| {
+            self.refuse(Status::failed_precondition(format!(
+                "session {id} is not attached on this connection (server boot {}); attach again",
+                self.state.boot_id
+            )))
+        })
+    }
+
+    fn store_err(&self, e: StoreError) -> Status {
+        self.refuse(status_of(&e))
+    }
+}
+
+#[tonic::async_trait]
+impl Store for Service {
+    async fn ping(&self, req: Request<v1::PingRequest>) -> Result<Response<v1::PingReply>, Status> {
+        self.peer(&req)?;
+        Ok(Response::new(v1::PingReply {
+            boot_id: self.state.boot_id.clone(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            uptime_ms: self.state.started.elapsed().as_millis() as u64,
+        }))
+    }
+
+    async fn stats(
+        &self,
+        req: Request<v1::StatsRequest>,
+    ) -> Result<Response<v1::StatsReply>, Status> {
+        self.peer(&req)?;
+        let s = &self.state;
+        let p = s.store.stats().map_err(|e| self.store_err(e))?;
+        let t = s.sessions.totals();
+        let m = &s.metrics;
+        Ok(Response::new(v1::StatsReply {
+            boot_id: s.boot_id.clone(),
+            capacity_bytes: p.capacity_bytes,
+            used_bytes: p.used_bytes,
+            objects: p.objects,
+            hits: p.hits,
+            misses: p.misses,
+            evictions: p.evictions,
+            puts: p.puts,
+            duplicate_puts: p.duplicate_puts,
+            gets: p.gets,
+            bytes_in: p.bytes_in,
+            bytes_out: p.bytes_out,
+            reservations: p.reservations,
+            pinned: p.pinned,
+            sessions: s.sessions.len() as u64 + m.releasing.load(Ordering::Relaxed),
+            registrations: t.registrations,
+            layouts: t.layouts,
+            transfers_in_flight: s.in_flight.load(Ordering::Relaxed),
+            pending_descriptors: t.descriptors,
+            stores: m.store.transfers.load(Ordering::Relaxed),
+            loads: m.load.transfers.load(Ordering::Relaxed),
+            store_bytes: m.store.bytes.load(Ordering::Relaxed),
+            load_bytes: m.load.bytes.load(Ordering::Relaxed),
+            metadata_bytes: p.metadata_bytes,
+            placement: format!("{:?}", p.placement),
+            cuda_imports: t.cuda_imports,
+        }))
+    }
+
+    async fn clear(
+        &self,
+        req: Request<v1::ClearRequest>,
+    ) -> Result<Response<v1::ClearReply>, Status> {
+        let peer = self.peer(&req)?;
+        let ns = req.into_inner().namespace;
+        let removed = if ns.is_empty() {
+            self.state.store.clear()
+        } else {
+            self.state.store.clear_namespace(&ns)
+        }
+        .map_err(|e| self.store_err(e))?;
+        tracing::info!(pid = peer.pid, namespace = %ns, removed, "pool cleared");
+        Ok(Response::new(v1::ClearReply { removed }))
+    }
+
+    async fn exists(
+        &self,
+        req: Request<v1::ExistsRequest>,
+    ) -> Result<Response<v1::ExistsReply>, Status> {
+        self.peer(&req)?;
+        let t = Instant::now();
+        let r = req.into_inner();
+        let (keys, n, n_ranks) = exists_keys(&r).map_err(|s| self.refuse(s))?;
+        let store = &self.state.store;
+        let reply = if r.prefix_only {
+            let mut prefix = n;
+            for rank in keys.chunks(n.max(1)).take(n_ranks) {
+                if prefix == 0 {
+                    break;
+                }
+                prefix = prefix.min(
+                    store
+                        .prefix_hits(&rank[..prefix])
+                        .map_err(|e| self.store_err(e))?,
+                );
+            }
+            v1::ExistsReply {
+                present: Vec::new(),
+                prefix: prefix as u64,
+            }
+        } else {
+            let found = store.exists(&keys).map_err(|e| self.store_err(e))?;
+            let mut present = vec![1u8; n];
+            for rank in found.chunks(n.max(1)).take(n_ranks) {
+                for (p, f) in present.iter_mut().zip(rank) {
+                    *p &= *f as u8;
+                }
+            }
+            let prefix = present.iter().take_while(|p| **p == 1).count() as u64;
+            v1::ExistsReply { present, prefix }
+        };
+        let m = &self.state.metrics;
+        m.lookups.fetch_add(1, Ordering::Relaxed);
+        m.lookup_keys
+            .fetch_add(keys.len() as u64, Ordering::Relaxed);
+        m.lookup_latency.observe(t.elapsed());
+        Ok(Response::new(reply))
+    }
+
+    async fn attach(
+        &self,
+        req: Request<v1::AttachRequest>,
+    ) -> Result<Response<v1::AttachReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        if r.protocol != PROTOCOL {
+            return Err(self.refuse(Status::failed_precondition(format!(
+                "the client speaks protocol {} and this server {PROTOCOL}; install the same UMBP version on both sides",
+                r.protocol
+            ))));
+        }
+        if self.state.draining.load(Ordering::Acquire) {
+            return Err(Status::unavailable("the server is shutting down"));
+        }
+        let name: String = r.client_name.chars().take(128).collect();
+        let cs = self
+            .state
+            .sessions
+            .attach(peer, name)
+            .map_err(|e| self.store_err(e))?;
+        crate::pidwatch::watch(peer.pid, cs.id, Arc::clone(&self.state.sessions));
+        Ok(Response::new(v1::AttachReply {
+            session_id: cs.id,
+            boot_id: self.state.boot_id.clone(),
+            secret: cs.secret.to_vec(),
+            fd_socket: self.state.endpoint.fd_socket().display().to_string(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            protocol: PROTOCOL,
+            max_message_bytes: self.state.max_message_bytes as u64,
+        }))
+    }
+
+    async fn detach(
+        &self,
+        req: Request<v1::DetachRequest>,
+    ) -> Result<Response<v1::DetachReply>, Status> {
+        let peer = self.peer(&req)?;
+        let id = req.into_inner().session_id;
+        self.session(&peer, id)?;
+        let sessions = Arc::clone(&self.state.sessions);
+        // Released before the reply, so a client that detached knows its memory is free.
+        let report = tokio::task::spawn_blocking(move || {
+            sessions
+                .take(id)
+                .map(|cs| sessions.release_logged(&cs, EndReason::Detached))
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .unwrap_or_default();
+        Ok(Response::new(v1::DetachReply {
+            jobs_cancelled: report.jobs_cancelled as u64,
+            regions_deregistered: report.regions_deregistered as u64,
+        }))
+    }
+
+    async fn register_host_memory(
+        &self,
+        req: Request<v1::RegisterHostMemoryRequest>,
+    ) -> Result<Response<v1::RegisterMemoryReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let cs = self.session(&peer, r.session_id)?;
+        let fd = cs.take_ticket(r.ticket).ok_or_else(|| {
+            self.refuse(Status::not_found(format!(
+                "descriptor ticket {} is unknown to session {} (send the memfd over the side channel first; each ticket is used once)",
+                r.ticket, r.session_id
+            )))
+        })?;
+        let len = r.length;
+        let cs2 = Arc::clone(&cs);
+        let out = tokio::task::spawn_blocking(move || -> Result<u64, Status> {
+            use std::os::fd::AsFd;
+            let mapping = crate::hostmem::HostMapping::map(fd.as_fd(), len).map_err(|m| {
+                Status::invalid_argument(format!("cannot map the shared memory: {m}"))
+            })?;
+            // SAFETY: the mapping stays in place until this registration is gone: it is kept
+            // with the session's backings and dropped only after deregistration.
+            let id = unsafe { cs2.session.register_memory(mapping.addr(), mapping.len()) }
+                .map_err(|e| status_of(&e))?;
+            cs2.res.lock().backings.insert(id, Backing::Host(mapping));
+            Ok(id)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|s| self.refuse(s))?;
+        tracing::debug!(
+            session = cs.id,
+            region = out,
+            bytes = len,
+            "host memory registered"
+        );
+        Ok(Response::new(v1::RegisterMemoryReply {
+            region_id: out,
+            length: len,
+        }))
+    }
+
+    async fn register_cuda_ipc(
+        &self,
+        req: Request<v1::RegisterCudaIpcRequest>,
+    ) -> Result<Response<v1::RegisterMemoryReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let cs = self.session(&peer, r.session_id)?;
+        let st = Arc::clone(&self.state);
+        tokio::task::spawn_blocking(move || crate::memory::register_ipc(&st, &cs, r))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map(Response::new)
+            .map_err(|s| self.refuse(s))
+    }
+
+    async fn register_cuda_vmm(
+        &self,
+        req: Request<v1::RegisterCudaVmmRequest>,
+    ) -> Result<Response<v1::RegisterMemoryReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let cs = self.session(&peer, r.session_id)?;
+        let st = Arc::clone(&self.state);
+        tokio::task::spawn_blocking(move || crate::memory::register_vmm(&st, &cs, r))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map(Response::new)
+            .map_err(|s| self.refuse(s))
+    }
+
+    async fn deregister_memory(
+        &self,
+        req: Request<v1::DeregisterMemoryRequest>,
+    ) -> Result<Response<v1::DeregisterMemoryReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let cs = self.session(&peer, r.session_id)?;
+        let id = r.region_id;
+        tokio::task::spawn_blocking(move || -> Result<(), Status> {
+            cs.session
+                .deregister_memory(id)
+                .map_err(|e| status_of(&e))?;
+            let backing = cs.res.lock().backings.remove(&id);
+            drop(backing);
+            Ok(())
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|s| self.refuse(s))?;
+        Ok(Response::new(v1::DeregisterMemoryReply {}))
+    }
+
+    async fn register_layout(
+        &self,
+        req: Request<v1::RegisterLayoutRequest>,
+    ) -> Result<Response<v1::RegisterLayoutReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let cs = self.session(&peer, r.session_id)?;
+        if r.groups.is_empty() {
+            return Err(self.refuse(invalid("a layout needs at least one group")));
+        }
+        let groups: Vec<Vec<RelativeLayer>> = r
+            .groups
+            .iter()
+            .map(|g| {
+                g.runs
+                    .iter()
+                    .map(|run| RelativeLayer {
+                        base: RegionOffset {
+                            region: run.region_id,
+                            offset: run.offset,
+                        },
+                        num_blocks: run.num_blocks,
+                        block_stride: run.block_stride,
+                        block_bytes: run.block_bytes,
+                    })
+                    .collect()
+            })
+            .collect();
+        let id = cs
+            .session
+            .register_relative_layout(groups)
+            .map_err(|e| self.store_err(e))?;
+        let layout = cs.session.layout(id).map_err(|e| self.store_err(e))?;
+        Ok(Response::new(v1::RegisterLayoutReply {
+            layout_id: id,
+            object_bytes: layout.groups().iter().map(|g| g.object_bytes()).collect(),
+        }))
+    }
+
+    async fn transfer(
+        &self,
+        req: Request<v1::TransferRequest>,
+    ) -> Result<Response<v1::TransferReply>, Status> {
+        let t = Instant::now();
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let st = &self.state;
+        if st.draining.load(Ordering::Acquire) {
+            return Err(Status::unavailable(
+                "the server is shutting down; transfer refused",
+            ));
+        }
+        let cs = self.session(&peer, r.session_id)?;
+        let keys = unpack_keys(&r.keys, "keys").map_err(|s| self.refuse(s))?;
+        if keys.len() != r.block_ids.len() {
+            return Err(self.refuse(invalid(format!(
+                "{} keys for {} block ids; give one key per block",
+                keys.len(),
+                r.block_ids.len()
+            ))));
+        }
+        let dir = match v1::Direction::try_from(r.direction) {
+            Ok(v1::Direction::Store) => umbp_copy::Direction::Store,
+            Ok(v1::Direction::Load) => umbp_copy::Direction::Load,
+            _ => {
+                return Err(self.refuse(invalid(format!(
+                    "direction {} is neither store nor load",
+                    r.direction
+                ))))
+            }
+        };
+        let object_bytes = cs
+            .session
+            .layout(r.layout_id)
+            .and_then(|l| Ok(l.group(r.group).map_err(StoreError::from)?.object_bytes()))
+            .map_err(|e| self.store_err(e))?;
+        let job = match dir {
+            umbp_copy::Direction::Store => {
+                cs.session.store(r.layout_id, r.group, &r.block_ids, keys)
+            }
+            umbp_copy::Direction::Load => cs.session.load(r.layout_id, r.group, &r.block_ids, keys),
+        }
+        .map_err(|e| self.store_err(e))?;
+        st.in_flight.fetch_add(1, Ordering::Relaxed);
+        let _counted = InFlight(&st.in_flight);
+        let mut guard = CancelOnDrop(Some(job.clone()));
+        let timeout = if r.timeout_ms == 0 {
+            st.store.timeout()
+        } else {
+            Duration::from_millis(r.timeout_ms as u64)
+        };
+        let (results, timed_out) = match tokio::time::timeout(timeout, job.finished()).await {
+            Ok(res) => (res, false),
+            Err(_) => {
+                job.cancel();
+                match tokio::time::timeout(STOP_GRACE, job.finished()).await {
+                    Ok(res) => (res, true),
+                    Err(_) => {
+                        guard.0 = None;
+                        return Err(Status::deadline_exceeded(format!(
+                            "the transfer did not finish within {} ms nor stop {} s after it was cancelled; its memory may still be written",
+                            timeout.as_millis(),
+                            STOP_GRACE.as_secs()
+                        )));
+                    }
+                }
+            }
+        };
+        guard.0 = None;
+        let mut statuses = Vec::with_capacity(results.len());
+        let mut errors = Vec::new();
+        let mut ok = 0u64;
+        for (i, res) in results.iter().enumerate() {
+            statuses.push(key_status(res, timed_out) as u8);
+            if res.is_ok() {
+                ok += 1;
+            }
+            if let KeyResult::Failed(f) = res {
+                errors.push(v1::KeyError {
+                    index: i as u32,
+                    kind: failure_kind(f).into(),
+                    message: f.to_string(),
+                });
+            }
+        }
+        let done = results.iter().filter(|r| **r == KeyResult::Done).count() as u64;
+        let bytes = done * object_bytes;
+        let m = match dir {
+            umbp_copy::Direction::Store => &st.metrics.store,
+            umbp_copy::Direction::Load => &st.metrics.load,
+        };
+        m.transfers.fetch_add(1, Ordering::Relaxed);
+        m.keys_ok.fetch_add(ok, Ordering::Relaxed);
+        m.keys_failed
+            .fetch_add(results.len() as u64 - ok, Ordering::Relaxed);
+        m.bytes.fetch_add(bytes, Ordering::Relaxed);
+        m.latency.observe(t.elapsed());
+        Ok(Response::new(v1::TransferReply {
+            statuses,
+            errors,
+            bytes,
+        }))
+    }
+}
+
+impl From<CoreError> for crate::ServerError {
+    fn from(e: CoreError) -> Self {
+        crate::ServerError::Config(e.to_string())
+    }
+}

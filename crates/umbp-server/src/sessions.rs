@@ -1,0 +1,293 @@
+//! Client sessions: what each attached client owns in the server, bound to its connection and
+//! its process.
+//!
+//! A session is opened by `Attach` on one connection and is usable only from that connection.
+//! It ends when the client detaches, when its connection closes (a killed process's sockets
+//! are closed by the kernel), or when its process exits (watched through a pidfd, which also
+//! catches a process whose connection lives on in a forked child). Nothing depends on pings.
+//! Ending a session releases, at once and off the request threads: its transfers (cancelled
+//! and waited for), its layouts, its registrations, the server's mappings of its memory (memfd
+//! mappings unmapped, CUDA IPC handles closed) and descriptors it sent but never used.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use umbp_copy::RegionId;
+use umbp_proto::SECRET_BYTES;
+use umbp_store::{EmbeddedStore, Session, SessionRelease};
+
+use crate::hostmem::HostMapping;
+use crate::listen::PeerInfo;
+use crate::memory::CudaBacking;
+use crate::metrics::Metrics;
+
+/// What a registration of a session is backed by in the server.
+#[derive(Debug)]
+pub(crate) enum Backing {
+    /// A client's memfd mapped here.
+    Host(HostMapping),
+    /// CUDA memory of the client opened here.
+    Cuda(CudaBacking),
+}
+
+/// What a session holds besides the store's session.
+#[derive(Debug, Default)]
+pub(crate) struct Resources {
+    /// The server-side memory behind each registration.
+    pub(crate) backings: HashMap<RegionId, Backing>,
+    /// Descriptors received on the side channel and not yet used, by ticket.
+    pub(crate) tickets: HashMap<u64, OwnedFd>,
+    /// CUDA IPC imports of this session by handle: one allocation is opened once per session.
+    pub(crate) ipc: HashMap<[u8; 64], std::sync::Weak<crate::memory::IpcImport>>,
+}
+
+/// One attached client.
+#[derive(Debug)]
+pub(crate) struct ClientSession {
+    pub(crate) id: u64,
+    pub(crate) peer: PeerInfo,
+    pub(crate) name: String,
+    pub(crate) secret: [u8; SECRET_BYTES],
+    pub(crate) session: Session,
+    pub(crate) res: Mutex<Resources>,
+    pub(crate) attached: Instant,
+    /// Notified once when the session is released (stops its process watcher).
+    pub(crate) ended: tokio::sync::Notify,
+    next_ticket: AtomicU64,
+}
+
+impl ClientSession {
+    /// Keeps descriptors from the side channel and returns their tickets.
+    pub(crate) fn add_tickets(&self, fds: Vec<OwnedFd>) -> Vec<u64> {
+        let mut res = self.res.lock();
+        fds.into_iter()
+            .map(|fd| {
+                let t = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+                res.tickets.insert(t, fd);
+                t
+            })
+            .collect()
+    }
+
+    /// Takes the descriptor of `ticket` (each ticket is used once).
+    pub(crate) fn take_ticket(&self, ticket: u64) -> Option<OwnedFd> {
+        self.res.lock().tickets.remove(&ticket)
+    }
+
+    /// Releases everything (see the module docs) and reports it. Blocks up to the store's
+    /// timeout for transfers still copying; call it off the async threads.
+    fn release(&self) -> SessionRelease {
+        self.ended.notify_one();
+        let report = self.session.release_now();
+        let mut res = std::mem::take(&mut *self.res.lock());
+        for id in &report.regions_kept {
+            // Still used by a transfer that did not stop in time: its memory must stay
+            // mapped (a copy may still write it), so the mapping is left in place.
+            if let Some(b) = res.backings.remove(id) {
+                tracing::error!(
+                    session = self.id,
+                    region = id,
+                    "a registration stayed in use past the timeout; its mapping is kept"
+                );
+                std::mem::forget(b);
+            }
+        }
+        drop(res);
+        report
+    }
+}
+
+/// Every session of the server.
+#[derive(Debug)]
+pub(crate) struct Sessions {
+    store: Arc<EmbeddedStore>,
+    metrics: Arc<Metrics>,
+    by_id: Mutex<HashMap<u64, Arc<ClientSession>>>,
+}
+
+/// Why a session ended.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum EndReason {
+    Detached,
+    ConnectionClosed,
+    ProcessExited,
+    ServerStopping,
+}
+
+impl Sessions {
+    pub(crate) fn new(store: Arc<EmbeddedStore>, metrics: Arc<Metrics>) -> Self {
+        Sessions {
+            store,
+            metrics,
+            by_id: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Opens a session for the client at `peer`.
+    pub(crate) fn attach(
+        &self,
+        peer: PeerInfo,
+        name: String,
+    ) -> Result<Arc<ClientSession>, umbp_store::StoreError> {
+        let session = self.store.open_session()?;
+        let cs = Arc::new(ClientSession {
+            id: session.id(),
+            peer,
+            name,
+            secret: crate::random_bytes(),
+            session,
+            res: Mutex::new(Resources::default()),
+            attached: Instant::now(),
+            ended: tokio::sync::Notify::new(),
+            next_ticket: AtomicU64::new(1),
+        });
+        self.by_id.lock().insert(cs.id, Arc::clone(&cs));
+        self.metrics
+            .sessions_attached
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            session = cs.id,
+            pid = peer.pid,
+            uid = peer.uid,
+            conn = peer.conn,
+            client = %cs.name,
+            "session attached"
+        );
+        Ok(cs)
+    }
+
+    /// The session `id` if it is attached on connection `conn`.
+    pub(crate) fn get(&self, id: u64, conn: u64) -> Option<Arc<ClientSession>> {
+        self.by_id
+            .lock()
+            .get(&id)
+            .filter(|s| s.peer.conn == conn)
+            .cloned()
+    }
+
+    /// The session `id`, from any connection (the side channel checks the secret instead).
+    pub(crate) fn get_any(&self, id: u64) -> Option<Arc<ClientSession>> {
+        self.by_id.lock().get(&id).cloned()
+    }
+
+    /// Removes session `id` from the table (its caller releases it).
+    pub(crate) fn take(&self, id: u64) -> Option<Arc<ClientSession>> {
+        self.by_id.lock().remove(&id)
+    }
+
+    /// Ends session `id` now: it disappears from the table at once and is released on a
+    /// blocking thread. Returns whether it was attached.
+    pub(crate) fn end(self: &Arc<Self>, id: u64, why: EndReason) -> Option<Arc<ClientSession>> {
+        let cs = self.by_id.lock().remove(&id)?;
+        self.release_in_background(Arc::clone(&cs), why);
+        Some(cs)
+    }
+
+    /// Ends every session of connection `conn`.
+    pub(crate) fn end_connection(self: &Arc<Self>, conn: u64) {
+        let ended: Vec<Arc<ClientSession>> = {
+            let mut m = self.by_id.lock();
+            let ids: Vec<u64> = m
+                .values()
+                .filter(|s| s.peer.conn == conn)
+                .map(|s| s.id)
+                .collect();
+            ids.iter().filter_map(|id| m.remove(id)).collect()
+        };
+        for cs in ended {
+            self.release_in_background(cs, EndReason::ConnectionClosed);
+        }
+    }
+
+    /// Ends every session and waits for the releases (the server is stopping).
+    pub(crate) fn end_all(&self) {
+        let all: Vec<Arc<ClientSession>> = self.by_id.lock().drain().map(|(_, s)| s).collect();
+        for cs in all {
+            self.release_logged(&cs, EndReason::ServerStopping);
+        }
+    }
+
+    fn release_in_background(self: &Arc<Self>, cs: Arc<ClientSession>, why: EndReason) {
+        self.metrics.releasing.fetch_add(1, Ordering::Relaxed);
+        let me = Arc::clone(self);
+        let run = move || {
+            me.release_logged(&cs, why);
+            me.metrics.releasing.fetch_sub(1, Ordering::Relaxed);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn_blocking(run);
+            }
+            Err(_) => {
+                if let Err(e) = std::thread::Builder::new()
+                    .name("umbp-release".into())
+                    .spawn(run)
+                {
+                    tracing::error!("cannot start a thread to release a session: {e}");
+                }
+            }
+        }
+    }
+
+    /// Releases `cs` on this thread (blocking up to the store's timeout) and logs it.
+    pub(crate) fn release_logged(&self, cs: &ClientSession, why: EndReason) -> SessionRelease {
+        let t = Instant::now();
+        let r = cs.release();
+        self.metrics
+            .sessions_released
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            session = cs.id,
+            pid = cs.peer.pid,
+            client = %cs.name,
+            reason = ?why,
+            attached_s = cs.attached.elapsed().as_secs(),
+            jobs_cancelled = r.jobs_cancelled,
+            jobs_unfinished = r.jobs_unfinished,
+            layouts = r.layouts_dropped,
+            regions = r.regions_deregistered,
+            regions_kept = r.regions_kept.len(),
+            took_ms = t.elapsed().as_millis() as u64,
+            "session released"
+        );
+        r
+    }
+
+    /// Attached sessions.
+    pub(crate) fn len(&self) -> usize {
+        self.by_id.lock().len()
+    }
+
+    /// Registrations, layouts, in-flight transfers and unused descriptors over every session.
+    pub(crate) fn totals(&self) -> Totals {
+        let m = self.by_id.lock();
+        let mut t = Totals::default();
+        for s in m.values() {
+            t.registrations += s.session.regions().len() as u64;
+            t.layouts += s.session.layouts().len() as u64;
+            t.jobs += s.session.jobs_in_flight() as u64;
+            let r = s.res.lock();
+            t.descriptors += r.tickets.len() as u64;
+            t.cuda_imports += r
+                .backings
+                .values()
+                .filter(|b| matches!(b, Backing::Cuda(_)))
+                .count() as u64;
+        }
+        t
+    }
+}
+
+/// Sums over the attached sessions.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Totals {
+    pub(crate) registrations: u64,
+    pub(crate) layouts: u64,
+    pub(crate) jobs: u64,
+    pub(crate) descriptors: u64,
+    pub(crate) cuda_imports: u64,
+}
