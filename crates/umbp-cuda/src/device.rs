@@ -124,6 +124,17 @@ impl Device {
         self.ordinal
     }
 
+    /// The driver's handle of the device.
+    pub(crate) fn raw_device(&self) -> CUdevice {
+        self.dev
+    }
+
+    /// The device's UUID (`cuDeviceGetUuid_v2`: a MIG instance's own): the same in every
+    /// process, unlike the ordinal, which depends on `CUDA_VISIBLE_DEVICES`.
+    pub fn uuid(&self) -> Result<[u8; 16], CudaError> {
+        device_uuid(self.drv, self.dev)
+    }
+
     /// Makes the primary context current on this thread (for UMBP's own threads).
     pub fn bind_thread(&self) -> Result<(), CudaError> {
         driver()?;
@@ -144,7 +155,11 @@ impl Device {
         Ok(CtxGuard { dev: self })
     }
 
-    /// Checks that `[addr, addr + len)` is device memory of this device, inside one allocation.
+    /// Checks that `[addr, addr + len)` is device memory of this device, inside one allocation
+    /// (`cuMemAlloc` memory), or inside mappings of the virtual memory management API that lie
+    /// back to back, each device memory of this device that it can read and write
+    /// (`cuMemCreate` + `cuMemMap`: PyTorch's expandable segments, vLLM's sleep mode, ranges a
+    /// server imported with [`crate::ImportedVmm`]).
     pub fn check_device_range(&self, addr: u64, len: u64) -> Result<(), CudaError> {
         let bad = |reason: String| CudaError::BadMemory {
             addr,
@@ -179,6 +194,14 @@ impl Device {
                 return Err(bad(format!("{p:#x} is memory of CUDA device {ord}")));
             }
         }
+        // Memory mapped with cuMemMap can span several physical allocations mapped back to back
+        // (the RANGE_* attributes need not describe more than one of them): every mapping the
+        // range touches is checked instead.
+        let vmm = vmm_mapping(self.drv, addr)
+            .map_err(|e| bad(format!("cannot tell where its cuMemMap mapping lies ({e})")))?;
+        if vmm.is_some() {
+            return self.check_vmm_span(addr, last, &bad);
+        }
         // Where the driver reports the allocation (cuMemAlloc, PyTorch's caching allocator),
         // the range must lie inside it.
         if let (Ok(start), Ok(size)) = (
@@ -194,13 +217,69 @@ impl Device {
         Ok(())
     }
 
-    fn attribute(&self, attr: c_int, ptr: u64) -> Result<u64, CudaError> {
-        let mut v: u64 = 0;
-        // SAFETY: every attribute asked for here writes at most 8 bytes into the zeroed u64.
-        self.drv.check("cuPointerGetAttribute", unsafe {
-            (self.drv.pointer_get_attribute)(&mut v as *mut u64 as *mut c_void, attr, ptr)
-        })?;
-        Ok(v)
+    /// [`Device::check_device_range`] for VMM memory: walks the mappings from `addr` to `last`
+    /// (inclusive). Needs this device's context current.
+    fn check_vmm_span(
+        &self,
+        addr: u64,
+        last: u64,
+        bad: &impl Fn(String) -> CudaError,
+    ) -> Result<(), CudaError> {
+        let mut p = addr;
+        loop {
+            let mt = self
+                .attribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p)
+                .map_err(|e| {
+                    bad(format!(
+                        "{p:#x} is not mapped ({e}): the range runs past the memory mapped at \
+                         {addr:#x}"
+                    ))
+                })?;
+            if mt as u32 != CU_MEMORYTYPE_DEVICE {
+                return Err(bad(format!(
+                    "{p:#x} is not device memory (memory type {mt})"
+                )));
+            }
+            let ord = self
+                .attribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p)
+                .map_err(|e| bad(e.to_string()))?;
+            if ord as i32 != self.ordinal {
+                return Err(bad(format!("{p:#x} is memory of CUDA device {ord}")));
+            }
+            let (base, size) = vmm_mapping(self.drv, p)
+                .map_err(|e| {
+                    bad(format!(
+                        "cannot tell where the mapping at {p:#x} lies ({e})"
+                    ))
+                })?
+                .ok_or_else(|| {
+                    bad(format!(
+                        "{p:#x} is not memory mapped with cuMemMap, unlike {addr:#x}: register \
+                         each allocation's own bytes"
+                    ))
+                })?;
+            // Where the driver says, this device must be able to read and write the mapping
+            // (cuMemSetAccess); copies to and from it would fail otherwise.
+            if let Ok(flags) = self.attribute(CU_POINTER_ATTRIBUTE_ACCESS_FLAGS, p) {
+                if flags as c_int != CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
+                    return Err(bad(format!(
+                        "device {} may not read and write the mapping {base:#x}+{size} (access \
+                         flags {flags:#x}); give it CU_MEM_ACCESS_FLAGS_PROT_READWRITE with \
+                         cuMemSetAccess",
+                        self.ordinal
+                    )));
+                }
+            }
+            let end = base.saturating_add(size);
+            if end > last {
+                return Ok(());
+            }
+            p = end;
+        }
+    }
+
+    pub(crate) fn attribute(&self, attr: c_int, ptr: u64) -> Result<u64, CudaError> {
+        pointer_attribute(self.drv, attr, ptr)
     }
 
     /// A new non-blocking stream (no implicit synchronisation with the legacy default stream).
@@ -439,6 +518,63 @@ impl Device {
             (self.drv.stream_synchronize)(stream.raw)
         })
     }
+}
+
+/// `cuPointerGetAttribute` of `attr` at `ptr`; every attribute asked for in this crate fits
+/// the u64 (booleans, ordinals, types and flags are written into its low bytes).
+pub(crate) fn pointer_attribute(drv: &Driver, attr: c_int, ptr: u64) -> Result<u64, CudaError> {
+    let mut v: u64 = 0;
+    // SAFETY: every attribute asked for here writes at most 8 bytes into the zeroed u64.
+    drv.check("cuPointerGetAttribute", unsafe {
+        (drv.pointer_get_attribute)(&mut v as *mut u64 as *mut c_void, attr, ptr)
+    })?;
+    Ok(v)
+}
+
+/// The UUID of device `dev`.
+pub(crate) fn device_uuid(drv: &Driver, dev: CUdevice) -> Result<[u8; 16], CudaError> {
+    let f = drv.need(drv.device_get_uuid, "cuDeviceGetUuid_v2")?;
+    let mut u = CUuuid::default();
+    // SAFETY: a valid out-pointer to a 16-byte CUuuid and a device handle of cuDeviceGet.
+    drv.check("cuDeviceGetUuid", unsafe { f(&mut u, dev) })?;
+    Ok(u.bytes.map(|b| b as u8))
+}
+
+/// Where `p` is memory mapped with `cuMemMap` (the virtual memory management API): the start
+/// and size of its mapping; `None` for other memory (`cuMemAlloc`, `cuMemAllocAsync` pools,
+/// host memory) and where the driver cannot tell (it lacks `cuMemRetainAllocationHandle`, or
+/// the `MAPPING_*` pointer attributes of CUDA 11.7).
+pub(crate) fn vmm_mapping(drv: &Driver, p: u64) -> Result<Option<(u64, u64)>, CudaError> {
+    // cuMemAlloc memory is legacy-IPC capable, VMM memory never is.
+    if pointer_attribute(drv, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p)
+        .is_ok_and(|v| v != 0)
+    {
+        return Ok(None);
+    }
+    let (Some(retain), Some(release)) = (drv.mem_retain_allocation_handle, drv.mem_release) else {
+        return Ok(None);
+    };
+    let mut h: CUmemGenericAllocationHandle = 0;
+    // SAFETY: a valid out-pointer; the driver only looks the address up (and fails for an
+    // address no cuMemMap mapping holds).
+    if unsafe { retain(&mut h, p as *mut c_void) } != CUDA_SUCCESS {
+        return Ok(None);
+    }
+    // SAFETY: drops the reference cuMemRetainAllocationHandle just took.
+    unsafe { release(h) };
+    let (Ok(base), Ok(size)) = (
+        pointer_attribute(drv, CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR, p),
+        pointer_attribute(drv, CU_POINTER_ATTRIBUTE_MAPPING_SIZE, p),
+    ) else {
+        return Ok(None);
+    };
+    if size == 0 || base > p || p - base >= size {
+        return Err(CudaError::Invalid(format!(
+            "the driver says the cuMemMap mapping holding {p:#x} is {base:#x}+{size}, which does \
+             not hold it"
+        )));
+    }
+    Ok(Some((base, size)))
 }
 
 impl Drop for Device {

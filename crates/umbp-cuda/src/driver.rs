@@ -78,6 +78,26 @@ pub struct Driver {
     pub(crate) module_get_function: FnModuleGetFunction,
     pub(crate) module_unload: FnModuleUnload,
     pub(crate) launch_kernel: FnLaunchKernel,
+    /// Inter-process memory (crate::ipc): optional, so that a driver without one of them
+    /// still loads; [`Driver::need`] turns a missing one into an error naming it.
+    pub(crate) device_get_uuid: Option<FnDeviceGetUuid>,
+    pub(crate) mem_get_address_range: Option<FnMemGetAddressRange>,
+    pub(crate) ipc_get_mem_handle: Option<FnIpcGetMemHandle>,
+    pub(crate) ipc_open_mem_handle: Option<FnIpcOpenMemHandle>,
+    pub(crate) ipc_close_mem_handle: Option<FnIpcCloseMemHandle>,
+    pub(crate) mem_retain_allocation_handle: Option<FnMemRetainAllocationHandle>,
+    pub(crate) mem_export_to_shareable_handle: Option<FnMemExportToShareableHandle>,
+    pub(crate) mem_import_from_shareable_handle: Option<FnMemImportFromShareableHandle>,
+    pub(crate) mem_release: Option<FnMemRelease>,
+    pub(crate) mem_get_allocation_properties_from_handle:
+        Option<FnMemGetAllocationPropertiesFromHandle>,
+    pub(crate) mem_address_reserve: Option<FnMemAddressReserve>,
+    pub(crate) mem_address_free: Option<FnMemAddressFree>,
+    pub(crate) mem_map: Option<FnMemMap>,
+    pub(crate) mem_unmap: Option<FnMemUnmap>,
+    pub(crate) mem_set_access: Option<FnMemSetAccess>,
+    pub(crate) mem_get_allocation_granularity: Option<FnMemGetAllocationGranularity>,
+    pub(crate) mem_create: Option<FnMemCreate>,
 }
 
 static DRIVER: OnceLock<Result<Driver, CudaError>> = OnceLock::new();
@@ -165,6 +185,16 @@ impl Driver {
                 unsafe { fn_ptr(p) }
             }};
         }
+        // An entry point UMBP can do without (None where the driver lacks it).
+        macro_rules! optional {
+            ($name:literal) => {
+                sym($name).ok().map(|p| {
+                    // SAFETY: as for `load!`: the export named in cuda.h for the field's
+                    // prototype (see ffi.rs).
+                    unsafe { fn_ptr(p) }
+                })
+            };
+        }
         let init: FnInit = load!(c"cuInit");
         let get_error_name: FnGetErrorString = load!(c"cuGetErrorName");
         let get_error_string: FnGetErrorString = load!(c"cuGetErrorString");
@@ -247,6 +277,28 @@ impl Driver {
             module_get_function: load!(c"cuModuleGetFunction"),
             module_unload: load!(c"cuModuleUnload"),
             launch_kernel: load!(c"cuLaunchKernel"),
+            // cuDeviceGetUuid_v2 (CUDA 11.4+) reports a MIG instance's own UUID; the older
+            // export has the same prototype.
+            device_get_uuid: optional!(c"cuDeviceGetUuid_v2")
+                .or_else(|| optional!(c"cuDeviceGetUuid")),
+            mem_get_address_range: optional!(c"cuMemGetAddressRange_v2"),
+            ipc_get_mem_handle: optional!(c"cuIpcGetMemHandle"),
+            ipc_open_mem_handle: optional!(c"cuIpcOpenMemHandle_v2"),
+            ipc_close_mem_handle: optional!(c"cuIpcCloseMemHandle"),
+            mem_retain_allocation_handle: optional!(c"cuMemRetainAllocationHandle"),
+            mem_export_to_shareable_handle: optional!(c"cuMemExportToShareableHandle"),
+            mem_import_from_shareable_handle: optional!(c"cuMemImportFromShareableHandle"),
+            mem_release: optional!(c"cuMemRelease"),
+            mem_get_allocation_properties_from_handle: optional!(
+                c"cuMemGetAllocationPropertiesFromHandle"
+            ),
+            mem_address_reserve: optional!(c"cuMemAddressReserve"),
+            mem_address_free: optional!(c"cuMemAddressFree"),
+            mem_map: optional!(c"cuMemMap"),
+            mem_unmap: optional!(c"cuMemUnmap"),
+            mem_set_access: optional!(c"cuMemSetAccess"),
+            mem_get_allocation_granularity: optional!(c"cuMemGetAllocationGranularity"),
+            mem_create: optional!(c"cuMemCreate"),
         };
         // SAFETY: cuInit takes flags that must be 0.
         let rc = unsafe { init(0) };
@@ -306,15 +358,39 @@ impl Driver {
         })
     }
 
+    /// An optional entry point, or an error naming `symbol` where the driver lacks it.
+    pub(crate) fn need<T>(&self, f: Option<T>, symbol: &'static str) -> Result<T, CudaError> {
+        require(&self.lib, f, symbol)
+    }
+
     /// Whether the driver exports a batched copy entry point UMBP can use.
     pub fn has_batch_copy(&self) -> bool {
         self.memcpy_batch_async.is_some()
     }
 }
 
+/// `f`, or [`CudaError::MissingSymbol`] naming `symbol` of `lib`.
+fn require<T>(lib: &str, f: Option<T>, symbol: &'static str) -> Result<T, CudaError> {
+    f.ok_or_else(|| CudaError::MissingSymbol {
+        lib: lib.to_owned(),
+        symbol: symbol.to_owned(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_optional_entry_point_is_an_error_naming_it() {
+        let e = require::<FnIpcOpenMemHandle>(LIBCUDA, None, "cuIpcOpenMemHandle_v2").unwrap_err();
+        let m = e.to_string();
+        assert!(
+            m.contains("cuIpcOpenMemHandle_v2") && m.contains("libcuda.so.1"),
+            "{m}"
+        );
+        assert!(require(LIBCUDA, Some(1u8), "x").is_ok());
+    }
 
     #[test]
     fn error_messages_name_cuda() {

@@ -85,6 +85,33 @@ pub enum CudaError {
         /// The system error's text.
         reason: String,
     },
+    /// A range of this process's CUDA memory cannot be handed to another process.
+    #[error("cannot export {addr:#x}+{len} of CUDA memory to another process: {reason}")]
+    Export {
+        /// Start address.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// What is wrong, and what to change.
+        reason: String,
+    },
+    /// Another process's CUDA memory cannot be mapped into this one.
+    #[error("cannot map another process's CUDA memory: {reason}")]
+    Import {
+        /// What is wrong, and what to change.
+        reason: String,
+    },
+    /// No device this process sees has the UUID another process named.
+    #[error(
+        "no CUDA device of this process has UUID {uuid} (it sees {seen}); the server must see \
+         the client's GPU: check both processes' CUDA_VISIBLE_DEVICES (and MIG layout)"
+    )]
+    UnknownDevice {
+        /// The UUID asked for (`GPU-…`).
+        uuid: String,
+        /// The devices this process sees, with their UUIDs.
+        seen: String,
+    },
     /// Something else the caller asked for cannot be done.
     #[error("CUDA: {0}")]
     Invalid(String),

@@ -18,17 +18,32 @@ pub type CUevent = *mut c_void;
 pub type CUmodule = *mut c_void;
 pub type CUfunction = *mut c_void;
 pub type CUarray = *mut c_void;
+/// A physical allocation of the virtual memory management API (`cuMemCreate`).
+pub type CUmemGenericAllocationHandle = u64;
 
 pub const CUDA_SUCCESS: CUresult = 0;
+pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_STUB_LIBRARY: CUresult = 34;
 pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CUresult = 712;
 
 pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+pub const CU_POINTER_ATTRIBUTE_IS_MANAGED: c_int = 8;
 pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+/// Whether `cuIpcGetMemHandle` can export the memory (`cuMemAlloc` memory).
+pub const CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: c_int = 10;
 pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: c_int = 11;
 pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: c_int = 12;
+/// A bitmask of `CUmemAllocationHandleType` (VMM memory).
+pub const CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES: c_int = 14;
+/// The `CUmemAccess_flags` the current context's device has on VMM memory.
+pub const CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: c_int = 16;
+/// The size of the `cuMemMap` mapping the pointer is in (CUDA 11.7+).
+pub const CU_POINTER_ATTRIBUTE_MAPPING_SIZE: c_int = 18;
+/// The start of the `cuMemMap` mapping the pointer is in (CUDA 11.7+).
+pub const CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR: c_int = 19;
 
 pub const CU_MEMORYTYPE_HOST: c_uint = 1;
 pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
@@ -57,6 +72,82 @@ pub const CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT: c_int = 40;
 
 pub const CU_JIT_ERROR_LOG_BUFFER: c_int = 5;
 pub const CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES: c_int = 6;
+
+/// `CU_IPC_HANDLE_SIZE`.
+pub const CU_IPC_HANDLE_SIZE: usize = 64;
+/// `cuIpcOpenMemHandle`: enable peer access lazily (the only flag).
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 0x1;
+
+/// `CUmemAllocationHandleType`.
+pub const CU_MEM_HANDLE_TYPE_NONE: c_int = 0x0;
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 0x1;
+/// `CUmemAllocationType`.
+pub const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 0x1;
+/// `CUmemLocationType`.
+pub const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 0x1;
+/// `CUmemAccess_flags`.
+pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 0x3;
+/// `CUmemAllocationGranularity_flags`.
+pub const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0x0;
+
+/// `CUipcMemHandle` (passed by value to `cuIpcOpenMemHandle`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUipcMemHandle {
+    pub reserved: [c_char; CU_IPC_HANDLE_SIZE],
+}
+
+/// `CUuuid`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CUuuid {
+    pub bytes: [c_char; 16],
+}
+
+/// The anonymous `allocFlags` struct of `CUmemAllocationProp`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CUmemAllocationPropAllocFlags {
+    pub compressionType: u8,
+    pub gpuDirectRDMACapable: u8,
+    pub usage: u16,
+    pub reserved: [u8; 4],
+}
+
+/// `CUmemAllocationProp`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUmemAllocationProp {
+    pub type_: c_int,
+    pub requestedHandleTypes: c_int,
+    pub location: CUmemLocation,
+    pub win32HandleMetaData: *mut c_void,
+    pub allocFlags: CUmemAllocationPropAllocFlags,
+}
+
+impl CUmemAllocationProp {
+    /// Pinned device memory of device `dev`, exportable as the `handle_types` bitmask.
+    pub fn device(dev: CUdevice, handle_types: c_int) -> Self {
+        CUmemAllocationProp {
+            type_: CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: handle_types,
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: dev,
+            },
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: CUmemAllocationPropAllocFlags::default(),
+        }
+    }
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CUmemAccessDesc {
+    pub location: CUmemLocation,
+    pub flags: c_int,
+}
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -210,6 +301,22 @@ const _: () = assert!(
         && offset_of!(CUmemcpyAttributes, dstLocHint) == 12
 );
 const _: () = assert!(offset_of!(CUmemcpyAttributes, flags) == 20);
+const _: () = assert!(size_of::<CUipcMemHandle>() == 64 && align_of::<CUipcMemHandle>() == 1);
+const _: () = assert!(size_of::<CUuuid>() == 16);
+const _: () = assert!(size_of::<CUmemLocation>() == 8 && align_of::<CUmemLocation>() == 4);
+const _: () =
+    assert!(size_of::<CUmemAllocationProp>() == 32 && align_of::<CUmemAllocationProp>() == 8);
+const _: () = assert!(
+    offset_of!(CUmemAllocationProp, requestedHandleTypes) == 4
+        && offset_of!(CUmemAllocationProp, location) == 8
+);
+const _: () = assert!(
+    offset_of!(CUmemAllocationProp, win32HandleMetaData) == 16
+        && offset_of!(CUmemAllocationProp, allocFlags) == 24
+);
+const _: () = assert!(size_of::<CUmemAllocationPropAllocFlags>() == 8);
+const _: () = assert!(size_of::<CUmemAccessDesc>() == 12 && align_of::<CUmemAccessDesc>() == 4);
+const _: () = assert!(offset_of!(CUmemAccessDesc, flags) == 8);
 
 pub type FnInit = unsafe extern "C" fn(c_uint) -> CUresult;
 pub type FnDriverGetVersion = unsafe extern "C" fn(*mut c_int) -> CUresult;
@@ -300,4 +407,43 @@ pub type FnLaunchKernel = unsafe extern "C" fn(
     CUstream,
     *mut *mut c_void,
     *mut *mut c_void,
+) -> CUresult;
+
+// Inter-process memory: legacy IPC handles and the virtual memory management API.
+pub type FnMemGetAddressRange =
+    unsafe extern "C" fn(*mut CUdeviceptr, *mut usize, CUdeviceptr) -> CUresult;
+pub type FnDeviceGetUuid = unsafe extern "C" fn(*mut CUuuid, CUdevice) -> CUresult;
+pub type FnIpcGetMemHandle = unsafe extern "C" fn(*mut CUipcMemHandle, CUdeviceptr) -> CUresult;
+/// `cuIpcOpenMemHandle_v2`: the handle is passed by value.
+pub type FnIpcOpenMemHandle =
+    unsafe extern "C" fn(*mut CUdeviceptr, CUipcMemHandle, c_uint) -> CUresult;
+pub type FnIpcCloseMemHandle = unsafe extern "C" fn(CUdeviceptr) -> CUresult;
+pub type FnMemRetainAllocationHandle =
+    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void) -> CUresult;
+/// `cuMemExportToShareableHandle(void *shareableHandle, handle, handleType, flags)`.
+pub type FnMemExportToShareableHandle =
+    unsafe extern "C" fn(*mut c_void, CUmemGenericAllocationHandle, c_int, u64) -> CUresult;
+/// `cuMemImportFromShareableHandle(handle *, void *osHandle, handleType)`.
+pub type FnMemImportFromShareableHandle =
+    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void, c_int) -> CUresult;
+pub type FnMemRelease = unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult;
+pub type FnMemGetAllocationPropertiesFromHandle =
+    unsafe extern "C" fn(*mut CUmemAllocationProp, CUmemGenericAllocationHandle) -> CUresult;
+/// `cuMemAddressReserve(ptr *, size, alignment, addr, flags)`.
+pub type FnMemAddressReserve =
+    unsafe extern "C" fn(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64) -> CUresult;
+pub type FnMemAddressFree = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+/// `cuMemMap(ptr, size, offset, handle, flags)`.
+pub type FnMemMap =
+    unsafe extern "C" fn(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64) -> CUresult;
+pub type FnMemUnmap = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+pub type FnMemSetAccess =
+    unsafe extern "C" fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize) -> CUresult;
+pub type FnMemGetAllocationGranularity =
+    unsafe extern "C" fn(*mut usize, *const CUmemAllocationProp, c_int) -> CUresult;
+pub type FnMemCreate = unsafe extern "C" fn(
+    *mut CUmemGenericAllocationHandle,
+    usize,
+    *const CUmemAllocationProp,
+    u64,
 ) -> CUresult;

@@ -8,11 +8,16 @@
 //!   (merged, 2-D/3-D strided and batched copies), a brief staged gather/scatter for small
 //!   pieces (`auto`), ordering after the submitter's stream through events.
 //! * [`plan`]: the pure planning both methods use (unit-tested without a GPU).
+//! * [`ipc`]: CUDA memory shared between processes: a client exports a range
+//!   ([`export_device_range`]: a legacy IPC handle, or POSIX descriptors for memory of the
+//!   virtual memory management API), a standalone server maps it ([`ImportedIpc`],
+//!   [`ImportedVmm`]).
 
 mod device;
 pub mod driver;
 mod error;
 mod ffi;
+pub mod ipc;
 mod mover;
 mod pin;
 pub mod plan;
@@ -20,5 +25,9 @@ pub mod plan;
 pub use device::{CtxGuard, Device, DeviceBuffer, Event, HostBuffer, HostRegistration, Stream};
 pub use driver::{driver, Driver};
 pub use error::CudaError;
+pub use ipc::{
+    device_by_uuid, export_device_range, format_uuid, vmm_granularity, DeviceExport, ImportedIpc,
+    ImportedVmm, VmmChunkExport,
+};
 pub use mover::{CopyMethod, CudaMover, CudaOptions, CudaStats, TraceSpan};
 pub use pin::{PinProgress, PinStatus, PoolPinner, SPLIT_BYTES};
