@@ -205,6 +205,15 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Forgets a named transfer when its request ends.
+struct Named<'a>(&'a ClientSession, u64);
+
+impl Drop for Named<'_> {
+    fn drop(&mut self) {
+        self.0.transfers.lock().remove(&self.1);
+    }
+}
+
 /// Extra time a timed-out transfer gets to stop (keys being copied finish) before the reply.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -587,6 +596,10 @@ impl Store for Service {
         .map_err(|e| self.store_err(e))?;
         st.in_flight.fetch_add(1, Ordering::Relaxed);
         let _counted = InFlight(&st.in_flight);
+        let _named = (r.transfer_id != 0).then(|| {
+            cs.transfers.lock().insert(r.transfer_id, job.clone());
+            Named(&cs, r.transfer_id)
+        });
         let mut guard = CancelOnDrop(Some(job.clone()));
         let timeout = if r.timeout_ms == 0 {
             st.store.timeout()
@@ -643,6 +656,22 @@ impl Store for Service {
             statuses,
             errors,
             bytes,
+        }))
+    }
+
+    async fn cancel_transfer(
+        &self,
+        req: Request<v1::CancelTransferRequest>,
+    ) -> Result<Response<v1::CancelTransferReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let cs = self.session(&peer, r.session_id)?;
+        let job = cs.transfers.lock().get(&r.transfer_id).cloned();
+        if let Some(j) = &job {
+            j.cancel();
+        }
+        Ok(Response::new(v1::CancelTransferReply {
+            found: job.is_some(),
         }))
     }
 }

@@ -25,8 +25,10 @@ use crate::listen::PeerInfo;
 use crate::memory::CudaBacking;
 use crate::metrics::Metrics;
 
-/// What a registration of a session is backed by in the server.
+/// What a registration of a session is backed by in the server (held for its `Drop`, which
+/// unmaps it once the registration is gone).
 #[derive(Debug)]
+#[allow(dead_code)]
 pub(crate) enum Backing {
     /// A client's memfd mapped here.
     Host(HostMapping),
@@ -55,6 +57,8 @@ pub(crate) struct ClientSession {
     pub(crate) session: Session,
     pub(crate) res: Mutex<Resources>,
     pub(crate) attached: Instant,
+    /// Transfers in flight that the client named, by its transfer id.
+    pub(crate) transfers: Mutex<HashMap<u64, umbp_copy::JobHandle>>,
     /// Notified once when the session is released (stops its process watcher).
     pub(crate) ended: tokio::sync::Notify,
     next_ticket: AtomicU64,
@@ -143,6 +147,7 @@ impl Sessions {
             res: Mutex::new(Resources::default()),
             attached: Instant::now(),
             ended: tokio::sync::Notify::new(),
+            transfers: Mutex::new(HashMap::new()),
             next_ticket: AtomicU64::new(1),
         });
         self.by_id.lock().insert(cs.id, Arc::clone(&cs));
