@@ -1,0 +1,337 @@
+//! Shared by the server's integration tests: the real server binary started on a private
+//! socket, clients in child processes (the test binary run again in a role), raw gRPC calls.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BufMut};
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::Status;
+use umbp_core::{BlockKey, KeyBuilder, LayerSpec, RankTopology};
+use umbp_proto::v1::store_client::StoreClient;
+use umbp_proto::{v1, Endpoint};
+
+/// The env var that selects a child role.
+pub const ROLE: &str = "UMBP_TEST_ROLE";
+
+pub const BLOCK: u64 = 64 << 10;
+pub const BLOCKS: u64 = 32;
+
+/// A private directory for sockets.
+pub fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("umbp-srv-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A running `umbp_standalone_server`.
+pub struct Server {
+    pub child: Child,
+    pub endpoint: Endpoint,
+    pub log: PathBuf,
+}
+
+impl Server {
+    pub fn start(sock: &Path, extra: &[&str]) -> Server {
+        let log = sock.with_extension("log");
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_umbp_standalone_server"))
+            .args([
+                "--address",
+                sock.to_str().unwrap(),
+                "--capacity",
+                "256MiB",
+                "--prefault",
+                "false",
+                "--workers",
+                "4",
+                "--log",
+                "info,umbp_server=debug",
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(f)
+            .spawn()
+            .unwrap();
+        let endpoint = Endpoint::parse(sock.to_str().unwrap()).unwrap();
+        let s = Server {
+            child,
+            endpoint,
+            log,
+        };
+        s.wait_ready();
+        s
+    }
+
+    pub fn wait_ready(&self) {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(20) {
+            if std::os::unix::net::UnixStream::connect(self.endpoint.path()).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("server did not start; log:\n{}", self.log_text());
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, then the exit status.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let st = wait_timeout(&mut self.child, Duration::from_secs(20))
+            .expect("server did not stop after SIGTERM");
+        std::mem::forget(self);
+        st
+    }
+
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn wait_timeout(c: &mut Child, d: Duration) -> Option<std::process::ExitStatus> {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        if let Some(s) = c.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
+}
+
+/// Runs this test binary again as `role` (the test function named `test` dispatches on it).
+pub fn spawn_role(test: &str, role: &str, endpoint: &Endpoint, env: &[(&str, String)]) -> Child {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env("UMBP_TEST_ENDPOINT", endpoint.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.spawn().unwrap()
+}
+
+/// Waits until the child prints a line containing `marker`.
+pub fn wait_line(c: &mut Child, marker: &str) {
+    let out = c.stdout.take().unwrap();
+    let mut r = BufReader::new(out);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            r.read_line(&mut line).unwrap() > 0,
+            "child ended before printing {marker:?}"
+        );
+        if line.contains(marker) {
+            break;
+        }
+    }
+    // Keep draining so the child never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while r.read_line(&mut sink).unwrap_or(0) > 0 {
+            sink.clear();
+        }
+    });
+}
+
+pub fn role_endpoint() -> Endpoint {
+    Endpoint::parse(&std::env::var("UMBP_TEST_ENDPOINT").unwrap()).unwrap()
+}
+
+pub fn keys(tag: &str, n: u64) -> Vec<BlockKey> {
+    let b = KeyBuilder::new(&format!("test-{tag}"), RankTopology::default()).unwrap();
+    (0..n)
+        .map(|i| b.key(0, &i.to_le_bytes()).unwrap())
+        .collect()
+}
+
+/// The byte at `i` of block `b` in pattern `seed`.
+pub fn pattern(seed: u64, b: u64, i: u64) -> u8 {
+    (seed
+        .wrapping_mul(31)
+        .wrapping_add(b.wrapping_mul(7))
+        .wrapping_add(i.wrapping_mul(13))
+        % 251) as u8
+}
+
+/// A KV-cache-like buffer registered with `client`, with one layout of `BLOCKS` blocks.
+pub struct Cache {
+    pub buf: Vec<u8>,
+    pub layout: u32,
+}
+
+pub fn cache(client: &umbp_client::StandaloneClient) -> Cache {
+    let buf = vec![0u8; (BLOCK * BLOCKS) as usize];
+    let addr = buf.as_ptr() as u64;
+    // SAFETY: the buffer lives as long as the Cache (and no other thread touches it now).
+    unsafe { client.register_host_memory(addr, buf.len() as u64) }.unwrap();
+    let layout = client
+        .register_layout(vec![vec![LayerSpec {
+            base_addr: addr,
+            num_blocks: BLOCKS,
+            block_stride: BLOCK,
+            block_bytes: BLOCK,
+        }]])
+        .unwrap();
+    assert_eq!(layout.object_bytes, vec![BLOCK]);
+    Cache {
+        buf,
+        layout: layout.id,
+    }
+}
+
+impl Cache {
+    pub fn fill(&mut self, seed: u64) {
+        for b in 0..BLOCKS {
+            for i in 0..BLOCK {
+                self.buf[(b * BLOCK + i) as usize] = pattern(seed, b, i);
+            }
+        }
+    }
+
+    pub fn check(&self, seed: u64, blocks: &[u64]) {
+        for &b in blocks {
+            for i in 0..BLOCK {
+                assert_eq!(
+                    self.buf[(b * BLOCK + i) as usize],
+                    pattern(seed, b, i),
+                    "block {b} byte {i}"
+                );
+            }
+        }
+    }
+}
+
+pub fn client(endpoint: &Endpoint) -> umbp_client::StandaloneClient {
+    let mut o = umbp_client::ClientOptions::new(endpoint.clone());
+    o.startup_timeout = Duration::from_secs(10);
+    o.transfer_timeout = Duration::from_secs(20);
+    umbp_client::StandaloneClient::connect(o).unwrap()
+}
+
+/// A runtime and a raw generated client (no session unless the test attaches).
+pub fn raw(
+    endpoint: &Endpoint,
+) -> (
+    tokio::runtime::Runtime,
+    StoreClient<tonic::transport::Channel>,
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ch = {
+        let _g = rt.enter();
+        umbp_client::unix_channel(endpoint)
+    };
+    (
+        rt,
+        StoreClient::new(ch)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20),
+    )
+}
+
+pub fn stats(endpoint: &Endpoint) -> v1::StatsReply {
+    let (rt, mut g) = raw(endpoint);
+    rt.block_on(g.stats(v1::StatsRequest {}))
+        .unwrap()
+        .into_inner()
+}
+
+/// Bytes in, bytes out: sends undecoded request bodies.
+#[derive(Debug, Clone, Default)]
+pub struct RawCodec;
+
+impl Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+}
+
+impl Encoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = Status;
+    fn encode(&mut self, item: Vec<u8>, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        buf.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl Decoder for RawCodec {
+    type Item = Vec<u8>;
+    type Error = Status;
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Vec<u8>>, Status> {
+        let mut v = vec![0u8; buf.remaining()];
+        buf.copy_to_slice(&mut v);
+        Ok(Some(v))
+    }
+}
+
+/// Every method of the service, by path.
+pub const METHODS: &[&str] = &[
+    "Ping",
+    "Stats",
+    "Clear",
+    "Exists",
+    "Attach",
+    "Detach",
+    "RegisterHostMemory",
+    "RegisterCudaIpc",
+    "RegisterCudaVmm",
+    "DeregisterMemory",
+    "RegisterLayout",
+    "Transfer",
+    "CancelTransfer",
+];
+
+/// Calls `method` with an undecoded body.
+pub async fn raw_call(
+    ch: tonic::transport::Channel,
+    method: &str,
+    body: Vec<u8>,
+) -> Result<Vec<u8>, Status> {
+    let mut g = tonic::client::Grpc::new(ch);
+    g.ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let path =
+        tonic::codegen::http::uri::PathAndQuery::try_from(format!("/umbp.v1.Store/{method}"))
+            .unwrap();
+    g.unary(tonic::Request::new(body), path, RawCodec)
+        .await
+        .map(|r| r.into_inner())
+}

@@ -1,0 +1,270 @@
+//! The standalone server with real processes: a server binary and client processes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use umbp_client::KeyStatus;
+
+/// Child roles of these tests (run when `UMBP_TEST_ROLE` is set).
+fn role() -> Option<String> {
+    std::env::var(ROLE).ok()
+}
+
+#[test]
+fn bytes_stored_by_one_client_process_load_exactly_in_another() {
+    match role().as_deref() {
+        Some("store") => {
+            let c = client(&role_endpoint());
+            let mut cache = cache(&c);
+            cache.fill(7);
+            let ids: Vec<u64> = (0..BLOCKS).collect();
+            let t = c
+                .store(cache.layout, 0, &ids, &keys("across", BLOCKS))
+                .unwrap();
+            assert!(t.wait(None).unwrap().iter().all(|s| *s == KeyStatus::Done));
+            println!("stored");
+            return;
+        }
+        Some("load") => {
+            let c = client(&role_endpoint());
+            let cache = cache(&c);
+            // Loaded into other blocks than they were stored from: block i gets key i.
+            let ids: Vec<u64> = (0..BLOCKS).collect();
+            let t = c
+                .load(cache.layout, 0, &ids, &keys("across", BLOCKS))
+                .unwrap();
+            assert!(t.wait(None).unwrap().iter().all(|s| *s == KeyStatus::Done));
+            cache.check(7, &ids);
+            let missing = c.load(cache.layout, 0, &[0], &keys("never", 1)).unwrap();
+            assert_eq!(missing.wait(None).unwrap(), vec![KeyStatus::Missing]);
+            println!("loaded");
+            return;
+        }
+        Some(_) => return,
+        None => {}
+    }
+    let dir = tmpdir("across");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let name = "bytes_stored_by_one_client_process_load_exactly_in_another";
+    let mut a = spawn_role(name, "store", &server.endpoint, &[]);
+    assert!(a.wait().unwrap().success(), "{}", server.log_text());
+    let mut b = spawn_role(name, "load", &server.endpoint, &[]);
+    assert!(b.wait().unwrap().success(), "{}", server.log_text());
+    let s = stats(&server.endpoint);
+    assert_eq!(s.objects, BLOCKS);
+    assert_eq!(
+        (s.sessions, s.registrations, s.layouts),
+        (0, 0, 0),
+        "clients exited: {s:?}"
+    );
+    assert!(server.stop().success());
+    assert!(!dir.join("s.sock").exists() && !dir.join("s.sock.fds").exists());
+}
+
+#[test]
+fn a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second() {
+    match role().as_deref() {
+        Some("loop") => {
+            let c = client(&role_endpoint());
+            let mut cache = cache(&c);
+            cache.fill(3);
+            let ids: Vec<u64> = (0..BLOCKS).collect();
+            println!("ready");
+            for round in 0u64.. {
+                let k = keys(&format!("loop{round}"), BLOCKS);
+                let _ = c.store(cache.layout, 0, &ids, &k).unwrap().wait(None);
+                let _ = c.load(cache.layout, 0, &ids, &k).unwrap().wait(None);
+            }
+            return;
+        }
+        Some("steady") => {
+            let c = client(&role_endpoint());
+            let mut cache = cache(&c);
+            cache.fill(9);
+            let ids: Vec<u64> = (0..BLOCKS).collect();
+            println!("ready");
+            for round in 0..40u64 {
+                let k = keys(&format!("steady{round}"), BLOCKS);
+                let st = c
+                    .store(cache.layout, 0, &ids, &k)
+                    .unwrap()
+                    .wait(None)
+                    .unwrap();
+                assert!(st.iter().all(KeyStatus::is_ok), "{st:?}");
+                let ld = c
+                    .load(cache.layout, 0, &ids, &k)
+                    .unwrap()
+                    .wait(None)
+                    .unwrap();
+                assert!(
+                    ld.iter()
+                        .all(|s| *s == KeyStatus::Done || *s == KeyStatus::Missing),
+                    "{ld:?}"
+                );
+            }
+            cache.check(9, &ids);
+            println!("steady done");
+            return;
+        }
+        Some(_) => return,
+        None => {}
+    }
+    let dir = tmpdir("kill");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let name = "a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second";
+    let mut victim = spawn_role(name, "loop", &server.endpoint, &[]);
+    wait_line(&mut victim, "ready");
+    let mut steady = spawn_role(name, "steady", &server.endpoint, &[]);
+    wait_line(&mut steady, "ready");
+    std::thread::sleep(Duration::from_millis(300));
+    let before = stats(&server.endpoint);
+    assert_eq!(before.sessions, 2, "{before:?}");
+    victim.kill().unwrap();
+    let killed = Instant::now();
+    let _ = victim.wait();
+    // Only the steady client's own registration and layout may remain.
+    let clean = loop {
+        let s = stats(&server.endpoint);
+        if s.sessions == 1 && s.registrations == 1 && s.layouts == 1 && s.pending_descriptors == 0 {
+            break s;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(1),
+            "not released within 1 s: {s:?}\n{}",
+            server.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    println!("released {:?} after SIGKILL: {clean:?}", killed.elapsed());
+    assert!(
+        steady.wait().unwrap().success(),
+        "the other client's transfers failed\n{}",
+        server.log_text()
+    );
+    let s = stats(&server.endpoint);
+    assert_eq!(
+        (
+            s.sessions,
+            s.registrations,
+            s.layouts,
+            s.reservations,
+            s.pinned,
+            s.transfers_in_flight
+        ),
+        (0, 0, 0, 0, 0, 0),
+        "{s:?}"
+    );
+    assert!(
+        server.log_text().contains("ConnectionClosed")
+            || server.log_text().contains("ProcessExited")
+    );
+    assert!(server.stop().success());
+}
+
+#[test]
+fn a_client_re_attaches_by_itself_after_the_server_restarts() {
+    let dir = tmpdir("restart");
+    let sock = dir.join("s.sock");
+    let server = Server::start(&sock, &[]);
+    let c = client(&server.endpoint);
+    let mut cache = cache(&c);
+    cache.fill(1);
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    assert!(c
+        .store(cache.layout, 0, &ids, &keys("before", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap()
+        .iter()
+        .all(KeyStatus::is_ok));
+    let (_, boot1) = c.session().unwrap();
+    // A crash: the socket files stay behind and must be found stale and replaced.
+    server.kill();
+    assert!(sock.exists());
+    let server = Server::start(&sock, &[]);
+    assert!(server.log_text().contains("stale socket"));
+    // The first call fails cleanly...
+    let first = c
+        .store(cache.layout, 0, &ids, &keys("after", BLOCKS))
+        .and_then(|t| t.wait(None));
+    assert!(first.is_err(), "{first:?}");
+    // ...then the client attaches again and re-registers by itself.
+    let mut ok = None;
+    for _ in 0..50 {
+        match c
+            .store(cache.layout, 0, &ids, &keys("after", BLOCKS))
+            .and_then(|t| t.wait(None))
+        {
+            Ok(s) => {
+                ok = Some(s);
+                break;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    assert!(ok
+        .expect("never re-attached")
+        .iter()
+        .all(|s| *s == KeyStatus::Done));
+    assert_eq!(c.attach_count(), 2);
+    let (_, boot2) = c.session().unwrap();
+    assert_ne!(boot1, boot2);
+    // Objects of the old server are gone; one stored after the restart restores exactly.
+    let gone = c
+        .load(cache.layout, 0, &[0], &keys("before", 1))
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    assert_eq!(gone, vec![KeyStatus::Missing]);
+    cache.buf.fill(0);
+    let back = c
+        .load(cache.layout, 0, &ids, &keys("after", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    assert!(back.iter().all(|s| *s == KeyStatus::Done));
+    cache.check(1, &ids);
+    c.close();
+    assert!(server.stop().success());
+}
+
+#[test]
+fn a_live_server_is_never_replaced() {
+    let dir = tmpdir("live");
+    let sock = dir.join("s.sock");
+    let server = Server::start(&sock, &[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp_standalone_server"))
+        .args([
+            "--address",
+            sock.to_str().unwrap(),
+            "--capacity",
+            "16MiB",
+            "--prefault",
+            "false",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already listens"));
+    stats(&server.endpoint);
+    // A file that is not a socket is never removed either.
+    let plain = dir.join("plain");
+    std::fs::write(&plain, b"x").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp_standalone_server"))
+        .args([
+            "--address",
+            plain.to_str().unwrap(),
+            "--capacity",
+            "16MiB",
+            "--prefault",
+            "false",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a socket"));
+    assert!(plain.exists());
+    assert!(server.stop().success());
+}
