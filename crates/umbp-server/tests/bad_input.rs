@@ -1,0 +1,553 @@
+//! Hostile and broken input: every bad request gets an error with a message, the server keeps
+//! serving the others, and no memory is touched.
+
+mod common;
+
+use std::os::unix::process::CommandExt;
+use std::time::Duration;
+
+use common::*;
+use proptest::prelude::*;
+use prost::Message;
+use tonic::Code;
+use umbp_client::KeyStatus;
+use umbp_proto::v1;
+
+fn attach(
+    rt: &tokio::runtime::Runtime,
+    g: &mut v1::store_client::StoreClient<tonic::transport::Channel>,
+) -> v1::AttachReply {
+    rt.block_on(g.attach(v1::AttachRequest {
+        client_name: "raw".into(),
+        protocol: umbp_proto::PROTOCOL,
+    }))
+    .unwrap()
+    .into_inner()
+}
+
+fn code_and_message<T: std::fmt::Debug>(
+    r: Result<tonic::Response<T>, tonic::Status>,
+) -> (Code, String) {
+    let e = r.expect_err("the server accepted bad input");
+    assert!(!e.message().is_empty(), "an error without a message: {e:?}");
+    (e.code(), e.message().to_string())
+}
+
+#[test]
+fn bad_requests_get_errors_with_messages_and_touch_nothing() {
+    let dir = tmpdir("bad");
+    let server = Server::start(&dir.join("s.sock"), &["--max-message-bytes", "1048576"]);
+    // A victim client whose memory must never change.
+    let victim = client(&server.endpoint);
+    let mut vc = cache(&victim);
+    vc.fill(5);
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    assert!(victim
+        .store(vc.layout, 0, &ids, &keys("victim", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap()
+        .iter()
+        .all(KeyStatus::is_ok));
+
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    let sid = me.session_id;
+
+    // Unknown session, and the victim's session from another connection.
+    let (c, m) = code_and_message(rt.block_on(g.register_layout(v1::RegisterLayoutRequest {
+        session_id: 999_999,
+        groups: vec![],
+    })));
+    assert_eq!(c, Code::FailedPrecondition, "{m}");
+    assert!(m.contains("not attached"), "{m}");
+    let (victim_sid, _) = victim.session().unwrap();
+    let (c, m) = code_and_message(rt.block_on(g.transfer(v1::TransferRequest {
+        session_id: victim_sid,
+        layout_id: 0,
+        direction: v1::Direction::Load as i32,
+        ..Default::default()
+    })));
+    assert_eq!(
+        c,
+        Code::FailedPrecondition,
+        "another connection's session: {m}"
+    );
+
+    // Layout ids of another session (the victim's are among the first few) are unknown here.
+    for layout_id in 0..8 {
+        let (c, m) = code_and_message(rt.block_on(g.transfer(v1::TransferRequest {
+            session_id: sid,
+            layout_id,
+            direction: v1::Direction::Load as i32,
+            block_ids: vec![0],
+            keys: keys("victim", 1)[0].as_bytes().to_vec(),
+            ..Default::default()
+        })));
+        assert_eq!(c, Code::NotFound, "layout {layout_id}: {m}");
+    }
+
+    // A layout in a region of another session, and one in no region at all.
+    for region_id in 0..8 {
+        let (c, m) = code_and_message(rt.block_on(g.register_layout(v1::RegisterLayoutRequest {
+            session_id: sid,
+            groups: vec![v1::LayoutGroup {
+                runs: vec![v1::LayoutRun {
+                    region_id,
+                    offset: 0,
+                    num_blocks: 4,
+                    block_stride: 4096,
+                    block_bytes: 4096,
+                }],
+            }],
+        })));
+        assert_eq!(c, Code::InvalidArgument, "{m}");
+        assert!(
+            m.contains("another session") || m.contains("not registered"),
+            "{m}"
+        );
+    }
+
+    // A range outside a registration of this very session.
+    let own = client(&server.endpoint);
+    let oc = cache(&own);
+    let outside = own.register_layout(vec![vec![umbp_core::LayerSpec {
+        base_addr: oc.buf.as_ptr() as u64,
+        num_blocks: BLOCKS + 1,
+        block_stride: BLOCK,
+        block_bytes: BLOCK,
+    }]]);
+    assert!(format!("{}", outside.unwrap_err()).contains("lies in no memory"));
+
+    // Unknown region, unknown descriptor ticket, bogus CUDA IPC handle, garbage VMM request.
+    let (c, m) = code_and_message(
+        rt.block_on(g.deregister_memory(v1::DeregisterMemoryRequest {
+            session_id: sid,
+            region_id: 424_242,
+        })),
+    );
+    assert_eq!(c, Code::NotFound, "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.register_host_memory(
+        v1::RegisterHostMemoryRequest {
+            session_id: sid,
+            ticket: 77,
+            length: 4096,
+        },
+    )));
+    assert_eq!(c, Code::NotFound, "{m}");
+    assert!(m.contains("ticket"), "{m}");
+    let (_, m) = code_and_message(rt.block_on(g.register_cuda_ipc(v1::RegisterCudaIpcRequest {
+        session_id: sid,
+        device: Some(v1::CudaDevice { uuid: vec![7; 16] }),
+        handle: vec![0xab; 64],
+        allocation_bytes: 1 << 20,
+        offset: 0,
+        length: 4096,
+    })));
+    assert!(m.contains("CUDA") || m.contains("device"), "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.register_cuda_ipc(v1::RegisterCudaIpcRequest {
+        session_id: sid,
+        handle: vec![1; 3],
+        ..Default::default()
+    })));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.register_cuda_vmm(v1::RegisterCudaVmmRequest {
+        session_id: sid,
+        device: Some(v1::CudaDevice { uuid: vec![1; 16] }),
+        chunks: vec![v1::VmmChunk {
+            ticket: 5,
+            offset: 0,
+            size: 2 << 20,
+        }],
+        offset: 0,
+        length: 1,
+    })));
+    assert!(
+        c == Code::NotFound || c == Code::FailedPrecondition,
+        "{c:?} {m}"
+    );
+
+    // Malformed transfers and lookups.
+    let (c, m) = code_and_message(rt.block_on(g.transfer(v1::TransferRequest {
+        session_id: sid,
+        keys: vec![1; 65],
+        ..Default::default()
+    })));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.transfer(v1::TransferRequest {
+        session_id: sid,
+        keys: vec![1; 64],
+        block_ids: vec![1, 2],
+        ..Default::default()
+    })));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.exists(v1::ExistsRequest {
+        keys: None,
+        ..Default::default()
+    })));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.exists(v1::ExistsRequest {
+        keys: Some(v1::KeySet {
+            namespace: "a:b".into(),
+            hash_bytes: 8,
+            hashes: vec![0; 16],
+            ..Default::default()
+        }),
+        ranks: vec![v1::Ranks::default()],
+        ..Default::default()
+    })));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.attach(v1::AttachRequest {
+        client_name: "old".into(),
+        protocol: 999,
+    })));
+    assert_eq!(c, Code::FailedPrecondition, "{m}");
+
+    // An oversized message is refused; the server goes on.
+    let (c, m) = code_and_message(rt.block_on(g.exists(v1::ExistsRequest {
+        keys: Some(v1::KeySet {
+            packed: vec![0; 2 << 20],
+            ..Default::default()
+        }),
+        ..Default::default()
+    })));
+    assert!(
+        matches!(
+            c,
+            Code::ResourceExhausted | Code::OutOfRange | Code::Internal
+        ),
+        "{c:?} {m}"
+    );
+
+    // The victim's memory and objects are untouched; it still works.
+    vc.check(5, &ids);
+    vc.buf.fill(0);
+    assert!(victim
+        .load(vc.layout, 0, &ids, &keys("victim", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap()
+        .iter()
+        .all(|s| *s == KeyStatus::Done));
+    vc.check(5, &ids);
+    assert!(stats(&server.endpoint).objects >= BLOCKS);
+    assert!(server.stop().success());
+}
+
+#[test]
+fn the_descriptor_side_channel_refuses_garbage_and_strangers() {
+    use std::io::{Read, Write};
+    let dir = tmpdir("fds");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let fd_path = server.endpoint.fd_socket();
+    let refused = |bytes: &[u8]| {
+        let mut s = std::os::unix::net::UnixStream::connect(&fd_path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(bytes).unwrap();
+        let mut r = Vec::new();
+        let _ = s.read_to_end(&mut r);
+        assert!(
+            r.len() > 8 && r[..8] == umbp_proto::FD_REFUSED.to_le_bytes(),
+            "{r:?}"
+        );
+        String::from_utf8_lossy(&r[8..]).into_owned()
+    };
+    assert!(refused(b"hello").contains("header"));
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    // The right session with a wrong secret, no descriptors attached.
+    let h = umbp_proto::FdHeader {
+        session_id: me.session_id,
+        secret: [0; 16],
+        count: 1,
+    };
+    let m = refused(&h.encode());
+    assert!(
+        m.contains("announced") || m.contains("another client"),
+        "{m}"
+    );
+    assert_eq!(stats(&server.endpoint).pending_descriptors, 0);
+    assert!(server.stop().success());
+}
+
+#[test]
+fn other_users_are_refused_with_a_message() {
+    if std::env::var(ROLE).as_deref() == Ok("stranger") {
+        let (rt, mut g) = raw(&role_endpoint());
+        let e = rt.block_on(g.ping(v1::PingRequest {})).unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied);
+        assert!(e.message().contains("--allow-uid"), "{}", e.message());
+        println!("refused: {}", e.message());
+        return;
+    }
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        println!("SKIP: needs root to run a client as another uid");
+        return;
+    }
+    let dir = tmpdir("uid");
+    // SAFETY: chmod of a directory this test created.
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    // A socket others may connect to: the server itself must refuse them.
+    let server = Server::start(&dir.join("s.sock"), &["--socket-mode", "666"]);
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args([
+        "--exact",
+        "other_users_are_refused_with_a_message",
+        "--nocapture",
+    ])
+    .env(ROLE, "stranger")
+    .env("UMBP_TEST_ENDPOINT", server.endpoint.path());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("refused: uid 65534"));
+    // The server goes on serving its own user.
+    stats(&server.endpoint);
+    assert!(server.stop().success());
+}
+
+/// A valid message of each request type, encoded (the fuzzer mutates these).
+fn valid_bodies(sid: u64) -> Vec<(&'static str, Vec<u8>)> {
+    let key = keys("fuzz", 2);
+    let packed: Vec<u8> = key.iter().flat_map(|k| k.as_bytes().to_vec()).collect();
+    vec![
+        ("Ping", v1::PingRequest {}.encode_to_vec()),
+        ("Stats", v1::StatsRequest {}.encode_to_vec()),
+        (
+            "Exists",
+            v1::ExistsRequest {
+                keys: Some(v1::KeySet {
+                    packed: packed.clone(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "Exists",
+            v1::ExistsRequest {
+                keys: Some(v1::KeySet {
+                    namespace: "ns".into(),
+                    hash_bytes: 8,
+                    hashes: vec![3; 64],
+                    group: 0,
+                    packed: vec![],
+                }),
+                ranks: vec![
+                    v1::Ranks {
+                        tp: 1,
+                        ..Default::default()
+                    };
+                    3
+                ],
+                prefix_only: true,
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "RegisterLayout",
+            v1::RegisterLayoutRequest {
+                session_id: sid,
+                groups: vec![v1::LayoutGroup {
+                    runs: vec![v1::LayoutRun {
+                        region_id: 1,
+                        offset: 0,
+                        num_blocks: 2,
+                        block_stride: 64,
+                        block_bytes: 64,
+                    }],
+                }],
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "Transfer",
+            v1::TransferRequest {
+                session_id: sid,
+                layout_id: 1,
+                group: 0,
+                direction: 2,
+                block_ids: vec![0, 1],
+                keys: packed,
+                timeout_ms: 50,
+                transfer_id: 3,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "RegisterHostMemory",
+            v1::RegisterHostMemoryRequest {
+                session_id: sid,
+                ticket: 1,
+                length: 4096,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "RegisterCudaIpc",
+            v1::RegisterCudaIpcRequest {
+                session_id: sid,
+                device: Some(v1::CudaDevice { uuid: vec![1; 16] }),
+                handle: vec![2; 64],
+                allocation_bytes: 1 << 20,
+                offset: 0,
+                length: 4096,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "RegisterCudaVmm",
+            v1::RegisterCudaVmmRequest {
+                session_id: sid,
+                device: Some(v1::CudaDevice { uuid: vec![1; 16] }),
+                chunks: vec![v1::VmmChunk {
+                    ticket: 1,
+                    offset: 0,
+                    size: 1 << 21,
+                }],
+                offset: 0,
+                length: 4096,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "DeregisterMemory",
+            v1::DeregisterMemoryRequest {
+                session_id: sid,
+                region_id: 1,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "CancelTransfer",
+            v1::CancelTransferRequest {
+                session_id: sid,
+                transfer_id: 3,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "Clear",
+            v1::ClearRequest {
+                namespace: "test-fuzz-nothing".into(),
+            }
+            .encode_to_vec(),
+        ),
+    ]
+}
+
+#[test]
+fn fuzzed_requests_never_break_the_server() {
+    let dir = tmpdir("fuzz");
+    let server = Server::start(&dir.join("s.sock"), &["--max-message-bytes", "1048576"]);
+    let victim = client(&server.endpoint);
+    let mut vc = cache(&victim);
+    vc.fill(11);
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    assert!(victim
+        .store(vc.layout, 0, &ids, &keys("keep", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap()
+        .iter()
+        .all(KeyStatus::is_ok));
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    let ch = {
+        let _g = rt.enter();
+        umbp_client::unix_channel(&server.endpoint)
+    };
+    let bodies = valid_bodies(me.session_id);
+    let answered = std::sync::atomic::AtomicU64::new(0);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 400,
+        ..ProptestConfig::default()
+    });
+    let strategy = (
+        0..METHODS.len(),
+        0..bodies.len(),
+        prop::collection::vec(any::<u8>(), 0..300),
+        prop::collection::vec((any::<usize>(), any::<u8>()), 0..8),
+        any::<bool>(),
+    );
+    runner
+        .run(&strategy, |(method, body, random, flips, use_random)| {
+            // Random bytes to a random method, or a valid message with bytes flipped, sent to
+            // its own method or another.
+            let (name, mut bytes) = if use_random {
+                (METHODS[method], random)
+            } else {
+                let (n, b) = &bodies[body];
+                (
+                    if method % 3 == 0 { METHODS[method] } else { *n },
+                    b.clone(),
+                )
+            };
+            for (at, v) in flips {
+                if !bytes.is_empty() {
+                    let i = at % bytes.len();
+                    bytes[i] ^= v;
+                }
+            }
+            let r = rt.block_on(async {
+                tokio::time::timeout(Duration::from_secs(10), raw_call(ch.clone(), name, bytes))
+                    .await
+            });
+            let r = r.expect("the server did not answer a fuzzed request within 10 s");
+            if let Err(s) = &r {
+                prop_assert!(
+                    !s.message().is_empty() || s.code() == Code::Ok,
+                    "{name}: an error without a message: {s:?}"
+                );
+                prop_assert!(
+                    s.code() != Code::Unavailable,
+                    "{name}: the server went away: {s:?}"
+                );
+            }
+            answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        })
+        .unwrap();
+    assert!(answered.into_inner() >= 400);
+    // Still serving, the victim's objects and memory intact.
+    vc.buf.fill(0);
+    assert!(victim
+        .load(vc.layout, 0, &ids, &keys("keep", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap()
+        .iter()
+        .all(|s| *s == KeyStatus::Done));
+    vc.check(11, &ids);
+    let s = stats(&server.endpoint);
+    assert_eq!((s.reservations, s.pinned), (0, 0), "{s:?}");
+    assert!(server.stop().success());
+}
+
+#[test]
+fn decoding_random_bytes_as_any_request_never_panics() {
+    proptest!(ProptestConfig { cases: 2000, ..ProptestConfig::default() }, |(b in prop::collection::vec(any::<u8>(), 0..512))| {
+        let _ = v1::TransferRequest::decode(b.as_slice());
+        let _ = v1::ExistsRequest::decode(b.as_slice());
+        let _ = v1::RegisterLayoutRequest::decode(b.as_slice());
+        let _ = v1::RegisterCudaVmmRequest::decode(b.as_slice());
+        let _ = v1::RegisterCudaIpcRequest::decode(b.as_slice());
+        let _ = umbp_proto::FdHeader::decode(&b);
+    });
+}
