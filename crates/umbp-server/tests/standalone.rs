@@ -235,7 +235,7 @@ fn a_live_server_is_never_replaced() {
     let dir = tmpdir("live");
     let sock = dir.join("s.sock");
     let server = Server::start(&sock, &[]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp_standalone_server"))
+    let out = std::process::Command::new(server_bin())
         .args([
             "--address",
             sock.to_str().unwrap(),
@@ -252,7 +252,7 @@ fn a_live_server_is_never_replaced() {
     // A file that is not a socket is never removed either.
     let plain = dir.join("plain");
     std::fs::write(&plain, b"x").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp_standalone_server"))
+    let out = std::process::Command::new(server_bin())
         .args([
             "--address",
             plain.to_str().unwrap(),

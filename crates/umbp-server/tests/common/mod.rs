@@ -29,6 +29,14 @@ pub fn tmpdir(name: &str) -> PathBuf {
     d
 }
 
+/// The server binary: `UMBP_SERVER_BIN` when set (tests run on another machine), else the
+/// one cargo built.
+pub fn server_bin() -> PathBuf {
+    std::env::var_os("UMBP_SERVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_umbp_standalone_server")))
+}
+
 /// A running `umbp_standalone_server`.
 pub struct Server {
     pub child: Child,
@@ -44,7 +52,7 @@ impl Server {
             .append(true)
             .open(&log)
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_umbp_standalone_server"))
+        let child = Command::new(server_bin())
             .args([
                 "--address",
                 sock.to_str().unwrap(),

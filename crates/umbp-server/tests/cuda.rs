@@ -1,0 +1,140 @@
+//! CUDA memory through the server (needs an NVIDIA GPU; prints SKIP otherwise): a client
+//! process stores from its device memory, another loads into its own, by legacy IPC handle
+//! (cuMemAlloc memory) and by exported descriptors (cuMemCreate + cuMemMap memory, as
+//! PyTorch's expandable segments allocate), bytes compared exactly.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use umbp_client::KeyStatus;
+use umbp_core::LayerSpec;
+use umbp_cuda::ipc::VmmAllocation;
+use umbp_cuda::Device;
+
+const CUDA_BLOCK: u64 = 64 << 10;
+const CUDA_BLOCKS: u64 = 96;
+
+enum Mem {
+    Legacy(umbp_cuda::DeviceBuffer),
+    Vmm(VmmAllocation),
+}
+
+impl Mem {
+    fn addr(&self) -> u64 {
+        match self {
+            Mem::Legacy(b) => b.ptr(),
+            Mem::Vmm(v) => v.addr(),
+        }
+    }
+}
+
+fn alloc(dev: &Arc<Device>, kind: &str) -> Mem {
+    let len = CUDA_BLOCK * CUDA_BLOCKS;
+    match kind {
+        "legacy" => Mem::Legacy(dev.alloc(len).unwrap()),
+        _ => {
+            let g = umbp_cuda::vmm_granularity(0).unwrap();
+            // Three physical allocations mapped back to back, like expandable segments.
+            let chunk = (len / 3).div_ceil(g) * g;
+            Mem::Vmm(VmmAllocation::create(0, &[chunk, chunk, chunk], true).unwrap())
+        }
+    }
+}
+
+fn host_pattern(seed: u64) -> Vec<u8> {
+    (0..CUDA_BLOCKS * CUDA_BLOCK)
+        .map(|i| pattern(seed, i / CUDA_BLOCK, i % CUDA_BLOCK))
+        .collect()
+}
+
+/// The client's side: `store` uploads a pattern and stores every block; `load` loads into
+/// fresh device memory and compares.
+fn run_role(role: &str, kind: &str) {
+    let dev = Device::open(0).unwrap();
+    let stream = dev.stream().unwrap();
+    let mem = alloc(&dev, kind);
+    // Registered from one block in, so the registration starts inside the allocation.
+    let base = mem.addr() + CUDA_BLOCK;
+    let blocks = CUDA_BLOCKS - 1;
+    let c = client(&role_endpoint());
+    // SAFETY: the memory lives until the end of this function.
+    unsafe { c.register_cuda_memory(base, blocks * CUDA_BLOCK) }.unwrap();
+    let layout = c
+        .register_layout(vec![vec![LayerSpec {
+            base_addr: base,
+            num_blocks: blocks,
+            block_stride: CUDA_BLOCK,
+            block_bytes: CUDA_BLOCK,
+        }]])
+        .unwrap();
+    let ids: Vec<u64> = (0..blocks).collect();
+    let k = keys(&format!("cuda-{kind}"), blocks);
+    let want = host_pattern(42);
+    let n = (blocks * CUDA_BLOCK) as usize;
+    if role == "store" {
+        // SAFETY: `want` outlives the synchronised copy; the range is inside `mem`.
+        unsafe { dev.copy_htod(base, want.as_ptr(), n as u64, &stream) }.unwrap();
+        stream.synchronize().unwrap();
+        let st = c.store(layout.id, 0, &ids, &k).unwrap().wait(None).unwrap();
+        assert!(st.iter().all(|s| *s == KeyStatus::Done), "{st:?}");
+    } else {
+        let st = c.load(layout.id, 0, &ids, &k).unwrap().wait(None).unwrap();
+        assert!(st.iter().all(|s| *s == KeyStatus::Done), "{st:?}");
+        let mut got = vec![0u8; n];
+        // SAFETY: `got` outlives the synchronised copy.
+        unsafe { dev.copy_dtoh(got.as_mut_ptr(), base, n as u64, &stream) }.unwrap();
+        stream.synchronize().unwrap();
+        assert!(
+            got == want[..n],
+            "bytes differ after the load through the server"
+        );
+    }
+    let s = c.stats().unwrap();
+    assert_eq!(s.cuda_imports, 1, "{s:?}");
+    println!("{role} {kind}: ok");
+}
+
+fn cuda_across_processes(kind: &str, test: &str) {
+    if let Ok(role) = std::env::var(ROLE) {
+        return run_role(&role, kind);
+    }
+    if let Err(e) = Device::open(0) {
+        println!("SKIP: no CUDA device ({e})");
+        return;
+    }
+    let dir = tmpdir(&format!("cuda-{kind}"));
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    for role in ["store", "load"] {
+        let mut c = spawn_role(test, role, &server.endpoint, &[]);
+        assert!(
+            c.wait().unwrap().success(),
+            "{role} failed\n{}",
+            server.log_text()
+        );
+    }
+    let s = stats(&server.endpoint);
+    assert_eq!(
+        (s.sessions, s.registrations, s.cuda_imports),
+        (0, 0, 0),
+        "imports closed with the sessions: {s:?}"
+    );
+    assert!(server.stop().success());
+}
+
+#[test]
+fn cuda_memory_by_ipc_handle_restores_exactly_across_processes() {
+    cuda_across_processes(
+        "legacy",
+        "cuda_memory_by_ipc_handle_restores_exactly_across_processes",
+    );
+}
+
+#[test]
+fn cuda_vmm_memory_by_exported_descriptors_restores_exactly_across_processes() {
+    cuda_across_processes(
+        "vmm",
+        "cuda_vmm_memory_by_exported_descriptors_restores_exactly_across_processes",
+    );
+}
