@@ -23,8 +23,9 @@ if [ "${UMBP_SKIP_VLLM:-0}" != "1" ]; then
 fi
 step "building the umbp package (Rust, release) into .venv/"
 maturin develop --release -q
-step "building the umbp command (crates/umbp-cli, release) into .venv/bin/"
-cargo build --release --locked -q -p umbp-cli
+step "building the umbp command and umbp_standalone_server (release) into .venv/bin/"
+cargo build --release --locked -q -p umbp-cli -p umbp-server
 TARGET_DIR="$(cargo metadata --format-version 1 --no-deps --locked |
   python -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
 install -m 755 "$TARGET_DIR/release/umbp" .venv/bin/umbp
+install -m 755 "$TARGET_DIR/release/umbp_standalone_server" .venv/bin/umbp_standalone_server

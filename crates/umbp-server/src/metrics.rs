@@ -251,11 +251,15 @@ pub(crate) async fn serve(
                 let Ok((mut sock, _)) = accepted else { continue };
                 let render = Arc::clone(&render);
                 tokio::spawn(async move {
-                    let mut buf = vec![0u8; 4096];
-                    let n = match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await {
-                        Ok(Ok(n)) => n,
-                        _ => return,
-                    };
+                    // Read the request head (up to 8 KiB), however it is split.
+                    let mut buf = vec![0u8; 8192];
+                    let mut n = 0;
+                    while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf[n..])).await {
+                            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+                            Ok(Ok(k)) => n += k,
+                        }
+                    }
                     let req = String::from_utf8_lossy(&buf[..n]);
                     let path = req.split_whitespace().nth(1).unwrap_or("");
                     let (status, body) = if req.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {

@@ -268,3 +268,73 @@ fn a_live_server_is_never_replaced() {
     assert!(plain.exists());
     assert!(server.stop().success());
 }
+
+#[test]
+fn prometheus_metrics_are_served_on_loopback_only_when_asked() {
+    use std::io::{Read, Write};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tmpdir("metrics");
+    let addr = format!("127.0.0.1:{port}");
+    let server = Server::start(&dir.join("s.sock"), &["--metrics-address", &addr]);
+    let c = client(&server.endpoint);
+    let mut cache = cache(&c);
+    cache.fill(2);
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    c.store(cache.layout, 0, &ids, &keys("metrics", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    c.exists(&keys("metrics", BLOCKS)).unwrap();
+    let get = |path: &str| {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        r
+    };
+    let m = get("/metrics");
+    assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+    for needle in [
+        "umbp_sessions 1",
+        "umbp_registrations 1",
+        &format!("umbp_pool_objects {BLOCKS}"),
+        "umbp_transfers_total{direction=\"store\"} 1",
+        &format!(
+            "umbp_transfer_bytes_total{{direction=\"store\"}} {}",
+            BLOCKS * BLOCK
+        ),
+        "umbp_transfer_seconds_count{direction=\"store\"} 1",
+        "umbp_lookup_seconds_bucket",
+        "umbp_pool_evictions_total 0",
+    ] {
+        assert!(m.contains(needle), "{needle} missing in\n{m}");
+    }
+    assert!(get("/other").starts_with("HTTP/1.1 404"));
+    drop(c);
+    assert!(server.stop().success());
+    // A non-loopback address needs --metrics-allow-remote.
+    let out = std::process::Command::new(server_bin())
+        .args([
+            "--address",
+            dir.join("t.sock").to_str().unwrap(),
+            "--capacity",
+            "16MiB",
+            "--prefault",
+            "false",
+            "--metrics-address",
+            "0.0.0.0:9",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--metrics-allow-remote"));
+    assert!(
+        !dir.join("t.sock").exists(),
+        "a failed start leaves no socket"
+    );
+}
