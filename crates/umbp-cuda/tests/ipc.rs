@@ -247,20 +247,40 @@ fn child_socket() -> UnixStream {
     s
 }
 
+/// Pieces of `[addr, addr + len)` that never cross a 2 MiB boundary: one pageable-memory copy
+/// may not span two physical allocations of a VMM range (the driver answers
+/// CUDA_ERROR_INVALID_VALUE, measured on the H200), and VMM allocations start and end on
+/// granularity (2 MiB) boundaries.
+fn pieces(addr: u64, len: u64) -> Vec<(u64, u64)> {
+    const G: u64 = 2 << 20;
+    let mut out = Vec::new();
+    let mut at = addr;
+    while at < addr + len {
+        let end = ((at / G + 1) * G).min(addr + len);
+        out.push((at, end - at));
+        at = end;
+    }
+    out
+}
+
 fn upload(dev: &Arc<Device>, dst: u64, data: &[u8]) {
     let s = dev.stream().unwrap();
-    // SAFETY: `dst` is device memory of `dev` of data.len() bytes that nothing else uses
-    // meanwhile; `data` outlives the synchronised copy.
-    unsafe { dev.copy_htod(dst, data.as_ptr(), data.len() as u64, &s) }.unwrap();
+    for (at, n) in pieces(dst, data.len() as u64) {
+        // SAFETY: `[at, at + n)` is device memory of `dev` that nothing else uses meanwhile;
+        // `data` outlives the synchronised copy.
+        unsafe { dev.copy_htod(at, data[(at - dst) as usize..].as_ptr(), n, &s) }.unwrap();
+    }
     s.synchronize().unwrap();
 }
 
 fn download(dev: &Arc<Device>, src: u64, len: u64) -> Vec<u8> {
     let mut out = vec![0u8; len as usize];
     let s = dev.stream().unwrap();
-    // SAFETY: `src` is device memory of `dev` of `len` bytes; `out` outlives the synchronised
-    // copy.
-    unsafe { dev.copy_dtoh(out.as_mut_ptr(), src, len, &s) }.unwrap();
+    for (at, n) in pieces(src, len) {
+        // SAFETY: `[at, at + n)` is device memory of `dev`; `out` outlives the synchronised
+        // copy.
+        unsafe { dev.copy_dtoh(out[(at - src) as usize..].as_mut_ptr(), at, n, &s) }.unwrap();
+    }
     s.synchronize().unwrap();
     out
 }

@@ -13,7 +13,9 @@ use umbp_core::LayerSpec;
 use umbp_cuda::ipc::VmmAllocation;
 use umbp_cuda::Device;
 
-const CUDA_BLOCK: u64 = 64 << 10;
+/// 96 KiB blocks: some straddle the 2 MiB boundaries between a VMM range's physical
+/// allocations, so the server's copies must handle a piece spanning two allocations.
+const CUDA_BLOCK: u64 = 96 << 10;
 const CUDA_BLOCKS: u64 = 96;
 
 enum Mem {
@@ -41,6 +43,20 @@ fn alloc(dev: &Arc<Device>, kind: &str) -> Mem {
             Mem::Vmm(VmmAllocation::create(0, &[chunk, chunk, chunk], true).unwrap())
         }
     }
+}
+
+/// Pieces that never cross a 2 MiB boundary (a pageable-memory copy may not span two physical
+/// allocations of a VMM range: CUDA_ERROR_INVALID_VALUE on the H200).
+fn pieces(addr: u64, len: u64) -> Vec<(u64, u64)> {
+    const G: u64 = 2 << 20;
+    let mut out = Vec::new();
+    let mut at = addr;
+    while at < addr + len {
+        let end = ((at / G + 1) * G).min(addr + len);
+        out.push((at, end - at));
+        at = end;
+    }
+    out
 }
 
 fn host_pattern(seed: u64) -> Vec<u8> {
@@ -74,8 +90,11 @@ fn run_role(role: &str, kind: &str) {
     let want = host_pattern(42);
     let n = (blocks * CUDA_BLOCK) as usize;
     if role == "store" {
-        // SAFETY: `want` outlives the synchronised copy; the range is inside `mem`.
-        unsafe { dev.copy_htod(base, want.as_ptr(), n as u64, &stream) }.unwrap();
+        for (at, len) in pieces(base, n as u64) {
+            // SAFETY: `want` outlives the synchronised copy; the piece is inside `mem`.
+            unsafe { dev.copy_htod(at, want[(at - base) as usize..].as_ptr(), len, &stream) }
+                .unwrap();
+        }
         stream.synchronize().unwrap();
         let st = c.store(layout.id, 0, &ids, &k).unwrap().wait(None).unwrap();
         assert!(st.iter().all(|s| *s == KeyStatus::Done), "{st:?}");
@@ -83,8 +102,11 @@ fn run_role(role: &str, kind: &str) {
         let st = c.load(layout.id, 0, &ids, &k).unwrap().wait(None).unwrap();
         assert!(st.iter().all(|s| *s == KeyStatus::Done), "{st:?}");
         let mut got = vec![0u8; n];
-        // SAFETY: `got` outlives the synchronised copy.
-        unsafe { dev.copy_dtoh(got.as_mut_ptr(), base, n as u64, &stream) }.unwrap();
+        for (at, len) in pieces(base, n as u64) {
+            // SAFETY: `got` outlives the synchronised copy; the piece is inside `mem`.
+            unsafe { dev.copy_dtoh(got[(at - base) as usize..].as_mut_ptr(), at, len, &stream) }
+                .unwrap();
+        }
         stream.synchronize().unwrap();
         assert!(
             got == want[..n],

@@ -85,7 +85,12 @@ fn a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second() {
             cache.fill(9);
             let ids: Vec<u64> = (0..BLOCKS).collect();
             println!("ready");
-            for round in 0..40u64 {
+            // Until the parent says stop (it creates the file), so it runs across the kill.
+            let stop = std::path::PathBuf::from(std::env::var("UMBP_TEST_STOP").unwrap());
+            for round in 0u64.. {
+                if stop.exists() && round > 0 {
+                    break;
+                }
                 let k = keys(&format!("steady{round}"), BLOCKS);
                 let st = c
                     .store(cache.layout, 0, &ids, &k)
@@ -116,7 +121,13 @@ fn a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second() {
     let name = "a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second";
     let mut victim = spawn_role(name, "loop", &server.endpoint, &[]);
     wait_line(&mut victim, "ready");
-    let mut steady = spawn_role(name, "steady", &server.endpoint, &[]);
+    let stop = dir.join("stop");
+    let mut steady = spawn_role(
+        name,
+        "steady",
+        &server.endpoint,
+        &[("UMBP_TEST_STOP", stop.display().to_string())],
+    );
     wait_line(&mut steady, "ready");
     std::thread::sleep(Duration::from_millis(300));
     let before = stats(&server.endpoint);
@@ -138,6 +149,7 @@ fn a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second() {
         std::thread::sleep(Duration::from_millis(5));
     };
     println!("released {:?} after SIGKILL: {clean:?}", killed.elapsed());
+    std::fs::write(&stop, b"").unwrap();
     assert!(
         steady.wait().unwrap().success(),
         "the other client's transfers failed\n{}",
