@@ -220,6 +220,7 @@ fn store_class(e: &StoreError) -> Class {
         StoreError::Pool(PoolError::TooLarge { .. }) => Class::Config,
         StoreError::Pool(PoolError::Closed) | StoreError::Closed => Class::StoreClosed,
         StoreError::Pool(PoolError::Map { .. }) => Class::Pool,
+        StoreError::Pool(PoolError::SharedFd { .. }) => Class::Registration,
         StoreError::Pool(PoolError::Spawn { .. }) => Class::Umbp,
         StoreError::Copy(c) => match c {
             CopyError::Core(_) | CopyError::InvalidRequest(_) => Class::Config,
