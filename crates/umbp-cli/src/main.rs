@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod bench_copy;
 mod bench_gpu;
+mod bench_host_route;
 mod bench_pool;
 mod cublas;
 
@@ -34,6 +35,9 @@ enum Bench {
     /// CUDA KV cache ↔ pool (needs an NVIDIA GPU), beside the pinned-copy ceiling and a naive
     /// one-copy-per-piece baseline.
     Gpu(Box<bench_gpu::Args>),
+    /// How the standalone server best reaches a client process's host memory: shared memory
+    /// (memfd) against process_vm_readv/writev, beside an in-process memcpy ceiling.
+    HostRoute(bench_host_route::Args),
 }
 
 fn main() {
@@ -56,6 +60,7 @@ fn run() -> i32 {
         Command::Bench(Bench::Pool(a)) => bench_pool::run(&a),
         Command::Bench(Bench::Copy(a)) => bench_copy::run(&a),
         Command::Bench(Bench::Gpu(a)) => bench_gpu::run(&a),
+        Command::Bench(Bench::HostRoute(a)) => bench_host_route::run(&a),
     };
     match result {
         Ok(()) => 0,

@@ -19,30 +19,62 @@
 //!
 //! Two routes let a server reach a client's memory directly: (a) this one, a shared mapping
 //! copied with plain `memcpy`; (b) cross-process copies (`process_vm_readv/writev`), which the
-//! client permits by the ptrace rules (under Yama, `prctl(PR_SET_PTRACER, server_pid)`). Route
-//! (a) was chosen by measurement (`umbp bench host-route`, one run, both directions, 1 GiB per
-//! case, one thread, random client-side piece order; GB/s and the ratio to a plain copy
-//! between two buffers of one process, the same copy function as route (a)):
+//! client permits by the ptrace rules (under Yama, `prctl(PR_SET_PTRACER, server_pid)`).
+//! Route (a) was chosen by measurement: `umbp bench host-route` (release build, 2026-12-01, a
+//! 16-core Intel Xeon VM, Linux 6.18, THP `madvise`, `shmem_enabled` `never`), one run, 1 GiB
+//! each way per case, one thread, client pieces in random order, best of 3 rounds; GB/s and
+//! the ratio to a copy between two buffers of one process with the same copy function as
+//! route (a) (`umbp_copy::memcpy::copy`):
 //!
 //! ```text
-//! HOST_ROUTE_TABLE
+//! pages    piece  direction      memcpy GB/s   (a) shm GB/s  ratio   (b) pvm GB/s  ratio
+//! 4k       4 KiB  out of client         6.36           6.46   1.02           2.85   0.45
+//! 4k       4 KiB  into client           7.70           8.17   1.06           2.92   0.38
+//! 4k      16 KiB  out of client         7.59           6.48   0.85           4.12   0.54
+//! 4k      16 KiB  into client           8.44           7.79   0.92           4.04   0.48
+//! 4k      64 KiB  out of client         7.89           7.38   0.94           4.72   0.60
+//! 4k      64 KiB  into client           7.43           7.13   0.96           4.64   0.62
+//! 4k     256 KiB  out of client         8.12           8.55   1.05           5.05   0.62
+//! 4k     256 KiB  into client           7.71           7.44   0.97           4.82   0.62
+//! 4k       1 MiB  out of client         7.85           8.22   1.05           4.77   0.61
+//! 4k       1 MiB  into client           6.96           7.09   1.02           4.48   0.64
+//! thp      4 KiB  out of client         8.03           6.49   0.81           3.67   0.46
+//! thp      4 KiB  into client           8.55           8.43   0.99           3.47   0.41
+//! thp     16 KiB  out of client         8.85           7.39   0.84           4.36   0.49
+//! thp     16 KiB  into client           8.51           8.56   1.01           4.57   0.54
+//! thp     64 KiB  out of client         8.68           8.29   0.96           5.14   0.59
+//! thp     64 KiB  into client           7.77           7.88   1.01           4.89   0.63
+//! thp    256 KiB  out of client         8.83           7.16   0.81           5.11   0.58
+//! thp    256 KiB  into client           7.87           8.41   1.07           5.14   0.65
+//! thp      1 MiB  out of client         7.88           7.86   1.00           4.84   0.61
+//! thp      1 MiB  into client           7.21           7.06   0.98           4.92   0.68
 //! ```
 //!
-//! Route (a) runs at the speed of an in-process copy at every piece size, with no system call
-//! per transfer and no ptrace permission (it works under any Yama setting, and in containers
-//! that drop `CAP_SYS_PTRACE`), and it reuses the server's one copy path (the copy engine over
-//! registered memory, streaming stores included). Route (b) pays a system call per batch of at
-//! most `IOV_MAX` pieces and pins and maps every page of the client on every call.
-//! The price of (a): the first touch of each page of a new server mapping is a page fault (a
-//! one-time cost, also measured by the benchmark), and the shared pages are shmem, so the host's
-//! `shmem_enabled` setting, not `enabled`, decides whether they can be transparent huge pages.
+//! Route (a) runs at the speed of an in-process copy at every piece size and page size (ratio
+//! 0.81–1.07 in one thread, 0.94–1.02 with `--threads 4`, where the ceiling is 20–27 GB/s);
+//! route (b) reaches 0.38–0.68 (0.35–0.71 with four threads), worst at 4 KiB pieces. Route (b)
+//! pays a system call per batch of at most `IOV_MAX` pieces and pins and maps every client page
+//! on every call; route (a) has no system call per transfer, needs no ptrace permission (it
+//! works under any Yama setting and in containers without `CAP_SYS_PTRACE`), and reuses the
+//! server's one copy path (the copy engine over registered memory, streaming stores included).
+//!
+//! Its price: the first touch of each page of a new server mapping is a page fault (a one-time
+//! cost: the first pass over a fresh 1 GiB mapping ran at 4.4 GB/s instead of about 7), and the
+//! shared pages are shmem, so the host's `shmem_enabled`, not `enabled`, decides whether they
+//! can be transparent huge pages. In the `thp` rows above both sides of route (a) were still
+//! 4 KiB pages (`shmem_enabled` `never`) against huge pages for the others; with `shmem_enabled`
+//! `advise` both mappings of route (a) were huge pages throughout (checked on a 2-core machine,
+//! whose figures are too noisy to quote).
 //!
 //! # What sharing in place changes for the process
 //!
 //! After [`share_host_range`] the range is a `MAP_SHARED` mapping of the memfd: a `fork`ed
 //! child shares it instead of getting a copy-on-write copy; the pages count as `Shmem` (still
 //! in the same memory cgroup); they are allocated by the calling thread's NUMA policy (the old
-//! pages' placement is not carried); and transparent huge pages follow `shmem_enabled`.
+//! pages' placement is not carried); and transparent huge pages follow `shmem_enabled`. Memory
+//! freed back to a heap stays a shared mapping: `MADV_DONTNEED` (as `malloc_trim` does) does
+//! not return shared pages, which go back only when the mapping is unmapped (large allocations
+//! are their own mappings, unmapped by `free`).
 
 use std::ffi::CStr;
 use std::io::{BufRead, BufReader};
@@ -319,6 +351,8 @@ struct Vma {
     page: u64,
     /// `VmFlags`, two-letter codes.
     flags: Vec<String>,
+    /// `AnonHugePages`, bytes: transparent huge pages backing it.
+    anon_huge: u64,
 }
 
 impl Vma {
@@ -347,6 +381,7 @@ fn parse_header(line: &str) -> Option<Vma> {
         path: it.next().unwrap_or("").trim().to_owned(),
         page: 0,
         flags: Vec::new(),
+        anon_huge: 0,
     })
 }
 
@@ -380,6 +415,14 @@ fn vmas_overlapping(lo: u64, hi: u64) -> Result<Vec<Vma>, HostShareError> {
                     .parse()
                     .unwrap_or(4);
                 v.page = kib * 1024;
+            } else if let Some(rest) = line.strip_prefix("AnonHugePages:") {
+                let kib: u64 = rest
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse()
+                    .unwrap_or(0);
+                v.anon_huge = kib * 1024;
             } else if let Some(rest) = line.strip_prefix("VmFlags:") {
                 v.flags = rest.split_whitespace().map(str::to_owned).collect();
             }
@@ -655,24 +698,35 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
             "free some memory, or raise vm.max_map_count".to_owned()
         }
     };
+    // Memory on transparent huge pages (or advised to be) asks for huge shared pages: the
+    // memfd's pages are then allocated through mappings advised MADV_HUGEPAGE, which the host
+    // honours where `shmem_enabled` allows (`advise`, `within_size`, `always`). Otherwise both
+    // mappings are populated up front, sparing the caller a fault per page later.
+    let want_thp = huge.is_none() && vmas.iter().any(|v| v.flag("hg") || v.anon_huge > 0);
+    let populate = if want_thp { 0 } else { libc::MAP_POPULATE };
     let mut off = 0;
     while off < span {
         let n = chunk.min(span - off) as usize;
         let target = (span_start + off) as *mut libc::c_void;
-        // SAFETY: a new shared mapping of our memfd at an address of the kernel's choosing,
-        // populated up front; checked against MAP_FAILED.
+        // SAFETY: a new shared mapping of our memfd at an address of the kernel's choosing;
+        // checked against MAP_FAILED.
         let tmp = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 n,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | populate,
                 fd.as_raw_fd(),
                 off as libc::off_t,
             )
         };
         if tmp == libc::MAP_FAILED {
             return Err(sys(span, "mmap of the new memfd", huge_fix("mmap")));
+        }
+        if want_thp {
+            // SAFETY: advising our own temporary mapping before its pages exist; ignored where
+            // the host refuses huge shared pages.
+            unsafe { libc::madvise(tmp, n, libc::MADV_HUGEPAGE) };
         }
         // SAFETY: `target..target + n` lies in the span, which the mappings checked above
         // cover (readable); `tmp` is our own new mapping of `n` bytes; they cannot overlap. By
@@ -689,7 +743,7 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
                 target,
                 n,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
+                libc::MAP_SHARED | libc::MAP_FIXED | populate,
                 fd.as_raw_fd(),
                 off as libc::off_t,
             )
@@ -724,20 +778,29 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
     }
     // Carry the properties of the old mappings that the new one can have.
     let bytes = span as usize;
-    if vmas.iter().any(|v| v.flag("hg")) {
-        // SAFETY: advising the span we just mapped; harmless when the host does not allow huge
-        // shared pages, and ignored.
-        unsafe { libc::madvise(span_start as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
+    if want_thp {
+        // SAFETY: advising and populating (mapping the memfd's existing pages, huge ones whole)
+        // the span we just mapped; both leave its contents alone, and failures (a host without
+        // huge shared pages, a kernel before 5.14) are harmless and ignored.
+        unsafe {
+            libc::madvise(span_start as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE);
+            libc::madvise(
+                span_start as *mut libc::c_void,
+                bytes,
+                libc::MADV_POPULATE_WRITE,
+            );
+        }
     }
-    // SAFETY: locking the span we just mapped; only pins pages of our own memory.
-    if vmas.iter().any(|v| v.flag("lo"))
-        && unsafe { libc::mlock(span_start as *const libc::c_void, bytes) } != 0
-    {
-        log::warn!(
+    if vmas.iter().any(|v| v.flag("lo")) {
+        // SAFETY: locking the span we just mapped; only pins pages of our own memory.
+        let rc = unsafe { libc::mlock(span_start as *const libc::c_void, bytes) };
+        if rc != 0 {
+            log::warn!(
             "umbp: the shared range {span_start:#x}+{span} was locked in memory (mlock) and could \
              not be locked again after the move: {}",
-            std::io::Error::last_os_error()
-        );
+                std::io::Error::last_os_error()
+            );
+        }
     }
     Ok(SharedHostMemory {
         fd,
@@ -916,6 +979,38 @@ mod tests {
             assert_eq!(*m.as_ptr().add(s.offset_in_span() as usize + 6999), 2);
         }
         drop(v);
+    }
+
+    #[test]
+    fn shares_memory_advised_for_transparent_huge_pages() {
+        let len = 4 << 20;
+        // SAFETY: a new mapping at an address of the kernel's choosing (2 MiB over, to align).
+        let r = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len + (2 << 20),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(r, libc::MAP_FAILED);
+        let p = r
+            .cast::<u8>()
+            .wrapping_add(r.cast::<u8>().align_offset(2 << 20));
+        // SAFETY: advising part of our own new mapping.
+        unsafe { libc::madvise(p.cast(), len, libc::MADV_HUGEPAGE) };
+        for i in 0..len {
+            // SAFETY: `i < len`, inside the mapping.
+            unsafe { p.add(i).write(pattern(i)) };
+        }
+        // SAFETY: this test's own mapping.
+        let s = unsafe { share_host_range(p as u64 + 1000, len as u64 - 2000) }.unwrap();
+        assert_eq!((s.span_addr(), s.span_len()), (p as u64, len as u64));
+        check_share(&s, p, len, p as u64 + 1000, len as u64 - 2000);
+        // SAFETY: unmapping this test's own mapping.
+        unsafe { libc::munmap(r, len + (2 << 20)) };
     }
 
     #[test]

@@ -175,7 +175,9 @@ struct Records {
 #[derive(Debug)]
 struct Inner {
     opts: ClientOptions,
-    rt: tokio::runtime::Runtime,
+    /// Taken only in `Drop` (shut down in the background: the last handle may be dropped on
+    /// one of the runtime's own threads, where a blocking shutdown would panic).
+    rt: Option<tokio::runtime::Runtime>,
     grpc: StoreClient<Channel>,
     pid: u32,
     attachment: RwLock<Option<Attachment>>,
@@ -189,6 +191,22 @@ struct Inner {
     stalled_lookups: Arc<AtomicU64>,
     stalled_transfers: Arc<AtomicU64>,
     attaches: AtomicU64,
+}
+
+impl Inner {
+    fn rt(&self) -> &tokio::runtime::Runtime {
+        self.rt
+            .as_ref()
+            .expect("the runtime lives until the client is dropped")
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 /// A synchronous client of the standalone server (see the crate docs).
@@ -259,7 +277,7 @@ impl StandaloneClient {
         let c = StandaloneClient {
             inner: Arc::new(Inner {
                 opts,
-                rt,
+                rt: Some(rt),
                 grpc,
                 pid: std::process::id(),
                 attachment: RwLock::new(None),
@@ -322,7 +340,7 @@ impl StandaloneClient {
         let fut = f(self.inner.grpc.clone());
         match self
             .inner
-            .rt
+            .rt()
             .block_on(async { tokio::time::timeout(timeout, fut).await })
         {
             Ok(Ok(r)) => Ok(r.into_inner()),
@@ -777,17 +795,21 @@ impl StandaloneClient {
         let slot = Arc::new(Slot::default());
         let s2 = Arc::clone(&slot);
         let mut grpc = self.inner.grpc.clone();
-        let me = self.clone();
+        // Weak: the task must not keep the client (and its runtime) alive.
+        let me = Arc::downgrade(&self.inner);
+        let endpoint = self.inner.opts.endpoint.clone();
         let n = keys.len();
-        self.inner.rt.spawn(async move {
+        self.inner.rt().spawn(async move {
             let r = grpc.transfer(req).await;
             let out = match r {
                 Ok(reply) => decode_reply(reply.into_inner(), n),
                 Err(s) => {
                     if session_lost(&s) {
-                        me.lost();
+                        if let Some(inner) = me.upgrade() {
+                            StandaloneClient { inner }.lost();
+                        }
                     }
-                    Err(status_error("transfer", &me.inner.opts.endpoint, s))
+                    Err(status_error("transfer", &endpoint, s))
                 }
             };
             s2.fill(out);
@@ -859,9 +881,9 @@ impl StandaloneClient {
         }
         let timeout = self.inner.opts.lookup_timeout;
         let mut g = self.inner.grpc.clone();
-        let handle = self.inner.rt.spawn(async move { g.exists(req).await });
+        let handle = self.inner.rt().spawn(async move { g.exists(req).await });
         let stalled = Arc::clone(&self.inner.stalled_lookups);
-        let r = self.inner.rt.block_on(async move {
+        let r = self.inner.rt().block_on(async move {
             let mut handle = handle;
             match tokio::time::timeout(timeout, &mut handle).await {
                 Ok(r) => Some(r),
@@ -935,7 +957,7 @@ impl StandaloneClient {
         if let Some(a) = self.inner.attachment.write().take() {
             let mut g = self.inner.grpc.clone();
             let t = Duration::from_secs(2).min(self.inner.opts.control_timeout);
-            let _ = self.inner.rt.block_on(async move {
+            let _ = self.inner.rt().block_on(async move {
                 tokio::time::timeout(
                     t,
                     g.detach(v1::DetachRequest {
@@ -1090,7 +1112,7 @@ impl Transfer {
             let stalled = Arc::clone(&self.client.inner.stalled_transfers);
             stalled.fetch_add(1, Ordering::AcqRel);
             let slot = Arc::clone(&self.slot);
-            self.client.inner.rt.spawn_blocking(move || {
+            self.client.inner.rt().spawn_blocking(move || {
                 let mut v = slot.value.lock();
                 while v.is_none() {
                     slot.ready.wait(&mut v);

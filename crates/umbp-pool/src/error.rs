@@ -43,6 +43,13 @@ pub enum PoolError {
         /// The system error.
         source: std::io::Error,
     },
+    /// A client's shared-memory descriptor cannot be mapped by the server (see
+    /// [`crate::shared_fd`]); the reason says what the client must change.
+    #[error("cannot map the client's shared memory: {reason}")]
+    SharedFd {
+        /// What is wrong, and what to change.
+        reason: String,
+    },
     /// The pool was closed.
     #[error("the pool is closed")]
     Closed,

@@ -10,13 +10,17 @@
 //!   pinned reads, remove and clear; exact LRU eviction by watermarks in a background thread, and
 //!   just-enough synchronous eviction when an allocation cannot be met at once; stats and a stream
 //!   of stored/removed key events.
+//! * [`shared_fd`]: the standalone server's mapping of a client's KV cache (a sealed memfd the
+//!   client sends), after [`check_shareable_fd`].
 
 pub mod alloc;
 mod error;
 mod index;
 mod pool;
 pub mod region;
+pub mod shared_fd;
 
 pub use error::PoolError;
 pub use pool::{CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation};
 pub use region::{memory_available, MemoryAvailable, Placement};
+pub use shared_fd::{check_shareable_fd, ServerMapping};

@@ -222,6 +222,7 @@ fn store_class(e: &StoreError) -> Class {
         | StoreError::Closed
         | StoreError::SessionReleased(_) => Class::StoreClosed,
         StoreError::Pool(PoolError::Map { .. }) => Class::Pool,
+        StoreError::Pool(PoolError::SharedFd { .. }) => Class::Registration,
         StoreError::Pool(PoolError::Spawn { .. }) => Class::Umbp,
         StoreError::Copy(c) => match c {
             CopyError::Core(_) | CopyError::InvalidRequest(_) => Class::Config,

@@ -24,7 +24,6 @@ use umbp_proto::Endpoint;
 use umbp_store::{EmbeddedStore, StoreConfig, StoreError};
 
 mod fdchan;
-mod hostmem;
 mod listen;
 mod memory;
 mod metrics;
@@ -136,8 +135,8 @@ impl ServerConfig {
                 ..StoreConfig::default()
             },
             socket_mode: 0o600,
-            // SAFETY: getuid has no preconditions and cannot fail.
             access: Access {
+                // SAFETY: getuid has no preconditions and cannot fail.
                 own_uid: unsafe { libc::getuid() },
                 ..Access::default()
             },

@@ -96,7 +96,7 @@ fn invalid(msg: impl Into<String>) -> Status {
 
 /// Splits packed 64-byte keys.
 pub(crate) fn unpack_keys(b: &[u8], what: &str) -> Result<Vec<BlockKey>, Status> {
-    if b.len() % KEY_BYTES != 0 {
+    if !b.len().is_multiple_of(KEY_BYTES) {
         return Err(invalid(format!(
             "{what}: {} bytes is not a whole number of {KEY_BYTES}-byte keys",
             b.len()
@@ -126,7 +126,7 @@ fn exists_keys(r: &v1::ExistsRequest) -> Result<(Vec<BlockKey>, usize, usize), S
     if !ks.packed.is_empty() {
         let keys = unpack_keys(&ks.packed, "keys.packed")?;
         let n_ranks = r.packed_ranks.max(1) as usize;
-        if keys.len() % n_ranks != 0 {
+        if !keys.len().is_multiple_of(n_ranks) {
             return Err(invalid(format!(
                 "{} packed keys do not split into {n_ranks} ranks",
                 keys.len()
@@ -434,9 +434,17 @@ impl Store for Service {
         let cs2 = Arc::clone(&cs);
         let out = tokio::task::spawn_blocking(move || -> Result<u64, Status> {
             use std::os::fd::AsFd;
-            let mapping = crate::hostmem::HostMapping::map(fd.as_fd(), len).map_err(|m| {
-                Status::invalid_argument(format!("cannot map the shared memory: {m}"))
+            // A memfd checked to be sealed against shrinking (so the mapping can never fault);
+            // huge-page memfds are refused: a hole punched in one while the host has no free
+            // huge pages would fault the server on access.
+            let mapping = umbp_pool::ServerMapping::map(fd.as_fd(), len).map_err(|e| {
+                Status::invalid_argument(format!("cannot map the shared memory: {e}"))
             })?;
+            if mapping.is_hugetlb() {
+                return Err(Status::invalid_argument(
+                    "the shared memory is a huge-page (hugetlbfs) memfd, which the server does not map: a hole punched in it could fault the server; share memory on normal or transparent huge pages",
+                ));
+            }
             // SAFETY: the mapping stays in place until this registration is gone: it is kept
             // with the session's backings and dropped only after deregistration.
             let id = unsafe { cs2.session.register_memory(mapping.addr(), mapping.len()) }

@@ -20,10 +20,10 @@ use umbp_copy::RegionId;
 use umbp_proto::SECRET_BYTES;
 use umbp_store::{EmbeddedStore, Session, SessionRelease};
 
-use crate::hostmem::HostMapping;
 use crate::listen::PeerInfo;
 use crate::memory::CudaBacking;
 use crate::metrics::Metrics;
+use umbp_pool::ServerMapping;
 
 /// What a registration of a session is backed by in the server (held for its `Drop`, which
 /// unmaps it once the registration is gone).
@@ -31,7 +31,7 @@ use crate::metrics::Metrics;
 #[allow(dead_code)]
 pub(crate) enum Backing {
     /// A client's memfd mapped here.
-    Host(HostMapping),
+    Host(ServerMapping),
     /// CUDA memory of the client opened here.
     Cuda(CudaBacking),
 }
