@@ -350,3 +350,114 @@ fn prometheus_metrics_are_served_on_loopback_only_when_asked() {
         "a failed start leaves no socket"
     );
 }
+
+#[test]
+fn a_session_ends_when_its_process_exits_even_if_a_forked_child_keeps_the_connection() {
+    if role().as_deref() == Some("forker") {
+        let c = client(&role_endpoint());
+        let _cache = cache(&c);
+        println!("registered");
+        // SAFETY: the child only sleeps and exits (async-signal-safe calls only).
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: as above.
+            unsafe {
+                libc::sleep(5);
+                libc::_exit(0);
+            }
+        }
+        // The parent exits at once; the child still holds the connection's socket.
+        // SAFETY: _exit ends the process without running destructors (which would detach).
+        unsafe { libc::_exit(0) };
+    }
+    let dir = tmpdir("forker");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let name = "a_session_ends_when_its_process_exits_even_if_a_forked_child_keeps_the_connection";
+    let mut p = spawn_role(name, "forker", &server.endpoint, &[]);
+    wait_line(&mut p, "registered");
+    let _ = p.wait();
+    let t = Instant::now();
+    loop {
+        let s = stats(&server.endpoint);
+        if s.sessions == 0 && s.registrations == 0 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "the session outlived its process: {s:?}\n{}",
+            server.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        server.log_text().contains("ProcessExited"),
+        "{}",
+        server.log_text()
+    );
+    assert!(server.stop().success());
+}
+
+#[test]
+fn sigterm_stops_the_server_cleanly_under_load_and_clear_works_by_namespace() {
+    let dir = tmpdir("term");
+    let sock = dir.join("s.sock");
+    let server = Server::start(&sock, &["--shutdown-grace-ms", "2000"]);
+    let c = client(&server.endpoint);
+    let mut cache = cache(&c);
+    cache.fill(4);
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    c.store(cache.layout, 0, &ids, &keys("ns-a", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    c.store(cache.layout, 0, &ids, &keys("ns-b", BLOCKS))
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    assert_eq!(c.clear(Some("test-ns-a")).unwrap(), BLOCKS);
+    assert_eq!(
+        c.exists(&keys("ns-a", BLOCKS)).unwrap(),
+        vec![false; BLOCKS as usize]
+    );
+    assert_eq!(
+        c.exists(&keys("ns-b", BLOCKS)).unwrap(),
+        vec![true; BLOCKS as usize]
+    );
+    assert_eq!(c.clear(None).unwrap(), BLOCKS);
+    // Transfers keep coming from another thread while the server is told to stop.
+    let c2 = c.clone();
+    let layout = cache.layout;
+    let worker = std::thread::spawn(move || {
+        let (mut ok, mut failed) = (0, 0);
+        for round in 0..100_000u64 {
+            match c2
+                .store(layout, 0, &ids, &keys(&format!("t{round}"), BLOCKS))
+                .and_then(|t| t.wait(None))
+            {
+                Ok(_) => ok += 1,
+                Err(_) => {
+                    failed += 1;
+                    if failed > 20 {
+                        break;
+                    }
+                }
+            }
+        }
+        (ok, failed)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let st = server.stop();
+    assert!(st.success(), "exit status {st:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "stopping took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        !sock.exists() && !dir.join("s.sock.fds").exists(),
+        "sockets left behind"
+    );
+    let (ok, failed) = worker.join().unwrap();
+    assert!(ok > 0 && failed > 0, "ok {ok} failed {failed}");
+}
