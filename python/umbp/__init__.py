@@ -1,7 +1,8 @@
 """UMBP: a host-DRAM KV-cache offload store.
 
 Importing this package creates nothing: no threads, no pools, no runtime. A store maps and
-prefaults its memory and starts its workers when it is constructed.
+prefaults its memory and starts its workers when it is constructed; a `StandaloneClient`
+starts its runtime and connects to the node's `umbp_standalone_server` when it is constructed.
 """
 
 from umbp._native import (
@@ -11,6 +12,8 @@ from umbp._native import (
     Keys,
     LookupClient,
     LookupServer,
+    StandaloneClient,
+    Transfer,
     __version__,
     memory_available,
     socket_path,
@@ -22,6 +25,7 @@ from umbp.errors import (
     PoolError,
     PoolFullError,
     RegistrationError,
+    ServerUnavailable,
     StoreClosedError,
     TransferError,
     TransferTimeout,
@@ -30,6 +34,18 @@ from umbp.errors import (
 
 #: Per-key statuses a finished job reports.
 STATUSES = ("done", "already_present", "missing", "pool_full", "cancelled", "failed")
+
+#: Per-key statuses a finished standalone transfer reports ("timed_out": not done within the
+#: transfer's deadline, cancelled by the server).
+TRANSFER_STATUSES = (
+    "done",
+    "already_present",
+    "missing",
+    "pool_full",
+    "cancelled",
+    "timed_out",
+    "failed",
+)
 
 __all__ = [
     "EmbeddedStore",
@@ -40,6 +56,9 @@ __all__ = [
     "LookupServer",
     "LookupServiceError",
     "STATUSES",
+    "StandaloneClient",
+    "Transfer",
+    "TRANSFER_STATUSES",
     "socket_path",
     "memory_available",
     "ConfigError",
@@ -47,6 +66,7 @@ __all__ = [
     "PoolError",
     "PoolFullError",
     "RegistrationError",
+    "ServerUnavailable",
     "StoreClosedError",
     "TransferError",
     "TransferTimeout",

@@ -8,6 +8,9 @@ from typing import Any, Literal
 Status = Literal[
     "pending", "done", "already_present", "missing", "pool_full", "cancelled", "failed"
 ]
+TransferStatus = Literal[
+    "done", "already_present", "missing", "pool_full", "cancelled", "timed_out", "failed"
+]
 
 __version__: str
 
@@ -41,6 +44,10 @@ class LookupServiceError(UmbpError):
 
 class CudaError(UmbpError):
     """CUDA is not available here (no NVIDIA driver), or a CUDA call failed."""
+
+class ServerUnavailable(UmbpError):
+    """The standalone server cannot be reached, went away or restarted, or did not answer in
+    time; a later call attaches again by itself."""
 
 class Keys:
     """An immutable batch of 64-byte block keys."""
@@ -152,6 +159,105 @@ class EmbeddedStore:
         Raises CudaError where there is no CUDA."""
     def cuda_stats(self) -> dict[str, object] | None: ...
     def wait_pool_registered(self, timeout_ms: int) -> bool: ...
+
+class Transfer:
+    """A transfer in flight on the standalone server; dropping it does not cancel it.
+
+    `poll`, `wait`, `errors` and `failures` raise the transfer's error when it failed as a
+    whole (e.g. `ServerUnavailable`: the server went away or restarted)."""
+
+    @property
+    def done(self) -> bool: ...
+    def poll(self) -> list[TransferStatus] | None: ...
+    def wait(self, timeout_ms: int | None = None) -> list[TransferStatus]:
+        """Raises `TransferTimeout` when the server has not answered within `timeout_ms`
+        (default: the transfer's deadline)."""
+        ...
+    def cancel(self) -> None:
+        """Asks the server to stop the keys not started; raises when it cannot be asked."""
+        ...
+    def errors(self) -> list[tuple[int, str]]: ...
+    def failures(self) -> list[tuple[int, str, str]]:
+        """(key index, kind, message) of each failed key; kind is the server's
+        ("invalid_range", "size_mismatch", "pool", "move", ...)."""
+        ...
+    def __len__(self) -> int: ...
+
+class StandaloneClient:
+    """A client of the node's umbp_standalone_server (standalone mode).
+
+    Connects and attaches on construction (its runtime starts then, never at import); after a
+    server restart the next call raises `ServerUnavailable` and a later one attaches again,
+    registering the client's memory and layouts again (their ids stay valid). Unusable in a
+    forked child (`StoreClosedError`)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        startup_timeout_ms: int = 30000,
+        lookup_timeout_ms: int = 1000,
+        timeout_ms: int = 30000,
+        client_name: str | None = None,
+    ) -> None:
+        """`endpoint`: `/abs/path.sock` or `unix:///abs/path.sock` (`ConfigError` otherwise);
+        no server answering within `startup_timeout_ms` raises `ServerUnavailable`."""
+        ...
+    @property
+    def endpoint(self) -> str: ...
+    def register_memory(self, addr: int, length: int) -> int:
+        """Host memory, shared with the server by moving its pages in place onto a sealed
+        memfd (pointers stay valid). Private anonymous memory (numpy, torch CPU tensors) not
+        written by another thread during the call and not pinned for a device; it must stay
+        allocated until deregistered or the client is closed."""
+    def register_cuda_memory(self, addr: int, length: int) -> int:
+        """CUDA device memory (a tensor's data_ptr() and byte size), shared by IPC; it must
+        stay allocated until deregistered or the client is closed."""
+    def deregister_memory(self, region_id: int) -> None: ...
+    def register_layout(self, groups: Sequence[Sequence[tuple[int, int, int, int]]]) -> int:
+        """One list per cache group of (base_addr, num_blocks, block_stride, block_bytes)."""
+    def register_tensor_layout(
+        self,
+        groups: Sequence[
+            Sequence[tuple[str, int, int, Sequence[int], Sequence[int], int, int | None]]
+        ],
+        num_blocks: Sequence[int],
+    ) -> int:
+        """As EmbeddedStore.register_tensor_layout."""
+    def object_bytes(self, layout_id: int, group: int) -> int: ...
+    def exists(self, keys: Keys) -> list[bool]: ...
+    def prefix_hits(self, keys: Keys) -> int: ...
+    def exists_across_ranks(
+        self,
+        namespace: str,
+        ranks: Sequence[tuple[int, int, int, int]],
+        group: int,
+        hashes: bytes,
+        hash_bytes: int,
+        prefix_only: bool = False,
+    ) -> tuple[list[bool], int]:
+        """`ranks`: (tp, pcp, dcp, pp) each; `hashes` packed, `hash_bytes` each. Returns the
+        per-block answers (empty with `prefix_only`) and the leading blocks all ranks hold."""
+    def store(
+        self, layout_id: int, group: int, block_ids: Sequence[int], keys: Keys
+    ) -> Transfer: ...
+    def load(
+        self, layout_id: int, group: int, block_ids: Sequence[int], keys: Keys
+    ) -> Transfer: ...
+    def clear(self, namespace: str | None = None) -> int:
+        """Removes every object of the server's pool (every client's), or one namespace's."""
+    def stats(self) -> dict[str, int | str]: ...
+    def ping(self) -> str:
+        """The server's boot id."""
+    @property
+    def session_id(self) -> int | None: ...
+    @property
+    def boot_id(self) -> str | None: ...
+    @property
+    def attach_count(self) -> int: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> StandaloneClient: ...
+    def __exit__(self, *args: object) -> None: ...
 
 class LookupServer:
     """Serves one worker's lookups and clears on a Unix socket (embedded mode)."""

@@ -15,6 +15,9 @@ here (their ``__module__`` is ``umbp.errors``)::
     LookupServiceError(UmbpError)         a lookup service could not start, or its workers
                                           could not be reached
     CudaError(UmbpError)                  no CUDA here (no NVIDIA driver), or a CUDA call failed
+    ServerUnavailable(UmbpError)          the standalone server cannot be reached, went away or
+                                          restarted, or did not answer in time (a later call
+                                          attaches again by itself)
 """
 
 from umbp._native import (
@@ -24,6 +27,7 @@ from umbp._native import (
     PoolError,
     PoolFullError,
     RegistrationError,
+    ServerUnavailable,
     StoreClosedError,
     TransferError,
     TransferTimeout,
@@ -41,4 +45,5 @@ __all__ = [
     "StoreClosedError",
     "LookupServiceError",
     "CudaError",
+    "ServerUnavailable",
 ]

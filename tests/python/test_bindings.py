@@ -24,6 +24,7 @@ NAMES = [
     "StoreClosedError",
     "LookupServiceError",
     "CudaError",
+    "ServerUnavailable",
 ]
 
 

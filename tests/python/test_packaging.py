@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import zipfile
@@ -20,12 +21,14 @@ import umbp._native
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Strings that linking the command puts into a binary: clap's source paths (panic locations,
-# debug info), the command's crate and module names, and the old Python entry point.
-COMMAND_MARKERS = (b"clap_builder", b"umbp_cli", b"bench_gpu", b"cli_main")
+# debug info), the command's crate and module names, and the old Python entry point. The crate
+# name must not be followed by a letter: `umbp_client` (the standalone server's client, which
+# the extension links) is not the command.
+COMMAND_MARKERS = (b"clap_builder", rb"umbp_cli(?![a-z])", b"bench_gpu", b"cli_main")
 
 
 def markers_in(binary: bytes):
-    return [m.decode() for m in COMMAND_MARKERS if m in binary]
+    return [m.decode() for m in COMMAND_MARKERS if re.search(m, binary)]
 
 
 def test_the_extension_has_no_command_entry():
@@ -34,6 +37,11 @@ def test_the_extension_has_no_command_entry():
     assert [n for n in names if n.startswith("cli") or "bench" in n] == []
     assert importlib.util.find_spec("umbp._cli") is None
     assert importlib.util.find_spec("umbp.__main__") is None
+
+
+def test_the_markers_tell_the_command_from_the_client():
+    assert markers_in(b"_ZN8umbp_cli4main and crates/umbp-cli") == ["umbp_cli(?![a-z])"]
+    assert markers_in(b"_ZN11umbp_client6Inner umbp_client::Transfer") == []
 
 
 def test_the_extension_binary_links_no_benchmarks():
@@ -61,7 +69,7 @@ def cargo_tree(package):
 
 def test_the_bindings_crate_does_not_depend_on_the_command():
     deps = cargo_tree("umbp-py")
-    assert "umbp-store" in deps and "umbp-lookup" in deps, sorted(deps)
+    assert {"umbp-store", "umbp-lookup", "umbp-client"} <= deps, sorted(deps)
     assert {"umbp-cli", "clap", "clap_builder", "env_logger"} & deps == set()
 
 

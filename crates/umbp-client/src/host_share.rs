@@ -2,9 +2,9 @@
 //! without a KV byte crossing the socket.
 //!
 //! The client's KV cache is backed by a memfd; the client sends the descriptor to the server
-//! (`SCM_RIGHTS`), which maps it `MAP_SHARED` (`umbp_pool::ServerMapping`, after
-//! `umbp_pool::check_shareable_fd`) and copies between it and its pool with the same copy path
-//! it uses for everything else. Two ways to get there:
+//! (`SCM_RIGHTS`), which maps it `MAP_SHARED` (umbp-server's `hostmem`, after checking its
+//! seals) and copies between it and its pool with the same copy path it uses for everything
+//! else. Two ways to get there:
 //! * [`alloc_shared_host`]: fresh memory in a new memfd, for callers that can allocate their
 //!   cache in it;
 //! * [`share_host_range`]: memory the process already has (a torch tensor's `data_ptr()`), moved
@@ -633,18 +633,19 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
             "share memory allocated on the heap or mapped for the purpose",
         ));
     }
-    // Already in one memfd: name it, move nothing.
+    // Already in one memfd whose descriptor is open here: name it, move nothing.
     if let Some(Kind::Memfd {
         dev, inode, base, ..
     }) = kinds.first()
     {
-        if kinds.iter().all(|k| k == &kinds[0]) {
+        if kinds.iter().all(|k| k == &kinds[0]) && find_open_fd(*dev, *inode).is_some() {
             return existing_memfd(addr, len, *dev, *inode, *base);
         }
     }
     // Otherwise everything is moved: anonymous memory, and memfd mappings left behind by
-    // memory that was shared, freed and reused (the heap), whose descriptors are gone. One
-    // page size for all of it.
+    // memory that was shared, freed and reused (heap memory of a closed client, say), whose
+    // descriptors are gone, whether the range lies in one of them or reaches beyond. One page
+    // size for all of it.
     let mut page_kind: Option<(u64, bool)> = None;
     for (v, k) in vmas.iter().zip(&kinds) {
         let pk = match k {
@@ -867,7 +868,74 @@ fn existing_memfd(
 mod tests {
     use std::alloc::Layout;
 
-    use umbp_pool::{check_shareable_fd, ServerMapping};
+    /// What the server checks of a shared memfd before mapping it (as umbp-server's
+    /// `hostmem::check_shareable`, which this crate cannot depend on): a regular file sealed
+    /// against shrinking, at least `len` bytes.
+    fn check_shareable_fd(fd: BorrowedFd<'_>, len: u64) -> Result<(), String> {
+        // SAFETY: `st` is plain data filled by fstat on a borrowed descriptor.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+        }
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err("not a regular file".into());
+        }
+        // SAFETY: F_GET_SEALS takes no argument.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err("not sealed against shrinking".into());
+        }
+        if (st.st_size as u64) < len {
+            return Err(format!("{} bytes, fewer than {len}", st.st_size));
+        }
+        Ok(())
+    }
+
+    /// A memfd mapped as the server maps it (`MAP_SHARED`, from offset 0); unmapped on drop.
+    struct ServerMapping {
+        addr: u64,
+        len: usize,
+    }
+
+    impl ServerMapping {
+        fn map(fd: BorrowedFd<'_>, len: u64) -> Result<Self, String> {
+            check_shareable_fd(fd, len)?;
+            // SAFETY: a new shared mapping at an address of the kernel's choosing.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+            }
+            Ok(ServerMapping {
+                addr: p as u64,
+                len: len as usize,
+            })
+        }
+
+        fn addr(&self) -> u64 {
+            self.addr
+        }
+
+        fn as_ptr(&self) -> *mut u8 {
+            self.addr as *mut u8
+        }
+    }
+
+    impl Drop for ServerMapping {
+        fn drop(&mut self) {
+            // SAFETY: the mapping this value made, unused once it is dropped.
+            unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        }
+    }
 
     use super::*;
 
@@ -1028,12 +1096,26 @@ mod tests {
         assert_eq!(again.span_addr(), p as u64);
         assert_eq!(again.span_len(), len as u64);
         assert_eq!(again.offset_in_span(), 10_000);
+        let inode = |fd: BorrowedFd<'_>| {
+            // SAFETY: `st` is plain data filled by fstat on a descriptor we hold.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: as above.
+            assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+            st.st_ino
+        };
+        let old = inode(first.fd());
         drop(again);
-        // Once no descriptor is left, the memory cannot be named any more.
+        // Once no descriptor is left (the memory freed and reused, say), the memfd cannot be
+        // named any more: the range is moved again, onto a new memfd.
         drop(first);
         // SAFETY: as above.
-        let e = unsafe { share_host_range(p as u64, 4096) }.unwrap_err();
-        assert!(e.to_string().contains("no descriptor"), "{e}");
+        let moved = unsafe { share_host_range(p as u64 + 10_000, 5000) }.unwrap();
+        assert_ne!(inode(moved.fd()), old);
+        assert_eq!(moved.span_addr(), p as u64 + 8192);
+        assert_eq!(moved.span_len(), 8192);
+        // SAFETY: inside this test's allocation, zeroed and never written.
+        assert_eq!(unsafe { *p.add(12_000) }, 0);
+        drop(moved);
         // SAFETY: allocated above with this layout.
         unsafe { std::alloc::dealloc(p, layout) };
     }

@@ -16,6 +16,7 @@
 //! pending until the server answers; its memory may be written until then).
 
 use std::collections::BTreeMap;
+use std::mem::ManuallyDrop;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -175,9 +176,8 @@ struct Records {
 #[derive(Debug)]
 struct Inner {
     opts: ClientOptions,
-    /// Taken only in `Drop` (shut down in the background: the last handle may be dropped on
-    /// one of the runtime's own threads, where a blocking shutdown would panic).
-    rt: Option<tokio::runtime::Runtime>,
+    /// Shut down by [`Inner`]'s drop (see there).
+    rt: ManuallyDrop<tokio::runtime::Runtime>,
     grpc: StoreClient<Channel>,
     pid: u32,
     attachment: RwLock<Option<Attachment>>,
@@ -195,16 +195,29 @@ struct Inner {
 
 impl Inner {
     fn rt(&self) -> &tokio::runtime::Runtime {
-        self.rt
-            .as_ref()
-            .expect("the runtime lives until the client is dropped")
+        &self.rt
     }
 }
 
+/// How long dropping the last handle of a client waits for its runtime's threads.
+const RUNTIME_SHUTDOWN_WAIT: Duration = Duration::from_secs(2);
+
 impl Drop for Inner {
+    /// Shuts the runtime down without ever panicking or hanging: the last handle may be
+    /// dropped by one of the runtime's own tasks (a transfer still in flight when every other
+    /// handle went away), where a runtime cannot wait for its threads, or in a forked child,
+    /// where those threads do not exist; and a thread that does not finish (one waiting for a
+    /// lock its process will never release, such as the Python GIL at interpreter exit) is
+    /// waited for only so long.
     fn drop(&mut self) {
-        if let Some(rt) = self.rt.take() {
+        // SAFETY: `rt` is taken here, once, and `self` is not used afterwards.
+        let rt = unsafe { ManuallyDrop::take(&mut self.rt) };
+        if std::process::id() != self.pid {
+            std::mem::forget(rt);
+        } else if tokio::runtime::Handle::try_current().is_ok() {
             rt.shutdown_background();
+        } else {
+            rt.shutdown_timeout(RUNTIME_SHUTDOWN_WAIT);
         }
     }
 }
@@ -277,7 +290,7 @@ impl StandaloneClient {
         let c = StandaloneClient {
             inner: Arc::new(Inner {
                 opts,
-                rt: Some(rt),
+                rt: ManuallyDrop::new(rt),
                 grpc,
                 pid: std::process::id(),
                 attachment: RwLock::new(None),
@@ -359,14 +372,15 @@ impl StandaloneClient {
 
     /// Forgets the current session: the next call attaches again.
     fn lost(&self) {
-        let mut a = self.inner.attachment.write();
-        if a.is_some() {
+        // The lock is not held while logging: a log record may wait for a lock of the
+        // embedding program (the Python GIL), whose holder may want this one.
+        let had = self.inner.attachment.write().take().is_some();
+        if had {
             log::warn!(
                 "umbp: lost the session with the server at {}; the next call attaches again",
                 self.inner.opts.endpoint
             );
         }
-        *a = None;
     }
 
     fn ping_once(&self, timeout: Duration) -> Result<v1::PingReply> {
@@ -954,7 +968,11 @@ impl StandaloneClient {
         if self.inner.closed.swap(true, Ordering::AcqRel) || std::process::id() != self.inner.pid {
             return;
         }
-        if let Some(a) = self.inner.attachment.write().take() {
+        // Taken in a statement of its own, so that the lock is not held during the call: the
+        // runtime's tasks take it (a failing transfer forgets the session), and if every
+        // worker blocked on it, nothing would drive the call or its timeout.
+        let attachment = self.inner.attachment.write().take();
+        if let Some(a) = attachment {
             let mut g = self.inner.grpc.clone();
             let t = Duration::from_secs(2).min(self.inner.opts.control_timeout);
             let _ = self.inner.rt().block_on(async move {

@@ -3,11 +3,18 @@
 //! The exception classes are created here, when `umbp._native` is imported, and exported from
 //! it; `umbp.errors` re-exports them. Their `__module__` is `umbp.errors`, so they print and
 //! pickle as they did when that module defined them. Raising one never looks anything up.
+//!
+//! Errors of the standalone client ([`umbp_client::ClientError`]) map onto the same classes
+//! (see [`client_class`]): the server or the connection failing is `ServerUnavailable` (the
+//! client attaches again by itself on a later call), a request it refuses is `ConfigError`,
+//! `RegistrationError`, `PoolFullError` or `TransferError` by its gRPC code, and a closed or
+//! forked client is `StoreClosedError`, as for the embedded store.
 
 use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
+use umbp_client::ClientError;
 use umbp_copy::CopyError;
 use umbp_core::CoreError;
 use umbp_lookup::LookupError;
@@ -25,6 +32,10 @@ pub(crate) enum Error {
     Store(StoreError),
     /// The lookup service could not start or its workers could not be reached.
     Lookup(LookupError),
+    /// The standalone client failed; the class depends on how ([`client_class`]).
+    Client(ClientError),
+    /// An error already classified, kept to be raised again (a transfer's outcome).
+    Raised(Raised),
     /// A native object used in a forked child of the process that made it.
     Forked {
         /// What it is ("store", "job", ...).
@@ -69,6 +80,36 @@ impl From<LookupError> for Error {
     }
 }
 
+impl From<ClientError> for Error {
+    fn from(e: ClientError) -> Self {
+        Error::Client(e)
+    }
+}
+
+impl From<Raised> for Error {
+    fn from(r: Raised) -> Self {
+        Error::Raised(r)
+    }
+}
+
+/// An error's class and message, cloneable: what an outcome read more than once raises each
+/// time.
+#[derive(Debug, Clone)]
+pub(crate) struct Raised {
+    class: Class,
+    message: String,
+}
+
+impl Raised {
+    /// The class and message of a client error.
+    pub(crate) fn of(e: &ClientError) -> Raised {
+        Raised {
+            class: client_class(e),
+            message: e.to_string(),
+        }
+    }
+}
+
 impl From<PyErr> for Error {
     fn from(e: PyErr) -> Self {
         Error::Python(e)
@@ -88,6 +129,7 @@ enum Class {
     StoreClosed,
     LookupService,
     Cuda,
+    ServerUnavailable,
 }
 
 /// A built-in exception class that a class derives from besides `UmbpError`.
@@ -100,7 +142,7 @@ enum Also {
 
 impl Class {
     /// Every class, in the order of the discriminants (checked below).
-    const ALL: [Class; 10] = [
+    const ALL: [Class; 11] = [
         Class::Umbp,
         Class::Config,
         Class::Pool,
@@ -111,6 +153,7 @@ impl Class {
         Class::StoreClosed,
         Class::LookupService,
         Class::Cuda,
+        Class::ServerUnavailable,
     ];
 
     /// The class's name, docstring and other base.
@@ -157,6 +200,12 @@ impl Class {
             Class::Cuda => (
                 "CudaError",
                 "CUDA is not available here (no NVIDIA driver), or a CUDA call failed.",
+                Also::Nothing,
+            ),
+            Class::ServerUnavailable => (
+                "ServerUnavailable",
+                "The standalone server cannot be reached, went away or restarted, or did not \
+                 answer in time; a later call attaches again by itself.",
                 Also::Nothing,
             ),
         }
@@ -235,11 +284,82 @@ fn store_class(e: &StoreError) -> Class {
             CopyError::Spawn { .. } => Class::Umbp,
         },
         StoreError::Unmapped { .. } | StoreError::ForeignRegion(_) => Class::Registration,
-        StoreError::Cuda(c) => match c {
-            CudaError::Option { .. } => Class::Config,
-            CudaError::BadMemory { .. } | CudaError::Device { .. } => Class::Registration,
-            _ => Class::Cuda,
-        },
+        StoreError::Cuda(c) => cuda_class(c),
+    }
+}
+
+/// The class of a CUDA error.
+fn cuda_class(c: &CudaError) -> Class {
+    match c {
+        CudaError::Option { .. } => Class::Config,
+        CudaError::BadMemory { .. } | CudaError::Device { .. } => Class::Registration,
+        _ => Class::Cuda,
+    }
+}
+
+/// The class of a standalone client error:
+///
+/// * `ServerUnavailable`: no server answers at the endpoint, the connection broke or the
+///   server restarted (its session is gone), a call other than a transfer's wait ran past its
+///   deadline, or an earlier call is still unanswered past its deadline (`Stalled`);
+/// * `TransferTimeout`: a transfer's wait ran past its deadline (the transfer still runs);
+/// * `ConfigError`: a bad endpoint, bad input found before sending (a count mismatch, an
+///   unknown layout or region id, a layout outside registered memory), or a request the server
+///   refused as invalid (`InvalidArgument`, `NotFound`, `OutOfRange`, `AlreadyExists`);
+/// * `RegistrationError`: host memory that cannot be shared, CUDA memory that cannot be
+///   exported, or a registration the server refused (`FailedPrecondition`, e.g. a region still
+///   in use; `PermissionDenied`, memory of another session);
+/// * `PoolFullError`: `ResourceExhausted`;
+/// * `TransferError`: a transfer the server failed as a whole (`DeadlineExceeded`: it did
+///   not stop after it was cancelled; `Internal`);
+/// * `StoreClosedError`: the client was closed, or is used in a forked child;
+/// * `UmbpError`: the rest (the server refused to attach this client: protocol version,
+///   access; the client's runtime could not start).
+fn client_class(e: &ClientError) -> Class {
+    match e {
+        ClientError::Endpoint(_) | ClientError::Invalid(_) => Class::Config,
+        ClientError::Unreachable { .. }
+        | ClientError::Disconnected { .. }
+        | ClientError::Stalled { .. } => Class::ServerUnavailable,
+        ClientError::Timeout { what, .. } => {
+            if *what == "transfer" {
+                Class::TransferTimeout
+            } else {
+                Class::ServerUnavailable
+            }
+        }
+        ClientError::Refused {
+            call,
+            code,
+            message,
+        } => refused_class(call, code, message),
+        ClientError::Forked { .. } | ClientError::Closed => Class::StoreClosed,
+        ClientError::Cuda(c) => cuda_class(c),
+        ClientError::HostShare(_) => Class::Registration,
+        ClientError::Io { what, .. } => {
+            if what.contains("runtime") {
+                Class::Umbp
+            } else {
+                // The descriptor side channel: the server went away.
+                Class::ServerUnavailable
+            }
+        }
+    }
+}
+
+/// The class of a request the server refused, by the gRPC code's name (see [`client_class`]).
+fn refused_class(call: &str, code: &str, message: &str) -> Class {
+    let attaching = matches!(call, "attach" | "ping");
+    match code {
+        "InvalidArgument" | "NotFound" | "OutOfRange" | "AlreadyExists" => Class::Config,
+        "ResourceExhausted" => Class::PoolFull,
+        // The server lost this client's session (it restarted, or released it).
+        "FailedPrecondition" if message.contains("not attached") => Class::ServerUnavailable,
+        "FailedPrecondition" | "PermissionDenied" if attaching => Class::Umbp,
+        "FailedPrecondition" | "PermissionDenied" => Class::Registration,
+        "DeadlineExceeded" | "Internal" if call == "transfer" => Class::Transfer,
+        "DeadlineExceeded" => Class::ServerUnavailable,
+        _ => Class::Umbp,
     }
 }
 
@@ -251,6 +371,8 @@ impl From<Error> for PyErr {
             Error::Core(e) => (Class::Config, e.to_string()),
             Error::Store(e) => (store_class(&e), e.to_string()),
             Error::Lookup(e) => (Class::LookupService, e.to_string()),
+            Error::Client(e) => (client_class(&e), e.to_string()),
+            Error::Raised(r) => (r.class, r.message),
             Error::Forked { what, parent } => (
                 Class::StoreClosed,
                 format!(

@@ -9,6 +9,8 @@
 //! - [`keys`]: `Keys` and `KeyBuilder`.
 //! - [`store`]: `EmbeddedStore` and `Job`.
 //! - [`lookup`]: `LookupServer`, `LookupClient` and `socket_path`.
+//! - [`standalone`]: `StandaloneClient` and `Transfer`, the standalone server's client (its
+//!   runtime is made by the constructor).
 //! - [`options`]: the connector options' schema and validation.
 //! - [`lifecycle`]: the GIL, forked children, drops and closing at exit.
 
@@ -19,6 +21,7 @@ mod keys;
 mod lifecycle;
 mod lookup;
 mod options;
+mod standalone;
 mod store;
 
 /// Memory this process may still use, `(bytes, what limits it)`: the host's `MemAvailable`, or
@@ -35,7 +38,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Route Rust `log` records to Python's `logging` (logger names start with "umbp").
     let _ = pyo3_log::try_init();
     errors::add_classes(m)?;
-    // Close stores and stop lookup servers before finalization (see `lifecycle::LIVE_STORES`).
+    // Close stores and clients and stop lookup servers before finalization (see
+    // `lifecycle::LIVE_STORES`).
     m.add_function(wrap_pyfunction!(lifecycle::_close_all, m)?)?;
     m.py()
         .import("atexit")?
@@ -46,6 +50,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<keys::Keys>()?;
     m.add_class::<lookup::LookupServer>()?;
     m.add_class::<lookup::LookupClient>()?;
+    m.add_class::<standalone::StandaloneClient>()?;
+    m.add_class::<standalone::Transfer>()?;
     m.add_function(wrap_pyfunction!(lookup::socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(memory_available, m)?)?;
     options::register(m)?;

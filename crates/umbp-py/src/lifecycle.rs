@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use pyo3::marker::Ungil;
 use pyo3::prelude::*;
+use umbp_client::StandaloneClient as CoreClient;
 use umbp_lookup::LookupServer as CoreLookupServer;
 use umbp_store::EmbeddedStore as CoreStore;
 
@@ -130,6 +131,9 @@ type Live<T> = Mutex<Vec<(u32, Weak<T>)>>;
 /// finalization they cannot, and joining them would hang).
 static LIVE_STORES: Live<CoreStore> = Mutex::new(Vec::new());
 static LIVE_SERVERS: Live<CoreLookupServer> = Mutex::new(Vec::new());
+/// Standalone clients not yet dropped, detached at exit: their runtime's threads log through
+/// Python too, and the server learns at once that the session is over.
+static LIVE_CLIENTS: Live<CoreClient> = Mutex::new(Vec::new());
 
 fn track<T>(live: &Live<T>, v: &Arc<T>) {
     if let Ok(mut l) = live.lock() {
@@ -148,6 +152,11 @@ pub(crate) fn track_server(server: &Arc<CoreLookupServer>) {
     track(&LIVE_SERVERS, server);
 }
 
+/// Detaches `client` at exit unless it is dropped first.
+pub(crate) fn track_client(client: &Arc<CoreClient>) {
+    track(&LIVE_CLIENTS, client);
+}
+
 /// This process's live objects of `live` (a forked child skips its parent's).
 fn take_live<T>(live: &Live<T>) -> Vec<Arc<T>> {
     let me = std::process::id();
@@ -161,14 +170,19 @@ fn take_live<T>(live: &Live<T>) -> Vec<Arc<T>> {
         .unwrap_or_default()
 }
 
-/// Closes every live store and stops every lookup server of this process (registered with
+/// Closes every live store and standalone client and stops every lookup server of this
+/// process (registered with
 /// `atexit` when `umbp._native` is imported, so it runs after every exit handler registered
 /// later, e.g. a serving framework's shutdown).
 #[pyfunction]
 pub(crate) fn _close_all(py: Python<'_>) {
     let servers = take_live(&LIVE_SERVERS);
     let stores = take_live(&LIVE_STORES);
+    let clients = take_live(&LIVE_CLIENTS);
     without_gil(py, move || {
+        for c in clients {
+            c.close();
+        }
         for s in servers {
             s.shutdown();
         }

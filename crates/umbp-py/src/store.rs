@@ -117,7 +117,7 @@ pub(crate) struct EmbeddedStore {
     inner: ReleaseGilOnDrop<Arc<CoreStore>>,
 }
 
-fn to_u64s(v: Vec<i64>, what: &str) -> Result<Vec<u64>> {
+pub(crate) fn to_u64s(v: Vec<i64>, what: &str) -> Result<Vec<u64>> {
     v.into_iter()
         .map(|x| {
             u64::try_from(x).map_err(|_| Error::Config(format!("{what} must be >= 0, got {x}")))
@@ -127,7 +127,65 @@ fn to_u64s(v: Vec<i64>, what: &str) -> Result<Vec<u64>> {
 
 /// One layer of `register_tensor_layout`: `(name, data_ptr, element_size, shape, strides,
 /// block_dim, expected_block_bytes)`.
-type TensorSpec = (String, u64, u64, Vec<u64>, Vec<i64>, usize, Option<u64>);
+pub(crate) type TensorSpec = (String, u64, u64, Vec<u64>, Vec<i64>, usize, Option<u64>);
+
+/// One layer of `register_layout`: `(base_addr, num_blocks, block_stride, block_bytes)`.
+pub(crate) type LayerTuple = (u64, u64, u64, u64);
+
+/// The KV layout of a `register_layout` argument (one list of layers per cache group), checked.
+pub(crate) fn layout_from_tuples(groups: Vec<Vec<LayerTuple>>) -> Result<KvLayout> {
+    let mut gl = Vec::with_capacity(groups.len());
+    for layers in groups {
+        let specs = layers
+            .into_iter()
+            .map(
+                |(base_addr, num_blocks, block_stride, block_bytes)| LayerSpec {
+                    base_addr,
+                    num_blocks,
+                    block_stride,
+                    block_bytes,
+                },
+            )
+            .collect();
+        gl.push(GroupLayout::new(specs)?);
+    }
+    Ok(KvLayout::new(gl)?)
+}
+
+/// The KV layout of a `register_tensor_layout` argument: each tensor view's runs, planned from
+/// its strides, checked.
+pub(crate) fn layout_from_tensors(
+    groups: Vec<Vec<TensorSpec>>,
+    num_blocks: Vec<u64>,
+) -> Result<KvLayout> {
+    if groups.len() != num_blocks.len() {
+        return Err(Error::Config(format!(
+            "register_tensor_layout: {} groups but {} block counts",
+            groups.len(),
+            num_blocks.len()
+        )));
+    }
+    let mut gl = Vec::with_capacity(groups.len());
+    for (layers, nb) in groups.into_iter().zip(num_blocks) {
+        let mut specs = Vec::new();
+        for (name, addr, elem_bytes, shape, strides, block_dim, expected) in layers {
+            let view = TensorView {
+                name,
+                addr,
+                elem_bytes,
+                shape,
+                strides,
+                block_dim,
+            };
+            specs.extend(view.layer_runs(nb, expected)?);
+        }
+        // Objects hold the runs in address order, so runs that follow each other in memory (a
+        // block's layers in BHLNC, say) merge into one copy.
+        specs.sort_by_key(|l| l.base_addr);
+        gl.push(GroupLayout::new(specs)?);
+    }
+    Ok(KvLayout::new(gl)?)
+}
 
 #[pymethods]
 impl EmbeddedStore {
@@ -220,28 +278,9 @@ impl EmbeddedStore {
     /// Registers a KV layout: one list per cache group, one
     /// `(base_addr, num_blocks, block_stride, block_bytes)` tuple per layer. Every layer must
     /// lie inside registered memory. Returns the layout id.
-    fn register_layout(
-        &self,
-        py: Python<'_>,
-        groups: Vec<Vec<(u64, u64, u64, u64)>>,
-    ) -> Result<u32> {
+    fn register_layout(&self, py: Python<'_>, groups: Vec<Vec<LayerTuple>>) -> Result<u32> {
         without_gil(py, move || {
-            let mut gl = Vec::with_capacity(groups.len());
-            for layers in groups {
-                let specs = layers
-                    .into_iter()
-                    .map(
-                        |(base_addr, num_blocks, block_stride, block_bytes)| LayerSpec {
-                            base_addr,
-                            num_blocks,
-                            block_stride,
-                            block_bytes,
-                        },
-                    )
-                    .collect();
-                gl.push(GroupLayout::new(specs)?);
-            }
-            let layout = KvLayout::new(gl)?;
+            let layout = layout_from_tuples(groups)?;
             Ok(self.live()?.register_layout(layout)?)
         })
     }
@@ -259,34 +298,8 @@ impl EmbeddedStore {
         groups: Vec<Vec<TensorSpec>>,
         num_blocks: Vec<u64>,
     ) -> Result<u32> {
-        if groups.len() != num_blocks.len() {
-            return Err(Error::Config(format!(
-                "register_tensor_layout: {} groups but {} block counts",
-                groups.len(),
-                num_blocks.len()
-            )));
-        }
         without_gil(py, move || {
-            let mut gl = Vec::with_capacity(groups.len());
-            for (layers, nb) in groups.into_iter().zip(num_blocks) {
-                let mut specs = Vec::new();
-                for (name, addr, elem_bytes, shape, strides, block_dim, expected) in layers {
-                    let view = TensorView {
-                        name,
-                        addr,
-                        elem_bytes,
-                        shape,
-                        strides,
-                        block_dim,
-                    };
-                    specs.extend(view.layer_runs(nb, expected)?);
-                }
-                // Objects hold the runs in address order, so runs that follow each other in
-                // memory (a block's layers in BHLNC, say) merge into one copy.
-                specs.sort_by_key(|l| l.base_addr);
-                gl.push(GroupLayout::new(specs)?);
-            }
-            let layout = KvLayout::new(gl)?;
+            let layout = layout_from_tensors(groups, num_blocks)?;
             Ok(self.live()?.register_layout(layout)?)
         })
     }

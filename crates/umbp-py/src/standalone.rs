@@ -1,0 +1,505 @@
+//! The client of the standalone server (`StandaloneClient`) and its transfers (`Transfer`).
+//!
+//! The same store / load / exists surface as `EmbeddedStore`, served by a
+//! `umbp_standalone_server` on the node: memory is registered with the server (host memory by
+//! sharing its pages through a sealed memfd, CUDA memory by IPC), no KV byte crosses the
+//! socket. Every call that talks to the server runs with the GIL released: the client's
+//! runtime threads log through Python's `logging`, so they may need the GIL while holding a
+//! lock a call waits for. The client (and its runtime) is made by the constructor, never at
+//! import, and refuses to be used in a forked child.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use umbp_client::{
+    ClientError, ClientOptions, KeyStatus, ServerStats, StandaloneClient as CoreClient,
+    Transfer as CoreTransfer,
+};
+use umbp_core::{KvLayout, LayerSpec, RankTopology};
+use umbp_proto::Endpoint;
+
+use crate::errors::{Error, Raised, Result};
+use crate::keys::Keys;
+use crate::lifecycle::{track_client, without_gil, ReleaseGilOnDrop};
+use crate::store::{layout_from_tensors, layout_from_tuples, to_u64s, LayerTuple, TensorSpec};
+
+/// A transfer's outcome: per-key statuses, or why the transfer failed as a whole.
+type Outcome = std::result::Result<Vec<KeyStatus>, Raised>;
+
+/// A transfer in flight on the standalone server. Dropping it does not cancel it.
+#[pyclass(module = "umbp._native", frozen)]
+pub(crate) struct Transfer {
+    /// Holds a handle of the client: dropped with the GIL released, leaked in a forked child.
+    inner: ReleaseGilOnDrop<CoreTransfer>,
+    keys: usize,
+    /// The outcome once read, so that every read gives the same one (the client hands a
+    /// failure's typed error to its first reader only).
+    outcome: Mutex<Option<Outcome>>,
+}
+
+impl Transfer {
+    /// The outcome if the server has answered (never blocks for long: the lock is only held
+    /// to read or record it).
+    fn outcome(&self) -> Result<Option<Outcome>> {
+        let t = self.inner.live("transfer")?;
+        let mut o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if o.is_none() {
+            *o = t.poll().map(|r| r.map_err(|e| Raised::of(&e)));
+        }
+        Ok(o.clone())
+    }
+
+    /// Records the outcome a wait returned, unless one was read first.
+    fn record(&self, r: Outcome) -> Outcome {
+        let mut o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        o.get_or_insert(r).clone()
+    }
+}
+
+fn names(statuses: &[KeyStatus]) -> Vec<&'static str> {
+    statuses.iter().map(KeyStatus::name).collect()
+}
+
+#[pymethods]
+impl Transfer {
+    /// Per-key statuses once the server has answered, else None. Never blocks. Raises when the
+    /// transfer failed as a whole (e.g. `ServerUnavailable`: the server went away).
+    fn poll(&self) -> Result<Option<Vec<&'static str>>> {
+        match self.outcome()? {
+            None => Ok(None),
+            Some(Ok(s)) => Ok(Some(names(&s))),
+            Some(Err(e)) => Err(e.into()),
+        }
+    }
+
+    /// Whether the server has answered.
+    #[getter]
+    fn done(&self) -> Result<bool> {
+        Ok(self.inner.live("transfer")?.is_done())
+    }
+
+    /// Waits (GIL released) up to `timeout_ms` (default: the transfer's deadline, the
+    /// client's `timeout_ms`) and returns per-key statuses; raises `TransferTimeout` when the
+    /// server has not answered yet, and the transfer's error when it failed as a whole.
+    #[pyo3(signature = (timeout_ms=None))]
+    fn wait(&self, py: Python<'_>, timeout_ms: Option<u64>) -> Result<Vec<&'static str>> {
+        if let Some(o) = self.outcome()? {
+            return Ok(names(&o?));
+        }
+        let t = self.inner.live("transfer")?;
+        let r = without_gil(py, || t.wait(timeout_ms.map(Duration::from_millis)));
+        let o = match r {
+            Err(e @ ClientError::Timeout { .. }) => return Err(e.into()),
+            Ok(s) => self.record(Ok(s)),
+            Err(e) => self.record(Err(Raised::of(&e))),
+        };
+        Ok(names(&o?))
+    }
+
+    /// Asks the server (GIL released) to stop the keys that have not started (they end
+    /// "cancelled"); wait for the answer before reusing the blocks' memory. Nothing to do once
+    /// answered; raises when the server cannot be asked.
+    fn cancel(&self, py: Python<'_>) -> Result<()> {
+        let t = self.inner.live("transfer")?;
+        Ok(without_gil(py, || t.cancel())?)
+    }
+
+    /// Messages of keys that ended "failed", by key index (empty until answered).
+    fn errors(&self) -> Result<Vec<(usize, String)>> {
+        Ok(self
+            .failures()?
+            .into_iter()
+            .map(|(i, _, m)| (i, m))
+            .collect())
+    }
+
+    /// Keys that ended "failed", by key index, with why in one word (the server's kind:
+    /// "invalid_range", "size_mismatch", "pool", "move", ...) and in words (empty until
+    /// answered).
+    fn failures(&self) -> Result<Vec<(usize, String, String)>> {
+        let Some(o) = self.outcome()? else {
+            return Ok(Vec::new());
+        };
+        Ok(o?
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                KeyStatus::Failed { kind, message } => Some((i, kind, message)),
+                _ => None,
+            })
+            .collect())
+    }
+
+    fn __len__(&self) -> usize {
+        self.keys
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.inner.forked() {
+            "of the parent process"
+        } else if self.inner.is_done() {
+            "answered"
+        } else {
+            "in flight"
+        };
+        format!("<umbp.Transfer of {} keys, {state}>", self.keys)
+    }
+}
+
+/// A client of the node's `umbp_standalone_server` (standalone mode).
+#[pyclass(module = "umbp._native", frozen)]
+pub(crate) struct StandaloneClient {
+    inner: ReleaseGilOnDrop<Arc<CoreClient>>,
+    endpoint: String,
+}
+
+fn layers_of(layout: &KvLayout) -> Vec<Vec<LayerSpec>> {
+    layout
+        .groups()
+        .iter()
+        .map(|g| g.layers().to_vec())
+        .collect()
+}
+
+fn millis(what: &str, ms: u64) -> Result<Duration> {
+    if ms == 0 {
+        return Err(Error::Config(format!("{what} must be at least 1 ms")));
+    }
+    Ok(Duration::from_millis(ms))
+}
+
+#[pymethods]
+impl StandaloneClient {
+    /// Connects to the server at `endpoint` (`/abs/path.sock` or `unix:///abs/path.sock`),
+    /// waiting up to `startup_timeout_ms` for it to answer, and attaches. `lookup_timeout_ms`
+    /// is the deadline of a lookup, `timeout_ms` that of a transfer and of every other call.
+    /// A bad endpoint raises `ConfigError`, no server answering `ServerUnavailable`, both
+    /// naming the endpoint.
+    #[new]
+    #[pyo3(signature = (endpoint, *, startup_timeout_ms=30000, lookup_timeout_ms=1000,
+        timeout_ms=30000, client_name=None))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        startup_timeout_ms: u64,
+        lookup_timeout_ms: u64,
+        timeout_ms: u64,
+        client_name: Option<String>,
+    ) -> Result<Self> {
+        let ep = Endpoint::parse(endpoint).map_err(ClientError::from)?;
+        let mut opts = ClientOptions::new(ep);
+        opts.startup_timeout = millis("startup_timeout_ms", startup_timeout_ms)?;
+        opts.lookup_timeout = millis("lookup_timeout_ms", lookup_timeout_ms)?;
+        opts.transfer_timeout = millis("timeout_ms", timeout_ms)?;
+        opts.control_timeout = opts.transfer_timeout;
+        if let Some(name) = client_name {
+            opts.client_name = name;
+        }
+        let endpoint = opts.endpoint.to_string();
+        let client = Arc::new(without_gil(py, move || CoreClient::connect(opts))?);
+        track_client(&client);
+        Ok(StandaloneClient {
+            inner: ReleaseGilOnDrop::new(client),
+            endpoint,
+        })
+    }
+
+    /// The server's address, as `unix:///path`.
+    #[getter]
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Shares host memory (e.g. a KV cache tensor's `data_ptr()` and byte size) with the
+    /// server and registers it: the pages of the range, rounded out to whole pages, are moved
+    /// in place onto a sealed memfd the server maps (pointers into it stay valid). The range
+    /// must be private anonymous memory (numpy, torch CPU tensors, malloc) or memory shared
+    /// before; no other thread may write it (or its first and last page) during the call; it
+    /// must not be pinned by a device (`cudaHostRegister`, RDMA); and it must stay allocated
+    /// until `deregister_memory` returns or the client is closed. Returns the region id.
+    fn register_memory(&self, py: Python<'_>, addr: u64, length: u64) -> Result<u64> {
+        let c = self.live()?;
+        // SAFETY: the Python-facing contract, documented above and in the stubs: the caller
+        // writes the range from no other thread during the call, has not pinned it for a
+        // device, and keeps it allocated while registered (the connector holds its KV cache
+        // tensors for the client's whole life).
+        Ok(without_gil(py, || unsafe {
+            c.register_host_memory(addr, length)
+        })?)
+    }
+
+    /// Registers CUDA device memory (a CUDA tensor's `data_ptr()` and byte size; the device is
+    /// the one that owns it) with the server by IPC. The memory must stay allocated until
+    /// `deregister_memory` returns or the client is closed. Returns the region id.
+    fn register_cuda_memory(&self, py: Python<'_>, addr: u64, length: u64) -> Result<u64> {
+        let c = self.live()?;
+        // SAFETY: the Python-facing contract (documented above and in the stubs) is that the
+        // caller keeps the memory allocated while it is registered.
+        Ok(without_gil(py, || unsafe {
+            c.register_cuda_memory(addr, length)
+        })?)
+    }
+
+    /// Removes one registration; layouts in it are dropped with it.
+    fn deregister_memory(&self, py: Python<'_>, region_id: u64) -> Result<()> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.deregister_memory(region_id))?)
+    }
+
+    /// Registers a KV layout: one list per cache group, one
+    /// `(base_addr, num_blocks, block_stride, block_bytes)` tuple per layer, in this process's
+    /// addresses. Every layer must lie inside memory registered by this client. Returns the
+    /// layout id (it stays valid when the client attaches again after a server restart).
+    fn register_layout(&self, py: Python<'_>, groups: Vec<Vec<LayerTuple>>) -> Result<u32> {
+        let c = self.live()?;
+        without_gil(py, move || {
+            let layout = layout_from_tuples(groups)?;
+            Ok(c.register_layout(layers_of(&layout))?.id)
+        })
+    }
+
+    /// Registers a KV layout from tensor views, as `EmbeddedStore.register_tensor_layout`: one
+    /// list per cache group, one
+    /// `(name, data_ptr, element_size, shape, strides, block_dim, expected_block_bytes)` tuple
+    /// per layer; `num_blocks[g]` is group `g`'s number of blocks. The runs are planned here
+    /// from the strides (a view that cannot be planned exactly raises `ConfigError` naming the
+    /// tensor) and registered with the server. Returns the layout id.
+    fn register_tensor_layout(
+        &self,
+        py: Python<'_>,
+        groups: Vec<Vec<TensorSpec>>,
+        num_blocks: Vec<u64>,
+    ) -> Result<u32> {
+        let c = self.live()?;
+        without_gil(py, move || {
+            let layout = layout_from_tensors(groups, num_blocks)?;
+            Ok(c.register_layout(layers_of(&layout))?.id)
+        })
+    }
+
+    /// Bytes of one block's object in `group` of layout `layout_id`.
+    fn object_bytes(&self, py: Python<'_>, layout_id: u32, group: u32) -> Result<u64> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.object_bytes(layout_id, group))?)
+    }
+
+    /// Which keys are in the server's pool. Pins nothing and never refreshes recency.
+    fn exists(&self, py: Python<'_>, keys: &Keys) -> Result<Vec<bool>> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.exists(&keys.keys))?)
+    }
+
+    /// How many keys, from the first, are in the server's pool.
+    fn prefix_hits(&self, py: Python<'_>, keys: &Keys) -> Result<usize> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.prefix_hits(&keys.keys))?)
+    }
+
+    /// Per block, whether every rank of `ranks` (`(tp, pcp, dcp, pp)` tuples) holds it, with
+    /// keys built by the server from `namespace`, `group` and `hashes` (packed back to back,
+    /// `hash_bytes` each). Returns `(per-block answers, leading blocks every rank holds)`; the
+    /// list is empty with `prefix_only`.
+    #[pyo3(signature = (namespace, ranks, group, hashes, hash_bytes, prefix_only=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn exists_across_ranks(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        ranks: Vec<(u16, u16, u16, u16)>,
+        group: u32,
+        hashes: &[u8],
+        hash_bytes: u32,
+        prefix_only: bool,
+    ) -> Result<(Vec<bool>, usize)> {
+        let c = self.live()?;
+        let ranks: Vec<RankTopology> = ranks
+            .into_iter()
+            .map(|(tp, pcp, dcp, pp)| RankTopology { tp, pcp, dcp, pp })
+            .collect();
+        Ok(without_gil(py, || {
+            c.exists_across_ranks(namespace, &ranks, group, hashes, hash_bytes, prefix_only)
+        })?)
+    }
+
+    /// Starts storing `block_ids` of cache group `group` of layout `layout_id` into the
+    /// server's pool under `keys`.
+    fn store(
+        &self,
+        py: Python<'_>,
+        layout_id: u32,
+        group: u32,
+        block_ids: Vec<i64>,
+        keys: &Keys,
+    ) -> Result<Transfer> {
+        self.start(py, true, (layout_id, group), block_ids, keys)
+    }
+
+    /// Starts loading `keys` from the server's pool into `block_ids` of cache group `group`.
+    fn load(
+        &self,
+        py: Python<'_>,
+        layout_id: u32,
+        group: u32,
+        block_ids: Vec<i64>,
+        keys: &Keys,
+    ) -> Result<Transfer> {
+        self.start(py, false, (layout_id, group), block_ids, keys)
+    }
+
+    /// Removes every object of the server's pool (every client's!), or those of key
+    /// namespace `namespace`; returns how many.
+    #[pyo3(signature = (namespace=None))]
+    fn clear(&self, py: Python<'_>, namespace: Option<&str>) -> Result<u64> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.clear(namespace))?)
+    }
+
+    /// The server's pool and session counters as a dict (every field of its `StatsReply`).
+    fn stats<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
+        let c = self.live()?;
+        let s = without_gil(py, || c.stats())?;
+        // Every field, by name: a field added to the protocol fails to compile here.
+        let ServerStats {
+            boot_id,
+            capacity_bytes,
+            used_bytes,
+            objects,
+            hits,
+            misses,
+            evictions,
+            puts,
+            duplicate_puts,
+            gets,
+            bytes_in,
+            bytes_out,
+            reservations,
+            pinned,
+            sessions,
+            registrations,
+            layouts,
+            transfers_in_flight,
+            pending_descriptors,
+            stores,
+            loads,
+            store_bytes,
+            load_bytes,
+            metadata_bytes,
+            placement,
+            cuda_imports,
+        } = s;
+        let d = PyDict::new(py);
+        d.set_item("boot_id", boot_id)?;
+        d.set_item("capacity_bytes", capacity_bytes)?;
+        d.set_item("used_bytes", used_bytes)?;
+        d.set_item("objects", objects)?;
+        d.set_item("hits", hits)?;
+        d.set_item("misses", misses)?;
+        d.set_item("evictions", evictions)?;
+        d.set_item("puts", puts)?;
+        d.set_item("duplicate_puts", duplicate_puts)?;
+        d.set_item("gets", gets)?;
+        d.set_item("bytes_in", bytes_in)?;
+        d.set_item("bytes_out", bytes_out)?;
+        d.set_item("reservations", reservations)?;
+        d.set_item("pinned", pinned)?;
+        d.set_item("sessions", sessions)?;
+        d.set_item("registrations", registrations)?;
+        d.set_item("layouts", layouts)?;
+        d.set_item("transfers_in_flight", transfers_in_flight)?;
+        d.set_item("pending_descriptors", pending_descriptors)?;
+        d.set_item("stores", stores)?;
+        d.set_item("loads", loads)?;
+        d.set_item("store_bytes", store_bytes)?;
+        d.set_item("load_bytes", load_bytes)?;
+        d.set_item("metadata_bytes", metadata_bytes)?;
+        d.set_item("placement", placement)?;
+        d.set_item("cuda_imports", cuda_imports)?;
+        Ok(d)
+    }
+
+    /// Asks the server for its boot id (changes when it restarts).
+    fn ping(&self, py: Python<'_>) -> Result<String> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.ping())?)
+    }
+
+    /// The server's id of this client's current session; None while detached (after a
+    /// failure, until a call attaches again).
+    #[getter]
+    fn session_id(&self, py: Python<'_>) -> Result<Option<u64>> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.session().map(|(id, _)| id)))
+    }
+
+    /// The boot id of the server this client is attached to; None while detached.
+    #[getter]
+    fn boot_id(&self, py: Python<'_>) -> Result<Option<String>> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.session().map(|(_, b)| b)))
+    }
+
+    /// How many times this client attached: 1, plus one per re-attach after a server restart
+    /// or a broken connection.
+    #[getter]
+    fn attach_count(&self) -> Result<u64> {
+        Ok(self.live()?.attach_count())
+    }
+
+    /// Detaches (the server releases this client's registrations, layouts and transfers) and
+    /// closes the client. Idempotent; later calls raise `StoreClosedError`.
+    fn close(&self, py: Python<'_>) {
+        // In a forked child the session and the runtime belong to the parent.
+        if self.inner.forked() {
+            return;
+        }
+        without_gil(py, || self.inner.close());
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) {
+        self.close(py);
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<umbp.StandaloneClient of {}>", self.endpoint)
+    }
+}
+
+impl StandaloneClient {
+    /// The client, or `StoreClosedError` in a forked child.
+    fn live(&self) -> Result<&Arc<CoreClient>> {
+        self.inner.live("standalone client")
+    }
+
+    /// Starts a store or a load (the shared body of `store` and `load`), GIL released.
+    fn start(
+        &self,
+        py: Python<'_>,
+        store: bool,
+        (layout_id, group): (u32, u32),
+        block_ids: Vec<i64>,
+        keys: &Keys,
+    ) -> Result<Transfer> {
+        let c = self.live()?;
+        let n = keys.keys.len();
+        let t = without_gil(py, || -> Result<CoreTransfer> {
+            let ids = to_u64s(block_ids, "block ids")?;
+            Ok(if store {
+                c.store(layout_id, group, &ids, &keys.keys)
+            } else {
+                c.load(layout_id, group, &ids, &keys.keys)
+            }?)
+        })?;
+        Ok(Transfer {
+            inner: ReleaseGilOnDrop::new(t),
+            keys: n,
+            outcome: Mutex::new(None),
+        })
+    }
+}

@@ -1,0 +1,396 @@
+"""`umbp.StandaloneClient` against a real `umbp_standalone_server`, with real client processes
+(tests/python/standalone_peer.py): bytes stored by one process and loaded by another, a client
+killed mid-transfer, a server restarted under a client, SIGTERM during transfers, bad input.
+
+The server binary is $UMBP_SERVER_BIN, else `umbp_standalone_server` on PATH, else this
+checkout's release build (`cargo build --release -p umbp-server`).
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import standalone_peer as peer
+from test_bindings import Ticker
+
+import umbp
+
+ROOT = Path(__file__).resolve().parents[2]
+PEER = Path(__file__).with_name("standalone_peer.py")
+
+GRACE_MS = 3000
+
+
+def server_binary():
+    if os.environ.get("UMBP_SERVER_BIN"):
+        return Path(os.environ["UMBP_SERVER_BIN"])
+    found = shutil.which("umbp_standalone_server")
+    if found:
+        return Path(found)
+    target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+    return target / "release" / "umbp_standalone_server"
+
+
+class Server:
+    """One `umbp_standalone_server` on a socket in a temporary directory."""
+
+    def __init__(self, binary, directory):
+        self.binary, self.dir = binary, directory
+        self.path = directory / "umbp.sock"
+        self.proc = None
+        self.starts = 0
+
+    @property
+    def endpoint(self):
+        return str(self.path)
+
+    def start(self):
+        self.starts += 1
+        self.log = self.dir / f"server-{self.starts}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.binary),
+                    "--address",
+                    self.endpoint,
+                    "--capacity",
+                    "64MiB",
+                    "--prefault",
+                    "false",
+                    "--workers",
+                    "2",
+                    "--shutdown-grace-ms",
+                    str(GRACE_MS),
+                    "--log",
+                    "warn",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited: {self.log.read_text()}"
+            if self.path.exists():
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    try:
+                        s.connect(self.endpoint)
+                        return
+                    except OSError:
+                        pass
+            time.sleep(0.02)
+        raise AssertionError(f"the server did not listen within 15 s: {self.log.read_text()}")
+
+    def terminate(self):
+        """SIGTERM; returns (exit code, seconds it took)."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=GRACE_MS / 1000 + 10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(
+                f"SIGTERM did not stop the server: {self.log.read_text()}"
+            ) from None
+        return rc, time.monotonic() - t0
+
+    def stop(self):
+        """SIGTERM; the server must exit 0 and remove its sockets."""
+        if self.proc is None:
+            return
+        rc = self.proc.returncode if self.proc.poll() is not None else self.terminate()[0]
+        self.proc = None
+        assert rc == 0, f"exit code {rc}: {self.log.read_text()}"
+        assert not self.path.exists(), "the server left its socket behind"
+        assert not Path(self.endpoint + ".fds").exists(), "the server left its side channel behind"
+
+
+@pytest.fixture
+def server(tmp_path):
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(
+            f"no umbp_standalone_server (looked at $UMBP_SERVER_BIN, PATH and {binary}); "
+            "build it with `cargo build --release -p umbp-server`"
+        )
+    # Short socket paths: a Unix socket address holds at most 107 bytes.
+    d = Path(os.environ.get("TMPDIR", "/tmp")) / f"umbp-t{os.getpid()}-{tmp_path.name[-12:]}"
+    d.mkdir(parents=True, exist_ok=True)
+    s = Server(binary, d)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run_peer(*args, timeout=30):
+    out = subprocess.run(
+        [sys.executable, str(PEER), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def start_peer(*args):
+    p = subprocess.Popen(
+        [sys.executable, str(PEER), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = p.stdout.readline().strip()
+    assert line == "looping", (line, p.stderr.read() if p.poll() is not None else "")
+    return p
+
+
+def own_client(server):
+    """A client of the test process with one region and one layout of its own buffer."""
+    buf = np.zeros((peer.LAYERS, peer.BLOCKS, peer.PIECE), dtype=np.uint8)
+    c = umbp.StandaloneClient(server.endpoint, startup_timeout_ms=5000, client_name="pytest")
+    c.register_memory(buf.ctypes.data, buf.nbytes)
+    return c, c.register_layout(peer.layout(buf)), buf
+
+
+def test_one_process_stores_and_another_loads_the_same_bytes(server):
+    assert run_peer("store", server.endpoint, 7) == ["stored"]
+    assert run_peer("load", server.endpoint, 7) == ["verified"]
+    c, lid, buf = own_client(server)
+    with c:
+        k = peer.keys(7)
+        assert c.exists(k) == [True] * peer.BLOCKS
+        assert c.prefix_hits(k) == peer.BLOCKS
+        assert c.object_bytes(lid, 0) == peer.LAYERS * peer.PIECE
+        t = c.load(lid, 0, list(range(peer.BLOCKS)), k)
+        assert len(t) == peer.BLOCKS
+        assert t.wait() == ["done"] * peer.BLOCKS
+        assert t.done and t.poll() == ["done"] * peer.BLOCKS
+        assert t.errors() == [] and t.failures() == []
+        t.cancel()  # answered: nothing to do
+        assert np.array_equal(buf, peer.pattern(7))
+        # Keys built by the server from the hashes, for ranks that hold all / some blocks.
+        hashes = b"".join(peer.hashes(7))
+        tp1 = peer.keys(7, tp=1)[:5]
+        assert c.store(lid, 0, list(range(5)), tp1).wait() == ["done"] * 5
+        ranks = [(0, 0, 0, 0), (1, 0, 0, 0)]
+        present, prefix = c.exists_across_ranks(peer.NAMESPACE, ranks, 0, hashes, 32)
+        assert present == [True] * 5 + [False] * (peer.BLOCKS - 5) and prefix == 5
+        assert c.exists_across_ranks(peer.NAMESPACE, ranks, 0, hashes, 32, True) == ([], 5)
+        st = c.stats()
+        assert st["objects"] == peer.BLOCKS + 5 and st["sessions"] == 1, st
+        assert st["boot_id"] == c.ping() == c.boot_id and isinstance(c.session_id, int)
+        assert c.attach_count == 1 and st["capacity_bytes"] == 64 << 20
+        assert c.clear("another-namespace") == 0
+        assert c.clear(peer.NAMESPACE) == peer.BLOCKS + 5
+        assert c.exists(k) == [False] * peer.BLOCKS
+
+
+def test_calls_to_the_server_release_the_gil(server):
+    c, _, _buf = own_client(server)
+    with c, Ticker() as t:
+        assert t.ticks_during(lambda: [c.ping() for _ in range(20)]) > 0
+
+
+def test_a_killed_client_leaves_nothing_behind_and_others_carry_on(server, tmp_path):
+    c, _, _buf = own_client(server)
+    stop = tmp_path / "stop"
+    killed = start_peer("loop", server.endpoint, 1)
+    other = start_peer("rounds", server.endpoint, 2, stop)
+    assert c.stats()["sessions"] == 3
+    killed.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    stop.touch()  # the other client ends after one more round
+    killed.wait()
+    want = {"sessions": 1, "registrations": 1, "layouts": 1, "reservations": 0, "pinned": 0}
+    while True:
+        st = c.stats()
+        seen = {k: st[k] for k in want}
+        if seen == want or time.monotonic() - t0 > 1.0:
+            break
+        time.sleep(0.02)
+    out, err = other.communicate(timeout=30)
+    assert other.returncode == 0, err[-3000:]
+    assert out.split()[0] == "completed" and int(out.split()[1]) >= 1, out
+    assert seen == want, (seen, time.monotonic() - t0)
+    assert c.stats()["transfers_in_flight"] == 0
+    c.close()
+
+
+def test_a_restarted_server_is_attached_again(server):
+    c, lid, buf = own_client(server)
+    ids = list(range(peer.BLOCKS))
+    before, after = peer.keys(10), peer.keys(11)
+    buf[:] = peer.pattern(10)
+    assert c.store(lid, 0, ids, before).wait() == ["done"] * peer.BLOCKS
+    boot = c.boot_id
+    server.stop()
+    server.start()
+    buf[:] = peer.pattern(11)
+    with pytest.raises(umbp.ServerUnavailable, match="UMBP server"):
+        c.store(lid, 0, ids, after).wait()
+    # The next call attaches again, registering the buffer and the layout again (same ids).
+    assert c.store(lid, 0, ids, after).wait() == ["done"] * peer.BLOCKS
+    assert c.attach_count == 2 and c.boot_id != boot and c.ping() == c.boot_id
+    assert c.exists(before) == [False] * peer.BLOCKS  # gone with the old server
+    buf[:] = 0
+    assert c.load(lid, 0, ids[::-1], after).wait() == ["done"] * peer.BLOCKS
+    assert np.array_equal(buf[:, ::-1, :], peer.pattern(11))
+    st = c.stats()
+    assert (st["sessions"], st["registrations"], st["layouts"]) == (1, 1, 1), st
+    c.close()
+
+
+def test_bad_input_raises_clear_errors(server, tmp_path):
+    for bad in ("tcp://127.0.0.1:5000", "relative/umbp.sock"):
+        with pytest.raises(umbp.ConfigError, match=bad):
+            umbp.StandaloneClient(bad)
+    nobody = str(tmp_path / "nobody.sock")
+    with pytest.raises(umbp.ServerUnavailable, match=nobody):
+        umbp.StandaloneClient(nobody, startup_timeout_ms=200)
+    with pytest.raises(umbp.ConfigError, match="timeout_ms"):
+        umbp.StandaloneClient(server.endpoint, timeout_ms=0)
+    c, lid, _buf = own_client(server)
+    k = peer.keys(3)
+    with pytest.raises(umbp.ConfigError, match="32 keys for 2 block ids"):
+        c.store(lid, 0, [0, 1], k)
+    with pytest.raises(umbp.ConfigError, match="block ids must be >= 0"):
+        c.load(lid, 0, [-1] * peer.BLOCKS, k)
+    with pytest.raises(umbp.ConfigError, match="no KV layout with id 99"):
+        c.store(99, 0, list(range(peer.BLOCKS)), k)
+    with pytest.raises(umbp.ConfigError, match="no group 3"):
+        c.object_bytes(lid, 3)
+    other = np.zeros(1 << 20, dtype=np.uint8)
+    with pytest.raises(umbp.ConfigError, match="lies in no memory this client registered"):
+        c.register_layout([[(other.ctypes.data, 16, 65536, 65536)]])
+    with pytest.raises(umbp.ConfigError, match="layer"):
+        c.register_layout([[(other.ctypes.data, 0, 65536, 65536)]])
+    with pytest.raises(umbp.ConfigError, match="not registered"):
+        c.deregister_memory(12345)
+    with pytest.raises(umbp.RegistrationError):
+        c.register_memory(4096, 4096)  # nothing mapped there
+    # The server checks block ids against the layout: the transfer fails as a whole.
+    t = c.store(lid, 0, [peer.BLOCKS + 1], k[:1])
+    with pytest.raises(umbp.ConfigError, match="block id 33 is out of range"):
+        t.wait()
+    with pytest.raises(umbp.ConfigError, match="block id 33 is out of range"):
+        t.poll()  # the same outcome every time
+    assert t.done and len(t) == 1
+    # Keys nobody stored are missing, key by key.
+    t = c.load(lid, 0, [0, 1], peer.keys(99)[:2])
+    assert t.wait(timeout_ms=5000) == ["missing", "missing"] and t.errors() == []
+    c.close()
+    c.close()
+    for call in (c.ping, c.stats, lambda: c.exists(k), lambda: c.store(lid, 0, [0], k[:1])):
+        with pytest.raises(umbp.StoreClosedError, match="closed"):
+            call()
+    assert "umbp.sock" in repr(c)
+
+
+FORK_SCRIPT = """
+import os, sys, umbp
+c = umbp.StandaloneClient(sys.argv[1])
+pid = os.fork()
+if pid == 0:
+    try:
+        c.ping()
+        os._exit(1)
+    except umbp.StoreClosedError as e:
+        os._exit(0 if "forked child" in str(e) else 2)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), c.ping() == c.boot_id, flush=True)
+"""
+
+
+def test_a_client_is_unusable_in_a_forked_child(server):
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT, server.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["child", "0", "True"]
+
+
+def test_sigterm_during_transfers_exits_cleanly(server):
+    busy = start_peer("loop", server.endpoint, 5)
+    try:
+        time.sleep(0.1)
+        rc, took = server.terminate()
+        assert rc == 0, server.log.read_text()
+        assert took < GRACE_MS / 1000 + 1, took
+        assert not server.path.exists()
+        server.proc = None
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+DROP_SCRIPT = """
+import logging, sys, time, umbp
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+sys.path.insert(0, sys.argv[3])
+import standalone_peer as peer
+buf = peer.pattern(4)
+c = umbp.StandaloneClient(sys.argv[1])
+c.register_memory(buf.ctypes.data, buf.nbytes)
+lid = c.register_layout(peer.layout(buf))
+for r in range(20):
+    c.store(lid, 0, list(range(peer.BLOCKS)), peer.keys(100 + r))  # never waited for
+if sys.argv[2] == "del":
+    del c  # the transfers' own tasks now hold the last handles of the client
+    time.sleep(0.5)
+print("end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["del", "exit"])
+def test_dropping_a_client_with_transfers_in_flight_neither_panics_nor_hangs(server, how):
+    out = subprocess.run(
+        [sys.executable, "-c", DROP_SCRIPT, server.endpoint, how, str(PEER.parent)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["end"], out.stderr[-3000:]
+    assert "panicked" not in out.stderr, out.stderr[-3000:]
+    with umbp.StandaloneClient(server.endpoint) as c:
+        deadline = time.monotonic() + 5
+        while c.stats()["sessions"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        st = c.stats()
+        assert (st["sessions"], st["registrations"], st["pinned"]) == (1, 0, 0), st
+        if how == "del":
+            assert st["objects"] == 20 * peer.BLOCKS, st  # every transfer ran to its end
+
+
+IMPORT_SCRIPT = """
+import os, threading
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+before = (threading.active_count(), tasks())
+import umbp
+import umbp.errors
+assert umbp.StandaloneClient and umbp.Transfer and umbp.ServerUnavailable
+print(before == (threading.active_count(), tasks()), before, flush=True)
+"""
+
+
+def test_importing_creates_no_threads():
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_SCRIPT], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("True"), out.stdout
