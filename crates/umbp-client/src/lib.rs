@@ -809,9 +809,9 @@ impl StandaloneClient {
         let slot = Arc::new(Slot::default());
         let s2 = Arc::clone(&slot);
         let mut grpc = self.inner.grpc.clone();
-        // Weak: the task must not keep the client (and its runtime) alive.
-        let me = Arc::downgrade(&self.inner);
-        let endpoint = self.inner.opts.endpoint.clone();
+        // The task keeps the client alive until the server answers (dropping every handle
+        // does not cancel a transfer); `Inner`'s drop copes with being run on this task.
+        let me = self.clone();
         let n = keys.len();
         self.inner.rt().spawn(async move {
             let r = grpc.transfer(req).await;
@@ -819,11 +819,9 @@ impl StandaloneClient {
                 Ok(reply) => decode_reply(reply.into_inner(), n),
                 Err(s) => {
                     if session_lost(&s) {
-                        if let Some(inner) = me.upgrade() {
-                            StandaloneClient { inner }.lost();
-                        }
+                        me.lost();
                     }
-                    Err(status_error("transfer", &endpoint, s))
+                    Err(status_error("transfer", &me.inner.opts.endpoint, s))
                 }
             };
             s2.fill(out);

@@ -1,0 +1,189 @@
+"""CUDA memory through the standalone server, with PyTorch tensors in two client processes.
+
+Client A fills a CUDA KV tensor and stores it through the server; client B (another process)
+loads into its own tensor; bytes must be identical. Run with PyTorch's default caching
+allocator (legacy CUDA IPC handles) and with `expandable_segments:True` (virtual-memory
+allocations exported as descriptors). Also measures one CUDA client through the server against
+embedded mode in the same run, at 64 KiB and 8 KiB pieces. Skipped without PyTorch, a CUDA
+device or the server binary ($UMBP_SERVER_BIN, or on PATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+SERVER = os.environ.get("UMBP_SERVER_BIN") or shutil.which("umbp_standalone_server")
+if not SERVER:
+    pytest.skip("needs umbp_standalone_server ($UMBP_SERVER_BIN or PATH)", allow_module_level=True)
+
+RESULTS_FILE = os.environ.get("UMBP_GPU_RESULTS")
+
+PEER = textwrap.dedent(
+    """
+    import json, sys, time, torch, umbp
+    role, endpoint, block_kib, blocks, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    block = block_kib << 10
+    c = umbp.StandaloneClient(endpoint, client_name=role)
+    # One allocation viewed as [blocks, block] bytes, registered from one block in (the
+    # registration starts inside the allocation, as a layer's view does).
+    t = torch.zeros((blocks + 1) * block, dtype=torch.uint8, device="cuda")
+    base = t.data_ptr() + block
+    c.register_cuda_memory(base, blocks * block)
+    lid = c.register_layout([[(base, blocks, block, block)]])
+    kb = umbp.KeyBuilder(f"gpu-{block_kib}", 0, 0, 0, 0)
+    hashes = [i.to_bytes(8, "little") for i in range(blocks)]
+    keys = kb.keys(0, hashes)
+    ids = list(range(blocks))
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    want = torch.randint(0, 256, (blocks * block,), dtype=torch.uint8, device="cuda", generator=g)
+    if role == "store":
+        t[block:].copy_(want)
+        torch.cuda.synchronize()
+        st = c.store(lid, 0, ids, keys).wait()
+        assert all(s == "done" for s in st), st
+        print(json.dumps({"stats": {k: v for k, v in c.stats().items() if k in ("cuda_imports", "registrations")}}))
+    elif role == "load":
+        st = c.load(lid, 0, ids, keys).wait()
+        assert all(s == "done" for s in st), st
+        torch.cuda.synchronize()
+        assert torch.equal(t[block:], want), "bytes differ after the load through the server"
+        print(json.dumps({"ok": True}))
+    else:  # bench: timed rounds both ways through the server
+        t[block:].copy_(want)
+        torch.cuda.synchronize()
+        c.store(lid, 0, ids, keys).wait()
+        time.sleep(3)  # the server page-locks its pool for DMA in the background at first use
+        out = {}
+        for direction in ("store", "load"):
+            best = None
+            for r in range(rounds):
+                ks = kb.keys(0, [(i + (r + 1) * blocks).to_bytes(8, "little") for i in range(blocks)]) if direction == "store" else keys
+                t0 = time.perf_counter()
+                st = (c.store if direction == "store" else c.load)(lid, 0, ids, ks).wait()
+                dt = time.perf_counter() - t0
+                assert all(s in ("done", "already_present") for s in st), st
+                best = dt if best is None else min(best, dt)
+            out[direction] = blocks * block / best / 1e9
+        torch.cuda.synchronize()
+        assert torch.equal(t[block:], want)
+        print(json.dumps(out))
+    c.close()
+    """
+)
+
+
+def start_server(tmp_path: Path, capacity: str = "4GiB"):
+    sock = tmp_path / "s.sock"
+    args = [SERVER, "--address", str(sock), "--capacity", capacity, "--workers", "8"]
+    with open(tmp_path / "server.log", "w") as log:
+        p = subprocess.Popen(args, stderr=log)
+    for _ in range(400):
+        if sock.exists():
+            break
+        time.sleep(0.05)
+    assert sock.exists(), (tmp_path / "server.log").read_text()
+    return p, sock
+
+
+def stop_server(p):
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0
+
+
+def peer(role, sock, block_kib, blocks, rounds=1, expandable=False):
+    env = dict(os.environ)
+    if expandable:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    else:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    r = subprocess.run(
+        [sys.executable, "-c", PEER, role, str(sock), str(block_kib), str(blocks), str(rounds)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, f"{role} failed:\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "expandable", [False, True], ids=["caching-allocator", "expandable-segments"]
+)
+@pytest.mark.parametrize("block_kib", [64, 96])
+def test_cuda_bytes_restore_exactly_across_client_processes(tmp_path, expandable, block_kib):
+    p, sock = start_server(tmp_path, "2GiB")
+    try:
+        stored = peer("store", sock, block_kib, 400, expandable=expandable)
+        assert stored["stats"]["cuda_imports"] == 1
+        assert peer("load", sock, block_kib, 400, expandable=expandable)["ok"]
+    finally:
+        stop_server(p)
+    assert "session released" in (tmp_path / "server.log").read_text()
+
+
+def test_one_cuda_client_through_the_server_against_embedded_mode(tmp_path):
+    import umbp
+
+    rows = {}
+    p, sock = start_server(tmp_path)
+    try:
+        for block_kib, blocks in ((64, 8192), (8, 32768)):
+            server = peer("bench", sock, block_kib, blocks, rounds=4)
+            # Embedded mode in this process, same shape.
+            block = block_kib << 10
+            store = umbp.EmbeddedStore(4 << 30, prefault=True, num_workers=8)
+            t = torch.zeros((blocks + 1) * block, dtype=torch.uint8, device="cuda")
+            base = t.data_ptr() + block
+            store.register_cuda_memory(base, blocks * block)
+            store.wait_pool_registered(60_000)
+            lid = store.register_layout([[(base, blocks, block, block)]])
+            kb = umbp.KeyBuilder(f"emb-{block_kib}", 0, 0, 0, 0)
+            ids = list(range(blocks))
+            keys = kb.keys(0, [i.to_bytes(8, "little") for i in range(blocks)])
+            store.store(lid, 0, ids, keys).wait()
+            emb = {}
+            for direction in ("store", "load"):
+                best = None
+                for r in range(4):
+                    ks = (
+                        kb.keys(
+                            0, [(i + (r + 1) * blocks).to_bytes(8, "little") for i in range(blocks)]
+                        )
+                        if direction == "store"
+                        else keys
+                    )
+                    t0 = time.perf_counter()
+                    (store.store if direction == "store" else store.load)(lid, 0, ids, ks).wait()
+                    dt = time.perf_counter() - t0
+                    best = dt if best is None else min(best, dt)
+                emb[direction] = blocks * block / best / 1e9
+            store.close()
+            del t
+            torch.cuda.empty_cache()
+            rows[f"{block_kib}KiB"] = {
+                "server_gbps": server,
+                "embedded_gbps": emb,
+                "ratio": {d: server[d] / emb[d] for d in ("store", "load")},
+            }
+            print(block_kib, rows[f"{block_kib}KiB"])
+    finally:
+        stop_server(p)
+    if RESULTS_FILE:
+        Path(RESULTS_FILE).write_text(json.dumps({"standalone_vs_embedded": rows}, indent=1))
+    # Figures are reported, not asserted (machines are shared; see docs/benchmarks.md).
+    assert all(v > 0 for r in rows.values() for v in r["server_gbps"].values())
