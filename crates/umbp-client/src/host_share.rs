@@ -729,8 +729,8 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
         // shared pages, and ignored.
         unsafe { libc::madvise(span_start as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE) };
     }
-    // SAFETY: locking the span we just mapped; only pins pages of our own memory.
     if vmas.iter().any(|v| v.flag("lo"))
+        // SAFETY: locking the span we just mapped; only pins pages of our own memory.
         && unsafe { libc::mlock(span_start as *const libc::c_void, bytes) } != 0
     {
         log::warn!(
