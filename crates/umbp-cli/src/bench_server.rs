@@ -367,7 +367,10 @@ fn client_main(a: &ClientArgs) -> Result<()> {
         piece: a.piece_bytes,
     };
     let dev = if a.cuda {
-        Some(Device::open(a.device)?)
+        let d = Device::open(a.device)?;
+        // This thread fills, clears and reads the cache back.
+        d.bind_thread()?;
+        Some(d)
     } else {
         None
     };
@@ -802,7 +805,7 @@ pub fn run(a: &Args) -> Result<()> {
     );
     let workers = a.workers.unwrap_or_else(crate::default_threads).max(1);
     let dev = if a.cuda {
-        match Device::open(a.device) {
+        match Device::open(a.device).and_then(|d| d.bind_thread().map(|()| d)) {
             Ok(d) => Some(d),
             Err(e) => {
                 println!(
