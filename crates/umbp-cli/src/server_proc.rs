@@ -135,7 +135,18 @@ impl PrivateServer {
             spec.workers,
             log.display()
         );
-        let child = Command::new(&bin)
+        let mut cmd = Command::new(&bin);
+        // SAFETY: the hook runs in the forked child before exec and calls only prctl, which is
+        // async-signal-safe; it asks for SIGTERM when this process dies (Ctrl-C, a crash), so a
+        // private server never outlives its benchmark.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let child = cmd
             .arg("--address")
             .arg(&sock)
             .arg("--capacity")
