@@ -1,4 +1,5 @@
-//! The `umbp` command: benchmarks of the pool, the copy engine and the GPU path.
+//! The `umbp` command: benchmarks of the pool, the copy engine, the GPU path and the
+//! standalone server, and operations on a running server (ping, stats, clear).
 //!
 //! A binary of its own (built and installed with cargo): no library links it, so neither clap
 //! nor the benchmarks are part of the Python extension.
@@ -8,8 +9,12 @@ use clap::{Parser, Subcommand};
 mod bench_copy;
 mod bench_gpu;
 mod bench_host_route;
+mod bench_lookup;
 mod bench_pool;
+mod bench_server;
 mod cublas;
+mod ops;
+mod server_proc;
 
 /// UMBP: a host-DRAM KV-cache offload store.
 #[derive(Debug, Parser)]
@@ -24,6 +29,12 @@ enum Command {
     /// Benchmarks; with --json the last line printed is one JSON object.
     #[command(subcommand)]
     Bench(Bench),
+    /// Asks a standalone server for its boot id, version and uptime (exit 1 when unreachable).
+    Ping(ops::PingArgs),
+    /// Every statistic of a standalone server's pool, sessions and transfers.
+    Stats(ops::StatsArgs),
+    /// Removes the objects of a standalone server's pool (all, or one namespace's).
+    Clear(ops::ClearArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -38,6 +49,15 @@ enum Bench {
     /// How the standalone server best reaches a client process's host memory: shared memory
     /// (memfd) against process_vm_readv/writev, beside an in-process memcpy ceiling.
     HostRoute(bench_host_route::Args),
+    /// Standalone server lookups (exists, prefix_hits, exists_across_ranks): client-side
+    /// latency percentiles of batches of keys.
+    Lookup(bench_lookup::Args),
+    /// KV blocks through the standalone server from several client processes at once, beside
+    /// embedded mode and a memcpy ceiling (host memory, or CUDA memory with --cuda).
+    Server(bench_server::Args),
+    /// One client process of `umbp bench server` (started by it; driven through stdin).
+    #[command(hide = true)]
+    ServerClient(bench_server::ClientArgs),
 }
 
 fn main() {
@@ -61,6 +81,12 @@ fn run() -> i32 {
         Command::Bench(Bench::Copy(a)) => bench_copy::run(&a),
         Command::Bench(Bench::Gpu(a)) => bench_gpu::run(&a),
         Command::Bench(Bench::HostRoute(a)) => bench_host_route::run(&a),
+        Command::Bench(Bench::Lookup(a)) => bench_lookup::run(&a),
+        Command::Bench(Bench::Server(a)) => bench_server::run(&a),
+        Command::Bench(Bench::ServerClient(a)) => bench_server::run_client(&a),
+        Command::Ping(a) => ops::ping(&a),
+        Command::Stats(a) => ops::stats(&a),
+        Command::Clear(a) => ops::clear(&a),
     };
     match result {
         Ok(()) => 0,

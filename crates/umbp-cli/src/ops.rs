@@ -1,0 +1,337 @@
+//! `umbp ping`, `umbp stats` and `umbp clear`: operations on a running standalone server.
+//!
+//! They speak the protocol directly ([`Raw`]) and never attach a session, so they neither
+//! show up in the statistics they read nor wait for a server that is not there.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use serde_json::json;
+use tonic::transport::Channel;
+use tonic::Code;
+use umbp_proto::v1::{self, store_client::StoreClient};
+use umbp_proto::Endpoint;
+
+/// The server's default address (its `--address` default).
+pub const DEFAULT_ENDPOINT: &str = "unix:///run/umbp/node.grpc.sock";
+
+/// Where the server is and how long to wait for it.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Target {
+    /// The server's socket: unix:///abs/path or /abs/path (its --address).
+    #[arg(long, env = "UMBP_STANDALONE_ADDRESS", default_value = DEFAULT_ENDPOINT)]
+    endpoint: String,
+    /// How long to wait for the answer, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+}
+
+impl Target {
+    fn raw(&self) -> Result<Raw> {
+        let ep = Endpoint::parse(&self.endpoint).context("--endpoint / UMBP_STANDALONE_ADDRESS")?;
+        Raw::new(ep, Duration::from_millis(self.timeout_ms.max(1)))
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PingArgs {
+    #[command(flatten)]
+    target: Target,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Print one JSON object (raw numbers) instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ClearArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Remove only the objects of this key namespace (default: every object of every engine).
+    #[arg(long)]
+    namespace: Option<String>,
+}
+
+/// A bare gRPC connection to the server (no session).
+#[derive(Debug)]
+pub struct Raw {
+    rt: tokio::runtime::Runtime,
+    grpc: StoreClient<Channel>,
+    endpoint: Endpoint,
+    timeout: Duration,
+}
+
+impl Raw {
+    /// A connection to `endpoint` (made lazily); every call waits up to `timeout`.
+    pub fn new(endpoint: Endpoint, timeout: Duration) -> Result<Self> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start a Tokio runtime")?;
+        let channel = {
+            let _g = rt.enter();
+            umbp_client::unix_channel(&endpoint)
+        };
+        let grpc = StoreClient::new(channel)
+            .max_decoding_message_size(umbp_proto::DEFAULT_MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(umbp_proto::DEFAULT_MAX_MESSAGE_BYTES);
+        Ok(Raw {
+            rt,
+            grpc,
+            endpoint,
+            timeout,
+        })
+    }
+
+    fn call<T, F, Fut>(&self, what: &str, f: F) -> Result<T>
+    where
+        F: FnOnce(StoreClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let fut = f(self.grpc.clone());
+        let ep = &self.endpoint;
+        match self
+            .rt
+            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
+        {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(match s.code() {
+                Code::Unavailable | Code::Unknown | Code::Cancelled => {
+                    let why = if !ep.path().exists() {
+                        format!("there is no socket at {}", ep.path().display())
+                    } else {
+                        s.message().to_string()
+                    };
+                    anyhow!(
+                        "cannot reach the UMBP server at {ep}: {why}; start it (umbp_standalone_server --address {ep}) or point --endpoint / UMBP_STANDALONE_ADDRESS at the socket it listens on"
+                    )
+                }
+                Code::PermissionDenied => anyhow!("the UMBP server at {ep} refused {what}: {}", s.message()),
+                c => anyhow!("the UMBP server at {ep} refused {what}: {} ({c:?})", s.message()),
+            }),
+            Err(_) => Err(anyhow!(
+                "the UMBP server at {ep} did not answer {what} within {} ms; it may be overloaded or stopped (SIGSTOP), or raise --timeout-ms",
+                self.timeout.as_millis()
+            )),
+        }
+    }
+
+    /// Boot id, version and uptime.
+    pub fn ping(&self) -> Result<v1::PingReply> {
+        self.call(
+            "ping",
+            |mut g| async move { g.ping(v1::PingRequest {}).await },
+        )
+    }
+
+    /// Every counter of the pool and the server.
+    pub fn stats(&self) -> Result<v1::StatsReply> {
+        self.call("stats", |mut g| async move {
+            g.stats(v1::StatsRequest {}).await
+        })
+    }
+
+    /// Removes every object, or those of one namespace; returns how many.
+    pub fn clear(&self, namespace: Option<&str>) -> Result<u64> {
+        let namespace = namespace.unwrap_or_default().to_string();
+        Ok(self
+            .call("clear", |mut g| async move {
+                g.clear(v1::ClearRequest { namespace }).await
+            })?
+            .removed)
+    }
+}
+
+/// `1.50 GiB`-style bytes (powers of 1024).
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.2} {}", UNITS[u])
+}
+
+/// `3d 4h 5m 6.7s`-style duration.
+fn human_duration(ms: u64) -> String {
+    let s = ms / 1000;
+    let (d, h, m) = (s / 86400, s / 3600 % 24, s / 60 % 60);
+    let secs = (ms % 60_000) as f64 / 1000.0;
+    match (d, h, m) {
+        (0, 0, 0) => format!("{secs:.1}s"),
+        (0, 0, _) => format!("{m}m {secs:.0}s"),
+        (0, _, _) => format!("{h}h {m}m {secs:.0}s"),
+        _ => format!("{d}d {h}h {m}m"),
+    }
+}
+
+pub fn ping(a: &PingArgs) -> Result<()> {
+    let raw = a.target.raw()?;
+    let t0 = Instant::now();
+    let r = raw.ping()?;
+    let rtt = t0.elapsed();
+    println!("UMBP server at {}", raw.endpoint);
+    println!("  boot id   {}", r.boot_id);
+    println!("  version   {}", r.version);
+    println!(
+        "  uptime    {} ({} ms)",
+        human_duration(r.uptime_ms),
+        r.uptime_ms
+    );
+    println!("  answered  in {:.3} ms", rtt.as_secs_f64() * 1e3);
+    Ok(())
+}
+
+pub fn stats(a: &StatsArgs) -> Result<()> {
+    let raw = a.target.raw()?;
+    let s = raw.stats()?;
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "endpoint": raw.endpoint.to_string(),
+                "boot_id": s.boot_id,
+                "capacity_bytes": s.capacity_bytes,
+                "used_bytes": s.used_bytes,
+                "objects": s.objects,
+                "hits": s.hits,
+                "misses": s.misses,
+                "evictions": s.evictions,
+                "puts": s.puts,
+                "duplicate_puts": s.duplicate_puts,
+                "gets": s.gets,
+                "bytes_in": s.bytes_in,
+                "bytes_out": s.bytes_out,
+                "reservations": s.reservations,
+                "pinned": s.pinned,
+                "sessions": s.sessions,
+                "registrations": s.registrations,
+                "layouts": s.layouts,
+                "transfers_in_flight": s.transfers_in_flight,
+                "pending_descriptors": s.pending_descriptors,
+                "stores": s.stores,
+                "loads": s.loads,
+                "store_bytes": s.store_bytes,
+                "load_bytes": s.load_bytes,
+                "metadata_bytes": s.metadata_bytes,
+                "placement": s.placement,
+                "cuda_imports": s.cuda_imports,
+            })
+        );
+        return Ok(());
+    }
+    let pct = |n: u64, d: u64| {
+        if d == 0 {
+            String::new()
+        } else {
+            format!(" ({:.1} %)", 100.0 * n as f64 / d as f64)
+        }
+    };
+    let b = |n: u64| {
+        if n < 1024 {
+            format!("{n} B")
+        } else {
+            format!("{} ({n} B)", human_bytes(n))
+        }
+    };
+    println!("UMBP server at {} (boot id {})", raw.endpoint, s.boot_id);
+    println!("pool");
+    println!("  capacity             {}", b(s.capacity_bytes));
+    println!(
+        "  used                 {}{}",
+        b(s.used_bytes),
+        pct(s.used_bytes, s.capacity_bytes)
+    );
+    println!("  objects              {}", s.objects);
+    println!("  metadata             {}", b(s.metadata_bytes));
+    println!("  placement            {}", s.placement);
+    println!("  reservations         {}", s.reservations);
+    println!("  pinned               {}", s.pinned);
+    println!("lookups");
+    println!(
+        "  hits                 {}{}",
+        s.hits,
+        pct(s.hits, s.hits + s.misses)
+    );
+    println!("  misses               {}", s.misses);
+    println!("pool objects");
+    println!("  puts                 {}", s.puts);
+    println!("  duplicate puts       {}", s.duplicate_puts);
+    println!("  gets                 {}", s.gets);
+    println!("  evictions            {}", s.evictions);
+    println!("  bytes in             {}", b(s.bytes_in));
+    println!("  bytes out            {}", b(s.bytes_out));
+    println!("transfers");
+    println!("  stores               {}", s.stores);
+    println!("  loads                {}", s.loads);
+    println!("  store bytes          {}", b(s.store_bytes));
+    println!("  load bytes           {}", b(s.load_bytes));
+    println!("  in flight            {}", s.transfers_in_flight);
+    println!("clients");
+    println!("  sessions             {}", s.sessions);
+    println!("  registrations        {}", s.registrations);
+    println!("  layouts              {}", s.layouts);
+    println!("  cuda imports         {}", s.cuda_imports);
+    println!("  pending descriptors  {}", s.pending_descriptors);
+    Ok(())
+}
+
+pub fn clear(a: &ClearArgs) -> Result<()> {
+    let ns = a.namespace.as_deref().filter(|n| !n.is_empty());
+    if let Some(n) = ns {
+        umbp_core::KeyBuilder::new(n, Default::default())
+            .map_err(|e| anyhow!("--namespace {n:?}: {e}"))?;
+    }
+    let raw = a.target.raw()?;
+    let removed = raw.clear(ns)?;
+    match ns {
+        Some(n) => println!(
+            "removed {removed} objects of namespace {n:?} from the UMBP server at {}",
+            raw.endpoint
+        ),
+        None => println!(
+            "removed {removed} objects (every namespace) from the UMBP server at {}",
+            raw.endpoint
+        ),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_and_durations_read_well() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+        assert_eq!(human_bytes(64 << 30), "64.00 GiB");
+        assert_eq!(human_duration(1500), "1.5s");
+        assert_eq!(human_duration(61_000), "1m 1s");
+        assert_eq!(human_duration(3_600_000 + 120_000), "1h 2m 0s");
+        assert_eq!(human_duration(2 * 86_400_000), "2d 0h 0m");
+    }
+
+    #[test]
+    fn an_absent_server_is_named_with_the_fix() {
+        let ep = Endpoint::parse("/nonexistent-umbp-dir/x.sock").unwrap();
+        let raw = Raw::new(ep, Duration::from_secs(2)).unwrap();
+        let e = format!("{:#}", raw.ping().unwrap_err());
+        assert!(
+            e.contains("no socket at /nonexistent-umbp-dir/x.sock"),
+            "{e}"
+        );
+        assert!(e.contains("UMBP_STANDALONE_ADDRESS"), "{e}");
+    }
+}
