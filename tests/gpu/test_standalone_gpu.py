@@ -44,7 +44,7 @@ PEER = textwrap.dedent(
     base = t.data_ptr() + block
     c.register_cuda_memory(base, blocks * block)
     lid = c.register_layout([[(base, blocks, block, block)]])
-    kb = umbp.KeyBuilder(f"gpu-{block_kib}", 0, 0, 0, 0)
+    kb = umbp.KeyBuilder(f"gpu-{block_kib}")
     hashes = [i.to_bytes(8, "little") for i in range(blocks)]
     keys = kb.keys(0, hashes)
     ids = list(range(blocks))
@@ -152,7 +152,7 @@ def test_one_cuda_client_through_the_server_against_embedded_mode(tmp_path):
             store.register_cuda_memory(base, blocks * block)
             store.wait_pool_registered(60_000)
             lid = store.register_layout([[(base, blocks, block, block)]])
-            kb = umbp.KeyBuilder(f"emb-{block_kib}", 0, 0, 0, 0)
+            kb = umbp.KeyBuilder(f"emb-{block_kib}")
             ids = list(range(blocks))
             keys = kb.keys(0, [i.to_bytes(8, "little") for i in range(blocks)])
             store.store(lid, 0, ids, keys).wait()
