@@ -149,7 +149,7 @@ def test_one_cuda_client_through_the_server_against_embedded_mode(tmp_path):
             store = umbp.EmbeddedStore(4 << 30, prefault=True, num_workers=8)
             t = torch.zeros((blocks + 1) * block, dtype=torch.uint8, device="cuda")
             base = t.data_ptr() + block
-            store.register_cuda_memory(base, blocks * block)
+            store.register_cuda_memory(base, blocks * block, 0)
             store.wait_pool_registered(60_000)
             lid = store.register_layout([[(base, blocks, block, block)]])
             kb = umbp.KeyBuilder(f"emb-{block_kib}")

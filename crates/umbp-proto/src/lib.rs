@@ -27,9 +27,6 @@ pub const KEY_BYTES: usize = 64;
 /// keys and 512 KiB of block ids).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
 
-/// The response header that carries the server's boot id on every reply.
-pub const BOOT_ID_HEADER: &str = "umbp-boot-id";
-
 /// Bytes of a session's side-channel secret.
 pub const SECRET_BYTES: usize = 16;
 
