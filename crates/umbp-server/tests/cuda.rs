@@ -136,7 +136,7 @@ fn cuda_across_processes(kind: &str, test: &str) {
             server.log_text()
         );
     }
-    let s = stats(&server.endpoint);
+    let s = stats_settled(&server.endpoint, 0);
     assert_eq!(
         (s.sessions, s.registrations, s.cuda_imports),
         (0, 0, 0),

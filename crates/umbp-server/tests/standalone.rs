@@ -52,7 +52,7 @@ fn bytes_stored_by_one_client_process_load_exactly_in_another() {
     assert!(a.wait().unwrap().success(), "{}", server.log_text());
     let mut b = spawn_role(name, "load", &server.endpoint, &[]);
     assert!(b.wait().unwrap().success(), "{}", server.log_text());
-    let s = stats(&server.endpoint);
+    let s = stats_settled(&server.endpoint, 0);
     assert_eq!(s.objects, BLOCKS);
     assert_eq!(
         (s.sessions, s.registrations, s.layouts),

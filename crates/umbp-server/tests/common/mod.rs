@@ -273,6 +273,19 @@ pub fn stats(endpoint: &Endpoint) -> v1::StatsReply {
         .into_inner()
 }
 
+/// The stats once at most `sessions` sessions remain (sessions of clients that just exited are
+/// released in the background for a moment), waiting up to a second.
+pub fn stats_settled(endpoint: &Endpoint, sessions: u64) -> v1::StatsReply {
+    let t = Instant::now();
+    loop {
+        let s = stats(endpoint);
+        if s.sessions <= sessions || t.elapsed() > Duration::from_secs(1) {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Bytes in, bytes out: sends undecoded request bodies.
 #[derive(Debug, Clone, Default)]
 pub struct RawCodec;
