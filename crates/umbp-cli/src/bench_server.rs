@@ -413,12 +413,14 @@ fn client_main(a: &ClientArgs) -> Result<()> {
             c => bail!("unknown command {c:?} from the parent"),
         };
         let t0 = mono_ns();
-        let st = if store {
-            client.store(layout.id, 0, &src, &keys)?.wait(None)?
+        let tr = if store {
+            client.store(layout.id, 0, &src, &keys)?
         } else {
-            client.load(layout.id, 0, &dst, &keys)?.wait(None)?
+            client.load(layout.id, 0, &dst, &keys)?
         };
+        let st = tr.wait(None)?;
         let t1 = mono_ns();
+        let tm = tr.timing().context("an answered transfer has its timing")?;
         if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != KeyStatus::Done) {
             bail!(
                 "{} of key {i} ended {s:?}, not done",
@@ -432,7 +434,13 @@ fn client_main(a: &ClientArgs) -> Result<()> {
                 cache.verify(&shape)?;
             }
         }
-        writeln!(out, "done {t0} {t1}")?;
+        writeln!(
+            out,
+            "done {t0} {t1} {} {} {}",
+            tm.round_trip.as_micros(),
+            tm.server.as_micros(),
+            tm.copy.as_micros()
+        )?;
         out.flush()?;
     }
     client.close();
@@ -466,25 +474,72 @@ impl Kid {
     }
 }
 
+/// Where the first client's transfer of one phase spent its time, in µs: its whole call
+/// (submit to `wait` returning), the gRPC round trip inside the client, the server's
+/// handling, and the copy job inside that.
+#[derive(Debug, Clone, Copy, Default)]
+struct Breakdown {
+    call: u64,
+    round_trip: u64,
+    server: u64,
+    copy: u64,
+}
+
 /// Sends `cmd` to every client, then collects their (start, end); returns the wall time
-/// from the first start to the last end.
-fn phase(kids: &mut [Kid], cmd: &str) -> Result<f64> {
+/// from the first start to the last end, and the first client's breakdown.
+fn phase(kids: &mut [Kid], cmd: &str) -> Result<(f64, Breakdown)> {
     for k in kids.iter_mut() {
         writeln!(k.stdin, "{cmd}")
             .and_then(|_| k.stdin.flush())
             .with_context(|| format!("client process {} is gone", k.id))?;
     }
     let (mut first, mut last) = (u64::MAX, 0u64);
+    let mut breakdown = None;
     for k in kids.iter_mut() {
         let l = k.read_line()?;
-        let mut it = l.split_whitespace();
-        let (Some("done"), Some(a), Some(b)) = (it.next(), it.next(), it.next()) else {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let ["done", a, b, rtt, srv, copy] = f[..] else {
             bail!("client process {} answered {l:?}", k.id);
         };
-        first = first.min(a.parse()?);
-        last = last.max(b.parse()?);
+        let (a, b): (u64, u64) = (a.parse()?, b.parse()?);
+        first = first.min(a);
+        last = last.max(b);
+        breakdown.get_or_insert(Breakdown {
+            call: b.saturating_sub(a) / 1000,
+            round_trip: rtt.parse()?,
+            server: srv.parse()?,
+            copy: copy.parse()?,
+        });
     }
-    Ok(last.saturating_sub(first) as f64 / 1e9)
+    Ok((
+        last.saturating_sub(first) as f64 / 1e9,
+        breakdown.unwrap_or_default(),
+    ))
+}
+
+/// Median of each field of `v` (non-empty).
+fn median_breakdown(v: &[Breakdown]) -> Breakdown {
+    let m = |f: fn(&Breakdown) -> u64| {
+        let mut x: Vec<u64> = v.iter().map(f).collect();
+        x.sort_unstable();
+        x[x.len() / 2]
+    };
+    Breakdown {
+        call: m(|b| b.call),
+        round_trip: m(|b| b.round_trip),
+        server: m(|b| b.server),
+        copy: m(|b| b.copy),
+    }
+}
+
+fn breakdown_json(b: &Breakdown, embedded_us: f64) -> Value {
+    json!({
+        "client_call_us": b.call,
+        "round_trip_us": b.round_trip,
+        "server_us": b.server,
+        "copy_job_us": b.copy,
+        "embedded_job_us": embedded_us,
+    })
 }
 
 /// Seconds of each direction, one per timed round.
@@ -593,14 +648,14 @@ impl ServerRun {
 
     /// Every client stores, then every client loads (checking the bytes when `verify`);
     /// then the pool is emptied. Seconds of each direction.
-    fn round(&mut self, raw: &Raw, verify: bool) -> Result<(f64, f64)> {
-        let s = phase(
+    fn round(&mut self, raw: &Raw, verify: bool) -> Result<((f64, f64), [Breakdown; 2])> {
+        let (s, bs) = phase(
             &mut self.kids,
             if verify { "verify-store" } else { "store" },
         )?;
-        let l = phase(&mut self.kids, if verify { "verify-load" } else { "load" })?;
+        let (l, bl) = phase(&mut self.kids, if verify { "verify-load" } else { "load" })?;
         raw.clear(None)?;
-        Ok((s, l))
+        Ok(((s, l), [bs, bl]))
     }
 
     /// Tells every client to quit and checks that each exits 0.
@@ -878,10 +933,11 @@ pub fn run(a: &Args) -> Result<()> {
             let emb_run = EmbeddedRun::new(&r, &store, dev.as_ref())?;
             let (mut srv, mut emb, mut ceil) =
                 (Samples::default(), Samples::default(), Samples::default());
+            let mut parts: [Vec<Breakdown>; 2] = Default::default();
             let gbps = |s: f64| r.bytes() as f64 / s / GB;
             for round in 0..=a.rounds {
                 let verify = round == a.rounds;
-                let sv = srv_run.round(&raw, verify)?;
+                let (sv, bd) = srv_run.round(&raw, verify)?;
                 let em = emb_run.round(verify)?;
                 let ce = (!a.cuda).then(|| ceiling_round(&emb_run));
                 progress!(
@@ -898,6 +954,8 @@ pub fn run(a: &Args) -> Result<()> {
                     ))
                 );
                 if round > 0 {
+                    parts[0].push(bd[0]);
+                    parts[1].push(bd[1]);
                     srv.add(sv);
                     emb.add(em);
                     if let Some(c) = ce {
@@ -908,8 +966,32 @@ pub fn run(a: &Args) -> Result<()> {
             srv_run.finish()?;
             drop(emb_run);
             let ceil = (!a.cuda).then_some(ceil);
-            rows.push(row(&r, Stat::Best, &srv, &emb, ceil.as_ref()));
-            medians.push(row(&r, Stat::Median, &srv, &emb, ceil.as_ref()));
+            let (bs, bl) = (median_breakdown(&parts[0]), median_breakdown(&parts[1]));
+            let (es, el) = (
+                Stat::Median.of(&emb.store) * 1e6,
+                Stat::Median.of(&emb.load) * 1e6,
+            );
+            if c == 1 {
+                for (dir, b, e) in [("store", bs, es), ("load", bl, el)] {
+                    progress!(
+                        "  one {dir} transfer, median µs: client call {} = gRPC round trip {} (server {} (copy job {})) + the rest; embedded job {e:.0}",
+                        b.call,
+                        b.round_trip,
+                        b.server,
+                        b.copy
+                    );
+                }
+            }
+            let mut best = row(&r, Stat::Best, &srv, &emb, ceil.as_ref());
+            let mut med = row(&r, Stat::Median, &srv, &emb, ceil.as_ref());
+            if c == 1 {
+                let parts =
+                    json!({"store": breakdown_json(&bs, es), "load": breakdown_json(&bl, el)});
+                best["median_breakdown"] = parts.clone();
+                med["median_breakdown"] = parts;
+            }
+            rows.push(best);
+            medians.push(med);
         }
     }
     store.close();

@@ -595,6 +595,7 @@ impl Store for Service {
             .layout(r.layout_id)
             .and_then(|l| Ok(l.group(r.group).map_err(StoreError::from)?.object_bytes()))
             .map_err(|e| self.store_err(e))?;
+        let submitted = Instant::now();
         let job = match dir {
             umbp_copy::Direction::Store => {
                 cs.session.store(r.layout_id, r.group, &r.block_ids, keys)
@@ -632,6 +633,7 @@ impl Store for Service {
             }
         };
         guard.0 = None;
+        let copy_micros = submitted.elapsed().as_micros() as u64;
         let mut statuses = Vec::with_capacity(results.len());
         let mut errors = Vec::new();
         let mut ok = 0u64;
@@ -659,11 +661,14 @@ impl Store for Service {
         m.keys_failed
             .fetch_add(results.len() as u64 - ok, Ordering::Relaxed);
         m.bytes.fetch_add(bytes, Ordering::Relaxed);
-        m.latency.observe(t.elapsed());
+        let elapsed = t.elapsed();
+        m.latency.observe(elapsed);
         Ok(Response::new(v1::TransferReply {
             statuses,
             errors,
             bytes,
+            server_micros: elapsed.as_micros() as u64,
+            copy_micros,
         }))
     }
 
