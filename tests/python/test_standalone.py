@@ -2,14 +2,12 @@
 (tests/python/standalone_peer.py): bytes stored by one process and loaded by another, a client
 killed mid-transfer, a server restarted under a client, SIGTERM during transfers, bad input.
 
-The server binary is $UMBP_SERVER_BIN, else `umbp_standalone_server` on PATH, else this
-checkout's release build (`cargo build --release -p umbp-server`).
+The server is started by tests/standalone_server.py (binary: $UMBP_SERVER_BIN, else
+`umbp_standalone_server` on PATH, else this checkout's release build).
 """
 
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,95 +20,10 @@ from test_bindings import Ticker
 
 import umbp
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from standalone_server import GRACE_MS, Server, server_binary, short_dir  # noqa: E402
+
 PEER = Path(__file__).with_name("standalone_peer.py")
-
-GRACE_MS = 3000
-
-
-def server_binary():
-    if os.environ.get("UMBP_SERVER_BIN"):
-        return Path(os.environ["UMBP_SERVER_BIN"])
-    found = shutil.which("umbp_standalone_server")
-    if found:
-        return Path(found)
-    target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
-    return target / "release" / "umbp_standalone_server"
-
-
-class Server:
-    """One `umbp_standalone_server` on a socket in a temporary directory."""
-
-    def __init__(self, binary, directory):
-        self.binary, self.dir = binary, directory
-        self.path = directory / "umbp.sock"
-        self.proc = None
-        self.starts = 0
-
-    @property
-    def endpoint(self):
-        return str(self.path)
-
-    def start(self):
-        self.starts += 1
-        self.log = self.dir / f"server-{self.starts}.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(self.binary),
-                    "--address",
-                    self.endpoint,
-                    "--capacity",
-                    "64MiB",
-                    "--prefault",
-                    "false",
-                    "--workers",
-                    "2",
-                    "--shutdown-grace-ms",
-                    str(GRACE_MS),
-                    "--log",
-                    "warn",
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the server exited: {self.log.read_text()}"
-            if self.path.exists():
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                    try:
-                        s.connect(self.endpoint)
-                        return
-                    except OSError:
-                        pass
-            time.sleep(0.02)
-        raise AssertionError(f"the server did not listen within 15 s: {self.log.read_text()}")
-
-    def terminate(self):
-        """SIGTERM; returns (exit code, seconds it took)."""
-        t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=GRACE_MS / 1000 + 10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(
-                f"SIGTERM did not stop the server: {self.log.read_text()}"
-            ) from None
-        return rc, time.monotonic() - t0
-
-    def stop(self):
-        """SIGTERM; the server must exit 0 and remove its sockets."""
-        if self.proc is None:
-            return
-        rc = self.proc.returncode if self.proc.poll() is not None else self.terminate()[0]
-        self.proc = None
-        assert rc == 0, f"exit code {rc}: {self.log.read_text()}"
-        assert not self.path.exists(), "the server left its socket behind"
-        assert not Path(self.endpoint + ".fds").exists(), "the server left its side channel behind"
 
 
 @pytest.fixture
@@ -121,9 +34,7 @@ def server(tmp_path):
             f"no umbp_standalone_server (looked at $UMBP_SERVER_BIN, PATH and {binary}); "
             "build it with `cargo build --release -p umbp-server`"
         )
-    # Short socket paths: a Unix socket address holds at most 107 bytes.
-    d = Path(os.environ.get("TMPDIR", "/tmp")) / f"umbp-t{os.getpid()}-{tmp_path.name[-12:]}"
-    d.mkdir(parents=True, exist_ok=True)
+    d = short_dir(tmp_path.name)
     s = Server(binary, d)
     s.start()
     try:

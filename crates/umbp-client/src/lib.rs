@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::mem::ManuallyDrop;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -191,6 +191,7 @@ struct Inner {
     stalled_lookups: Arc<AtomicU64>,
     stalled_transfers: Arc<AtomicU64>,
     attaches: AtomicU64,
+    socket: CurrentSocket,
 }
 
 impl Inner {
@@ -247,16 +248,37 @@ fn status_error(call: &'static str, endpoint: &Endpoint, s: Status) -> ClientErr
 /// A gRPC channel to the server at `endpoint` over its Unix socket, connected lazily (for
 /// tools that speak the protocol directly). Must be called inside a Tokio runtime.
 pub fn unix_channel(endpoint: &Endpoint) -> Channel {
+    channel_with(endpoint, Arc::default())
+}
+
+/// A descriptor of the channel's current connection (a duplicate), so that [`close`] can
+/// shut the socket down: the server then sees the connection end and releases the session
+/// at once, even while calls of this client are still in flight.
+///
+/// [`close`]: StandaloneClient::close
+type CurrentSocket = Arc<Mutex<Option<OwnedFd>>>;
+
+fn channel_with(endpoint: &Endpoint, current: CurrentSocket) -> Channel {
     let path = endpoint.path().to_path_buf();
     TonicEndpoint::from_static("http://umbp.invalid")
         .connect_timeout(Duration::from_secs(5))
         .connect_with_connector_lazy(tower::service_fn(move |_| {
-            let path = path.clone();
+            let (path, current) = (path.clone(), Arc::clone(&current));
             async move {
                 let s = tokio::net::UnixStream::connect(path).await?;
+                // The channel makes one connection at a time: a new one replaces the last.
+                *current.lock() = Some(s.as_fd().try_clone_to_owned()?);
                 Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
             }
         }))
+}
+
+/// Shuts down the socket `current` holds a descriptor of (both directions: every call on it
+/// fails, and the server sees the connection end).
+fn shut_down(current: &CurrentSocket) {
+    if let Some(fd) = current.lock().take() {
+        let _ = std::os::unix::net::UnixStream::from(fd).shutdown(std::net::Shutdown::Both);
+    }
 }
 
 /// Whether a failed call means the session is gone (the server must be attached again).
@@ -284,9 +306,10 @@ impl StandaloneClient {
                 what: "starting the client's runtime",
                 source,
             })?;
+        let socket = CurrentSocket::default();
         let channel = {
             let _g = rt.enter();
-            unix_channel(&opts.endpoint)
+            channel_with(&opts.endpoint, Arc::clone(&socket))
         };
         let grpc = StoreClient::new(channel)
             .max_decoding_message_size(opts.max_message_bytes)
@@ -306,6 +329,7 @@ impl StandaloneClient {
                 stalled_lookups: Arc::new(AtomicU64::new(0)),
                 stalled_transfers: Arc::new(AtomicU64::new(0)),
                 attaches: AtomicU64::new(0),
+                socket,
             }),
         };
         c.wait_for_server()?;
@@ -318,18 +342,25 @@ impl StandaloneClient {
         let start = Instant::now();
         let mut last;
         loop {
-            match self.ping_once(Duration::from_millis(500).min(o.startup_timeout)) {
+            // Neither a ping nor the pause after it runs past the deadline.
+            let left = o.startup_timeout.saturating_sub(start.elapsed());
+            match self.ping_once(
+                Duration::from_millis(500)
+                    .min(left)
+                    .max(Duration::from_millis(1)),
+            ) {
                 Ok(_) => return Ok(()),
                 Err(e) => last = e.to_string(),
             }
-            if start.elapsed() >= o.startup_timeout {
+            let left = o.startup_timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
                 return Err(ClientError::Unreachable {
                     endpoint: o.endpoint.to_string(),
                     waited: start.elapsed(),
                     last,
                 });
             }
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(100).min(left));
         }
     }
 
@@ -974,7 +1005,10 @@ impl StandaloneClient {
         self.inner.attaches.load(Ordering::Relaxed)
     }
 
-    /// Detaches (the server releases everything of this session) and closes the client.
+    /// Detaches (the server releases everything of this session) and closes the client: its
+    /// connection is shut down, so calls still in flight fail, and a server that stalls is
+    /// not waited for (past one second for the detach, not at all when it already left a
+    /// call unanswered past its deadline).
     pub fn close(&self) {
         if self.inner.closed.swap(true, Ordering::AcqRel) || std::process::id() != self.inner.pid {
             return;
@@ -983,9 +1017,14 @@ impl StandaloneClient {
         // runtime's tasks take it (a failing transfer forgets the session), and if every
         // worker blocked on it, nothing would drive the call or its timeout.
         let attachment = self.inner.attachment.write().take();
-        if let Some(a) = attachment {
+        // A server that has left a call unanswered past its deadline is not asked again: the
+        // connection's close releases the session there just the same, and closing must not
+        // wait on a stalled server.
+        let stalled = self.inner.stalled_lookups.load(Ordering::Acquire) > 0
+            || self.inner.stalled_transfers.load(Ordering::Acquire) > 0;
+        if let Some(a) = attachment.filter(|_| !stalled) {
             let mut g = self.inner.grpc.clone();
-            let t = Duration::from_secs(2).min(self.inner.opts.control_timeout);
+            let t = Duration::from_secs(1).min(self.inner.opts.control_timeout);
             let _ = self.inner.rt().block_on(async move {
                 tokio::time::timeout(
                     t,
@@ -996,6 +1035,9 @@ impl StandaloneClient {
                 .await
             });
         }
+        // Whatever is still in flight fails now, and the server releases the session now
+        // (had the detach not been sent or answered) rather than when the last handle goes.
+        shut_down(&self.inner.socket);
     }
 }
 

@@ -8,6 +8,7 @@
 //! lock a call waits for. The client (and its runtime) is made by the constructor, never at
 //! import, and refuses to be used in a forked child.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,13 +18,15 @@ use umbp_client::{
     ClientError, ClientOptions, KeyStatus, ServerStats, StandaloneClient as CoreClient,
     Transfer as CoreTransfer,
 };
-use umbp_core::{KvLayout, LayerSpec, RankTopology};
+use umbp_core::{KvLayout, LayerSpec, LayoutSummary, RankTopology};
 use umbp_proto::Endpoint;
 
 use crate::errors::{Error, Raised, Result};
 use crate::keys::Keys;
 use crate::lifecycle::{track_client, without_gil, ReleaseGilOnDrop};
-use crate::store::{layout_from_tensors, layout_from_tuples, to_u64s, LayerTuple, TensorSpec};
+use crate::store::{
+    layout_from_tensors, layout_from_tuples, summary_dicts, to_u64s, LayerTuple, TensorSpec,
+};
 
 /// A transfer's outcome: per-key statuses, or why the transfer failed as a whole.
 type Outcome = std::result::Result<Vec<KeyStatus>, Raised>;
@@ -153,6 +156,8 @@ impl Transfer {
 pub(crate) struct StandaloneClient {
     inner: ReleaseGilOnDrop<Arc<CoreClient>>,
     endpoint: String,
+    /// Each registered layout's per-group summary, for `layout_summary`.
+    summaries: Mutex<HashMap<u32, Vec<LayoutSummary>>>,
 }
 
 fn layers_of(layout: &KvLayout) -> Vec<Vec<LayerSpec>> {
@@ -203,6 +208,7 @@ impl StandaloneClient {
         Ok(StandaloneClient {
             inner: ReleaseGilOnDrop::new(client),
             endpoint,
+            summaries: Mutex::default(),
         })
     }
 
@@ -254,10 +260,7 @@ impl StandaloneClient {
     /// layout id (it stays valid when the client attaches again after a server restart).
     fn register_layout(&self, py: Python<'_>, groups: Vec<Vec<LayerTuple>>) -> Result<u32> {
         let c = self.live()?;
-        without_gil(py, move || {
-            let layout = layout_from_tuples(groups)?;
-            Ok(c.register_layout(layers_of(&layout))?.id)
-        })
+        without_gil(py, move || self.register(c, layout_from_tuples(groups)?))
     }
 
     /// Registers a KV layout from tensor views, as `EmbeddedStore.register_tensor_layout`: one
@@ -274,9 +277,26 @@ impl StandaloneClient {
     ) -> Result<u32> {
         let c = self.live()?;
         without_gil(py, move || {
-            let layout = layout_from_tensors(groups, num_blocks)?;
-            Ok(c.register_layout(layers_of(&layout))?.id)
+            self.register(c, layout_from_tensors(groups, num_blocks)?)
         })
+    }
+
+    /// Per cache group of layout `layout_id`, what copying one block involves, as
+    /// `EmbeddedStore.layout_summary`: dicts with `runs`, `ranges_per_block`, `min_piece`,
+    /// `max_piece` and `object_bytes`.
+    fn layout_summary<'py>(
+        &self,
+        py: Python<'py>,
+        layout_id: u32,
+    ) -> Result<Vec<Bound<'py, PyDict>>> {
+        self.live()?;
+        let s = self.summaries.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(summaries) = s.get(&layout_id) else {
+            return Err(Error::Config(format!(
+                "layout {layout_id} was not registered by this client"
+            )));
+        };
+        summary_dicts(py, summaries)
     }
 
     /// Bytes of one block's object in `group` of layout `layout_id`.
@@ -473,6 +493,17 @@ impl StandaloneClient {
 
 impl StandaloneClient {
     /// The client, or `StoreClosedError` in a forked child.
+    /// Registers `layout` with the server and keeps its summary.
+    fn register(&self, c: &CoreClient, layout: KvLayout) -> Result<u32> {
+        let id = c.register_layout(layers_of(&layout))?.id;
+        let summary = layout.groups().iter().map(|g| g.summary()).collect();
+        self.summaries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, summary);
+        Ok(id)
+    }
+
     fn live(&self) -> Result<&Arc<CoreClient>> {
         self.inner.live("standalone client")
     }

@@ -7,7 +7,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use umbp_copy::{Direction, JobHandle, KeyFailure, KeyResult, MoveError};
 use umbp_core::{
-    GroupLayout, HugepageSize, KvLayout, LayerSpec, MemoryBacking, PoolConfig, TensorView,
+    GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary, MemoryBacking, PoolConfig,
+    TensorView,
 };
 use umbp_store::{CopyMethod, CudaOptions, EmbeddedStore as CoreStore, StoreConfig};
 
@@ -317,18 +318,7 @@ impl EmbeddedStore {
             let l = s.layout(layout_id)?;
             Ok(l.groups().iter().map(|g| g.summary()).collect())
         })?;
-        summaries
-            .into_iter()
-            .map(|s| {
-                let d = PyDict::new(py);
-                d.set_item("runs", s.runs)?;
-                d.set_item("ranges_per_block", s.ranges_per_block)?;
-                d.set_item("min_piece", s.min_piece)?;
-                d.set_item("max_piece", s.max_piece)?;
-                d.set_item("object_bytes", s.object_bytes)?;
-                Ok(d)
-            })
-            .collect()
+        summary_dicts(py, &summaries)
     }
 
     /// Bytes of one block's object in `group` of layout `layout_id`.
@@ -557,4 +547,24 @@ impl EmbeddedStore {
             origin: Origin::here(),
         })
     }
+}
+
+/// A layout's per-group summaries as the dicts `layout_summary` returns (embedded store and
+/// standalone client alike).
+pub(crate) fn summary_dicts<'py>(
+    py: Python<'py>,
+    summaries: &[LayoutSummary],
+) -> Result<Vec<Bound<'py, PyDict>>> {
+    summaries
+        .iter()
+        .map(|s| {
+            let d = PyDict::new(py);
+            d.set_item("runs", s.runs)?;
+            d.set_item("ranges_per_block", s.ranges_per_block)?;
+            d.set_item("min_piece", s.min_piece)?;
+            d.set_item("max_piece", s.max_piece)?;
+            d.set_item("object_bytes", s.object_bytes)?;
+            Ok(d)
+        })
+        .collect()
 }

@@ -8,17 +8,21 @@ once per process by the connector, and ask it for what they need:
 - the worker side, for its store (which it registers the KV cache with and copies through), and
   for a service that answers the scheduler's lookups from that store.
 
-`EmbeddedRuntime` is the only runtime today: a private pool per worker, answering lookups on a
-Unix socket in this user's private directory under `lookup_dir`. A standalone runtime (one
-node-wide server) will provide the same methods; until it exists, `mode: standalone` is refused
-at start-up by `runtime_class`.
+Two runtimes:
+
+- `EmbeddedRuntime`: a private pool per worker, answering lookups on a Unix socket in this
+  user's private directory under `lookup_dir`;
+- `StandaloneRuntime`: the node's `umbp_standalone_server` owns the pool; every worker
+  attaches to it and registers its KV cache, the scheduler asks it directly (one request
+  covers every rank), and no worker serves lookups.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Protocol
+import time
+from typing import Any, Protocol
 
 import umbp
 from umbp.errors import ConfigError
@@ -29,6 +33,7 @@ from umbp.vllm.host import (
     remove_dead_sockets,
     socket_dir,
 )
+from umbp.vllm.standalone import ServerLookups, ServerStore
 from umbp.vllm.topology import Ranks, Topology
 
 logger = logging.getLogger("umbp.vllm")
@@ -40,8 +45,9 @@ class Runtime(Protocol):
     def __init__(self, cfg: ConnectorConfig, topo: Topology) -> None: ...
 
     # Scheduler side.
-    def lookup_client(self) -> umbp.LookupClient:
-        """A client that asks every worker of the engine at once."""
+    def lookup_client(self) -> Any:
+        """A client that asks about every rank of the engine at once (`prefix_hits`,
+        `exists_all`, `clear`, as `umbp.LookupClient`)."""
         ...
 
     def scheduler_shutdown(self) -> None:
@@ -49,11 +55,12 @@ class Runtime(Protocol):
         ...
 
     # Worker side.
-    def open_store(self) -> umbp.EmbeddedStore:
-        """This worker's store (the worker registers its KV cache with it)."""
+    def open_store(self) -> Any:
+        """This worker's store (the worker registers its KV cache with it): an
+        `EmbeddedStore`, or anything with the calls the worker side makes of one."""
         ...
 
-    def serve_lookups(self, store: umbp.EmbeddedStore, ranks: Ranks) -> umbp.LookupServer | None:
+    def serve_lookups(self, store: Any, ranks: Ranks) -> umbp.LookupServer | None:
         """Starts answering the scheduler's lookups for this worker's keys, if the mode needs
         the worker to (the caller shuts the returned service down)."""
         ...
@@ -68,12 +75,9 @@ class Runtime(Protocol):
 
 
 def runtime_class(cfg: ConnectorConfig) -> type[Runtime]:
-    """The runtime of `cfg.mode`; raises `ConfigError` for a mode this release cannot run."""
+    """The runtime of `cfg.mode`."""
     if cfg.mode == "standalone":
-        raise ConfigError(
-            'option `mode`: "standalone" needs umbp_standalone_server, which this release '
-            'does not include yet; use "embedded"'
-        )
+        return StandaloneRuntime
     return EmbeddedRuntime
 
 
@@ -183,3 +187,98 @@ class EmbeddedRuntime:
     def describe_worker(self) -> str:
         pool = f"{(self.capacity or 0) / (1 << 30):.2f} GiB pool"
         return f"{pool}, lookups on {self.path}" if self.path else pool
+
+
+def topology_ranks(topo: Topology) -> list[tuple[int, int, int, int]]:
+    """Every worker's `(tp, pcp, dcp, pp)` ranks, as vLLM assigns them: a worker's index is
+    `tp + tp_size * pcp`, and its DCP group runs over PCP first, then TP (vLLM's
+    `initialize_model_parallel`), so its DCP rank is `(tp * pcp_size + pcp) % dcp_size`.
+    `StandaloneRuntime.serve_lookups` checks every worker's own ranks against this list."""
+    out = []
+    for pcp in range(topo.pcp_size):
+        for tp in range(topo.tp_size):
+            dcp = (tp * topo.pcp_size + pcp) % topo.dcp_size
+            out.append((tp, pcp, dcp, 0))
+    return out
+
+
+class StandaloneRuntime:
+    """Standalone mode: the node's `umbp_standalone_server` owns the pool. Each worker
+    attaches, registers its KV cache (CUDA IPC, or its host pages shared through a memfd on CPU
+    engines) and submits transfers the server performs; the scheduler asks the server about
+    every rank at once. Nothing here starts a server: the operator does."""
+
+    mode = "standalone"
+
+    def __init__(self, cfg: ConnectorConfig, topo: Topology) -> None:
+        self.cfg = cfg
+        self.topo = topo
+        self.client: umbp.StandaloneClient | None = None
+
+    def _connect(self, side: str) -> umbp.StandaloneClient:
+        cfg = self.cfg
+        assert cfg.endpoint is not None  # required in this mode (validated)
+        t0 = time.monotonic()
+        try:
+            client = umbp.StandaloneClient(
+                cfg.endpoint,
+                startup_timeout_ms=cfg.startup_timeout_ms,
+                lookup_timeout_ms=cfg.lookup_timeout_ms,
+                timeout_ms=cfg.timeout_ms,
+                client_name=f"vLLM {side} pid {os.getpid()} namespace {self.topo.namespace}",
+            )
+        except umbp.ServerUnavailable as e:
+            waited = (time.monotonic() - t0) * 1000
+            raise RuntimeError(
+                f"UMBPStoreConnector ({side}): no umbp_standalone_server answered at "
+                f"{cfg.endpoint} within startup_timeout_ms={cfg.startup_timeout_ms} (waited "
+                f"{waited:.0f} ms). Start the server there (see docs/standalone.md), or fix "
+                f"option `endpoint`. {e}"
+            ) from e
+        logger.info(
+            "umbp: %s attached to the UMBP server at %s (boot %s, session %s)",
+            side,
+            cfg.endpoint,
+            client.boot_id,
+            client.session_id,
+        )
+        self.client = client
+        return client
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def lookup_client(self) -> ServerLookups:
+        client = self._connect("scheduler")
+        return ServerLookups(client, self.topo.namespace, topology_ranks(self.topo))
+
+    def scheduler_shutdown(self) -> None:
+        if self.client is not None:
+            self.client.close()  # never waits on a stalled server
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def open_store(self) -> ServerStore:
+        return ServerStore(self._connect("worker"))
+
+    def serve_lookups(self, store: Any, ranks: Ranks) -> None:
+        # The scheduler asks the server; but it builds every rank's keys from the topology,
+        # so this worker's own ranks must be among them.
+        mine = (ranks.tp, ranks.pcp, ranks.dcp, 0)
+        if mine not in topology_ranks(self.topo):
+            raise RuntimeError(
+                f"UMBPStoreConnector: this worker's ranks (tp, pcp, dcp) = {mine[:3]} are not "
+                f"the ones the scheduler expects for tp={self.topo.tp_size} "
+                f"pcp={self.topo.pcp_size} dcp={self.topo.dcp_size}; this vLLM assigns "
+                "decode-context ranks differently from what UMBP supports, so standalone mode "
+                'cannot look its blocks up: use mode "embedded"'
+            )
+        return None
+
+    def worker_shutdown(self) -> None:
+        pass  # the store's close closed the client
+
+    def describe_worker(self) -> str:
+        c = self.client
+        if c is None:
+            return "not attached"
+        return f"UMBP server {self.cfg.endpoint} (session {c.session_id})"

@@ -441,7 +441,7 @@ class SchedulerSide:
         try:
             removed = self.client.clear()
         except umbp.UmbpError as e:
-            logger.warning("umbp: clearing the workers' pools failed: %s", e)
+            logger.warning("umbp: clearing the UMBP pool(s) failed: %s", e)
             return False
-        logger.info("umbp: cleared %d objects from the workers' pools", removed)
+        logger.info("umbp: cleared %d objects from the UMBP pool(s)", removed)
         return True

@@ -1,0 +1,201 @@
+"""Standalone mode: the connector's store and lookups served by the node's
+`umbp_standalone_server`.
+
+`StandaloneRuntime` (in `runtime.py`) hands the worker side a `ServerStore` and the scheduler
+side a `ServerLookups`; both wrap a `umbp.StandaloneClient` and give the surface the embedded
+objects give (`EmbeddedStore`, `LookupClient`), so the scheduler and worker code never look at
+the mode.
+
+What a broken server does to an engine (the SPEC's failure table):
+
+- a lookup that fails or runs past `lookup_timeout_ms` is a miss, and while one is unanswered
+  later lookups miss at once (the client's rule);
+- a store or load the server cannot take (gone, restarting, or stalled on an earlier transfer)
+  ends at once with every block "failed": a failed load is recomputed by vLLM
+  (`kv_load_failure_policy: recompute`), a failed store is only a future miss;
+- a transfer already submitted stays pending, with its blocks held, until the server answers;
+  a synchronous wait on it past `timeout_ms` raises `umbp.TransferTimeout` (the worker fails
+  the step rather than use blocks that may still be written);
+- after a server restart the client attaches again and replays its registrations by itself.
+
+Every such failure is logged, at most once per `_LOG_EVERY_S` seconds per process, with how
+many calls failed since the last message.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import umbp
+
+logger = logging.getLogger("umbp.vllm")
+
+_LOG_EVERY_S = 10.0
+
+
+class _FailureLog:
+    """Logs a kind of failure at most once every `_LOG_EVERY_S` seconds, with a count."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.lock = threading.Lock()
+        self.last = 0.0
+        self.suppressed = 0
+
+    def note(self, e: BaseException) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if now - self.last < _LOG_EVERY_S:
+                self.suppressed += 1
+                return
+            n, self.suppressed, self.last = self.suppressed, 0, now
+        more = f" ({n} more since the last message)" if n else ""
+        logger.warning("umbp: %s failed%s: %s", self.what, more, e)
+
+
+class _Failed:
+    """A transfer the server could not take: done at once, every block failed."""
+
+    def __init__(self, n: int) -> None:
+        self.statuses = ["failed"] * n
+
+    done = True
+
+    def poll(self) -> list[str]:
+        return list(self.statuses)
+
+    def wait(self, timeout_ms: int | None = None) -> list[str]:
+        return list(self.statuses)
+
+
+class _Submitted:
+    """A transfer the server took: `umbp.Transfer` with the failure of the whole transfer
+    (the server went away before answering) read as every block failed."""
+
+    def __init__(self, t: umbp.Transfer, n: int, log: _FailureLog) -> None:
+        self.t, self.n, self.log = t, n, log
+
+    @property
+    def done(self) -> bool:
+        return self.t.done
+
+    def poll(self) -> list[str] | None:
+        try:
+            return self.t.poll()
+        except umbp.UmbpError as e:
+            self.log.note(e)
+            return ["failed"] * self.n
+
+    def wait(self, timeout_ms: int | None = None) -> list[str]:
+        try:
+            return self.t.wait(timeout_ms)
+        except umbp.TransferTimeout:
+            raise  # still pending: the caller must not use the blocks
+        except umbp.UmbpError as e:
+            self.log.note(e)
+            return ["failed"] * self.n
+
+
+class ServerStore:
+    """A worker's store in standalone mode: the `EmbeddedStore` calls the worker side makes,
+    served by the node's server through `client`."""
+
+    def __init__(self, client: umbp.StandaloneClient) -> None:
+        self.client = client
+        self.cuda_device: Any = None
+        self.failures = _FailureLog(f"transfers with the UMBP server at {client.endpoint}")
+
+    # Registration (start-up: errors raise and fail the engine's start, naming the cause).
+
+    def register_memory(self, addr: int, length: int) -> int:
+        # CPU engines: the KV cache's pages move in place onto a memfd the server maps.
+        return self.client.register_memory(addr, length)
+
+    def register_cuda_memory(self, addr: int, length: int, device: int) -> int:
+        import torch
+
+        self.cuda_device = torch.device("cuda", device)
+        return self.client.register_cuda_memory(addr, length)
+
+    def register_tensor_layout(self, groups: list, num_blocks: list[int]) -> int:
+        return self.client.register_tensor_layout(groups, num_blocks)
+
+    def layout_summary(self, layout: int) -> list[dict[str, int]]:
+        return self.client.layout_summary(layout)
+
+    # Transfers.
+
+    def _submit(self, store: bool, layout: int, group: int, block_ids, keys, stream):
+        if stream is not None and self.cuda_device is not None:
+            # The server copies on its own streams: what the engine queued before (the
+            # forward pass that wrote a store's blocks, the readers of a load's blocks) must
+            # be finished first.
+            import torch
+
+            torch.cuda.ExternalStream(stream, device=self.cuda_device).synchronize()
+        call = self.client.store if store else self.client.load
+        try:
+            t = call(layout, group, block_ids, keys)
+        except umbp.ServerUnavailable as e:
+            self.failures.note(e)
+            return _Failed(len(block_ids))
+        return _Submitted(t, len(block_ids), self.failures)
+
+    def store(self, layout: int, group: int, block_ids, keys, stream: int | None = None):
+        return self._submit(True, layout, group, block_ids, keys, stream)
+
+    def load(self, layout: int, group: int, block_ids, keys, stream: int | None = None):
+        return self._submit(False, layout, group, block_ids, keys, stream)
+
+    def close(self) -> None:
+        # Never waits on a stalled server (the client skips its detach then).
+        self.client.close()
+
+
+class ServerLookups:
+    """The scheduler's lookups in standalone mode: one request per cache group asks the
+    server about every rank of the engine's topology at once. A failed or late lookup is a
+    miss."""
+
+    def __init__(
+        self,
+        client: umbp.StandaloneClient,
+        namespace: str,
+        ranks: list[tuple[int, int, int, int]],
+    ) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.ranks = ranks
+        self.failures = _FailureLog(f"lookups at the UMBP server at {client.endpoint}")
+
+    def prefix_hits(self, group: int, packed_hashes: bytes, hash_len: int) -> int:
+        """Blocks, from the first, that every rank holds (0 on any failure)."""
+        try:
+            _, n = self.client.exists_across_ranks(
+                self.namespace, self.ranks, group, packed_hashes, hash_len, prefix_only=True
+            )
+        except umbp.UmbpError as e:
+            self.failures.note(e)
+            return 0
+        return n
+
+    def exists_all(self, group: int, packed_hashes: bytes, hash_len: int) -> list[bool]:
+        """Which blocks every rank holds (all False on any failure)."""
+        try:
+            present, _ = self.client.exists_across_ranks(
+                self.namespace, self.ranks, group, packed_hashes, hash_len
+            )
+        except umbp.UmbpError as e:
+            self.failures.note(e)
+            return [False] * (len(packed_hashes) // max(1, hash_len))
+        return present
+
+    def clear(self, timeout_ms: int = 10000) -> int:
+        """Empties the server's whole pool, every engine's objects (reset_external)."""
+        return self.client.clear()
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,132 @@
+"""One real `umbp_standalone_server` process for tests (tests/python and tests/vllm).
+
+The binary is $UMBP_SERVER_BIN, else `umbp_standalone_server` on PATH, else this checkout's
+release build (`cargo build --release -p umbp-server`).
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+GRACE_MS = 3000
+
+
+def server_binary() -> Path:
+    if os.environ.get("UMBP_SERVER_BIN"):
+        return Path(os.environ["UMBP_SERVER_BIN"])
+    found = shutil.which("umbp_standalone_server")
+    if found:
+        return Path(found)
+    target = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+    return target / "release" / "umbp_standalone_server"
+
+
+def short_dir(tag: str) -> Path:
+    """A fresh directory with a short path (a Unix socket address holds at most 107 bytes)."""
+    d = Path(os.environ.get("TMPDIR", "/tmp")) / f"umbp-t{os.getpid()}-{tag[-12:]}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+class Server:
+    """One `umbp_standalone_server` on a socket in `directory`."""
+
+    def __init__(self, binary, directory, capacity="64MiB"):
+        self.binary, self.dir, self.capacity = binary, directory, capacity
+        self.path = directory / "umbp.sock"
+        self.proc = None
+        self.starts = 0
+
+    @property
+    def endpoint(self):
+        return str(self.path)
+
+    def start(self):
+        self.starts += 1
+        self.log = self.dir / f"server-{self.starts}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.binary),
+                    "--address",
+                    self.endpoint,
+                    "--capacity",
+                    self.capacity,
+                    "--prefault",
+                    "false",
+                    "--workers",
+                    "2",
+                    "--shutdown-grace-ms",
+                    str(GRACE_MS),
+                    "--log",
+                    "warn",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited: {self.log.read_text()}"
+            if self.path.exists():
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    try:
+                        s.connect(self.endpoint)
+                        return
+                    except OSError:
+                        pass
+            time.sleep(0.02)
+        raise AssertionError(f"the server did not listen within 15 s: {self.log.read_text()}")
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def kill(self):
+        """SIGKILL, and reap it (the socket file stays, as after a crash)."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def terminate(self):
+        """SIGTERM; returns (exit code, seconds it took)."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGCONT)  # a stopped server cannot act on SIGTERM
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=GRACE_MS / 1000 + 10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(
+                f"SIGTERM did not stop the server: {self.log.read_text()}"
+            ) from None
+        return rc, time.monotonic() - t0
+
+    def stop(self):
+        """SIGTERM; the server must exit 0 and remove its sockets."""
+        if self.proc is None:
+            return
+        rc = self.proc.returncode if self.proc.poll() is not None else self.terminate()[0]
+        self.proc = None
+        assert rc == 0, f"exit code {rc}: {self.log.read_text()}"
+        assert not self.path.exists(), "the server left its socket behind"
+        assert not Path(self.endpoint + ".fds").exists(), "the server left its side channel behind"
+
+    def stats(self) -> dict:
+        """`umbp stats --json` of the running server (it attaches no session)."""
+        umbp_bin = shutil.which("umbp") or str(ROOT / ".venv" / "bin" / "umbp")
+        out = subprocess.run(
+            [umbp_bin, "stats", "--json", "--endpoint", self.endpoint],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
