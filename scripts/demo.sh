@@ -5,5 +5,5 @@
 # greedy outputs are identical. Extra arguments go to `python -m umbp.demo.serve`.
 source "$(dirname "$0")/venv.sh"
 
-step "UMBP demo: vLLM CPU + UMBPStoreConnector (embedded mode)"
+step "UMBP demo: vLLM CPU + UMBPStoreConnector"
 python -m umbp.demo.serve "$@"

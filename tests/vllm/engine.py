@@ -9,8 +9,11 @@ Scenario keys: model, connector (kv_connector_extra_config, or null for no conne
 kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
 kv_events (an ipc:// endpoint to publish KV events to), steps: a list of
 {"generate": [prompt, ...]}, {"reset": bool reset_external}, {"signal": path},
-{"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events}. A step that raises (e.g. the engine died) ends
-the scenario; the result then has "error".
+{"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events},
+{"shutdown": true} (shuts the engine down, connector included, and records the seconds it
+took; with VLLM_ENABLE_V1_MULTIPROCESSING=0 that is the engine's own shutdown, in this
+process). A step that raises (e.g. the engine died) ends the scenario; the result then has
+"error".
 """
 
 from __future__ import annotations
@@ -112,6 +115,10 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
         elif "sleep" in step:
             time.sleep(step["sleep"])
             out["steps"].append(None)
+        elif "shutdown" in step:
+            t = time.time()
+            llm.llm_engine.engine_core.shutdown()
+            out["steps"].append(time.time() - t)
         elif "events" in step:
             llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)  # flush a step
             time.sleep(step["events"])

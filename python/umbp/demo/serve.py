@@ -13,7 +13,13 @@ embedded configuration (only the pool size lowered to fit this machine), and for
 It prints cached tokens, TTFTs, the restored / recomputed ratio, and whether all three greedy
 outputs are identical.
 
-    python -m umbp.demo.serve [--prompts 3] [--tokens 4000] [--port 8765]
+With `--mode standalone` (the second act) it starts `umbp_standalone_server`, then two
+`vllm serve` engines attached to it: engine B restores the prefixes engine A computed; engine A
+is restarted and restores them from the server too; then `reset_external` from A empties the
+server's pool for both and B computes the prefixes again.
+
+    python -m umbp.demo.serve [--mode embedded|standalone] [--prompts 3] [--tokens 4000]
+                              [--port 8765]
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ CONNECTOR = {
     "kv_load_failure_policy": "recompute",
     "kv_connector_extra_config": {"mode": "embedded", "total_capacity_bytes": 2 << 30},
 }
+
+
+def standalone_connector(socket_path: str) -> dict:
+    """The usage guide's standalone configuration, with this demo's socket."""
+    return {
+        **CONNECTOR,
+        "kv_connector_extra_config": {"mode": "standalone", "endpoint": f"unix://{socket_path}"},
+    }
 
 
 def say(msg: str) -> None:
@@ -117,72 +131,90 @@ def make_prompts(n: int, tokens: int) -> list[str]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description="UMBP demo on vLLM CPU")
-    ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=4000, help="prompt length (byte tokens)")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--port", type=int, default=8765)
-    ap.add_argument("--workdir", default=os.path.join(sys.prefix, "umbp-demo"))
-    a = ap.parse_args()
+def bin_path(name: str) -> str:
+    return os.path.join(os.path.dirname(sys.executable), name)
 
-    from umbp.demo.tiny_model import build
 
-    say("building the demo model (4-layer random-weight Llama, byte tokenizer) ...")
-    model = build(os.path.join(a.workdir, "tiny-llama"))
-    say(f"model at {model}")
-    log_path = os.path.join(a.workdir, "vllm-serve.log")
-    env = {
-        **os.environ,
-        "VLLM_SERVER_DEV_MODE": "1",  # enables POST /reset_prefix_cache
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model,
-        "--served-model-name", "tiny", "--port", str(a.port), "--host", "127.0.0.1",
-        "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "8192",
-        "--enable-prompt-tokens-details",
-        "--kv-transfer-config", json.dumps(CONNECTOR),
-    ]  # fmt: skip
-    say(
-        "starting: "
-        + " ".join(cmd[:3])
-        + " ... --kv-transfer-config '"
-        + json.dumps(CONNECTOR)
-        + "'"
-    )
-    say(f"server log: {log_path}")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+class Engine:
+    """One `vllm serve` of the demo model with `connector`, on 127.0.0.1:`port`."""
+
+    def __init__(self, name: str, model: str, port: int, connector: dict, workdir: str) -> None:
+        self.name, self.port = name, port
+        self.log_path = os.path.join(workdir, f"vllm-serve-{name}.log")
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",  # enables POST /reset_prefix_cache
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        cmd = [
+            bin_path("vllm"), "serve", model,
+            "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
+            "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "8192",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(connector),
+        ]  # fmt: skip
+        say(
+            f"starting engine {name}: "
+            + " ".join(cmd[:3])
+            + f" --port {port} ... --kv-transfer-config '"
+            + json.dumps(connector)
+            + "'"
         )
-    try:
+        say(f"engine {name} log: {self.log_path}")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_ready(self) -> None:
         t0 = time.time()
         while True:
-            if server.poll() is not None:
-                with open(log_path) as f:
+            if self.proc.poll() is not None:
+                with open(self.log_path) as f:
                     tail = f.read()[-3000:]
-                raise RuntimeError(f"vllm serve exited with {server.returncode}:\n{tail}")
+                raise RuntimeError(
+                    f"vllm serve (engine {self.name}) exited with {self.proc.returncode}:\n{tail}"
+                )
             try:
-                conn, resp = request(a.port, "GET", "/health", timeout=2)
+                conn, resp = request(self.port, "GET", "/health", timeout=2)
                 conn.close()
                 if resp.status == 200:
                     break
             except OSError:
                 pass
             if int(time.time() - t0) % 10 == 0:
-                say(f"waiting for the server to start ({time.time() - t0:.0f}s) ...")
+                say(f"waiting for engine {self.name} to start ({time.time() - t0:.0f}s) ...")
             time.sleep(1)
-        say(f"server ready after {time.time() - t0:.0f}s")
-        completion(a.port, "tiny", "warm up", 2)
+        say(f"engine {self.name} ready after {time.time() - t0:.0f}s")
+        completion(self.port, "tiny", "warm up", 2)
+
+    def complete(self, prompt: str, max_tokens: int) -> dict:
+        return completion(self.port, "tiny", prompt, max_tokens)
+
+    def reset(self, external: bool) -> None:
+        reset(self.port, external)
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+
+
+def embedded(a: argparse.Namespace, model: str) -> int:
+    engine = Engine("A", model, a.port, CONNECTOR, a.workdir)
+    try:
+        engine.wait_ready()
         rows = []
         for i, p in enumerate(make_prompts(a.prompts, a.tokens)):
-            cold = completion(a.port, "tiny", p, a.max_tokens)
-            reset(a.port, external=False)
-            restored = completion(a.port, "tiny", p, a.max_tokens)
-            reset(a.port, external=True)
-            recomputed = completion(a.port, "tiny", p, a.max_tokens)
+            cold = engine.complete(p, a.max_tokens)
+            engine.reset(external=False)
+            restored = engine.complete(p, a.max_tokens)
+            engine.reset(external=True)
+            recomputed = engine.complete(p, a.max_tokens)
             same = cold["text"] == restored["text"] == recomputed["text"]
             rows.append((cold, restored, recomputed, same))
             say(
@@ -203,12 +235,126 @@ def main() -> int:
         print(f"  greedy outputs identical      {all_same}")
         return 0 if all_same and all(r[1]["cached"] > 0 for r in rows) else 1
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(server.pid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(2)
+        engine.stop()
+
+
+def start_server(workdir: str) -> tuple[subprocess.Popen, str]:
+    """`umbp_standalone_server` on a socket in `workdir`; returns it once it answers."""
+    import umbp
+
+    sock = os.path.join(workdir, "umbp.sock")
+    log_path = os.path.join(workdir, "umbp-server.log")
+    cmd = [bin_path("umbp_standalone_server"), "--address", sock, "--capacity", "2GiB"]
+    say("starting: " + " ".join(cmd))
+    say(f"server log: {log_path}")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with umbp.StandaloneClient(sock, startup_timeout_ms=30000) as c:
+            say(f"server ready: boot {c.ping()}")
+    except umbp.ServerUnavailable as e:
+        proc.kill()
+        with open(log_path) as f:
+            raise RuntimeError(f"umbp_standalone_server did not start:\n{f.read()[-3000:]}") from e
+    return proc, sock
+
+
+def server_objects(sock: str) -> int:
+    import umbp
+
+    with umbp.StandaloneClient(sock, startup_timeout_ms=5000) as c:
+        return int(c.stats()["objects"])
+
+
+def standalone(a: argparse.Namespace, model: str) -> int:
+    server, sock = start_server(a.workdir)
+    connector = standalone_connector(sock)
+    engines: list[Engine] = []
+    try:
+        ea = Engine("A", model, a.port, connector, a.workdir)
+        eb = Engine("B", model, a.port + 1, connector, a.workdir)
+        engines += [ea, eb]
+        ea.wait_ready()
+        eb.wait_ready()
+        ps = make_prompts(a.prompts, a.tokens)
+        cold, shared = [], []
+        for i, p in enumerate(ps):
+            cold.append(ea.complete(p, a.max_tokens))
+            ea.reset(external=False)  # waits for A's stores to reach the server
+            shared.append(eb.complete(p, a.max_tokens))
+            say(
+                f"prompt {i}: {cold[-1]['prompt_tokens']} tokens; engine A computed it "
+                f"(TTFT {cold[-1]['ttft'] * 1000:.0f} ms), engine B restored "
+                f"{shared[-1]['cached']} tokens from the server (TTFT "
+                f"{shared[-1]['ttft'] * 1000:.0f} ms)"
+            )
+        say(f"the server holds {server_objects(sock)} objects; restarting engine A ...")
+        ea.stop()
+        engines.remove(ea)
+        ea = Engine("A2", model, a.port, connector, a.workdir)
+        engines.append(ea)
+        ea.wait_ready()
+        restarted = [ea.complete(p, a.max_tokens) for p in ps]
+        for i, r in enumerate(restarted):
+            say(
+                f"prompt {i}: the restarted engine A restored {r['cached']} tokens "
+                f"(TTFT {r['ttft'] * 1000:.0f} ms)"
+            )
+        ea.reset(external=True)  # the whole server pool, for both engines
+        left = server_objects(sock)
+        say(f"reset_external from engine A: the server holds {left} objects")
+        eb.reset(external=False)
+        recomputed = [eb.complete(p, a.max_tokens) for p in ps]
+        same = all(
+            c["text"] == s["text"] == r["text"] == x["text"]
+            for c, s, r, x in zip(cold, shared, restarted, recomputed)
+        )
+        restored_ms = statistics.median(s["ttft"] for s in shared) * 1000
+        recomputed_ms = statistics.median(r["ttft"] for r in recomputed) * 1000
+        print()
+        print("UMBP demo summary (vLLM CPU, standalone mode: one server, two engines)")
+        print(f"  prompts                         {len(ps)} x ~{a.tokens} tokens")
+        print(f"  engine B: cached from A's work  {[s['cached'] for s in shared]}")
+        print(f"  restarted A: cached             {[r['cached'] for r in restarted]}")
+        print(f"  after reset_external: B cached  {[r['cached'] for r in recomputed]}")
+        print(f"  TTFT restored on B (median)     {restored_ms:.0f} ms")
+        print(f"  TTFT recomputed on B (median)   {recomputed_ms:.0f} ms")
+        print(f"  TTFT ratio restored/recomputed  {restored_ms / recomputed_ms:.2f}")
+        print(f"  greedy outputs identical        {same}")
+        ok = (
+            same
+            and all(s["cached"] > 0 for s in shared)
+            and all(r["cached"] > 0 for r in restarted)
+            and left == 0
+        )
+        return 0 if ok else 1
+    finally:
+        for e in engines:
+            e.stop()
+        server.send_signal(signal.SIGTERM)
+        try:
+            rc = server.wait(timeout=30)
+            say(f"umbp_standalone_server stopped (exit code {rc})")
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="UMBP demo on vLLM CPU")
+    ap.add_argument("--mode", choices=["embedded", "standalone"], default="embedded")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=4000, help="prompt length (byte tokens)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--workdir", default=os.path.join(sys.prefix, "umbp-demo"))
+    a = ap.parse_args()
+
+    from umbp.demo.tiny_model import build
+
+    say("building the demo model (4-layer random-weight Llama, byte tokenizer) ...")
+    model = build(os.path.join(a.workdir, "tiny-llama"))
+    say(f"model at {model}")
+    return standalone(a, model) if a.mode == "standalone" else embedded(a, model)
 
 
 if __name__ == "__main__":

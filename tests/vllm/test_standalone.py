@@ -1,0 +1,291 @@
+"""Standalone mode on real vLLM CPU engines and a real `umbp_standalone_server` process: the
+SPEC's failure table, one test per row (the same rows without vLLM, with finer timings, are in
+tests/python/test_standalone_connector.py)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import finish, prompts, run_engine, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from standalone_server import Server, server_binary, short_dir  # noqa: E402
+
+BLOCK = 128  # vLLM CPU's default block size
+
+
+@pytest.fixture
+def server(tmp_path):
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(f"no umbp_standalone_server at {binary}; run scripts/venv.sh")
+    d = short_dir(tmp_path.name)
+    s = Server(binary, d, capacity="256MiB")
+    s.start()
+    try:
+        yield s
+    finally:
+        if s.proc is not None:
+            s.stop()
+
+
+def standalone(server: Server, **extra) -> dict:
+    return {"mode": "standalone", "endpoint": f"unix://{server.endpoint}", **extra}
+
+
+def tokens(run: list[dict]) -> list[list[int]]:
+    return [o["tokens"] for o in run]
+
+
+def full_blocks(o: dict) -> int:
+    return (o["prompt_tokens"] - 1) // BLOCK * BLOCK
+
+
+#: Every prompt set of this module, by name.
+PROMPTS = {
+    "shared": prompts(3, seed=20),
+    "own": prompts(2, shared=0, seed=21),
+    "killed": prompts(3, shared=0, seed=22),
+    "stopped": prompts(3, seed=23),
+    "fresh": prompts(3, shared=0, seed=24),
+    "tp2": prompts(2, shared=0, seed=25),
+}
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    """Each prompt set's outputs without the connector (one engine run for all of them)."""
+    names = list(PROMPTS)
+    r = run_engine(
+        {"model": model, "connector": None, "steps": [{"generate": PROMPTS[n]} for n in names]}
+    )
+    return {n: tokens(run) for n, run in zip(names, r["steps"])}
+
+
+def test_two_engines_share_the_server_and_a_restarted_engine_restores(
+    model, server, tmp_path, baseline
+):
+    ps, own = PROMPTS["shared"], PROMPTS["own"]
+    a_ready, b_ready, a2_reset = tmp_path / "a.ready", tmp_path / "b.ready", tmp_path / "a2.reset"
+    b_done = tmp_path / "b.done"
+    # Engine A computes the prefixes and stays up while B runs.
+    a = run_engine(
+        {
+            "model": model,
+            "connector": standalone(server),
+            "steps": [
+                {"generate": ps},
+                {"reset": False},  # waits for A's stores; empties vLLM's own cache
+                {"signal": str(a_ready)},
+                {"wait_for": str(b_done)},
+            ],
+        },
+        background=True,
+    )
+    wait_for(a_ready)
+    objects_a = server.stats()["objects"]
+    # Engine B, another engine on the node, restores them; then stores prompts of its own.
+    b = run_engine(
+        {
+            "model": model,
+            "connector": standalone(server),
+            "steps": [
+                {"generate": ps},
+                {"generate": own},
+                {"reset": False},
+                {"signal": str(b_ready)},
+                {"wait_for": str(a2_reset)},
+                {"reset": False},
+                {"generate": own},  # after A2's reset_external: nothing left to restore
+            ],
+        },
+        background=True,
+    )
+    wait_for(b_ready)
+    b_done.write_text("go")
+    ra = finish(a)
+    objects_ab = server.stats()["objects"]
+    # Engine A restarted: the new engine restores from the server, then resets the pool.
+    a2_cleared = tmp_path / "a2.cleared"
+    a2 = run_engine(
+        {
+            "model": model,
+            "connector": standalone(server),
+            "steps": [{"generate": ps}, {"reset": True}, {"signal": str(a2_cleared)}],
+        },
+        background=True,
+    )
+    wait_for(a2_cleared)
+    objects_after_reset = server.stats()["objects"]  # B is still waiting: nothing new yet
+    a2_reset.write_text("go")
+    a2 = finish(a2)
+    rb = finish(b)
+    expected, expected_own = baseline["shared"], baseline["own"]
+    assert tokens(ra["steps"][0]) == expected
+    b_ps, b_own, _, _, _, _, b_own_again = rb["steps"]
+    assert tokens(b_ps) == expected and tokens(b_own) == expected_own
+    assert [o["cached"] for o in b_ps] == [full_blocks(o) for o in b_ps], b_ps
+    assert tokens(a2["steps"][0]) == expected
+    assert [o["cached"] for o in a2["steps"][0]] == [full_blocks(o) for o in a2["steps"][0]]
+    assert objects_a > 0 and objects_ab > objects_a, (objects_a, objects_ab)
+    # reset_external from A2 emptied the pool for every engine: B's own prefixes are gone.
+    assert a2["steps"][1] is True and objects_after_reset == 0
+    assert all(o["cached"] == 0 for o in b_own_again), b_own_again
+    assert tokens(b_own_again) == expected_own
+
+
+def test_absent_server_fails_startup_after_startup_timeout(model, tmp_path):
+    ep = str(short_dir(tmp_path.name) / "nobody.sock")
+    r = run_engine(
+        {
+            "model": model,
+            "connector": {"mode": "standalone", "endpoint": ep, "startup_timeout_ms": 3000},
+            "steps": [],
+        }
+    )
+    assert "startup_error" in r, r
+    out = r["output"]
+    m = re.search(
+        r"no umbp_standalone_server answered at (\S+) within startup_timeout_ms=3000 "
+        r"\(waited (\d+) ms\)",
+        out,
+    )
+    assert m, out[-3000:]
+    assert m.group(1) == ep
+    assert 2400 <= int(m.group(2)) <= 3600, m.group(0)
+
+
+def test_killed_server_means_misses_and_a_restarted_one_is_used_again(
+    model, server, tmp_path, baseline
+):
+    ps = PROMPTS["killed"]
+    stored, killed, missed, restarted = (tmp_path / n for n in ("s", "k", "m", "r"))
+    proc = run_engine(
+        {
+            "model": model,
+            "connector": standalone(server, timeout_ms=5000),
+            "steps": [
+                {"generate": ps},
+                {"reset": False},
+                {"signal": str(stored)},
+                {"wait_for": str(killed)},
+                {"generate": ps},  # lookups miss, stores fail: recomputed
+                {"reset": False},
+                {"signal": str(missed)},
+                {"wait_for": str(restarted)},
+                {"generate": ps},  # the new server's pool is empty: stored again
+                {"reset": False},
+                {"generate": ps},  # hits again, no engine restart
+            ],
+        },
+        background=True,
+    )
+    wait_for(stored)
+    assert server.stats()["objects"] > 0
+    server.kill()
+    killed.write_text("go")
+    wait_for(missed)
+    server.start()
+    restarted.write_text("go")
+    r = finish(proc)
+    assert "error" not in r, r.get("error")
+    first, _, _, _, dead, _, _, _, again, _, restored = r["steps"]
+    expected = baseline["killed"]
+    for run in (first, dead, again, restored):
+        assert tokens(run) == expected
+    assert all(o["cached"] == 0 for o in dead), dead
+    assert all(o["seconds"] < 30 for o in dead), dead  # nothing hangs on the dead server
+    assert [o["cached"] for o in restored] == [full_blocks(o) for o in restored], restored
+    st = server.stats()
+    assert st["objects"] > 0, st
+
+
+def test_stopped_server_means_misses_and_shutdown_does_not_wait(model, server, tmp_path, baseline):
+    ps, fresh = PROMPTS["stopped"], PROMPTS["fresh"]
+    marks = {n: tmp_path / n for n in ("stored", "stopped", "served", "resumed", "again", "down")}
+    proc = run_engine(
+        {
+            "model": model,
+            # In-process engine: the shutdown step times the connector's own shutdown.
+            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            "connector": standalone(server, lookup_timeout_ms=500, timeout_ms=2000),
+            "steps": [
+                {"generate": ps},
+                {"reset": False},
+                {"signal": str(marks["stored"])},
+                {"wait_for": str(marks["stopped"])},
+                {"generate": fresh},  # lookups miss within 500 ms; stores stall, then fail
+                {"signal": str(marks["served"])},
+                {"wait_for": str(marks["resumed"])},
+                {"reset": False},  # the stalled stores have finished
+                {"generate": ps},  # restored from the server again
+                {"signal": str(marks["again"])},
+                {"wait_for": str(marks["down"])},
+                {"shutdown": True},  # with the server stopped
+            ],
+        },
+        background=True,
+    )
+    wait_for(marks["stored"])
+    server.signal(signal.SIGSTOP)
+    marks["stopped"].write_text("go")
+    try:
+        wait_for(marks["served"], timeout=120)
+    finally:
+        server.signal(signal.SIGCONT)
+    marks["resumed"].write_text("go")
+    wait_for(marks["again"])
+    server.signal(signal.SIGSTOP)
+    marks["down"].write_text("go")
+    try:
+        r = finish(proc, timeout=120)
+    finally:
+        server.signal(signal.SIGCONT)
+    assert "error" not in r, r.get("error")
+    first, _, _, _, stalled, _, _, _, restored, _, _, shutdown_s = r["steps"]
+    assert tokens(first) == baseline["stopped"] and tokens(restored) == baseline["stopped"]
+    assert tokens(stalled) == baseline["fresh"]
+    assert all(o["cached"] == 0 for o in stalled), stalled
+    # The first request waits out one lookup (500 ms); the others miss at once and no store
+    # holds up a step (the SIGKILL test's engine takes about as long per request).
+    assert all(o["seconds"] < 15 for o in stalled), stalled
+    assert [o["cached"] for o in restored] == [full_blocks(o) for o in restored], restored
+    assert shutdown_s < 5, shutdown_s
+
+
+def test_tensor_parallel_2_on_the_server(model, server, tmp_path, baseline):
+    ps = PROMPTS["tp2"]
+    stored = tmp_path / "stored"
+    done = tmp_path / "done"
+    proc = run_engine(
+        {
+            "model": model,
+            "tp": 2,
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            "connector": standalone(server, key_namespace="tp2-server"),
+            "steps": [
+                {"generate": ps},
+                {"reset": False},
+                {"signal": str(stored)},
+                {"wait_for": str(done)},
+                {"generate": ps},
+            ],
+        },
+        background=True,
+        timeout=600,
+    )
+    wait_for(stored, timeout=600)
+    st = server.stats()
+    done.write_text("go")
+    r = finish(proc, timeout=600)
+    first, _, _, _, restored = r["steps"]
+    blocks = sum(full_blocks(o) for o in first) // BLOCK
+    # Both workers attached (and the scheduler), each rank stored its half of every block.
+    assert st["sessions"] == 3 and st["objects"] == 2 * blocks, (st, blocks)
+    assert tokens(first) == baseline["tp2"] and tokens(restored) == baseline["tp2"]
+    assert [o["cached"] for o in restored] == [full_blocks(o) for o in restored], restored
