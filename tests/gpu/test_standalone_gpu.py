@@ -187,3 +187,48 @@ def test_one_cuda_client_through_the_server_against_embedded_mode(tmp_path):
         Path(RESULTS_FILE).write_text(json.dumps({"standalone_vs_embedded": rows}, indent=1))
     # Figures are reported, not asserted (machines are shared; see docs/benchmarks.md).
     assert all(v > 0 for r in rows.values() for v in r["server_gbps"].values())
+
+
+def test_connector_store_through_the_server_is_ordered_after_the_engine_stream(tmp_path):
+    """The connector's standalone store (`ServerStore`) waits for the engine's stream before
+    the server copies: blocks written by a kernel still queued are stored with their new bytes."""
+    import umbp
+    from umbp.vllm.standalone import ServerStore
+
+    layers, blocks, piece = 8, 512, 64 << 10
+    p, sock = start_server(tmp_path, "2GiB")
+    try:
+        kv = torch.zeros((layers, blocks, piece), dtype=torch.uint8, device="cuda")
+        store = ServerStore(umbp.StandaloneClient(str(sock), startup_timeout_ms=10_000))
+        store.register_cuda_memory(kv.data_ptr(), kv.numel(), 0)
+        s = kv.stride()
+        lid = store.client.register_layout(
+            [[(kv.data_ptr() + layer * s[0], blocks, s[1], piece) for layer in range(layers)]]
+        )
+        src, dst = list(range(0, 200)), list(range(300, 500))
+        kb = umbp.KeyBuilder("order-server")
+        cur = torch.cuda.current_stream()
+        outcome = {}
+        for ordered in (True, False):
+            keys = kb.keys(0, [f"{ordered}-{b}".encode() for b in src])
+            torch.cuda.synchronize()
+            fresh = torch.randint(
+                0, 256, (layers, len(src), piece), dtype=torch.uint8, device="cuda"
+            )
+            torch.cuda.synchronize()
+            torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time before the writer runs
+            kv[:, src[0] : src[-1] + 1] = fresh  # the kernel that writes the blocks
+            job = store.store(lid, 0, src, keys, stream=cur.cuda_stream if ordered else None)
+            assert job.wait() == ["done"] * len(src)
+            torch.cuda.synchronize()
+            kv[:, dst[0] : dst[-1] + 1] = 0
+            torch.cuda.synchronize()
+            assert store.load(lid, 0, dst, keys).wait() == ["done"] * len(dst)
+            outcome[ordered] = torch.equal(kv[:, dst[0] : dst[-1] + 1], fresh)
+        print(
+            f"connector store ordering: ordered {outcome[True]}, unordered control {outcome[False]}"
+        )
+        assert outcome[True], "a standalone store with stream= copied stale bytes"
+        store.close()
+    finally:
+        stop_server(p)

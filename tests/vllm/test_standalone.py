@@ -157,6 +157,7 @@ def test_absent_server_fails_startup_after_startup_timeout(model, tmp_path):
     )
     assert m, out[-3000:]
     assert m.group(1) == ep
+    print(f"startup failed after waiting {m.group(2)} ms (startup_timeout_ms=3000)")
     assert 2400 <= int(m.group(2)) <= 3600, m.group(0)
 
 
@@ -198,6 +199,8 @@ def test_killed_server_means_misses_and_a_restarted_one_is_used_again(
     expected = baseline["killed"]
     for run in (first, dead, again, restored):
         assert tokens(run) == expected
+    print("request seconds with the server dead:", [round(o["seconds"], 3) for o in dead])
+    print("request seconds restored after its restart:", [round(o["seconds"], 3) for o in restored])
     assert all(o["cached"] == 0 for o in dead), dead
     assert all(o["seconds"] < 30 for o in dead), dead  # nothing hangs on the dead server
     assert [o["cached"] for o in restored] == [full_blocks(o) for o in restored], restored
@@ -250,6 +253,8 @@ def test_stopped_server_means_misses_and_shutdown_does_not_wait(model, server, t
     first, _, _, _, stalled, _, _, _, restored, _, _, shutdown_s = r["steps"]
     assert tokens(first) == baseline["stopped"] and tokens(restored) == baseline["stopped"]
     assert tokens(stalled) == baseline["fresh"]
+    print("request seconds with the server stopped:", [round(o["seconds"], 3) for o in stalled])
+    print(f"engine shutdown with the server stopped: {shutdown_s:.2f} s")
     assert all(o["cached"] == 0 for o in stalled), stalled
     # The first request waits out one lookup (500 ms); the others miss at once and no store
     # holds up a step (the SIGKILL test's engine takes about as long per request).
