@@ -4,6 +4,7 @@ sides are given, and what each failure of the server does to them. The same rows
 engines are in tests/vllm/test_standalone.py.
 """
 
+import mmap
 import signal
 import time
 
@@ -46,7 +47,11 @@ class Rank:
     """One worker's store: a host buffer registered through `ServerStore`."""
 
     def __init__(self, endpoint, tp=0, timeout_ms=30000):
-        self.buf = np.zeros((peer.LAYERS, peer.BLOCKS, peer.PIECE), dtype=np.uint8)
+        # Its own mapping, as an engine's KV cache is: a heap buffer could share pages with
+        # one an earlier test shared (and freed), which the client refuses to share again.
+        shape = (peer.LAYERS, peer.BLOCKS, peer.PIECE)
+        self.mem = mmap.mmap(-1, int(np.prod(shape)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buf = np.frombuffer(self.mem, dtype=np.uint8).reshape(shape)
         c = umbp.StandaloneClient(
             endpoint, startup_timeout_ms=5000, lookup_timeout_ms=300, timeout_ms=timeout_ms
         )
@@ -122,7 +127,9 @@ def test_a_dead_server_fails_transfers_and_a_new_one_is_used_by_itself(server): 
     # Lookups miss; loads and stores end at once, every block failed (nothing raises).
     assert look.prefix_hits(0, packed(3), HASH) == 0
     for job in (r.get(3), r.put(4)):
-        assert job.done and job.wait() == ["failed"] * peer.BLOCKS
+        t0 = time.monotonic()
+        assert job.wait() == ["failed"] * peer.BLOCKS
+        assert time.monotonic() - t0 < 1 and job.done
         assert job.poll() == ["failed"] * peer.BLOCKS
     server.start()
     # The clients attach again and register their memory and layout again by themselves.

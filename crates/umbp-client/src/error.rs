@@ -6,8 +6,6 @@ use thiserror::Error;
 use umbp_cuda::CudaError;
 use umbp_proto::ProtoError;
 
-use crate::host_share::HostShareError;
-
 /// Errors of the standalone client.
 #[derive(Debug, Error)]
 pub enum ClientError {
@@ -74,9 +72,66 @@ pub enum ClientError {
     /// CUDA memory could not be exported.
     #[error(transparent)]
     Cuda(#[from] CudaError),
-    /// Host memory could not be shared.
-    #[error(transparent)]
-    HostShare(#[from] HostShareError),
+    // Host memory that could not be shared (`host_share`).
+    /// The address or length cannot describe memory.
+    #[error("cannot share {len} bytes at {addr:#x}: {reason}")]
+    ShareBadRange {
+        /// Start of the range asked for.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// What is wrong, and what to change.
+        reason: String,
+    },
+    /// Part of the range is not mapped in this process.
+    #[error(
+        "cannot share {len} bytes at {addr:#x}: nothing is mapped at {at:#x}; pass the address \
+         and length of memory this process holds (a tensor's data_ptr() and its size in bytes)"
+    )]
+    ShareNotMapped {
+        /// Start of the range asked for.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// The first address in it that is not mapped.
+        at: u64,
+    },
+    /// The range lies in memory that cannot be moved onto a memfd.
+    #[error(
+        "cannot share {len} bytes at {addr:#x}: the mapping {start:#x}-{end:#x} is {what}; {fix}"
+    )]
+    ShareUnsupported {
+        /// Start of the range asked for.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// Start of the offending mapping.
+        start: u64,
+        /// End of the offending mapping.
+        end: u64,
+        /// What the mapping is.
+        what: String,
+        /// What to do instead.
+        fix: String,
+    },
+    /// A system call failed.
+    #[error("cannot share {len} bytes of host memory: {call} failed: {source}; {fix}")]
+    ShareSystem {
+        /// Bytes being shared or allocated.
+        len: u64,
+        /// The call that failed.
+        call: &'static str,
+        /// The system error.
+        source: std::io::Error,
+        /// What to change.
+        fix: String,
+    },
+    /// This process's memory map could not be read.
+    #[error(
+        "cannot read this process's memory map (/proc/self/smaps): {0}; share_host_range needs \
+         /proc mounted (or allocate the cache with alloc_shared_host, which does not)"
+    )]
+    ShareProc(#[source] std::io::Error),
     /// Local I/O (runtime, side channel) failed.
     #[error("{what}: {source}")]
     Io {
@@ -88,6 +143,18 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// Whether host memory could not be shared with the server (`host_share`).
+    pub fn is_host_share(&self) -> bool {
+        matches!(
+            self,
+            ClientError::ShareBadRange { .. }
+                | ClientError::ShareNotMapped { .. }
+                | ClientError::ShareUnsupported { .. }
+                | ClientError::ShareSystem { .. }
+                | ClientError::ShareProc(_)
+        )
+    }
+
     /// Whether the server (or the connection to it) is what failed, rather than the request.
     pub fn is_unavailable(&self) -> bool {
         matches!(

@@ -80,7 +80,7 @@ use std::ffi::CStr;
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
-use thiserror::Error;
+use crate::error::ClientError;
 
 /// Name of the memfds made here (shown as `/memfd:umbp-kv` in `/proc/<pid>/maps`).
 pub const MEMFD_NAME: &CStr = c"umbp-kv";
@@ -92,71 +92,7 @@ pub const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F
 /// twice at any moment.
 const CHUNK: u64 = 64 << 20;
 /// Fresh shared memory starts on this boundary, so huge pages can back it where allowed.
-const ALLOC_ALIGN: u64 = 2 << 20;
-
-/// Errors of sharing host memory with the server.
-#[derive(Debug, Error)]
-pub enum HostShareError {
-    /// The address or length cannot describe memory.
-    #[error("cannot share {len} bytes at {addr:#x}: {reason}")]
-    BadRange {
-        /// Start of the range asked for.
-        addr: u64,
-        /// Its length.
-        len: u64,
-        /// What is wrong, and what to change.
-        reason: String,
-    },
-    /// Part of the range is not mapped in this process.
-    #[error(
-        "cannot share {len} bytes at {addr:#x}: nothing is mapped at {at:#x}; pass the address \
-         and length of memory this process holds (a tensor's data_ptr() and its size in bytes)"
-    )]
-    NotMapped {
-        /// Start of the range asked for.
-        addr: u64,
-        /// Its length.
-        len: u64,
-        /// The first address in it that is not mapped.
-        at: u64,
-    },
-    /// The range lies in memory that cannot be moved onto a memfd.
-    #[error(
-        "cannot share {len} bytes at {addr:#x}: the mapping {start:#x}-{end:#x} is {what}; {fix}"
-    )]
-    Unsupported {
-        /// Start of the range asked for.
-        addr: u64,
-        /// Its length.
-        len: u64,
-        /// Start of the offending mapping.
-        start: u64,
-        /// End of the offending mapping.
-        end: u64,
-        /// What the mapping is.
-        what: String,
-        /// What to do instead.
-        fix: String,
-    },
-    /// A system call failed.
-    #[error("cannot share {len} bytes of host memory: {call} failed: {source}; {fix}")]
-    System {
-        /// Bytes being shared or allocated.
-        len: u64,
-        /// The call that failed.
-        call: &'static str,
-        /// The system error.
-        source: std::io::Error,
-        /// What to change.
-        fix: String,
-    },
-    /// This process's memory map could not be read.
-    #[error(
-        "cannot read this process's memory map (/proc/self/smaps): {0}; share_host_range needs \
-         /proc mounted (or allocate the cache with alloc_shared_host, which does not)"
-    )]
-    Proc(#[source] std::io::Error),
-}
+const ALLOC_ALIGN: u64 = umbp_pool::shared_fd::MAP_ALIGN as u64;
 
 /// Host memory of this process backed by a sealed memfd that the server can map.
 ///
@@ -212,8 +148,8 @@ fn page_size() -> u64 {
     }
 }
 
-fn sys(len: u64, call: &'static str, fix: impl Into<String>) -> HostShareError {
-    HostShareError::System {
+fn sys(len: u64, call: &'static str, fix: impl Into<String>) -> ClientError {
+    ClientError::ShareSystem {
         len,
         call,
         source: std::io::Error::last_os_error(),
@@ -222,7 +158,7 @@ fn sys(len: u64, call: &'static str, fix: impl Into<String>) -> HostShareError {
 }
 
 /// A new memfd of `len` bytes (of huge pages of `huge` bytes when given), sealed with [`SEALS`].
-fn sealed_memfd(len: u64, huge: Option<u64>) -> Result<OwnedFd, HostShareError> {
+fn sealed_memfd(len: u64, huge: Option<u64>) -> Result<OwnedFd, ClientError> {
     let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     if let Some(h) = huge {
         flags |= libc::MFD_HUGETLB | (h.trailing_zeros() << libc::MFD_HUGE_SHIFT);
@@ -261,8 +197,8 @@ fn sealed_memfd(len: u64, huge: Option<u64>) -> Result<OwnedFd, HostShareError> 
 /// The mapping belongs to the caller and outlives the returned value: unmap it with
 /// `munmap(span_addr, span_len)` when done (a server that mapped the memfd keeps its own
 /// mapping alive).
-pub fn alloc_shared_host(len: u64) -> Result<SharedHostMemory, HostShareError> {
-    let bad = |reason: &str| HostShareError::BadRange {
+pub fn alloc_shared_host(len: u64) -> Result<SharedHostMemory, ClientError> {
+    let bad = |reason: &str| ClientError::ShareBadRange {
         addr: 0,
         len,
         reason: reason.into(),
@@ -276,62 +212,18 @@ pub fn alloc_shared_host(len: u64) -> Result<SharedHostMemory, HostShareError> {
         .filter(|s| usize::try_from(*s + ALLOC_ALIGN).is_ok())
         .ok_or_else(|| bad("the length does not fit this address space"))?;
     let fd = sealed_memfd(span, None)?;
-    let (n, slack) = (span as usize, ALLOC_ALIGN as usize);
-    // SAFETY: reserving fresh address space (no access) at an address of the kernel's choosing;
-    // checked against MAP_FAILED.
-    let r = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            n + slack,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if r == libc::MAP_FAILED {
-        return Err(sys(
-            span,
-            "mmap (address space)",
-            "lower the size or raise the process's address-space limit (ulimit -v)",
-        ));
-    }
-    let head = r.cast::<u8>().align_offset(slack);
-    let at = r.cast::<u8>().wrapping_add(head);
-    // SAFETY: `[at, at + n)` lies inside the reservation just made, which nothing else uses;
-    // MAP_FIXED replaces that part of it. Checked against MAP_FAILED.
-    let p = unsafe {
-        libc::mmap(
-            at.cast(),
-            n,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_FIXED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        let e = sys(span, "mmap of the memfd", "lower the size");
-        // SAFETY: unmapping the whole reservation made above, used by nobody.
-        unsafe { libc::munmap(r, n + slack) };
-        return Err(e);
-    }
-    // SAFETY: the head `[r, at)` and tail `[at + n, r + n + slack)` are the unused ends of our
-    // own reservation (`head < slack`).
-    unsafe {
-        if head > 0 {
-            libc::munmap(r, head);
-        }
-        if slack - head > 0 {
-            libc::munmap(at.add(n).cast(), slack - head);
-        }
-    }
-    // SAFETY: advising our own new mapping; harmless where the host does not allow huge pages
-    // for shared memory, and the result is ignored.
-    unsafe { libc::madvise(at.cast(), n, libc::MADV_HUGEPAGE) };
+    let at =
+        umbp_pool::shared_fd::map_shared_aligned(fd.as_fd(), span as usize).map_err(|source| {
+            ClientError::ShareSystem {
+                len: span,
+                call: "mmap of the memfd",
+                source,
+                fix: "lower the size or raise the process's address-space limit (ulimit -v)".into(),
+            }
+        })?;
     Ok(SharedHostMemory {
         fd,
-        addr: at as u64,
+        addr: at.as_ptr() as u64,
         len: span,
         offset: 0,
     })
@@ -387,8 +279,8 @@ fn parse_header(line: &str) -> Option<Vma> {
 
 /// The mappings of this process that overlap `[lo, hi)`, in address order. Reads
 /// `/proc/self/smaps` only as far as `hi` (the kernel builds it as it is read).
-fn vmas_overlapping(lo: u64, hi: u64) -> Result<Vec<Vma>, HostShareError> {
-    let f = std::fs::File::open("/proc/self/smaps").map_err(HostShareError::Proc)?;
+fn vmas_overlapping(lo: u64, hi: u64) -> Result<Vec<Vma>, ClientError> {
+    let f = std::fs::File::open("/proc/self/smaps").map_err(ClientError::ShareProc)?;
     let mut out: Vec<Vma> = Vec::new();
     let mut cur: Option<Vma> = None;
     let finish = |v: Vma, out: &mut Vec<Vma>| {
@@ -397,7 +289,7 @@ fn vmas_overlapping(lo: u64, hi: u64) -> Result<Vec<Vma>, HostShareError> {
         }
     };
     for line in BufReader::new(f).lines() {
-        let line = line.map_err(HostShareError::Proc)?;
+        let line = line.map_err(ClientError::ShareProc)?;
         if let Some(v) = parse_header(&line) {
             if let Some(done) = cur.take() {
                 finish(done, &mut out);
@@ -455,8 +347,8 @@ enum Kind {
 /// The kind of `v`, or what it is and what to do instead.
 fn classify(v: &Vma) -> Result<Kind, (String, String)> {
     let anon_fix = || {
-        "share anonymous memory (malloc, mmap MAP_ANONYMOUS, a torch CPU tensor) or allocate \
-         the cache with alloc_shared_host"
+        "share private anonymous memory (malloc, mmap MAP_PRIVATE | MAP_ANONYMOUS, a torch CPU \
+         tensor) or allocate the cache with alloc_shared_host"
             .to_owned()
     };
     if !v.perms.starts_with("rw") {
@@ -585,8 +477,8 @@ fn find_open_fd(dev: (u32, u32), inode: u64) -> Option<OwnedFd> {
 /// The memory stays the caller's: it is freed as before (`free`, `munmap`, the tensor's
 /// deleter), which only drops this process's mapping; a server that mapped the memfd keeps its
 /// own mapping and the pages alive until it unmaps.
-pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, HostShareError> {
-    let bad = |reason: &str| HostShareError::BadRange {
+pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, ClientError> {
+    let bad = |reason: &str| ClientError::ShareBadRange {
         addr,
         len,
         reason: reason.into(),
@@ -608,9 +500,9 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
         at = at.max(v.end);
     }
     if at < end {
-        return Err(HostShareError::NotMapped { addr, len, at });
+        return Err(ClientError::ShareNotMapped { addr, len, at });
     }
-    let unsupported = |v: &Vma, what: &str, fix: &str| HostShareError::Unsupported {
+    let unsupported = |v: &Vma, what: &str, fix: &str| ClientError::ShareUnsupported {
         addr,
         len,
         start: v.start,
@@ -818,8 +710,8 @@ fn existing_memfd(
     dev: (u32, u32),
     inode: u64,
     base: u64,
-) -> Result<SharedHostMemory, HostShareError> {
-    let unsupported = |what: &str, fix: &str| HostShareError::Unsupported {
+) -> Result<SharedHostMemory, ClientError> {
+    let unsupported = |what: &str, fix: &str| ClientError::ShareUnsupported {
         addr,
         len,
         start: base,
@@ -1197,9 +1089,9 @@ mod tests {
         // SAFETY: share_host_range only reads the map for these; nothing is remapped.
         unsafe {
             let e = share_host_range(0x1000, 0).unwrap_err();
-            assert!(matches!(e, HostShareError::BadRange { .. }), "{e}");
+            assert!(matches!(e, ClientError::ShareBadRange { .. }), "{e}");
             let e = share_host_range(u64::MAX - 10, 100).unwrap_err();
-            assert!(matches!(e, HostShareError::BadRange { .. }), "{e}");
+            assert!(matches!(e, ClientError::ShareBadRange { .. }), "{e}");
         }
         let map = |prot, flags, fd| {
             // SAFETY: a new mapping at an address of the kernel's choosing.
@@ -1216,7 +1108,7 @@ mod tests {
         // SAFETY: nothing is remapped when the check fails.
         let e = unsafe { share_host_range(p, 3 * PAGE as u64) }.unwrap_err();
         match e {
-            HostShareError::NotMapped { at, .. } => assert_eq!(at, p + PAGE as u64),
+            ClientError::ShareNotMapped { at, .. } => assert_eq!(at, p + PAGE as u64),
             e => panic!("{e}"),
         }
         // Read-only memory.
@@ -1294,7 +1186,7 @@ mod tests {
                 check_share(&s, p, len, p as u64 + 3 * PAGE as u64, 100);
             }
             // Too few huge pages free to hold the copy beside the original.
-            Err(HostShareError::System { call, .. }) if call.starts_with("mmap") => {
+            Err(ClientError::ShareSystem { call, .. }) if call.starts_with("mmap") => {
                 eprintln!("not enough free huge pages for the copy: hugetlb sharing not exercised")
             }
             Err(e) => panic!("{e}"),

@@ -31,7 +31,7 @@ pub const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK;
 const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 /// Server mappings of normal pages start on this boundary, so transparent huge pages of the
 /// file (where the host enables them for shared memory) can be mapped whole.
-const MAP_ALIGN: usize = 2 << 20;
+pub const MAP_ALIGN: usize = 2 << 20;
 
 fn refuse(reason: impl Into<String>) -> PoolError {
     PoolError::SharedFd {
@@ -162,13 +162,9 @@ impl ServerMapping {
         let info = inspect(fd, len)?;
         let n = usize::try_from(len)
             .map_err(|_| refuse(format!("{len} bytes do not fit this address space")))?;
-        // Huge-page files are aligned by the kernel; normal pages get 2 MiB alignment by an
-        // over-sized reservation trimmed below.
-        let slack = if info.hugetlb { 0 } else { MAP_ALIGN };
-        let reserve_len = n
-            .checked_add(slack)
-            .ok_or_else(|| refuse(format!("{len} bytes do not fit this address space")))?;
-        let base = if slack == 0 {
+        // Huge-page files are aligned by the kernel; normal pages get 2 MiB alignment
+        // (`map_shared_aligned`).
+        let base = if info.hugetlb {
             // SAFETY: a new mapping at an address of the kernel's choosing; nothing existing is
             // touched. Checked against MAP_FAILED.
             let p = unsafe {
@@ -186,58 +182,9 @@ impl ServerMapping {
             }
             p.cast::<u8>()
         } else {
-            // SAFETY: reserving fresh address space (no access) at an address of the kernel's
-            // choosing; checked against MAP_FAILED.
-            let r = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    reserve_len,
-                    libc::PROT_NONE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
-            if r == libc::MAP_FAILED {
-                return Err(os_refuse(
-                    "cannot reserve address space for the client's memfd",
-                ));
-            }
-            let head = r.cast::<u8>().align_offset(MAP_ALIGN);
-            let at = r.cast::<u8>().wrapping_add(head);
-            // SAFETY: `[at, at + n)` lies inside the reservation just made, which nothing else
-            // uses; MAP_FIXED replaces that part of it. Checked against MAP_FAILED.
-            let p = unsafe {
-                libc::mmap(
-                    at.cast(),
-                    n,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    fd.as_raw_fd(),
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                let err = os_refuse("mmap of the client's memfd failed");
-                // SAFETY: unmapping the whole reservation made above, unused by anyone.
-                unsafe { libc::munmap(r, reserve_len) };
-                return Err(err);
-            }
-            // SAFETY: the head `[r, at)` and the tail `[at + n, r + reserve_len)` are the
-            // unused ends of our own reservation (`head < MAP_ALIGN = slack`).
-            unsafe {
-                if head > 0 {
-                    libc::munmap(r, head);
-                }
-                let tail = slack - head;
-                if tail > 0 {
-                    libc::munmap(at.add(n).cast(), tail);
-                }
-            }
-            // SAFETY: advising our own new mapping; failure is harmless (the host may not
-            // allow huge pages for shared memory) and ignored.
-            unsafe { libc::madvise(at.cast(), n, libc::MADV_HUGEPAGE) };
-            at
+            map_shared_aligned(fd, n)
+                .map_err(|e| refuse(format!("mmap of the client's memfd failed: {e}")))?
+                .as_ptr()
         };
         Ok(ServerMapping {
             base: NonNull::new(base).expect("mmap returned a non-null address"),
@@ -284,6 +231,67 @@ impl Drop for ServerMapping {
         // nothing reaches it through this value afterwards.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
     }
+}
+
+/// Maps the first `len` bytes of `fd` read-write and shared at a 2 MiB boundary (so that huge
+/// pages can back it where the host allows them for shared memory, which it is advised to),
+/// by reserving `len + 2 MiB` of address space and trimming the ends. The mapping is the
+/// caller's to unmap (`munmap(addr, len)`).
+pub fn map_shared_aligned(fd: BorrowedFd<'_>, len: usize) -> std::io::Result<NonNull<u8>> {
+    let slack = MAP_ALIGN;
+    let reserve_len = len
+        .checked_add(slack)
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::OutOfMemory))?;
+    // SAFETY: reserving fresh address space (no access) at an address of the kernel's choosing;
+    // checked against MAP_FAILED.
+    let r = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve_len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if r == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let head = r.cast::<u8>().align_offset(MAP_ALIGN);
+    let at = r.cast::<u8>().wrapping_add(head);
+    // SAFETY: `[at, at + len)` lies inside the reservation just made, which nothing else uses;
+    // MAP_FIXED replaces that part of it. Checked against MAP_FAILED.
+    let p = unsafe {
+        libc::mmap(
+            at.cast(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        let err = std::io::Error::last_os_error();
+        // SAFETY: unmapping the whole reservation made above, unused by anyone.
+        unsafe { libc::munmap(r, reserve_len) };
+        return Err(err);
+    }
+    // SAFETY: the head `[r, at)` and the tail `[at + len, r + reserve_len)` are the unused ends
+    // of our own reservation (`head < MAP_ALIGN = slack`).
+    unsafe {
+        if head > 0 {
+            libc::munmap(r, head);
+        }
+        let tail = slack - head;
+        if tail > 0 {
+            libc::munmap(at.add(len).cast(), tail);
+        }
+    }
+    // SAFETY: advising our own new mapping; failure is harmless (the host may not allow huge
+    // pages for shared memory) and ignored.
+    unsafe { libc::madvise(at.cast(), len, libc::MADV_HUGEPAGE) };
+    Ok(NonNull::new(at).expect("a mapping is never at address 0"))
 }
 
 #[cfg(test)]

@@ -335,7 +335,11 @@ fn client_class(e: &ClientError) -> Class {
         } => refused_class(call, code, message),
         ClientError::Forked { .. } | ClientError::Closed => Class::StoreClosed,
         ClientError::Cuda(c) => cuda_class(c),
-        ClientError::HostShare(_) => Class::Registration,
+        ClientError::ShareBadRange { .. }
+        | ClientError::ShareNotMapped { .. }
+        | ClientError::ShareUnsupported { .. }
+        | ClientError::ShareSystem { .. }
+        | ClientError::ShareProc(_) => Class::Registration,
         ClientError::Io { what, .. } => {
             if what.contains("runtime") {
                 Class::Umbp
