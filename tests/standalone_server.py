@@ -119,14 +119,18 @@ class Server:
         assert not self.path.exists(), "the server left its socket behind"
         assert not Path(self.endpoint + ".fds").exists(), "the server left its side channel behind"
 
-    def stats(self) -> dict:
-        """`umbp stats --json` of the running server (it attaches no session)."""
+    def umbp(self, *args: str) -> str:
+        """Runs `umbp ARGS --endpoint <this server>` (the operations attach no session)."""
         umbp_bin = shutil.which("umbp") or str(ROOT / ".venv" / "bin" / "umbp")
         out = subprocess.run(
-            [umbp_bin, "stats", "--json", "--endpoint", self.endpoint],
+            [umbp_bin, *args, "--endpoint", self.endpoint],
             capture_output=True,
             text=True,
             timeout=30,
             check=True,
         )
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return out.stdout
+
+    def stats(self) -> dict:
+        """`umbp stats --json` of the running server."""
+        return json.loads(self.umbp("stats", "--json").strip().splitlines()[-1])

@@ -294,3 +294,30 @@ def test_tensor_parallel_2_on_the_server(model, server, tmp_path, baseline):
     assert st["sessions"] == 3 and st["objects"] == 2 * blocks, (st, blocks)
     assert tokens(first) == baseline["tp2"] and tokens(restored) == baseline["tp2"]
     assert [o["cached"] for o in restored] == [full_blocks(o) for o in restored], restored
+
+
+def test_kv_events_check_residency_on_the_server(model, server, tmp_path):
+    ps = PROMPTS["tp2"][:1]
+    stored, cleared = tmp_path / "stored", tmp_path / "cleared"
+    proc = run_engine(
+        {
+            "model": model,
+            "connector": standalone(server, key_namespace="events-server"),
+            "kv_events": f"ipc://{tmp_path}/events.sock",
+            "steps": [
+                {"generate": ps},
+                {"events": 2.0},
+                {"signal": str(stored)},
+                {"wait_for": str(cleared)},
+                {"events": 3.0},
+            ],
+        },
+        background=True,
+    )
+    wait_for(stored)
+    server.umbp("clear")  # the objects leave the server's pool behind the engine's back
+    cleared.write_text("go")
+    r = finish(proc)
+    after_store, after_clear = r["steps"][1], r["steps"][4]
+    assert any(e["type"] == "BlockStored" for e in after_store), after_store
+    assert any(e["type"] == "BlockRemoved" for e in after_clear), after_clear

@@ -159,8 +159,9 @@ pub const MODE: OptionSpec = OptionSpec {
     default: DefaultValue::Str("embedded"),
     nullable: false,
     default_doc: None,
-    doc: "`\"embedded\"`: a private pool per worker. `\"standalone\"` is specified but the server \
-          is not in this release: start-up fails saying so.",
+    doc: "`\"embedded\"`: a private pool per worker. `\"standalone\"`: the node's \
+          `umbp_standalone_server` owns one pool every engine on the node shares (see \
+          [standalone.md](standalone.md#the-vllm-connector-in-standalone-mode)).",
     also_rejected: None,
 };
 /// `load_async`.
@@ -259,7 +260,8 @@ pub const NUM_WORKERS: OptionSpec = OptionSpec {
     default: DefaultValue::Int(4),
     nullable: false,
     default_doc: None,
-    doc: "Copy threads per worker.",
+    doc: "Copy threads per worker (embedded mode; in standalone mode the server's `--workers` \
+          copy for every engine).",
     also_rejected: None,
 };
 /// `timeout_ms`: the deadline of synchronous waits (also the store's `timeout_ms`).
@@ -271,7 +273,9 @@ pub const TIMEOUT_MS: OptionSpec = OptionSpec {
     nullable: false,
     default_doc: None,
     doc: "Deadline of a synchronous load; a load that misses it fails the step (its blocks are \
-          never used half-written).",
+          never used half-written). In standalone mode also each transfer's deadline at the \
+          server: one past it stays pending with its blocks held, and new transfers fail at \
+          once, until the server answers.",
     also_rejected: None,
 };
 /// `lookup_timeout_ms`.
@@ -283,7 +287,7 @@ pub const LOOKUP_TIMEOUT_MS: OptionSpec = OptionSpec {
     nullable: false,
     default_doc: None,
     doc: "Deadline of each scheduler lookup. A lookup past it is a miss, and that worker's \
-          lookups miss at once until its late answer arrives.",
+          (standalone: the server's) lookups miss at once until its late answer arrives.",
     also_rejected: None,
 };
 /// `key_namespace`.
@@ -442,7 +446,8 @@ pub const STARTUP_TIMEOUT_MS: OptionSpec = OptionSpec {
     default: DefaultValue::Int(30_000),
     nullable: false,
     default_doc: None,
-    doc: "How long a worker waits for the server at start-up.",
+    doc: "How long start-up (each worker and the scheduler) waits for the server to answer; \
+          then it fails, naming the endpoint.",
     also_rejected: None,
 };
 
