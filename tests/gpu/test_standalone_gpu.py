@@ -190,8 +190,9 @@ def test_one_cuda_client_through_the_server_against_embedded_mode(tmp_path):
 
 
 def test_connector_store_through_the_server_is_ordered_after_the_engine_stream(tmp_path):
-    """The connector's standalone store (`ServerStore`) waits for the engine's stream before
-    the server copies: blocks written by a kernel still queued are stored with their new bytes."""
+    """The connector's standalone store (`ServerStore`) submits once the engine's stream has
+    reached the store, without blocking the caller: blocks written by a kernel still queued are
+    stored with their new bytes."""
     import umbp
     from umbp.vllm.standalone import ServerStore
 
@@ -218,7 +219,12 @@ def test_connector_store_through_the_server_is_ordered_after_the_engine_stream(t
             torch.cuda.synchronize()
             torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time before the writer runs
             kv[:, src[0] : src[-1] + 1] = fresh  # the kernel that writes the blocks
+            t0 = time.perf_counter()
             job = store.store(lid, 0, src, keys, stream=cur.cuda_stream if ordered else None)
+            submit_s = time.perf_counter() - t0
+            if ordered:
+                # The engine's thread does not wait for its stream (about 0.2 s of GPU time).
+                assert submit_s < 0.05 and not job.done, submit_s
             assert job.wait() == ["done"] * len(src)
             torch.cuda.synchronize()
             kv[:, dst[0] : dst[-1] + 1] = 0

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import umbp
@@ -99,6 +101,40 @@ class _Submitted:
             return ["failed"] * self.n
 
 
+class _AfterStream:
+    """A transfer to be submitted once the engine's stream has reached it (see
+    `ServerStore._submit_after_stream`): not done before, then the submitted transfer."""
+
+    def __init__(self, submitted: Future, n: int) -> None:
+        self.submitted, self.n = submitted, n
+
+    def _inner(self, timeout_s: float | None):
+        try:
+            return self.submitted.result(timeout_s)
+        except FutureTimeout:
+            raise umbp.TransferTimeout(
+                "the transfer was not submitted within its deadline: the engine's CUDA stream "
+                "has not reached it yet"
+            ) from None
+        except CancelledError:  # the store closed first
+            return _Failed(self.n)
+
+    @property
+    def done(self) -> bool:
+        return self.submitted.done() and self._inner(0).done
+
+    def poll(self) -> list[str] | None:
+        return self._inner(0).poll() if self.submitted.done() else None
+
+    def wait(self, timeout_ms: int | None = None) -> list[str]:
+        t0 = time.monotonic()
+        inner = self._inner(None if timeout_ms is None else timeout_ms / 1000)
+        if timeout_ms is None:
+            return inner.wait()
+        left = max(1, timeout_ms - int((time.monotonic() - t0) * 1000))
+        return inner.wait(left)
+
+
 class ServerStore:
     """A worker's store in standalone mode: the `EmbeddedStore` calls the worker side makes,
     served by the node's server through `client`."""
@@ -106,6 +142,7 @@ class ServerStore:
     def __init__(self, client: umbp.StandaloneClient) -> None:
         self.client = client
         self.cuda_device: Any = None
+        self.submitter: ThreadPoolExecutor | None = None
         self.failures = _FailureLog(f"transfers with the UMBP server at {client.endpoint}")
 
     # Registration (start-up: errors raise and fail the engine's start, naming the cause).
@@ -130,12 +167,10 @@ class ServerStore:
 
     def _submit(self, store: bool, layout: int, group: int, block_ids, keys, stream):
         if stream is not None and self.cuda_device is not None:
-            # The server copies on its own streams: what the engine queued before (the
-            # forward pass that wrote a store's blocks, the readers of a load's blocks) must
-            # be finished first.
-            import torch
+            return self._submit_after_stream(store, layout, group, block_ids, keys, stream)
+        return self._submit_now(store, layout, group, block_ids, keys)
 
-            torch.cuda.ExternalStream(stream, device=self.cuda_device).synchronize()
+    def _submit_now(self, store: bool, layout: int, group: int, block_ids, keys):
         call = self.client.store if store else self.client.load
         try:
             t = call(layout, group, block_ids, keys)
@@ -144,6 +179,24 @@ class ServerStore:
             return _Failed(len(block_ids))
         return _Submitted(t, len(block_ids), self.failures)
 
+    def _submit_after_stream(self, store: bool, layout: int, group: int, block_ids, keys, stream):
+        """The server copies on streams of its own, so what the engine queued before (the
+        forward pass that wrote a store's blocks, the readers of a load's blocks) must be
+        finished first. Rather than block the engine's thread on its stream, an event is
+        recorded there and one helper thread waits for it, then submits (in order)."""
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.ExternalStream(stream, device=self.cuda_device))
+        if self.submitter is None:  # made on first use, in the worker, never at import
+            self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="umbp-submit")
+
+        def after_stream():
+            ev.synchronize()
+            return self._submit_now(store, layout, group, block_ids, keys)
+
+        return _AfterStream(self.submitter.submit(after_stream), len(block_ids))
+
     def store(self, layout: int, group: int, block_ids, keys, stream: int | None = None):
         return self._submit(True, layout, group, block_ids, keys, stream)
 
@@ -151,7 +204,10 @@ class ServerStore:
         return self._submit(False, layout, group, block_ids, keys, stream)
 
     def close(self) -> None:
-        # Never waits on a stalled server (the client skips its detach then).
+        # Never waits on a stalled server (the client skips its detach then), nor on a
+        # submission still waiting for the engine's stream.
+        if self.submitter is not None:
+            self.submitter.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
 
