@@ -4,6 +4,7 @@ The binary is $UMBP_SERVER_BIN, else `umbp_standalone_server` on PATH, else this
 release build (`cargo build --release -p umbp-server`).
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -134,3 +135,25 @@ class Server:
     def stats(self) -> dict:
         """`umbp stats --json` of the running server."""
         return json.loads(self.umbp("stats", "--json").strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def running(tag: str, capacity: str = "64MiB"):
+    """A started server in a fresh short directory, stopped (and checked to exit cleanly)
+    afterwards; pytest fixtures wrap it. Skips the test when there is no binary."""
+    import pytest
+
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(
+            f"no umbp_standalone_server (looked at $UMBP_SERVER_BIN, PATH and {binary}); "
+            "run scripts/venv.sh or `cargo build --release -p umbp-server`"
+        )
+    d = short_dir(tag)
+    s = Server(binary, d, capacity=capacity)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+        shutil.rmtree(d, ignore_errors=True)

@@ -6,7 +6,6 @@ The server is started by tests/standalone_server.py (binary: $UMBP_SERVER_BIN, e
 `umbp_standalone_server` on PATH, else this checkout's release build).
 """
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,27 +20,15 @@ from test_bindings import Ticker
 import umbp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from standalone_server import GRACE_MS, Server, server_binary, short_dir  # noqa: E402
+from standalone_server import GRACE_MS, running  # noqa: E402
 
 PEER = Path(__file__).with_name("standalone_peer.py")
 
 
 @pytest.fixture
 def server(tmp_path):
-    binary = server_binary()
-    if not binary.is_file():
-        pytest.skip(
-            f"no umbp_standalone_server (looked at $UMBP_SERVER_BIN, PATH and {binary}); "
-            "build it with `cargo build --release -p umbp-server`"
-        )
-    d = short_dir(tmp_path.name)
-    s = Server(binary, d)
-    s.start()
-    try:
+    with running(tmp_path.name) as s:
         yield s
-    finally:
-        s.stop()
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def run_peer(*args, timeout=30):

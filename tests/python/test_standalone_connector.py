@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import standalone_peer as peer
 from test_standalone import server  # noqa: F401  (the fixture)
+from test_worker_ranks import topo as worker_topo
 
 import umbp
 from umbp.vllm.config import ConnectorConfig
@@ -22,17 +23,8 @@ from umbp.vllm.topology import Ranks, Topology
 HASH = 32
 
 
-def topo(tp=1, pcp=1, dcp=1, namespace=peer.NAMESPACE) -> Topology:
-    return Topology(
-        namespace=namespace,
-        tag="t",
-        tp_size=tp,
-        pcp_size=pcp,
-        dcp_size=dcp,
-        dp_rank=0,
-        block_size=16,
-        num_groups=1,
-    )
+def topo(tp=1, pcp=1, dcp=1) -> Topology:
+    return worker_topo(tp=tp, pcp=pcp, dcp=dcp, namespace=peer.NAMESPACE)
 
 
 def cfg(endpoint, **extra) -> ConnectorConfig:

@@ -16,9 +16,9 @@ from umbp.vllm.topology import Ranks, Topology  # noqa: E402
 from umbp.vllm.worker import local_ranks  # noqa: E402
 
 
-def topo(tp=1, pcp=1, dcp=1) -> Topology:
+def topo(tp=1, pcp=1, dcp=1, namespace="ns") -> Topology:
     return Topology(
-        namespace="ns",
+        namespace=namespace,
         tag="t",
         tp_size=tp,
         pcp_size=pcp,

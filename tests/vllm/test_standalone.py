@@ -14,24 +14,15 @@ import pytest
 from conftest import finish, prompts, run_engine, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from standalone_server import Server, server_binary, short_dir  # noqa: E402
+from standalone_server import Server, running, short_dir  # noqa: E402
 
 BLOCK = 128  # vLLM CPU's default block size
 
 
 @pytest.fixture
 def server(tmp_path):
-    binary = server_binary()
-    if not binary.is_file():
-        pytest.skip(f"no umbp_standalone_server at {binary}; run scripts/venv.sh")
-    d = short_dir(tmp_path.name)
-    s = Server(binary, d, capacity="256MiB")
-    s.start()
-    try:
+    with running(tmp_path.name, capacity="256MiB") as s:
         yield s
-    finally:
-        if s.proc is not None:
-            s.stop()
 
 
 def standalone(server: Server, **extra) -> dict:

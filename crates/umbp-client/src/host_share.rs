@@ -80,6 +80,8 @@ use std::ffi::CStr;
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
+use umbp_pool::shared_fd::page_size;
+
 use crate::error::ClientError;
 
 /// Name of the memfds made here (shown as `/memfd:umbp-kv` in `/proc/<pid>/maps`).
@@ -135,16 +137,6 @@ impl SharedHostMemory {
     /// Where the caller's range starts, in bytes from [`span_addr`](Self::span_addr).
     pub fn offset_in_span(&self) -> u64 {
         self.offset
-    }
-}
-
-fn page_size() -> u64 {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as u64
-    } else {
-        4096
     }
 }
 

@@ -44,7 +44,7 @@ fn os_refuse(what: &str) -> PoolError {
 }
 
 /// The system page size.
-fn page_size() -> u64 {
+pub fn page_size() -> u64 {
     // SAFETY: sysconf has no memory-safety preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
