@@ -50,6 +50,12 @@ pub struct Args {
     /// Timed rounds (after one untimed warm-up round); the median and the best are shown.
     #[arg(long, default_value_t = 20)]
     rounds: u32,
+    /// Transfers each client has in flight per direction and round: that many key sets of
+    /// its blocks, every transfer submitted at once and then waited for, as an engine does
+    /// with several requests in one step. 1 measures one transfer's latency; more measure
+    /// what one client sustains. Server and embedded mode alike.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    in_flight: u32,
     /// Copy workers of the server and of embedded mode (default: every core).
     #[arg(long)]
     workers: Option<usize>,
@@ -86,6 +92,8 @@ pub struct ClientArgs {
     cuda: bool,
     #[arg(long, default_value_t = 0)]
     device: i32,
+    #[arg(long, default_value_t = 1)]
+    in_flight: u32,
 }
 
 fn parse_list(s: &str, flag: &str) -> Result<Vec<u64>> {
@@ -335,14 +343,23 @@ impl Cache {
     }
 }
 
-fn keys_of(kb: &KeyBuilder, id: u32, blocks: u64) -> Result<Vec<BlockKey>> {
+/// Key set `set` of client `id`: one key per block.
+fn keys_of(kb: &KeyBuilder, id: u32, set: u32, blocks: u64) -> Result<Vec<BlockKey>> {
     (0..blocks)
         .map(|b| {
-            let mut h = [0u8; 16];
-            h[..8].copy_from_slice(&u64::from(id).to_le_bytes());
-            h[8..].copy_from_slice(&b.to_le_bytes());
+            let mut h = [0u8; 20];
+            h[..4].copy_from_slice(&id.to_le_bytes());
+            h[4..8].copy_from_slice(&set.to_le_bytes());
+            h[8..16].copy_from_slice(&b.to_le_bytes());
             Ok(kb.key(0, &h)?)
         })
+        .collect()
+}
+
+/// The key sets of one client, one per transfer in flight.
+fn key_sets(kb: &KeyBuilder, id: u32, in_flight: u32, blocks: u64) -> Result<Vec<Vec<BlockKey>>> {
+    (0..in_flight)
+        .map(|set| keys_of(kb, id, set, blocks))
         .collect()
 }
 
@@ -391,7 +408,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
     }
     let layout = client.register_layout(vec![shape.layer_specs(cache.base())])?;
     let kb = KeyBuilder::new(&a.namespace, RankTopology::default())?;
-    let keys = keys_of(&kb, a.id, shape.blocks)?;
+    let sets = key_sets(&kb, a.id, a.in_flight.max(1), shape.blocks)?;
     let (src, dst) = (shape.sources(), shape.targets());
     let mut out = std::io::stdout().lock();
     writeln!(out, "ready")?;
@@ -413,20 +430,31 @@ fn client_main(a: &ClientArgs) -> Result<()> {
             c => bail!("unknown command {c:?} from the parent"),
         };
         let t0 = mono_ns();
-        let tr = if store {
-            client.store(layout.id, 0, &src, &keys)?
-        } else {
-            client.load(layout.id, 0, &dst, &keys)?
-        };
-        let st = tr.wait(None)?;
-        let t1 = mono_ns();
-        let tm = tr.timing().context("an answered transfer has its timing")?;
-        if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != KeyStatus::Done) {
-            bail!(
-                "{} of key {i} ended {s:?}, not done",
-                if store { "store" } else { "load" }
-            );
+        // Every key set's transfer is submitted before the first is waited for. Loads of
+        // several sets land on the same blocks; every set holds the same bytes.
+        let trs = sets
+            .iter()
+            .map(|keys| {
+                if store {
+                    client.store(layout.id, 0, &src, keys)
+                } else {
+                    client.load(layout.id, 0, &dst, keys)
+                }
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        for tr in &trs {
+            let st = tr.wait(None)?;
+            if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != KeyStatus::Done) {
+                bail!(
+                    "{} of key {i} ended {s:?}, not done",
+                    if store { "store" } else { "load" }
+                );
+            }
         }
+        let t1 = mono_ns();
+        let tm = trs[0]
+            .timing()
+            .context("an answered transfer has its timing")?;
         if verify {
             if store {
                 cache.clobber(&shape)?;
@@ -594,7 +622,7 @@ struct Run<'a> {
 impl Run<'_> {
     /// Bytes every client together moves each way.
     fn bytes(&self) -> u64 {
-        self.clients as u64 * self.shape.moved()
+        self.clients as u64 * self.shape.moved() * u64::from(self.a.in_flight)
     }
 }
 
@@ -621,6 +649,7 @@ impl ServerRun {
                 .args(["--piece-bytes", &r.shape.piece.to_string()])
                 .args(["--namespace", "bench-server"])
                 .args(["--device", &r.a.device.to_string()])
+                .args(["--in-flight", &r.a.in_flight.to_string()])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit());
@@ -692,7 +721,8 @@ struct Virtual {
     /// Declared before the cache: released first.
     session: Session,
     layout: u32,
-    keys: Vec<BlockKey>,
+    /// One key set per transfer in flight.
+    sets: Vec<Vec<BlockKey>>,
     cache: Cache,
 }
 
@@ -720,7 +750,7 @@ impl<'s> EmbeddedRun<'s> {
             vs.push(Virtual {
                 session,
                 layout,
-                keys: keys_of(&kb, id, r.shape.blocks)?,
+                sets: key_sets(&kb, id, r.a.in_flight, r.shape.blocks)?,
                 cache,
             });
         }
@@ -751,19 +781,26 @@ impl<'s> EmbeddedRun<'s> {
                     s.spawn(move || -> Result<(Instant, Instant)> {
                         barrier.wait();
                         let t0 = Instant::now();
-                        let job = if store_dir {
-                            v.session.store(v.layout, 0, src, v.keys.clone())?
-                        } else {
-                            v.session.load(v.layout, 0, dst, v.keys.clone())?
-                        };
-                        let res = job.wait(Duration::from_secs(120))?;
-                        let t1 = Instant::now();
-                        if let Some((i, k)) =
-                            res.iter().enumerate().find(|(_, k)| **k != KeyResult::Done)
-                        {
-                            bail!("embedded: key {i} ended {k:?}, not done");
+                        let jobs = v
+                            .sets
+                            .iter()
+                            .map(|keys| {
+                                if store_dir {
+                                    v.session.store(v.layout, 0, src, keys.clone())
+                                } else {
+                                    v.session.load(v.layout, 0, dst, keys.clone())
+                                }
+                            })
+                            .collect::<std::result::Result<Vec<_>, _>>()?;
+                        for job in &jobs {
+                            let res = job.wait(Duration::from_secs(120))?;
+                            if let Some((i, k)) =
+                                res.iter().enumerate().find(|(_, k)| **k != KeyResult::Done)
+                            {
+                                bail!("embedded: key {i} ended {k:?}, not done");
+                            }
                         }
-                        Ok((t0, t1))
+                        Ok((t0, Instant::now()))
                     })
                 })
                 .collect();
@@ -804,9 +841,9 @@ impl<'s> EmbeddedRun<'s> {
 }
 
 /// The ceiling: one thread per client copying that client's stored half of every layer into
-/// its loaded half (the same bytes in the same pieces as a transfer moves), in the embedded
-/// run's host caches. Seconds of (libc memcpy, streaming copy).
-fn ceiling_round(emb: &EmbeddedRun<'_>) -> (f64, f64) {
+/// its loaded half (the same bytes in the same pieces as a transfer moves), once per transfer
+/// in flight, in the embedded run's host caches. Seconds of (libc memcpy, streaming copy).
+fn ceiling_round(emb: &EmbeddedRun<'_>, passes: u32) -> (f64, f64) {
     let shape = emb.shape;
     let half = (shape.blocks * shape.piece) as usize;
     let piece = shape.piece as usize;
@@ -817,7 +854,7 @@ fn ceiling_round(emb: &EmbeddedRun<'_>) -> (f64, f64) {
                 let Cache::Host(h) = &v.cache else { continue };
                 s.spawn(move || {
                     let m = h.bytes_mut();
-                    for l in 0..shape.layers {
+                    for l in (0..passes).flat_map(|_| 0..shape.layers) {
                         let at = shape.layer_offset(l) as usize;
                         let (src, dst) = m[at..at + 2 * half].split_at_mut(half);
                         for (dp, sp) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
@@ -882,7 +919,8 @@ pub fn run(a: &Args) -> Result<()> {
     let max_total = clients.iter().max().copied().unwrap_or(1)
         * pieces.iter().max().copied().unwrap_or(0)
         * a.blocks
-        * a.layers;
+        * a.layers
+        * u64::from(a.in_flight);
     let capacity = (max_total as f64 * 1.3) as u64 + (64 << 20);
     let capacity = capacity.next_multiple_of(64 << 20);
     let mode = if a.cuda { "cuda" } else { "host" };
@@ -939,7 +977,7 @@ pub fn run(a: &Args) -> Result<()> {
                 let verify = round == a.rounds;
                 let (sv, bd) = srv_run.round(&raw, verify)?;
                 let em = emb_run.round(verify)?;
-                let ce = (!a.cuda).then(|| ceiling_round(&emb_run));
+                let ce = (!a.cuda).then(|| ceiling_round(&emb_run, a.in_flight));
                 progress!(
                     "  round {round}{}: server store {:.2} load {:.2}, embedded store {:.2} load {:.2}{} GB/s",
                     if round == 0 { " (warm-up)" } else { "" },
@@ -971,7 +1009,7 @@ pub fn run(a: &Args) -> Result<()> {
                 Stat::Median.of(&emb.store) * 1e6,
                 Stat::Median.of(&emb.load) * 1e6,
             );
-            if c == 1 {
+            if c == 1 && a.in_flight == 1 {
                 for (dir, b, e) in [("store", bs, es), ("load", bl, el)] {
                     progress!(
                         "  one {dir} transfer, median µs: client call {} = gRPC round trip {} (server {} (copy job {})) + the rest; embedded job {e:.0}",
@@ -984,7 +1022,7 @@ pub fn run(a: &Args) -> Result<()> {
             }
             let mut best = row(&r, Stat::Best, &srv, &emb, ceil.as_ref());
             let mut med = row(&r, Stat::Median, &srv, &emb, ceil.as_ref());
-            if c == 1 {
+            if c == 1 && a.in_flight == 1 {
                 let parts =
                     json!({"store": breakdown_json(&bs, es), "load": breakdown_json(&bl, el)});
                 best["median_breakdown"] = parts.clone();
@@ -1008,6 +1046,7 @@ pub fn run(a: &Args) -> Result<()> {
                 "mode": mode,
                 "layers": a.layers,
                 "blocks_per_client": a.blocks,
+                "in_flight": a.in_flight,
                 "rounds": a.rounds,
                 "workers": workers,
                 "results": rows,
@@ -1051,8 +1090,8 @@ fn row(r: &Run<'_>, stat: Stat, srv: &Samples, emb: &Samples, ceil: Option<&Samp
 
 fn print_header(a: &Args, mode: &str, workers: usize) {
     println!(
-        "server benchmark ({mode} memory): {} layers × {} blocks per client process, each way; {} timed rounds after a warm-up; {workers} copy workers in the server and in embedded mode",
-        a.layers, a.blocks, a.rounds
+        "server benchmark ({mode} memory): {} layers × {} blocks per client process and transfer, {} transfer(s) in flight per client, each way; {} timed rounds after a warm-up; {workers} copy workers in the server and in embedded mode",
+        a.layers, a.blocks, a.in_flight, a.rounds
     );
     if !a.cuda {
         println!(
