@@ -606,6 +606,28 @@ impl Pool {
         })
     }
 
+    /// Pins `key`'s object for reading without refreshing its recency or counting a hit or a
+    /// get: for readers that are not the engine (the remote tier's writer).
+    pub fn peek(&self, key: &BlockKey) -> Option<PinnedObject> {
+        let inner = &self.inner;
+        let fp = key.fingerprint();
+        let si = shard_of(fp);
+        let mut shard = inner.shards[si].write();
+        let idx = shard.find(key, fp)?;
+        shard.pin(idx);
+        let e = shard.entry(idx);
+        let (offset, len) = (e.slot.offset, e.len);
+        drop(shard);
+        inner.counters.pinned.fetch_add(1, Ordering::Relaxed);
+        Some(PinnedObject {
+            inner: Arc::clone(inner),
+            shard: si as u32,
+            idx,
+            offset,
+            len,
+        })
+    }
+
     /// Removes `key`. A pinned object disappears from lookups at once and is freed when its
     /// last pin is dropped. Returns whether the key was present.
     pub fn remove(&self, key: &BlockKey) -> bool {
@@ -914,6 +936,30 @@ mod tests {
             .unwrap()
             .key(0, &i.to_le_bytes())
             .unwrap()
+    }
+
+    #[test]
+    fn peek_pins_without_counting_a_lookup() {
+        let p = Pool::new(PoolConfig::with_capacity(64 << 20)).unwrap();
+        let (a, b) = (key(1), key(2));
+        p.put(a, &[1u8; 4096]).unwrap();
+        p.put(b, &[2u8; 4096]).unwrap();
+        let before = p.stats();
+        let o = p.peek(&a).unwrap();
+        assert_eq!(o.as_slice(), &[1u8; 4096][..]);
+        assert_eq!(p.stats().pinned, before.pinned + 1);
+        drop(o);
+        let after = p.stats();
+        assert_eq!(
+            (after.hits, after.gets, after.pinned),
+            (before.hits, before.gets, before.pinned)
+        );
+        assert!(p.peek(&key(3)).is_none());
+        assert_eq!(
+            p.stats().misses,
+            before.misses,
+            "a peek miss is no lookup miss"
+        );
     }
 
     #[test]

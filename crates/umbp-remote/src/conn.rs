@@ -1,0 +1,297 @@
+//! Connections to the remote store: one Redis / Valkey server, or a cluster.
+//!
+//! Everything here is synchronous and bounded by timeouts: the tier's own threads call it,
+//! never the engine's.
+
+use std::time::Duration;
+
+use redis::cluster::{cluster_pipe, ClusterClient, ClusterClientBuilder, ClusterConnection};
+use redis::{Client, Connection, RedisResult};
+
+use crate::RemoteError;
+
+/// Where the remote store is, parsed from `remote_url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// One server: `redis://[user:password@]host[:port][/db]` (`valkey://` is the same).
+    Single(String),
+    /// A cluster, by its seed nodes: `redis+cluster://[user:password@]host:port[,host:port...]`.
+    Cluster(Vec<String>),
+}
+
+impl Target {
+    /// Parses `remote_url`. Errors name what to change.
+    pub fn parse(url: &str) -> Result<Target, RemoteError> {
+        let bad = |why: &str| RemoteError::Url {
+            url: redact(url),
+            why: why.to_string(),
+        };
+        let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+            bad("it has no scheme; write redis://host:port or redis+cluster://host:port,host:port")
+        })?;
+        let scheme = scheme.to_ascii_lowercase();
+        let tls = matches!(
+            scheme.as_str(),
+            "rediss" | "valkeys" | "rediss+cluster" | "valkeys+cluster"
+        );
+        if tls {
+            return Err(bad(
+                "TLS (rediss://) is not built into this UMBP; use redis:// on a trusted network, or a TLS proxy such as stunnel on the node",
+            ));
+        }
+        let cluster = match scheme.as_str() {
+            "redis" | "valkey" => false,
+            "redis+cluster" | "valkey+cluster" => true,
+            other => {
+                return Err(bad(&format!(
+                    "scheme {other:?} is not one UMBP knows; use redis:// (one server) or redis+cluster:// (a cluster)"
+                )))
+            }
+        };
+        if rest.is_empty() || rest.starts_with('/') {
+            return Err(bad("it names no host"));
+        }
+        if !cluster {
+            if rest.contains(',') {
+                return Err(bad(
+                    "several hosts need redis+cluster://; redis:// names one server",
+                ));
+            }
+            let u = format!("redis://{rest}");
+            redis::parse_redis_url(&u).ok_or_else(|| bad("it is not a valid URL"))?;
+            return Ok(Target::Single(u));
+        }
+        let (auth, hosts) = match rest.rsplit_once('@') {
+            Some((a, h)) => (Some(a), h),
+            None => (None, rest),
+        };
+        if hosts.contains('/') {
+            return Err(bad(
+                "a cluster has one database; drop the /db path from redis+cluster://",
+            ));
+        }
+        let mut seeds = Vec::new();
+        for h in hosts.split(',') {
+            let h = h.trim();
+            if h.is_empty() {
+                return Err(bad("an empty host between commas"));
+            }
+            let u = match auth {
+                Some(a) => format!("redis://{a}@{h}"),
+                None => format!("redis://{h}"),
+            };
+            redis::parse_redis_url(&u)
+                .ok_or_else(|| bad(&format!("seed {h:?} is not host:port")))?;
+            seeds.push(u);
+        }
+        Ok(Target::Cluster(seeds))
+    }
+}
+
+/// `url` with any password replaced, for messages and logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let cred = &url[s + 3..at];
+            let user = cred.split_once(':').map_or("", |(u, _)| u);
+            format!(
+                "{}://{}{}***{}",
+                &url[..s],
+                user,
+                if user.is_empty() { "" } else { ":" },
+                &url[at..]
+            )
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// A client that makes connections (cheap to clone; connects nothing by itself).
+#[derive(Clone)]
+pub(crate) enum Backend {
+    Single(Client),
+    Cluster(ClusterClient),
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Single(_) => "Backend::Single",
+            Backend::Cluster(_) => "Backend::Cluster",
+        })
+    }
+}
+
+impl Backend {
+    /// `timeout` bounds each connect and each answer.
+    pub(crate) fn new(target: &Target, timeout: Duration) -> Result<Backend, RemoteError> {
+        let err = |e: redis::RedisError| RemoteError::Client(e.to_string());
+        Ok(match target {
+            Target::Single(u) => Backend::Single(Client::open(u.as_str()).map_err(err)?),
+            Target::Cluster(seeds) => Backend::Cluster(
+                ClusterClientBuilder::new(seeds.iter().map(String::as_str))
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    // A node that is down answers nothing on any retry; the tier retries
+                    // by itself, later, and never makes a lookup wait for it.
+                    .retries(1)
+                    .min_retry_wait(5)
+                    .max_retry_wait(timeout.as_millis().min(1_000) as u64)
+                    .build()
+                    .map_err(err)?,
+            ),
+        })
+    }
+
+    pub(crate) fn connect(&self, timeout: Duration) -> RedisResult<Conn> {
+        Ok(match self {
+            Backend::Single(c) => {
+                let con = c.get_connection_with_timeout(timeout)?;
+                con.set_read_timeout(Some(timeout))?;
+                con.set_write_timeout(Some(timeout))?;
+                Conn::Single(con)
+            }
+            Backend::Cluster(c) => {
+                let con = c.get_connection()?;
+                con.set_read_timeout(Some(timeout))?;
+                con.set_write_timeout(Some(timeout))?;
+                Conn::Cluster(Box::new(con))
+            }
+        })
+    }
+}
+
+/// One live connection.
+pub(crate) enum Conn {
+    Single(Connection),
+    Cluster(Box<ClusterConnection>),
+}
+
+impl Conn {
+    /// `GET` of every key, pipelined (per node on a cluster); `None` for absent keys.
+    pub(crate) fn get_many(&mut self, keys: &[String]) -> RedisResult<Vec<Option<Vec<u8>>>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                for k in keys {
+                    p.cmd("GET").arg(k);
+                }
+                p.query(c)
+            }
+            Conn::Cluster(c) => {
+                let mut p = cluster_pipe();
+                for k in keys {
+                    p.cmd("GET").arg(k);
+                }
+                p.query(c)
+            }
+        }
+    }
+
+    /// `SET key value [PX ttl]` for every pair, pipelined.
+    pub(crate) fn set_many(
+        &mut self,
+        items: &[(String, &[u8])],
+        ttl: Option<Duration>,
+    ) -> RedisResult<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        macro_rules! fill {
+            ($p:expr) => {
+                for (k, v) in items {
+                    let c = $p.cmd("SET").arg(k).arg(*v);
+                    if let Some(t) = ttl {
+                        c.arg("PX").arg(t.as_millis() as u64);
+                    }
+                    c.ignore();
+                }
+            };
+        }
+        match self {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                fill!(p);
+                p.exec(c)
+            }
+            Conn::Cluster(c) => {
+                let mut p = cluster_pipe();
+                fill!(p);
+                p.exec(c)
+            }
+        }
+    }
+
+    /// `DEL` of every key (`clear`), pipelined.
+    pub(crate) fn del_many(&mut self, keys: &[String]) -> RedisResult<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        match self {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                for k in keys {
+                    p.cmd("DEL").arg(k).ignore();
+                }
+                p.exec(c)
+            }
+            Conn::Cluster(c) => {
+                let mut p = cluster_pipe();
+                for k in keys {
+                    p.cmd("DEL").arg(k).ignore();
+                }
+                p.exec(c)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert_eq!(
+            Target::parse("redis://127.0.0.1:6379").unwrap(),
+            Target::Single("redis://127.0.0.1:6379".into())
+        );
+        assert_eq!(
+            Target::parse("valkey://u:p@h:7000/2").unwrap(),
+            Target::Single("redis://u:p@h:7000/2".into())
+        );
+        assert_eq!(
+            Target::parse("redis+cluster://:pw@a:7000,b:7001").unwrap(),
+            Target::Cluster(vec![
+                "redis://:pw@a:7000".into(),
+                "redis://:pw@b:7001".into()
+            ])
+        );
+        for (bad, says) in [
+            ("localhost:6379", "no scheme"),
+            ("http://h:1", "redis+cluster://"),
+            ("redis://a:1,b:2", "redis+cluster://"),
+            ("rediss://h:1", "TLS"),
+            ("redis+cluster://a:1,,b:2", "empty host"),
+            ("redis+cluster://a:1/3", "/db"),
+            ("redis://", "no host"),
+        ] {
+            let e = Target::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("redis://u:secret@h:1"), "redis://u:***@h:1");
+        assert_eq!(redact("redis://:secret@h:1"), "redis://***@h:1");
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+        let e = Target::parse("http://u:secret@h:1")
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("secret"), "{e}");
+    }
+}

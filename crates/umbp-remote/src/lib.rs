@@ -1,0 +1,849 @@
+//! The remote tier: a node pool's objects shared with other nodes through an existing Redis or
+//! Valkey deployment (one server or a cluster).
+//!
+//! UMBP does not build a distributed store; it puts one behind the node pool:
+//!
+//! - **Writes are behind the store.** A writer thread follows the pool's commits and copies
+//!   objects to the remote store from the pool (pinned only while it sends them), in pipelined
+//!   batches, bounded by a backlog in bytes and optionally a rate. When the remote is slow or
+//!   down, objects past the backlog are dropped and counted; the engine never waits for it.
+//!   With [`WritePolicy::OnReuse`] an object is written only when lookups hit it a second time,
+//!   sparing the network for one-off prefixes.
+//! - **Lookups consult it for what the pool misses.** [`RemoteTier::fetch_prefix`] and
+//!   [`RemoteTier::fetch_present`] get the missing objects (pipelined per node, in chunks),
+//!   check them ([`object`]: key, length and checksum; any mismatch is a miss) and put them in
+//!   the pool, so the copy path still reads local DRAM. The caller waits at most the tier's
+//!   timeout; whatever has not arrived by then is a miss.
+//! - **Failures are misses.** A connection error marks the remote down for a back-off period
+//!   during which lookups miss at once and writes are dropped; the next attempt after it
+//!   reconnects. Every such event is counted in [`RemoteStats`].
+//!
+//! Remote eviction is the remote store's own: set `maxmemory` and `maxmemory-policy
+//! allkeys-lru` there, and/or give objects a TTL ([`RemoteConfig::ttl`]).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use thiserror::Error;
+use umbp_core::BlockKey;
+use umbp_pool::{Pool, PoolEvent};
+
+mod conn;
+pub mod object;
+
+pub use conn::{redact, Target};
+use conn::{Backend, Conn};
+
+/// Errors of the remote tier's set-up (its operations never fail the caller: they miss).
+#[derive(Debug, Error)]
+pub enum RemoteError {
+    /// `remote_url` cannot be used.
+    #[error("remote_url {url:?}: {why}")]
+    Url {
+        /// The URL, password redacted.
+        url: String,
+        /// What is wrong and what to write instead.
+        why: String,
+    },
+    /// Another setting is out of range.
+    #[error("{name}: {why}")]
+    Setting {
+        /// The option's name.
+        name: &'static str,
+        /// What to change.
+        why: String,
+    },
+    /// The Redis client refused the configuration.
+    #[error("the Redis client refused the remote tier's configuration: {0}")]
+    Client(String),
+    /// A thread could not be started.
+    #[error("cannot start the remote tier's {what} thread: {source}")]
+    Thread {
+        /// Which thread.
+        what: &'static str,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// When objects are written to the remote store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WritePolicy {
+    /// Every object, as soon as it is committed to the pool.
+    #[default]
+    Eager,
+    /// An object the second time a lookup hits it in the pool.
+    OnReuse,
+}
+
+impl WritePolicy {
+    /// Parses `eager` or `on_reuse`.
+    pub fn parse(s: &str) -> Result<WritePolicy, RemoteError> {
+        match s {
+            "eager" => Ok(WritePolicy::Eager),
+            "on_reuse" => Ok(WritePolicy::OnReuse),
+            other => Err(RemoteError::Setting {
+                name: "remote_write",
+                why: format!("{other:?} is neither \"eager\" nor \"on_reuse\""),
+            }),
+        }
+    }
+
+    /// The policy's name as options spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WritePolicy::Eager => "eager",
+            WritePolicy::OnReuse => "on_reuse",
+        }
+    }
+}
+
+/// Everything that shapes a remote tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteConfig {
+    /// `redis://host:port`, or `redis+cluster://host:port,host:port` (user and password as in
+    /// `redis://user:password@host:port`).
+    pub url: String,
+    /// Expiry of written objects (`None`: kept until the remote store evicts them).
+    pub ttl: Option<Duration>,
+    /// When objects are written.
+    pub write: WritePolicy,
+    /// How long a lookup waits for the remote store, and how long each connect and each
+    /// answer may take.
+    pub timeout: Duration,
+    /// Bytes of objects waiting to be written; beyond it new objects are dropped (counted).
+    pub write_backlog_bytes: u64,
+    /// Write rate limit in bytes per second (0: none).
+    pub write_bytes_per_s: u64,
+}
+
+impl RemoteConfig {
+    /// A configuration with the defaults for everything but the URL.
+    pub fn new(url: impl Into<String>) -> RemoteConfig {
+        RemoteConfig {
+            url: url.into(),
+            ttl: None,
+            write: WritePolicy::Eager,
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+            write_backlog_bytes: DEFAULT_WRITE_BACKLOG_BYTES,
+            write_bytes_per_s: 0,
+        }
+    }
+
+    /// Checks every setting; parses the URL.
+    pub fn validate(&self) -> Result<Target, RemoteError> {
+        if self.timeout.is_zero() {
+            return Err(RemoteError::Setting {
+                name: "remote_timeout_ms",
+                why: "must be at least 1 ms".into(),
+            });
+        }
+        if self.write_backlog_bytes == 0 {
+            return Err(RemoteError::Setting {
+                name: "remote_write_backlog",
+                why: "must be at least one byte (it bounds the objects waiting to be written)"
+                    .into(),
+            });
+        }
+        Target::parse(&self.url)
+    }
+}
+
+/// Default of [`RemoteConfig::timeout`] in milliseconds.
+pub const DEFAULT_TIMEOUT_MS: u64 = 200;
+/// Default of [`RemoteConfig::write_backlog_bytes`].
+pub const DEFAULT_WRITE_BACKLOG_BYTES: u64 = 256 << 20;
+
+/// Keys per pipelined fetch: one round trip per node per chunk.
+const FETCH_CHUNK: usize = 32;
+/// Objects and bytes per pipelined write.
+const WRITE_BATCH: usize = 32;
+const WRITE_BATCH_BYTES: u64 = 32 << 20;
+/// Lookups queued for the fetch threads beyond those being served; more miss at once.
+const FETCH_QUEUE: usize = 16;
+const FETCH_THREADS: usize = 2;
+/// Pool events the writer may lag behind before the pool drops them (counted by the pool).
+const EVENT_QUEUE: usize = 1 << 16;
+/// How long the remote is left alone after a failure.
+const BACKOFF: Duration = Duration::from_secs(1);
+/// Bounds of the writer's bookkeeping sets (cleared when full: at worst an object is written
+/// twice or once too few).
+const MAX_TRACKED: usize = 1 << 20;
+
+/// Counters of the remote tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemoteStats {
+    /// Keys the pool missed that were asked of the remote store.
+    pub lookup_keys: u64,
+    /// Objects fetched, checked and put in the pool.
+    pub hits: u64,
+    /// Keys the remote store did not have.
+    pub misses: u64,
+    /// Values rejected by their header or checksum (counted as misses too).
+    pub corrupt: u64,
+    /// Lookups that gave up waiting after the timeout.
+    pub timeouts: u64,
+    /// Lookups answered without asking because the remote was down (back-off) or busy.
+    pub skipped_lookups: u64,
+    /// Bytes fetched into the pool.
+    pub bytes_fetched: u64,
+    /// Objects written.
+    pub writes: u64,
+    /// Bytes written (payloads).
+    pub bytes_written: u64,
+    /// Objects not written: backlog full, or the remote down or failing.
+    pub writes_dropped: u64,
+    /// Objects that left the pool before their turn to be written.
+    pub writes_evicted: u64,
+    /// Failed requests (connects, commands, timeouts).
+    pub errors: u64,
+    /// Whether the last request succeeded.
+    pub connected: bool,
+    /// Bytes waiting to be written.
+    pub backlog_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    lookup_keys: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    corrupt: AtomicU64,
+    timeouts: AtomicU64,
+    skipped_lookups: AtomicU64,
+    bytes_fetched: AtomicU64,
+    writes: AtomicU64,
+    bytes_written: AtomicU64,
+    writes_dropped: AtomicU64,
+    writes_evicted: AtomicU64,
+    errors: AtomicU64,
+    connected: AtomicBool,
+    backlog_bytes: AtomicU64,
+    /// Pool commits the writer has taken from the pool's queue.
+    commits_seen: AtomicU64,
+    /// The writer holds a batch it has not finished sending.
+    writing: AtomicBool,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A set that forgets everything when it grows past [`MAX_TRACKED`].
+#[derive(Debug, Default)]
+struct Tracked<V> {
+    map: HashMap<BlockKey, V>,
+}
+
+impl<V> Tracked<V> {
+    fn insert(&mut self, k: BlockKey, v: V) {
+        if self.map.len() >= MAX_TRACKED {
+            self.map.clear();
+        }
+        self.map.insert(k, v);
+    }
+}
+
+/// What the fetch threads are asked.
+struct FetchJob {
+    keys: Vec<BlockKey>,
+    /// Stop at the first key the remote lacks.
+    prefix: bool,
+    /// Per chunk: (index of its first key, which of its keys are now in the pool).
+    reply: mpsc::Sender<(usize, Vec<bool>)>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    cfg: RemoteConfig,
+    backend: Backend,
+    pool: Arc<Pool>,
+    c: Counters,
+    closed: AtomicBool,
+    /// No request before this instant (after a failure).
+    down_until: Mutex<Option<Instant>>,
+    /// Keys the fetchers put in the pool: their commits are not written back.
+    from_remote: Mutex<HashSet<BlockKey>>,
+    /// On-reuse policy: committed keys not written yet, and how often lookups hit them.
+    candidates: Mutex<Tracked<u8>>,
+    /// Keys promoted by lookups (on-reuse), for the writer.
+    promoted: Mutex<Vec<(BlockKey, u64)>>,
+}
+
+impl Inner {
+    fn is_down(&self) -> bool {
+        let mut d = self.down_until.lock();
+        match *d {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                *d = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn failed(&self, what: &str, e: &redis::RedisError) {
+        add(&self.c.errors, 1);
+        let was = self.c.connected.swap(false, Ordering::Relaxed);
+        *self.down_until.lock() = Some(Instant::now() + BACKOFF);
+        if was {
+            log::warn!(
+                "remote tier {}: {what} failed ({e}); lookups miss and writes are dropped for {} s, then it retries",
+                redact(&self.cfg.url),
+                BACKOFF.as_secs()
+            );
+        } else {
+            log::debug!("remote tier: {what} failed again: {e}");
+        }
+    }
+
+    fn unresponsive(&self) {
+        let was = self.c.connected.swap(false, Ordering::Relaxed);
+        *self.down_until.lock() = Some(Instant::now() + BACKOFF);
+        if was {
+            log::warn!(
+                "remote tier {}: a lookup got no answer within {} ms; lookups miss for {} s, then it retries",
+                redact(&self.cfg.url),
+                self.cfg.timeout.as_millis(),
+                BACKOFF.as_secs()
+            );
+        }
+    }
+
+    fn succeeded(&self) {
+        if !self.c.connected.swap(true, Ordering::Relaxed) {
+            log::info!("remote tier {}: connected", redact(&self.cfg.url));
+        }
+    }
+
+    /// A connection, made if `slot` has none (and the remote is not in back-off).
+    fn conn<'s>(&self, slot: &'s mut Option<Conn>) -> Option<&'s mut Conn> {
+        if slot.is_none() {
+            if self.is_down() {
+                return None;
+            }
+            match self.backend.connect(self.cfg.timeout) {
+                Ok(c) => *slot = Some(c),
+                Err(e) => {
+                    self.failed("connecting", &e);
+                    return None;
+                }
+            }
+        }
+        slot.as_mut()
+    }
+}
+
+/// A running remote tier. Dropping it (or [`RemoteTier::close`]) stops its threads.
+#[derive(Debug)]
+pub struct RemoteTier {
+    inner: Arc<Inner>,
+    fetch_tx: Mutex<Option<SyncSender<FetchJob>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl RemoteTier {
+    /// Starts the tier in front of `pool`: checks the configuration (not the remote: a remote
+    /// that is down at start is a remote that misses), subscribes to the pool's commits and
+    /// starts the writer and fetch threads.
+    pub fn start(cfg: RemoteConfig, pool: Arc<Pool>) -> Result<RemoteTier, RemoteError> {
+        let target = cfg.validate()?;
+        let backend = Backend::new(&target, cfg.timeout)?;
+        let events = pool.subscribe(EVENT_QUEUE);
+        let inner = Arc::new(Inner {
+            cfg,
+            backend,
+            pool,
+            c: Counters::default(),
+            closed: AtomicBool::new(false),
+            down_until: Mutex::new(None),
+            from_remote: Mutex::new(HashSet::new()),
+            candidates: Mutex::new(Tracked::default()),
+            promoted: Mutex::new(Vec::new()),
+        });
+        let (fetch_tx, fetch_rx) = mpsc::sync_channel::<FetchJob>(FETCH_QUEUE);
+        let fetch_rx = Arc::new(std::sync::Mutex::new(fetch_rx));
+        let tier = RemoteTier {
+            inner: Arc::clone(&inner),
+            fetch_tx: Mutex::new(Some(fetch_tx)),
+            threads: Mutex::new(Vec::new()),
+        };
+        let spawn = |name: String, what: &'static str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|source| RemoteError::Thread { what, source })
+        };
+        let w = Arc::clone(&inner);
+        let h = spawn(
+            "umbp-remote-write".into(),
+            "writer",
+            Box::new(move || writer(&w, events)),
+        )?;
+        tier.threads.lock().push(h);
+        for i in 0..FETCH_THREADS {
+            let (f, rx) = (Arc::clone(&inner), Arc::clone(&fetch_rx));
+            let h = spawn(
+                format!("umbp-remote-fetch-{i}"),
+                "fetch",
+                Box::new(move || fetcher(&f, &rx)),
+            )?;
+            tier.threads.lock().push(h);
+        }
+        log::info!(
+            "remote tier {}: writes {}{}, timeout {} ms, backlog {} MiB",
+            redact(&inner.cfg.url),
+            inner.cfg.write.name(),
+            inner
+                .cfg
+                .ttl
+                .map_or(String::new(), |t| format!(", TTL {} s", t.as_secs())),
+            inner.cfg.timeout.as_millis(),
+            inner.cfg.write_backlog_bytes >> 20
+        );
+        Ok(tier)
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &RemoteConfig {
+        &self.inner.cfg
+    }
+
+    /// Fetches `keys` (those the pool missed, in prefix order) into the pool, stopping at the
+    /// first the remote lacks; waits at most the tier's timeout. Returns how many keys from
+    /// the first are now in the pool.
+    pub fn fetch_prefix(&self, keys: &[BlockKey]) -> usize {
+        let got = self.fetch(keys, true);
+        got.iter().take_while(|p| **p).count()
+    }
+
+    /// Fetches every key of `keys` (those the pool missed) that the remote holds into the pool;
+    /// waits at most the tier's timeout. Returns which are now in the pool.
+    pub fn fetch_present(&self, keys: &[BlockKey]) -> Vec<bool> {
+        self.fetch(keys, false)
+    }
+
+    fn fetch(&self, keys: &[BlockKey], prefix: bool) -> Vec<bool> {
+        let mut got = vec![false; keys.len()];
+        if keys.is_empty() {
+            return got;
+        }
+        let c = &self.inner.c;
+        if self.inner.is_down() {
+            add(&c.skipped_lookups, 1);
+            return got;
+        }
+        let deadline = Instant::now() + self.inner.cfg.timeout;
+        let (tx, rx) = mpsc::channel();
+        let job = FetchJob {
+            keys: keys.to_vec(),
+            prefix,
+            reply: tx,
+        };
+        let sent = match self.fetch_tx.lock().as_ref() {
+            Some(s) => s.try_send(job),
+            None => return got,
+        };
+        match sent {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                add(&c.skipped_lookups, 1);
+                return got;
+            }
+        }
+        let chunks = keys.len().div_ceil(FETCH_CHUNK);
+        let mut seen = 0;
+        while seen < chunks {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok((at, present)) => {
+                    let stop = prefix && present.iter().any(|p| !p);
+                    got[at..at + present.len()].copy_from_slice(&present);
+                    seen += 1;
+                    if stop {
+                        break;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    add(&c.timeouts, 1);
+                    if seen == 0 {
+                        // Not one answer within the timeout: the remote is unresponsive,
+                        // not merely busy with a long prefix. Leave it alone for a while.
+                        self.inner.unresponsive();
+                    }
+                    break;
+                }
+                // The fetcher finished early (prefix stop, or an error: the rest missed).
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        got
+    }
+
+    /// Tells the tier that lookups hit `keys` in the pool (the on-reuse policy writes an object
+    /// at its second hit; a no-op with the eager policy).
+    pub fn note_hits(&self, keys: impl IntoIterator<Item = BlockKey>) {
+        if self.inner.cfg.write != WritePolicy::OnReuse {
+            return;
+        }
+        let mut cand = self.inner.candidates.lock();
+        if cand.map.is_empty() {
+            return;
+        }
+        let mut promoted = Vec::new();
+        for k in keys {
+            if let Some(n) = cand.map.get_mut(&k) {
+                *n += 1;
+                if *n >= 2 {
+                    cand.map.remove(&k);
+                    promoted.push(k);
+                }
+            }
+        }
+        drop(cand);
+        if !promoted.is_empty() {
+            self.inner
+                .promoted
+                .lock()
+                .extend(promoted.into_iter().map(|k| (k, 0)));
+        }
+    }
+
+    /// Deletes the remote copies of `keys` (best effort, bounded by the timeout). Returns how
+    /// many delete requests were sent.
+    pub fn delete(&self, keys: &[BlockKey]) -> usize {
+        let mut slot = None;
+        let Some(con) = self.inner.conn(&mut slot) else {
+            return 0;
+        };
+        let names: Vec<String> = keys.iter().map(object::remote_key).collect();
+        match con.del_many(&names) {
+            Ok(()) => names.len(),
+            Err(e) => {
+                self.inner.failed("deleting", &e);
+                0
+            }
+        }
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> RemoteStats {
+        let c = &self.inner.c;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RemoteStats {
+            lookup_keys: l(&c.lookup_keys),
+            hits: l(&c.hits),
+            misses: l(&c.misses),
+            corrupt: l(&c.corrupt),
+            timeouts: l(&c.timeouts),
+            skipped_lookups: l(&c.skipped_lookups),
+            bytes_fetched: l(&c.bytes_fetched),
+            writes: l(&c.writes),
+            bytes_written: l(&c.bytes_written),
+            writes_dropped: l(&c.writes_dropped),
+            writes_evicted: l(&c.writes_evicted),
+            errors: l(&c.errors),
+            connected: c.connected.load(Ordering::Relaxed),
+            backlog_bytes: l(&c.backlog_bytes),
+        }
+    }
+
+    /// Waits until every pool commit so far has been written (or dropped, or passed over by
+    /// the policy), or `timeout` passes; whether it drained.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let (i, end) = (&self.inner, Instant::now() + timeout);
+        loop {
+            let c = &i.c;
+            if c.commits_seen.load(Ordering::Acquire) >= i.pool.stats().puts
+                && c.backlog_bytes.load(Ordering::Acquire) == 0
+                && !c.writing.load(Ordering::Acquire)
+                && i.promoted.lock().is_empty()
+            {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Stops the threads (the writer drops what it has not written).
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::Release);
+        self.fetch_tx.lock().take();
+        let threads = std::mem::take(&mut *self.threads.lock());
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for RemoteTier {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// A fetch thread: serves lookups, one at a time, with its own connection.
+fn fetcher(inner: &Inner, jobs: &std::sync::Mutex<Receiver<FetchJob>>) {
+    let mut slot: Option<Conn> = None;
+    loop {
+        let job = {
+            let rx = jobs.lock().unwrap_or_else(|p| p.into_inner());
+            match rx.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            }
+        };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        serve_fetch(inner, &mut slot, job);
+    }
+}
+
+fn serve_fetch(inner: &Inner, slot: &mut Option<Conn>, job: FetchJob) {
+    let c = &inner.c;
+    add(&c.lookup_keys, job.keys.len() as u64);
+    for (ci, chunk) in job.keys.chunks(FETCH_CHUNK).enumerate() {
+        let Some(con) = inner.conn(slot) else {
+            add(&c.skipped_lookups, 1);
+            return;
+        };
+        let names: Vec<String> = chunk.iter().map(object::remote_key).collect();
+        let values = match con.get_many(&names) {
+            Ok(v) => {
+                inner.succeeded();
+                v
+            }
+            Err(e) => {
+                // A timed-out pipeline may still answer later: never reuse the connection.
+                *slot = None;
+                inner.failed("a lookup", &e);
+                return;
+            }
+        };
+        let mut present = Vec::with_capacity(chunk.len());
+        let mut stop = false;
+        for (key, v) in chunk.iter().zip(values) {
+            if stop {
+                present.push(false);
+                continue;
+            }
+            let ok = match v {
+                None => {
+                    add(&c.misses, 1);
+                    false
+                }
+                Some(v) => match object::decode(key, &v) {
+                    Ok(payload) => put_fetched(inner, *key, payload),
+                    Err(why) => {
+                        add(&c.corrupt, 1);
+                        add(&c.misses, 1);
+                        log::warn!(
+                            "remote tier: the value under {} is not its object ({why:?}); taken as a miss",
+                            object::remote_key(key)
+                        );
+                        false
+                    }
+                },
+            };
+            present.push(ok);
+            stop = job.prefix && !ok;
+        }
+        // The caller gone (timed out) or a prefix broken: no more chunks.
+        if job.reply.send((ci * FETCH_CHUNK, present)).is_err() || stop {
+            return;
+        }
+    }
+}
+
+fn put_fetched(inner: &Inner, key: BlockKey, payload: &[u8]) -> bool {
+    {
+        let mut fr = inner.from_remote.lock();
+        if fr.len() >= MAX_TRACKED {
+            fr.clear();
+        }
+        fr.insert(key);
+    }
+    match inner.pool.put(key, payload) {
+        Ok(_) => {
+            add(&inner.c.hits, 1);
+            add(&inner.c.bytes_fetched, payload.len() as u64);
+            true
+        }
+        Err(e) => {
+            inner.from_remote.lock().remove(&key);
+            log::debug!("remote tier: a fetched object did not fit in the pool: {e}");
+            false
+        }
+    }
+}
+
+/// The writer thread's queue of objects to write.
+#[derive(Debug, Default)]
+struct Backlog {
+    keys: VecDeque<(BlockKey, u64)>,
+    bytes: u64,
+}
+
+/// The writer thread: follows the pool's commits, writes objects in pipelined batches.
+fn writer(inner: &Inner, events: Receiver<PoolEvent>) {
+    let mut slot: Option<Conn> = None;
+    let mut backlog = Backlog::default();
+    let mut buf: Vec<Vec<u8>> = Vec::new();
+    let mut rate = Rate::new(inner.cfg.write_bytes_per_s);
+    let c = &inner.c;
+    while !inner.closed.load(Ordering::Acquire) {
+        // Wait for work only when there is none.
+        let first = if backlog.keys.is_empty() {
+            c.writing.store(false, Ordering::Release);
+            match events.recv_timeout(Duration::from_millis(50)) {
+                Ok(e) => Some(e),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        } else {
+            None
+        };
+        c.writing.store(true, Ordering::Release);
+        for ev in first.into_iter().chain(events.try_iter()) {
+            if let PoolEvent::Stored { key, bytes } = ev {
+                c.commits_seen.fetch_add(1, Ordering::Release);
+                if inner.from_remote.lock().remove(&key) {
+                    continue;
+                }
+                match inner.cfg.write {
+                    WritePolicy::Eager => enqueue(inner, &mut backlog, key, bytes),
+                    WritePolicy::OnReuse => inner.candidates.lock().insert(key, 0),
+                }
+            }
+        }
+        let promoted = std::mem::take(&mut *inner.promoted.lock());
+        for (key, _) in promoted {
+            let bytes = inner.pool.peek(&key).map_or(0, |o| o.len());
+            if bytes > 0 {
+                enqueue(inner, &mut backlog, key, bytes);
+            } else {
+                add(&c.writes_evicted, 1);
+            }
+        }
+        if backlog.keys.is_empty() {
+            continue;
+        }
+        if inner.is_down() {
+            // The remote is failing: what waits is dropped, not kept for later.
+            add(&c.writes_dropped, backlog.keys.len() as u64);
+            backlog = Backlog::default();
+            c.backlog_bytes.store(0, Ordering::Relaxed);
+            continue;
+        }
+        // One batch: pinned only while it is encoded.
+        let mut items: Vec<(String, usize)> = Vec::new();
+        let mut batch_bytes = 0u64;
+        while items.len() < WRITE_BATCH && batch_bytes < WRITE_BATCH_BYTES {
+            let Some((key, bytes)) = backlog.keys.pop_front() else {
+                break;
+            };
+            backlog.bytes -= bytes;
+            let Some(obj) = inner.pool.peek(&key) else {
+                add(&c.writes_evicted, 1);
+                continue;
+            };
+            if buf.len() <= items.len() {
+                buf.push(Vec::new());
+            }
+            object::encode_into(&key, obj.as_slice(), &mut buf[items.len()]);
+            drop(obj);
+            batch_bytes += bytes;
+            items.push((object::remote_key(&key), items.len()));
+        }
+        c.backlog_bytes.store(backlog.bytes, Ordering::Relaxed);
+        if items.is_empty() {
+            continue;
+        }
+        rate.wait(batch_bytes, &inner.closed);
+        let pairs: Vec<(String, &[u8])> = items
+            .into_iter()
+            .map(|(k, i)| (k, buf[i].as_slice()))
+            .collect();
+        let n = pairs.len() as u64;
+        let Some(con) = inner.conn(&mut slot) else {
+            add(&c.writes_dropped, n);
+            continue;
+        };
+        match con.set_many(&pairs, inner.cfg.ttl) {
+            Ok(()) => {
+                inner.succeeded();
+                add(&c.writes, n);
+                add(&c.bytes_written, batch_bytes);
+            }
+            Err(e) => {
+                slot = None;
+                add(&c.writes_dropped, n);
+                inner.failed("a write", &e);
+            }
+        }
+        // Keep the buffers of an ordinary batch, not those of a huge one.
+        buf.truncate(WRITE_BATCH);
+    }
+}
+
+fn enqueue(inner: &Inner, backlog: &mut Backlog, key: BlockKey, bytes: u64) {
+    if backlog.bytes + bytes > inner.cfg.write_backlog_bytes {
+        add(&inner.c.writes_dropped, 1);
+        return;
+    }
+    backlog.bytes += bytes;
+    backlog.keys.push_back((key, bytes));
+    inner
+        .c
+        .backlog_bytes
+        .store(backlog.bytes, Ordering::Relaxed);
+}
+
+/// A byte-rate limit (none at 0 bytes/s).
+#[derive(Debug)]
+struct Rate {
+    per_s: u64,
+    start: Instant,
+    sent: u64,
+}
+
+impl Rate {
+    fn new(per_s: u64) -> Rate {
+        Rate {
+            per_s,
+            start: Instant::now(),
+            sent: 0,
+        }
+    }
+
+    fn wait(&mut self, bytes: u64, closed: &AtomicBool) {
+        if self.per_s == 0 {
+            return;
+        }
+        // Restart the window after idle periods, so idle time earns no burst.
+        let due = Duration::from_secs_f64(self.sent as f64 / self.per_s as f64);
+        let elapsed = self.start.elapsed();
+        if elapsed > due + Duration::from_secs(1) {
+            self.start = Instant::now();
+            self.sent = 0;
+        }
+        self.sent += bytes;
+        let due = Duration::from_secs_f64(self.sent as f64 / self.per_s as f64);
+        while let Some(left) = due.checked_sub(self.start.elapsed()) {
+            if closed.load(Ordering::Acquire) || left.is_zero() {
+                break;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(50)));
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! The remote tier against real Redis processes: a three-node cluster (and one plain server)
+//! started from the distribution's `redis-server`, on loopback ports of their own.
+//!
+//! Without `redis-server` on PATH these tests say so and pass, unless `UMBP_REQUIRE_REDIS=1`
+//! (set by scripts/test.sh, which installs it), where they fail.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
+use umbp_pool::Pool;
+use umbp_remote::{object, RemoteConfig, RemoteTier, WritePolicy};
+
+fn have_redis() -> bool {
+    let found = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        assert!(
+            std::env::var("UMBP_REQUIRE_REDIS").as_deref() != Ok("1"),
+            "redis-server is not on PATH (apt-get install redis-server)"
+        );
+        eprintln!("SKIP: redis-server is not on PATH (apt-get install redis-server)");
+    }
+    found
+}
+
+/// A free port whose cluster-bus port (+10000) is free too.
+fn free_port() -> u16 {
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < 55000 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+struct Node {
+    port: u16,
+    child: Child,
+}
+
+/// Redis servers in a temporary directory; killed on drop.
+struct Redis {
+    dir: PathBuf,
+    nodes: Vec<Node>,
+}
+
+impl Redis {
+    fn start(n: usize, cluster: bool) -> Result<Redis> {
+        let dir =
+            std::env::temp_dir().join(format!("umbp-redis-{}-{}", std::process::id(), free_port()));
+        std::fs::create_dir_all(&dir)?;
+        let mut r = Redis {
+            dir,
+            nodes: Vec::new(),
+        };
+        for _ in 0..n {
+            let port = free_port();
+            let d = r.dir.join(port.to_string());
+            std::fs::create_dir_all(&d)?;
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+                .arg("--dir")
+                .arg(&d)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            if cluster {
+                cmd.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"]);
+            }
+            let child = cmd.spawn().context("starting redis-server")?;
+            r.nodes.push(Node { port, child });
+        }
+        for n in &r.nodes {
+            r.wait_ping(n.port)?;
+        }
+        if cluster {
+            let mut cmd = Command::new("redis-cli");
+            cmd.arg("--cluster").arg("create");
+            for n in &r.nodes {
+                cmd.arg(format!("127.0.0.1:{}", n.port));
+            }
+            let out = cmd
+                .args(["--cluster-replicas", "0", "--cluster-yes"])
+                .output()?;
+            ensure!(
+                out.status.success(),
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+            let t = Instant::now();
+            while !r
+                .cli(r.nodes[0].port, &["cluster", "info"])?
+                .contains("cluster_state:ok")
+            {
+                ensure!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "the cluster never became ok"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(r)
+    }
+
+    fn wait_ping(&self, port: u16) -> Result<()> {
+        let t = Instant::now();
+        while self.cli(port, &["ping"]).unwrap_or_default().trim() != "PONG" {
+            ensure!(
+                t.elapsed() < Duration::from_secs(10),
+                "redis on {port} never answered"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    fn cli(&self, port: u16, args: &[&str]) -> Result<String> {
+        let out = Command::new("redis-cli")
+            .args(["-p", &port.to_string(), "-c"])
+            .args(args)
+            .output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn url(&self) -> String {
+        if self.nodes.len() == 1 {
+            format!("redis://127.0.0.1:{}", self.nodes[0].port)
+        } else {
+            let seeds: Vec<String> = self
+                .nodes
+                .iter()
+                .map(|n| format!("127.0.0.1:{}", n.port))
+                .collect();
+            format!("redis+cluster://{}", seeds.join(","))
+        }
+    }
+
+    /// The node that owns `key`'s slot.
+    fn owner(&self, key: &str) -> Result<usize> {
+        let slot: u16 = self
+            .cli(self.nodes[0].port, &["cluster", "keyslot", key])?
+            .trim()
+            .parse()?;
+        let nodes = self.cli(self.nodes[0].port, &["cluster", "nodes"])?;
+        for line in nodes.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let port: u16 = f[1]
+                .split(['@', ':'])
+                .nth(1)
+                .context("host:port@bus")?
+                .parse()?;
+            for range in &f[8..] {
+                let (a, b) = range.split_once('-').unwrap_or((range, range));
+                if let (Ok(a), Ok(b)) = (a.parse::<u16>(), b.parse::<u16>()) {
+                    if (a..=b).contains(&slot) {
+                        return self
+                            .nodes
+                            .iter()
+                            .position(|n| n.port == port)
+                            .context("owner not ours");
+                    }
+                }
+            }
+        }
+        bail!("no node owns slot {slot}")
+    }
+
+    fn signal(&self, i: usize, sig: libc_sig::Sig) {
+        libc_sig::send(self.nodes[i].child.id(), sig);
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            libc_sig::send(n.child.id(), libc_sig::Sig::Cont);
+            let _ = n.child.kill();
+            let _ = n.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Signals through `kill`, to keep this test free of a libc dependency.
+mod libc_sig {
+    #[derive(Clone, Copy)]
+    pub enum Sig {
+        Stop,
+        Cont,
+    }
+    pub fn send(pid: u32, s: Sig) {
+        let name = match s {
+            Sig::Stop => "-STOP",
+            Sig::Cont => "-CONT",
+        };
+        let _ = std::process::Command::new("kill")
+            .args([name, &pid.to_string()])
+            .status();
+    }
+}
+
+fn pool() -> Arc<Pool> {
+    Arc::new(Pool::new(PoolConfig::with_capacity(256 << 20)).unwrap())
+}
+
+fn keys(ns: &str, n: usize) -> Vec<BlockKey> {
+    let kb = KeyBuilder::new(ns, RankTopology::default()).unwrap();
+    (0..n)
+        .map(|i| kb.key(0, &(i as u64).to_le_bytes()).unwrap())
+        .collect()
+}
+
+fn payload(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i * 131 + j * 7) as u8).collect()
+}
+
+fn config(url: String) -> RemoteConfig {
+    RemoteConfig {
+        timeout: Duration::from_millis(300),
+        ..RemoteConfig::new(url)
+    }
+}
+
+/// Node A stores `n` objects; waits until its tier wrote them.
+fn node_a_stores(url: &str, ks: &[BlockKey], len: usize) -> Result<(Arc<Pool>, RemoteTier)> {
+    let pa = pool();
+    let ta = RemoteTier::start(config(url.to_string()), Arc::clone(&pa))?;
+    for (i, k) in ks.iter().enumerate() {
+        pa.put(*k, &payload(i, len))?;
+    }
+    ensure!(
+        ta.flush(Duration::from_secs(10)),
+        "node A's writes never drained"
+    );
+    let s = ta.stats();
+    ensure!(s.writes == ks.len() as u64, "node A wrote {s:?}");
+    Ok((pa, ta))
+}
+
+fn check_restored(p: &Pool, ks: &[BlockKey], len: usize) {
+    for (i, k) in ks.iter().enumerate() {
+        let o = p
+            .get(k)
+            .unwrap_or_else(|| panic!("key {i} not in the pool"));
+        assert!(
+            o.as_slice() == payload(i, len).as_slice(),
+            "key {i}: bytes differ"
+        );
+    }
+}
+
+#[test]
+fn cluster_node_b_restores_what_node_a_stored() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start(3, true)?;
+    let ks = keys("remote-it-a", 48);
+    let len = 512 << 10;
+    let (_pa, ta) = node_a_stores(&r.url(), &ks, len)?;
+    assert!(ta.stats().connected);
+
+    let pb = pool();
+    let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+    assert_eq!(tb.fetch_prefix(&ks), ks.len());
+    check_restored(&pb, &ks, len);
+    let s = tb.stats();
+    assert_eq!((s.hits, s.corrupt, s.timeouts), (48, 0, 0), "{s:?}");
+    // Fetched objects are not written back.
+    assert!(tb.flush(Duration::from_secs(2)));
+    assert_eq!(tb.stats().writes, 0);
+    // Another namespace never meets these objects.
+    let other = keys("remote-it-other", 4);
+    assert_eq!(tb.fetch_prefix(&other), 0);
+    assert_eq!(tb.fetch_present(&other), [false; 4]);
+    Ok(())
+}
+
+#[test]
+fn a_corrupted_remote_object_is_a_miss() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start(3, true)?;
+    let ks = keys("remote-it-corrupt", 8);
+    let len = 64 << 10;
+    let (_pa, _ta) = node_a_stores(&r.url(), &ks, len)?;
+    // Overwrite key 3's value, as an operator with redis-cli would.
+    let name = object::remote_key(&ks[3]);
+    let owner = r.owner(&name)?;
+    let out = r.cli(r.nodes[owner].port, &["set", &name, "not an object"])?;
+    assert_eq!(out.trim(), "OK");
+    // And key 5's payload by one byte (same length, bad checksum).
+    let name5 = object::remote_key(&ks[5]);
+    let out = r.cli(r.nodes[0].port, &["setrange", &name5, "100", "X"])?;
+    assert!(out.trim().parse::<u64>().is_ok(), "setrange: {out}");
+
+    let pb = pool();
+    let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+    assert_eq!(
+        tb.fetch_prefix(&ks),
+        3,
+        "the prefix stops at the corrupted object"
+    );
+    let present = tb.fetch_present(&ks);
+    assert_eq!(
+        present,
+        [true, true, true, false, true, false, true, true],
+        "corrupted objects are misses"
+    );
+    assert!(!pb.contains(&ks[3]) && !pb.contains(&ks[5]));
+    check_restored(&pb, &[ks[0], ks[1], ks[2]], len);
+    assert!(tb.stats().corrupt >= 2, "{:?}", tb.stats());
+    Ok(())
+}
+
+#[test]
+fn a_stopped_cluster_node_makes_lookups_miss_within_the_timeout() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start(3, true)?;
+    let ks = keys("remote-it-stopped", 24);
+    let len = 16 << 10;
+    let (pa, ta) = node_a_stores(&r.url(), &ks, len)?;
+    let pb = pool();
+    let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+    // Connect B before the failure, as a running engine would be.
+    assert_eq!(tb.fetch_prefix(&ks[..1]), 1);
+
+    // SIGSTOP: the node accepts connections and never answers (worse than a crash).
+    let victim = r.owner(&object::remote_key(&ks[2]))?;
+    r.signal(victim, libc_sig::Sig::Stop);
+    let t = Instant::now();
+    let got = tb.fetch_prefix(&ks[1..]);
+    let took = t.elapsed();
+    assert!(
+        got < ks.len() - 1,
+        "a stopped node's keys cannot be fetched"
+    );
+    assert!(
+        took < Duration::from_millis(300 + 150),
+        "the lookup took {took:?} with a 300 ms timeout"
+    );
+    // Back-off: the next lookups miss at once instead of waiting again.
+    let t = Instant::now();
+    tb.fetch_prefix(&ks[1..]);
+    assert!(t.elapsed() < Duration::from_millis(50), "{:?}", t.elapsed());
+    assert!(
+        tb.stats().skipped_lookups + tb.stats().timeouts >= 2,
+        "{:?}",
+        tb.stats()
+    );
+    // The node pools keep working.
+    let extra = keys("remote-it-stopped-extra", 4);
+    for (i, k) in extra.iter().enumerate() {
+        pa.put(*k, &payload(i, len))?;
+    }
+    check_restored(&pa, &extra, len);
+    // Writes while the node is stopped are dropped (and counted), never queued forever.
+    let t = Instant::now();
+    while ta.stats().writes_dropped + ta.stats().writes < 4 + ks.len() as u64 {
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", ta.stats());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    r.signal(victim, libc_sig::Sig::Cont);
+    // After the back-off the tier reconnects by itself.
+    let t = Instant::now();
+    while tb.fetch_prefix(&ks[1..]) < ks.len() - 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "never recovered: {:?}",
+            tb.stats()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    check_restored(&pb, &ks, len);
+    Ok(())
+}
+
+#[test]
+fn on_reuse_writes_at_the_second_hit_and_one_server_urls_work() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start(1, false)?;
+    let pa = pool();
+    let ta = RemoteTier::start(
+        RemoteConfig {
+            write: WritePolicy::OnReuse,
+            ttl: Some(Duration::from_secs(60)),
+            ..config(r.url())
+        },
+        Arc::clone(&pa),
+    )?;
+    let ks = keys("remote-it-reuse", 4);
+    for (i, k) in ks.iter().enumerate() {
+        pa.put(*k, &payload(i, 4096))?;
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(ta.stats().writes, 0, "on_reuse writes nothing at commit");
+    ta.note_hits([ks[0], ks[1]]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(ta.stats().writes, 0, "one hit is not a reuse yet");
+    ta.note_hits([ks[0]]);
+    assert!(ta.flush(Duration::from_secs(5)));
+    let t = Instant::now();
+    while ta.stats().writes < 1 {
+        assert!(t.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(ta.stats().writes, 1);
+    let ttl: i64 = r
+        .cli(r.nodes[0].port, &["ttl", &object::remote_key(&ks[0])])?
+        .trim()
+        .parse()?;
+    assert!((1..=60).contains(&ttl), "TTL {ttl}");
+
+    let pb = pool();
+    let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+    assert_eq!(tb.fetch_present(&ks), [true, false, false, false]);
+    check_restored(&pb, &ks[..1], 4096);
+    Ok(())
+}
+
+#[test]
+fn a_remote_that_is_down_misses_at_once_and_drops_writes() -> Result<()> {
+    // Nothing listens on this port.
+    let port = free_port();
+    let pa = pool();
+    let ta = RemoteTier::start(config(format!("redis://127.0.0.1:{port}")), Arc::clone(&pa))?;
+    let ks = keys("remote-it-down", 8);
+    for (i, k) in ks.iter().enumerate() {
+        pa.put(*k, &payload(i, 4096))?;
+    }
+    // The writes fail and are dropped, never queued without bound.
+    let t = Instant::now();
+    while ta.stats().writes_dropped < 8 {
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", ta.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Lookups of what the pool misses answer at once: a miss.
+    let missing = keys("remote-it-down-missing", 8);
+    let t = Instant::now();
+    assert_eq!(ta.fetch_prefix(&missing), 0);
+    assert_eq!(ta.fetch_present(&missing), [false; 8]);
+    assert!(
+        t.elapsed() < Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+    let s = ta.stats();
+    assert!(!s.connected && s.errors >= 1 && s.writes == 0, "{s:?}");
+    // The pool itself is untouched.
+    check_restored(&pa, &ks, 4096);
+    Ok(())
+}
