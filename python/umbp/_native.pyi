@@ -109,7 +109,17 @@ class EmbeddedStore:
         cuda_max_ctas: int | None = None,  # 132
         cuda_pin_chunk_bytes: int | None = None,  # 64 MiB
         cuda_batch_blocks: int | None = None,  # 64
+        remote_url: str | None = None,  # redis://host:port or redis+cluster://h:p,h:p
+        remote_ttl_s: int = 0,
+        remote_write: Literal["eager", "on_reuse"] = "eager",
+        remote_timeout_ms: int = 200,
+        remote_write_backlog: int = 256 << 20,
+        remote_write_mb_per_s: int = 0,
     ) -> None: ...
+    def remote_stats(self) -> dict[str, int | bool] | None:
+        """The remote tier's counters (None without `remote_url`)."""
+    def flush_remote(self, timeout_ms: int = 10000) -> bool:
+        """Waits until every object stored so far went to the remote tier (or was dropped)."""
     def register_memory(self, addr: int, length: int) -> int:
         """The memory must stay alive until deregistered or the store is closed."""
     def deregister_memory(self, region_id: int) -> None: ...

@@ -11,6 +11,7 @@ mod bench_gpu;
 mod bench_host_route;
 mod bench_lookup;
 mod bench_pool;
+mod bench_remote;
 mod bench_server;
 mod cublas;
 mod ops;
@@ -55,6 +56,9 @@ enum Bench {
     /// KV blocks through the standalone server from several client processes at once, beside
     /// embedded mode and a memcpy ceiling (host memory, or CUDA memory with --cuda).
     Server(bench_server::Args),
+    /// The remote tier (Redis / Valkey): put and get rates of 0.5-2 MiB objects next to raw
+    /// pipelined SET / GET of the same sizes, in the same run.
+    Remote(bench_remote::Args),
     /// One client process of `umbp bench server` (started by it; driven through stdin).
     #[command(hide = true)]
     ServerClient(bench_server::ClientArgs),
@@ -83,6 +87,7 @@ fn run() -> i32 {
         Command::Bench(Bench::HostRoute(a)) => bench_host_route::run(&a),
         Command::Bench(Bench::Lookup(a)) => bench_lookup::run(&a),
         Command::Bench(Bench::Server(a)) => bench_server::run(&a),
+        Command::Bench(Bench::Remote(a)) => bench_remote::run(&a),
         Command::Bench(Bench::ServerClient(a)) => bench_server::run_client(&a),
         Command::Ping(a) => ops::ping(&a),
         Command::Stats(a) => ops::stats(&a),

@@ -195,6 +195,24 @@ pub fn ping(a: &PingArgs) -> Result<()> {
 pub fn stats(a: &StatsArgs) -> Result<()> {
     let raw = a.target.raw()?;
     let s = raw.stats()?;
+    let remote = s.remote.as_ref().map(|r| {
+        json!({
+                    "lookup_keys": r.lookup_keys,
+                    "hits": r.hits,
+                    "misses": r.misses,
+                    "corrupt": r.corrupt,
+                    "timeouts": r.timeouts,
+                    "skipped_lookups": r.skipped_lookups,
+                    "bytes_fetched": r.bytes_fetched,
+                    "writes": r.writes,
+                    "bytes_written": r.bytes_written,
+                    "writes_dropped": r.writes_dropped,
+                    "writes_evicted": r.writes_evicted,
+                    "errors": r.errors,
+                    "connected": r.connected,
+                    "backlog_bytes": r.backlog_bytes,
+        })
+    });
     if a.json {
         println!(
             "{}",
@@ -226,6 +244,7 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "metadata_bytes": s.metadata_bytes,
                 "placement": s.placement,
                 "cuda_imports": s.cuda_imports,
+                "remote": remote,
             })
         );
         return Ok(());
@@ -283,6 +302,33 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
     println!("  layouts              {}", s.layouts);
     println!("  cuda imports         {}", s.cuda_imports);
     println!("  pending descriptors  {}", s.pending_descriptors);
+    match &s.remote {
+        None => println!("remote tier          off (--remote-url)"),
+        Some(r) => {
+            println!(
+                "remote tier          {}",
+                if r.connected {
+                    "connected"
+                } else {
+                    "not connected"
+                }
+            );
+            println!(
+                "  lookups              {} keys asked, {} hits, {} misses ({} corrupt), {} timed out, {} skipped",
+                r.lookup_keys, r.hits, r.misses, r.corrupt, r.timeouts, r.skipped_lookups
+            );
+            println!("  fetched              {}", b(r.bytes_fetched));
+            println!(
+                "  writes               {} ({}), {} dropped, {} evicted first, backlog {}",
+                r.writes,
+                b(r.bytes_written),
+                r.writes_dropped,
+                r.writes_evicted,
+                b(r.backlog_bytes)
+            );
+            println!("  errors               {}", r.errors);
+        }
+    }
     Ok(())
 }
 

@@ -48,6 +48,8 @@ pub enum Unit {
     Bytes,
     /// Milliseconds.
     Millis,
+    /// Seconds.
+    Seconds,
 }
 
 /// String options with a rule of their own.
@@ -61,6 +63,9 @@ pub enum TextRule {
     Directory,
     /// A Unix socket: an absolute path or a `unix://` address (resolved to the path).
     Endpoint,
+    /// A Redis / Valkey URL (`redis://`, `redis+cluster://`; checked fully when the store
+    /// starts).
+    RemoteUrl,
 }
 
 /// The type and range of an option's value.
@@ -451,6 +456,90 @@ pub const STARTUP_TIMEOUT_MS: OptionSpec = OptionSpec {
     also_rejected: None,
 };
 
+/// The `remote_write` policies.
+pub const REMOTE_WRITES: &[&str] = &["eager", "on_reuse"];
+
+/// `remote_url`.
+pub const REMOTE_URL: OptionSpec = OptionSpec {
+    name: "remote_url",
+    scope: Scope::Embedded,
+    kind: Kind::Text(TextRule::RemoteUrl),
+    default: DefaultValue::Unset,
+    nullable: true,
+    default_doc: Some("— (off)"),
+    doc: "A shared remote tier behind each worker's pool, on an existing Redis or Valkey: \
+          `redis://[user:password@]host:port[/db]` for one server, \
+          `redis+cluster://[user:password@]host:port,host:port,...` for a cluster (seed nodes). \
+          Lookups fetch what the pool misses from it; stores are written to it behind the \
+          engine (see [remote.md](remote.md)). In standalone mode the server takes it \
+          (`--remote-url`, `UMBP_REMOTE_URL`).",
+    also_rejected: Some("Another scheme (`rediss://`: TLS is not built in), several hosts without `+cluster`, a cluster URL with a `/db`."),
+};
+/// `remote_ttl_s`.
+pub const REMOTE_TTL_S: OptionSpec = OptionSpec {
+    name: "remote_ttl_s",
+    scope: Scope::Embedded,
+    kind: at_least(0, Unit::Seconds),
+    default: DefaultValue::Int(0),
+    nullable: false,
+    default_doc: Some("0 (no expiry)"),
+    doc: "Expiry of objects written to the remote tier, in seconds; 0 leaves eviction to the \
+          remote's own `maxmemory-policy` (`allkeys-lru` recommended).",
+    also_rejected: None,
+};
+/// `remote_write`.
+pub const REMOTE_WRITE: OptionSpec = OptionSpec {
+    name: "remote_write",
+    scope: Scope::Embedded,
+    kind: Kind::Choice(REMOTE_WRITES),
+    default: DefaultValue::Str("eager"),
+    nullable: false,
+    default_doc: None,
+    doc: "When objects go to the remote tier: `\"eager\"` every stored object; `\"on_reuse\"` \
+          an object the second time a lookup hits it in the pool (spares the network for \
+          one-off prefixes).",
+    also_rejected: None,
+};
+/// `remote_timeout_ms`.
+pub const REMOTE_TIMEOUT_MS: OptionSpec = OptionSpec {
+    name: "remote_timeout_ms",
+    scope: Scope::Embedded,
+    kind: Kind::Int {
+        min: 1,
+        max: 60_000,
+        unit: Unit::Millis,
+    },
+    default: DefaultValue::Int(200),
+    nullable: false,
+    default_doc: None,
+    doc: "How long a lookup waits for the remote tier (what has not arrived by then is a \
+          miss), and the bound of each connect and answer. Keep it below `lookup_timeout_ms`.",
+    also_rejected: None,
+};
+/// `remote_write_backlog`.
+pub const REMOTE_WRITE_BACKLOG: OptionSpec = OptionSpec {
+    name: "remote_write_backlog",
+    scope: Scope::Embedded,
+    kind: at_least(MIB, Unit::Bytes),
+    default: DefaultValue::Int(256 * MIB),
+    nullable: false,
+    default_doc: None,
+    doc: "Bytes of objects waiting to be written to the remote tier; past it, new objects are \
+          not written (counted as `writes_dropped`).",
+    also_rejected: None,
+};
+/// `remote_write_mb_per_s`.
+pub const REMOTE_WRITE_MB_PER_S: OptionSpec = OptionSpec {
+    name: "remote_write_mb_per_s",
+    scope: Scope::Embedded,
+    kind: at_least(0, Unit::Count),
+    default: DefaultValue::Int(0),
+    nullable: false,
+    default_doc: Some("0 (no limit)"),
+    doc: "Upper bound of the remote tier's write rate, in MB/s (10^6 bytes), per worker.",
+    also_rejected: None,
+};
+
 /// Every option, in the order of the docs' tables.
 pub const SCHEMA: &[OptionSpec] = &[
     MODE,
@@ -477,6 +566,12 @@ pub const SCHEMA: &[OptionSpec] = &[
     DRAM_HUGEPAGE_SIZE,
     DRAM_NUMA_NODE,
     DRAM_PREFAULT,
+    REMOTE_URL,
+    REMOTE_TTL_S,
+    REMOTE_WRITE,
+    REMOTE_TIMEOUT_MS,
+    REMOTE_WRITE_BACKLOG,
+    REMOTE_WRITE_MB_PER_S,
     ENDPOINT,
     STARTUP_TIMEOUT_MS,
 ];
@@ -605,6 +700,7 @@ impl OptionSpec {
             Kind::Text(TextRule::Endpoint) => {
                 "an absolute socket path or unix:///absolute/path".to_owned()
             }
+            Kind::Text(TextRule::RemoteUrl) => "a redis:// or redis+cluster:// URL".to_owned(),
             Kind::HugepageSize => "\"2MiB\" or \"1GiB\"".to_owned(),
         }
     }
@@ -636,6 +732,9 @@ impl OptionSpec {
             Kind::Text(TextRule::Directory) => "Not an existing directory.".to_owned(),
             Kind::Text(TextRule::Endpoint) => {
                 "A TCP address, a relative path, or not a string.".to_owned()
+            }
+            Kind::Text(TextRule::RemoteUrl) => {
+                "Not a `redis://` or `redis+cluster://` URL.".to_owned()
             }
             Kind::HugepageSize => {
                 "Not `\"2MiB\"` or `\"1GiB\"` (also accepted: `2M`, `1G`, `2097152`, ...)."
@@ -730,7 +829,33 @@ fn check_text(rule: TextRule, s: &str) -> Result<Value, Refusal> {
             "{s:?} is not an existing directory; create it or pick another"
         )),
         TextRule::Endpoint => endpoint_path(s).map(Value::from),
+        TextRule::RemoteUrl => {
+            let scheme = s.split_once("://").map(|(a, _)| a.to_ascii_lowercase());
+            match scheme.as_deref() {
+                Some("redis" | "redis+cluster" | "valkey" | "valkey+cluster") if !has_space => {
+                    Ok(Value::from(s))
+                }
+                Some("rediss" | "rediss+cluster" | "valkeys" | "valkeys+cluster") => Err(
+                    "TLS (rediss://) is not built into this UMBP; use redis:// on a trusted \
+                     network, or a TLS proxy on the node"
+                        .to_owned(),
+                ),
+                _ => Err(format!(
+                    "must be redis://host:port (one server) or \
+                     redis+cluster://host:port,host:port (a cluster), got {:?}",
+                    umbp_redact(s)
+                )),
+            }
+        }
         _ => Ok(Value::from(s)),
+    }
+}
+
+/// `url` with the password between `://` and `@` replaced.
+fn umbp_redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***{}", &url[..s], &url[at..]),
+        _ => url.to_owned(),
     }
 }
 
@@ -846,6 +971,12 @@ pub struct ConnectorOptions {
     /// The socket path (a `unix://` address is resolved to its path).
     pub endpoint: Option<String>,
     pub startup_timeout_ms: u64,
+    pub remote_url: Option<String>,
+    pub remote_ttl_s: u64,
+    pub remote_write: String,
+    pub remote_timeout_ms: u64,
+    pub remote_write_backlog: u64,
+    pub remote_write_mb_per_s: u64,
 }
 
 impl ConnectorOptions {
@@ -896,6 +1027,11 @@ impl ConnectorOptions {
                 return Err(CoreError::option(
                     name.as_str(),
                     match mode {
+                        Mode::Standalone if name.starts_with("remote_") => {
+                            "is not accepted in standalone mode: the server owns the pool and \
+                             its remote tier; start the server with --remote-url \
+                             (UMBP_REMOTE_URL) and the other --remote-* flags"
+                        }
                         Mode::Standalone => {
                             "is not accepted in standalone mode: the server owns \
                                              the pool; set its size and placement with UMBP_DRAM_* \
@@ -992,6 +1128,38 @@ mod tests {
                 s.name
             );
         }
+    }
+
+    #[test]
+    fn remote_options() {
+        let o = parse(json!({})).unwrap();
+        assert_eq!(o.remote_url, None);
+        assert_eq!(
+            (o.remote_write.as_str(), o.remote_timeout_ms),
+            ("eager", 200)
+        );
+        let o = parse(
+            json!({"remote_url": "redis+cluster://a:1,b:2", "remote_write": "on_reuse",
+                             "remote_ttl_s": 3600}),
+        )
+        .unwrap();
+        assert_eq!(o.remote_url.as_deref(), Some("redis+cluster://a:1,b:2"));
+        assert_eq!(
+            (o.remote_write.as_str(), o.remote_ttl_s),
+            ("on_reuse", 3600)
+        );
+        let e = refusal(json!({"remote_url": "http://u:secret@h:1"}));
+        assert!(
+            e.contains("remote_url") && e.contains("redis+cluster://") && !e.contains("secret"),
+            "{e}"
+        );
+        assert!(refusal(json!({"remote_url": "rediss://h:1"})).contains("TLS"));
+        assert!(refusal(json!({"remote_write": "lazy"})).contains("on_reuse"));
+        assert!(refusal(json!({"remote_timeout_ms": 0})).contains("remote_timeout_ms"));
+        let e = refusal(
+            json!({"mode": "standalone", "endpoint": "/tmp/s", "remote_url": "redis://h:1"}),
+        );
+        assert!(e.contains("--remote-url"), "{e}");
     }
 
     #[test]

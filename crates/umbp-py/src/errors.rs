@@ -19,7 +19,7 @@ use umbp_copy::CopyError;
 use umbp_core::CoreError;
 use umbp_lookup::LookupError;
 use umbp_pool::PoolError;
-use umbp_store::{CudaError, StoreError};
+use umbp_store::{CudaError, RemoteError, StoreError};
 
 /// Every error the bindings raise.
 #[derive(Debug)]
@@ -285,6 +285,8 @@ fn store_class(e: &StoreError) -> Class {
         },
         StoreError::Unmapped { .. } | StoreError::ForeignRegion(_) => Class::Registration,
         StoreError::Cuda(c) => cuda_class(c),
+        StoreError::Remote(RemoteError::Thread { .. }) => Class::Umbp,
+        StoreError::Remote(_) => Class::Config,
     }
 }
 

@@ -408,6 +408,7 @@ impl StandaloneClient {
             metadata_bytes,
             placement,
             cuda_imports,
+            remote,
         } = s;
         let d = PyDict::new(py);
         d.set_item("boot_id", boot_id)?;
@@ -436,6 +437,30 @@ impl StandaloneClient {
         d.set_item("metadata_bytes", metadata_bytes)?;
         d.set_item("placement", placement)?;
         d.set_item("cuda_imports", cuda_imports)?;
+        let remote = remote
+            .map(|r| {
+                crate::store::remote_stats_dict(
+                    py,
+                    &umbp_store::RemoteStats {
+                        lookup_keys: r.lookup_keys,
+                        hits: r.hits,
+                        misses: r.misses,
+                        corrupt: r.corrupt,
+                        timeouts: r.timeouts,
+                        skipped_lookups: r.skipped_lookups,
+                        bytes_fetched: r.bytes_fetched,
+                        writes: r.writes,
+                        bytes_written: r.bytes_written,
+                        writes_dropped: r.writes_dropped,
+                        writes_evicted: r.writes_evicted,
+                        errors: r.errors,
+                        connected: r.connected,
+                        backlog_bytes: r.backlog_bytes,
+                    },
+                )
+            })
+            .transpose()?;
+        d.set_item("remote", remote)?;
         Ok(d)
     }
 

@@ -10,7 +10,10 @@ use umbp_core::{
     GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary, MemoryBacking, PoolConfig,
     TensorView,
 };
-use umbp_store::{CopyMethod, CudaOptions, EmbeddedStore as CoreStore, StoreConfig};
+use umbp_store::{
+    CopyMethod, CudaOptions, EmbeddedStore as CoreStore, RemoteConfig, RemoteStats, StoreConfig,
+    StoreError, WritePolicy,
+};
 
 use crate::errors::{Error, Result};
 use crate::keys::Keys;
@@ -195,7 +198,8 @@ impl EmbeddedStore {
         hugepage_size="2MiB", numa_node=None, prefault=true, prefault_threads=0, memfd=false,
         segment_bytes=0, num_workers=4, timeout_ms=30000, cuda_copy_method="auto",
         cuda_staging_bytes=None, cuda_max_ctas=None, cuda_pin_chunk_bytes=None,
-        cuda_batch_blocks=None))]
+        cuda_batch_blocks=None, remote_url=None, remote_ttl_s=0, remote_write="eager",
+        remote_timeout_ms=200, remote_write_backlog=268435456, remote_write_mb_per_s=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -216,6 +220,12 @@ impl EmbeddedStore {
         cuda_max_ctas: Option<u32>,
         cuda_pin_chunk_bytes: Option<u64>,
         cuda_batch_blocks: Option<usize>,
+        remote_url: Option<String>,
+        remote_ttl_s: u64,
+        remote_write: &str,
+        remote_timeout_ms: u64,
+        remote_write_backlog: u64,
+        remote_write_mb_per_s: u64,
     ) -> Result<Self> {
         let hugepage_size: HugepageSize = hugepage_size.parse()?;
         let method: CopyMethod = cuda_copy_method.parse()?;
@@ -250,6 +260,17 @@ impl EmbeddedStore {
             num_workers,
             timeout: Duration::from_millis(timeout_ms),
             cuda,
+            remote: match remote_url {
+                None => None,
+                Some(url) => Some(RemoteConfig {
+                    url,
+                    ttl: (remote_ttl_s > 0).then(|| Duration::from_secs(remote_ttl_s)),
+                    write: WritePolicy::parse(remote_write).map_err(StoreError::from)?,
+                    timeout: Duration::from_millis(remote_timeout_ms),
+                    write_backlog_bytes: remote_write_backlog,
+                    write_bytes_per_s: remote_write_mb_per_s.saturating_mul(1_000_000),
+                }),
+            },
         };
         let inner = Arc::new(without_gil(py, move || CoreStore::new(cfg))?);
         track_store(&inner);
@@ -392,6 +413,24 @@ impl EmbeddedStore {
     }
 
     /// Counters and placement as a dict.
+    /// The remote tier's counters (None without `remote_url`).
+    fn remote_stats<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyDict>>> {
+        let st = self.live()?;
+        without_gil(py, || st.remote_stats())
+            .map(|s| remote_stats_dict(py, &s))
+            .transpose()
+    }
+
+    /// Waits until every object stored so far went to the remote tier (or was dropped), at
+    /// most `timeout_ms`; whether it did (true without a remote tier).
+    #[pyo3(signature = (timeout_ms=10000))]
+    fn flush_remote(&self, py: Python<'_>, timeout_ms: u64) -> Result<bool> {
+        let st = self.live()?;
+        Ok(without_gil(py, || {
+            st.flush_remote(Duration::from_millis(timeout_ms))
+        }))
+    }
+
     fn stats<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         let st = self.live()?;
         let s = without_gil(py, || st.stats())?;
@@ -567,4 +606,48 @@ pub(crate) fn summary_dicts<'py>(
             Ok(d)
         })
         .collect()
+}
+
+/// The remote tier's counters as a dict (embedded `remote_stats()`, standalone `stats()["remote"]`).
+pub(crate) fn remote_stats_dict<'py>(
+    py: Python<'py>,
+    s: &RemoteStats,
+) -> Result<Bound<'py, PyDict>> {
+    // Every field, by name: a counter added to the tier fails to compile here.
+    let RemoteStats {
+        lookup_keys,
+        hits,
+        misses,
+        corrupt,
+        timeouts,
+        skipped_lookups,
+        bytes_fetched,
+        writes,
+        bytes_written,
+        writes_dropped,
+        writes_evicted,
+        errors,
+        connected,
+        backlog_bytes,
+    } = *s;
+    let d = PyDict::new(py);
+    for (k, v) in [
+        ("lookup_keys", lookup_keys),
+        ("hits", hits),
+        ("misses", misses),
+        ("corrupt", corrupt),
+        ("timeouts", timeouts),
+        ("skipped_lookups", skipped_lookups),
+        ("bytes_fetched", bytes_fetched),
+        ("writes", writes),
+        ("bytes_written", bytes_written),
+        ("writes_dropped", writes_dropped),
+        ("writes_evicted", writes_evicted),
+        ("errors", errors),
+        ("backlog_bytes", backlog_bytes),
+    ] {
+        d.set_item(k, v)?;
+    }
+    d.set_item("connected", connected)?;
+    Ok(d)
 }

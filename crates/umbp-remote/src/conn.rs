@@ -192,9 +192,9 @@ impl Conn {
     }
 
     /// `SET key value [PX ttl]` for every pair, pipelined.
-    pub(crate) fn set_many(
+    pub(crate) fn set_many<V: redis::ToRedisArgs>(
         &mut self,
-        items: &[(String, &[u8])],
+        items: &[(String, V)],
         ttl: Option<Duration>,
     ) -> RedisResult<()> {
         if items.is_empty() {
@@ -203,7 +203,7 @@ impl Conn {
         macro_rules! fill {
             ($p:expr) => {
                 for (k, v) in items {
-                    let c = $p.cmd("SET").arg(k).arg(*v);
+                    let c = $p.cmd("SET").arg(k).arg(v);
                     if let Some(t) = ttl {
                         c.arg("PX").arg(t.as_millis() as u64);
                     }

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
-use umbp_core::BlockKey;
+use umbp_core::{options, BlockKey};
 use umbp_pool::{Pool, PoolEvent};
 
 mod conn;
@@ -129,35 +129,27 @@ impl RemoteConfig {
             url: url.into(),
             ttl: None,
             write: WritePolicy::Eager,
-            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
-            write_backlog_bytes: DEFAULT_WRITE_BACKLOG_BYTES,
+            timeout: Duration::from_millis(options::REMOTE_TIMEOUT_MS.default_u64()),
+            write_backlog_bytes: options::REMOTE_WRITE_BACKLOG.default_u64(),
             write_bytes_per_s: 0,
         }
     }
 
-    /// Checks every setting; parses the URL.
+    /// Checks every setting (the ranges of the connector's options); parses the URL.
     pub fn validate(&self) -> Result<Target, RemoteError> {
-        if self.timeout.is_zero() {
-            return Err(RemoteError::Setting {
-                name: "remote_timeout_ms",
-                why: "must be at least 1 ms".into(),
-            });
-        }
-        if self.write_backlog_bytes == 0 {
-            return Err(RemoteError::Setting {
-                name: "remote_write_backlog",
-                why: "must be at least one byte (it bounds the objects waiting to be written)"
-                    .into(),
-            });
+        let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+        for (spec, v) in [
+            (&options::REMOTE_TIMEOUT_MS, ms),
+            (&options::REMOTE_WRITE_BACKLOG, self.write_backlog_bytes),
+        ] {
+            spec.check_u64(v).map_err(|e| RemoteError::Setting {
+                name: spec.name,
+                why: e.to_string(),
+            })?;
         }
         Target::parse(&self.url)
     }
 }
-
-/// Default of [`RemoteConfig::timeout`] in milliseconds.
-pub const DEFAULT_TIMEOUT_MS: u64 = 200;
-/// Default of [`RemoteConfig::write_backlog_bytes`].
-pub const DEFAULT_WRITE_BACKLOG_BYTES: u64 = 256 << 20;
 
 /// Keys per pipelined fetch: one round trip per node per chunk.
 const FETCH_CHUNK: usize = 32;
@@ -271,8 +263,36 @@ struct Inner {
     from_remote: Mutex<HashSet<BlockKey>>,
     /// On-reuse policy: committed keys not written yet, and how often lookups hit them.
     candidates: Mutex<Tracked<u8>>,
-    /// Keys promoted by lookups (on-reuse), for the writer.
-    promoted: Mutex<Vec<(BlockKey, u64)>>,
+    /// The writer's queue: pool commits (through the forwarder thread), objects to write, stop.
+    to_writer: Mutex<Option<mpsc::Sender<WriterMsg>>>,
+    /// `Write` messages sent and not yet taken by the writer.
+    writes_queued: AtomicU64,
+    /// The pool's commits before the tier subscribed to them.
+    puts_before: u64,
+}
+
+/// What the writer thread is told.
+#[derive(Debug)]
+enum WriterMsg {
+    /// A pool event.
+    Pool(PoolEvent),
+    /// Write this object of the pool (on-reuse promotion, or `write_keys`).
+    Write(BlockKey),
+    /// Stop.
+    Stop,
+}
+
+impl Inner {
+    fn send_writes(&self, keys: impl IntoIterator<Item = BlockKey>) {
+        if let Some(tx) = self.to_writer.lock().as_ref() {
+            for k in keys {
+                self.writes_queued.fetch_add(1, Ordering::AcqRel);
+                if tx.send(WriterMsg::Write(k)).is_err() {
+                    self.writes_queued.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+    }
 }
 
 impl Inner {
@@ -356,6 +376,9 @@ impl RemoteTier {
         let target = cfg.validate()?;
         let backend = Backend::new(&target, cfg.timeout)?;
         let events = pool.subscribe(EVENT_QUEUE);
+        // After subscribing: a commit racing with this is counted here and also seen as an
+        // event, which `flush` tolerates (it waits for at least as many events as commits).
+        let puts_before = pool.stats().puts;
         let inner = Arc::new(Inner {
             cfg,
             backend,
@@ -365,8 +388,12 @@ impl RemoteTier {
             down_until: Mutex::new(None),
             from_remote: Mutex::new(HashSet::new()),
             candidates: Mutex::new(Tracked::default()),
-            promoted: Mutex::new(Vec::new()),
+            to_writer: Mutex::new(None),
+            writes_queued: AtomicU64::new(0),
+            puts_before,
         });
+        let (to_writer, writer_rx) = mpsc::channel::<WriterMsg>();
+        *inner.to_writer.lock() = Some(to_writer.clone());
         let (fetch_tx, fetch_rx) = mpsc::sync_channel::<FetchJob>(FETCH_QUEUE);
         let fetch_rx = Arc::new(std::sync::Mutex::new(fetch_rx));
         let tier = RemoteTier {
@@ -380,11 +407,24 @@ impl RemoteTier {
                 .spawn(f)
                 .map_err(|source| RemoteError::Thread { what, source })
         };
+        // The forwarder blocks on the pool's events and hands them to the writer; it ends at
+        // the first event after the writer is gone (not joined: it may wait for one forever).
+        spawn(
+            "umbp-remote-events".into(),
+            "event forwarder",
+            Box::new(move || {
+                for ev in events {
+                    if to_writer.send(WriterMsg::Pool(ev)).is_err() {
+                        return;
+                    }
+                }
+            }),
+        )?;
         let w = Arc::clone(&inner);
         let h = spawn(
             "umbp-remote-write".into(),
             "writer",
-            Box::new(move || writer(&w, events)),
+            Box::new(move || writer(&w, writer_rx)),
         )?;
         tier.threads.lock().push(h);
         for i in 0..FETCH_THREADS {
@@ -507,12 +547,13 @@ impl RemoteTier {
             }
         }
         drop(cand);
-        if !promoted.is_empty() {
-            self.inner
-                .promoted
-                .lock()
-                .extend(promoted.into_iter().map(|k| (k, 0)));
-        }
+        self.inner.send_writes(promoted);
+    }
+
+    /// Queues the pool's objects of `keys` for writing, whatever the policy (objects not in
+    /// the pool are passed over). For publishing what a pool already holds, and benchmarks.
+    pub fn write_keys(&self, keys: &[BlockKey]) {
+        self.inner.send_writes(keys.iter().copied());
     }
 
     /// Deletes the remote copies of `keys` (best effort, bounded by the timeout). Returns how
@@ -560,10 +601,10 @@ impl RemoteTier {
         let (i, end) = (&self.inner, Instant::now() + timeout);
         loop {
             let c = &i.c;
-            if c.commits_seen.load(Ordering::Acquire) >= i.pool.stats().puts
+            if c.commits_seen.load(Ordering::Acquire) + i.puts_before >= i.pool.stats().puts
                 && c.backlog_bytes.load(Ordering::Acquire) == 0
                 && !c.writing.load(Ordering::Acquire)
-                && i.promoted.lock().is_empty()
+                && i.writes_queued.load(Ordering::Acquire) == 0
             {
                 return true;
             }
@@ -578,6 +619,9 @@ impl RemoteTier {
     pub fn close(&self) {
         self.inner.closed.store(true, Ordering::Release);
         self.fetch_tx.lock().take();
+        if let Some(tx) = self.inner.to_writer.lock().take() {
+            let _ = tx.send(WriterMsg::Stop);
+        }
         let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
             let _ = t.join();
@@ -593,7 +637,9 @@ impl Drop for RemoteTier {
 
 /// A fetch thread: serves lookups, one at a time, with its own connection.
 fn fetcher(inner: &Inner, jobs: &std::sync::Mutex<Receiver<FetchJob>>) {
-    let mut slot: Option<Conn> = None;
+    // Two connections: the next chunk's request travels on one while the last chunk's
+    // objects are checked and copied into the pool from the other.
+    let mut slots: [Option<Conn>; 2] = [None, None];
     loop {
         let job = {
             let rx = jobs.lock().unwrap_or_else(|p| p.into_inner());
@@ -605,62 +651,113 @@ fn fetcher(inner: &Inner, jobs: &std::sync::Mutex<Receiver<FetchJob>>) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        serve_fetch(inner, &mut slot, job);
+        serve_fetch(inner, &mut slots, job);
     }
 }
 
-fn serve_fetch(inner: &Inner, slot: &mut Option<Conn>, job: FetchJob) {
+type Values = Vec<Option<Vec<u8>>>;
+
+/// One pipelined `GET` of `chunk` on `slot`'s connection; `None` when it failed (counted,
+/// the connection dropped: a timed-out pipeline may still answer later).
+fn get_chunk(inner: &Inner, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> Option<Values> {
+    let Some(con) = inner.conn(slot) else {
+        add(&inner.c.skipped_lookups, 1);
+        return None;
+    };
+    let names: Vec<String> = chunk.iter().map(object::remote_key).collect();
+    match con.get_many(&names) {
+        Ok(v) => {
+            inner.succeeded();
+            Some(v)
+        }
+        Err(e) => {
+            *slot = None;
+            inner.failed("a lookup", &e);
+            None
+        }
+    }
+}
+
+/// Checks the values of `chunk` and puts the good ones in the pool; which keys are now
+/// there, and whether a prefix broke.
+fn take_chunk(
+    inner: &Inner,
+    chunk: &[BlockKey],
+    values: Values,
+    prefix: bool,
+) -> (Vec<bool>, bool) {
     let c = &inner.c;
-    add(&c.lookup_keys, job.keys.len() as u64);
-    for (ci, chunk) in job.keys.chunks(FETCH_CHUNK).enumerate() {
-        let Some(con) = inner.conn(slot) else {
-            add(&c.skipped_lookups, 1);
-            return;
-        };
-        let names: Vec<String> = chunk.iter().map(object::remote_key).collect();
-        let values = match con.get_many(&names) {
-            Ok(v) => {
-                inner.succeeded();
-                v
+    let mut present = Vec::with_capacity(chunk.len());
+    let mut stop = false;
+    for (key, v) in chunk.iter().zip(values) {
+        if stop {
+            present.push(false);
+            continue;
+        }
+        let ok = match v {
+            None => {
+                add(&c.misses, 1);
+                false
             }
-            Err(e) => {
-                // A timed-out pipeline may still answer later: never reuse the connection.
-                *slot = None;
-                inner.failed("a lookup", &e);
-                return;
-            }
-        };
-        let mut present = Vec::with_capacity(chunk.len());
-        let mut stop = false;
-        for (key, v) in chunk.iter().zip(values) {
-            if stop {
-                present.push(false);
-                continue;
-            }
-            let ok = match v {
-                None => {
+            Some(v) => match object::decode(key, &v) {
+                Ok(payload) => put_fetched(inner, *key, payload),
+                Err(why) => {
+                    add(&c.corrupt, 1);
                     add(&c.misses, 1);
+                    log::warn!(
+                        "remote tier: the value under {} is not its object ({why:?}); taken as a miss",
+                        object::remote_key(key)
+                    );
                     false
                 }
-                Some(v) => match object::decode(key, &v) {
-                    Ok(payload) => put_fetched(inner, *key, payload),
-                    Err(why) => {
-                        add(&c.corrupt, 1);
-                        add(&c.misses, 1);
-                        log::warn!(
-                            "remote tier: the value under {} is not its object ({why:?}); taken as a miss",
-                            object::remote_key(key)
-                        );
-                        false
-                    }
-                },
+            },
+        };
+        present.push(ok);
+        stop = prefix && !ok;
+    }
+    (present, stop)
+}
+
+fn serve_fetch(inner: &Inner, slots: &mut [Option<Conn>; 2], job: FetchJob) {
+    add(&inner.c.lookup_keys, job.keys.len() as u64);
+    let chunks: Vec<&[BlockKey]> = job.keys.chunks(FETCH_CHUNK).collect();
+    let Some(mut values) = get_chunk(inner, &mut slots[0], chunks[0]) else {
+        return;
+    };
+    for ci in 0..chunks.len() {
+        let (this, other) = slots.split_at_mut(1);
+        let next_slot = if ci % 2 == 0 {
+            &mut other[0]
+        } else {
+            &mut this[0]
+        };
+        let next_chunk = chunks.get(ci + 1).copied();
+        let ((present, stop), next) = std::thread::scope(|s| {
+            let mut next_slot = Some(next_slot);
+            let ahead = next_chunk.and_then(|nc| {
+                let slot = next_slot.take()?;
+                std::thread::Builder::new()
+                    .name("umbp-remote-ahead".into())
+                    .spawn_scoped(s, move || get_chunk(inner, slot, nc))
+                    .ok()
+            });
+            let taken = take_chunk(inner, chunks[ci], std::mem::take(&mut values), job.prefix);
+            let next = match (ahead, next_chunk, next_slot) {
+                (Some(h), _, _) => h.join().unwrap_or(None),
+                // No thread could be started: fetch it now.
+                (None, Some(nc), Some(slot)) if !taken.1 => get_chunk(inner, slot, nc),
+                _ => None,
             };
-            present.push(ok);
-            stop = job.prefix && !ok;
-        }
-        // The caller gone (timed out) or a prefix broken: no more chunks.
+            (taken, Some(next))
+        });
+        // The caller gone (timed out) or a prefix broken: no more chunks (a fetched-ahead
+        // one is dropped).
         if job.reply.send((ci * FETCH_CHUNK, present)).is_err() || stop {
             return;
+        }
+        match next {
+            Some(Some(v)) => values = v,
+            _ => return,
         }
     }
 }
@@ -695,45 +792,48 @@ struct Backlog {
 }
 
 /// The writer thread: follows the pool's commits, writes objects in pipelined batches.
-fn writer(inner: &Inner, events: Receiver<PoolEvent>) {
+fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
     let mut slot: Option<Conn> = None;
     let mut backlog = Backlog::default();
-    let mut buf: Vec<Vec<u8>> = Vec::new();
     let mut rate = Rate::new(inner.cfg.write_bytes_per_s);
     let c = &inner.c;
-    while !inner.closed.load(Ordering::Acquire) {
-        // Wait for work only when there is none.
+    loop {
+        // Block for work only when there is none.
         let first = if backlog.keys.is_empty() {
             c.writing.store(false, Ordering::Release);
-            match events.recv_timeout(Duration::from_millis(50)) {
-                Ok(e) => Some(e),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return,
+            match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => return,
             }
         } else {
             None
         };
         c.writing.store(true, Ordering::Release);
-        for ev in first.into_iter().chain(events.try_iter()) {
-            if let PoolEvent::Stored { key, bytes } = ev {
-                c.commits_seen.fetch_add(1, Ordering::Release);
-                if inner.from_remote.lock().remove(&key) {
-                    continue;
+        for m in first.into_iter().chain(rx.try_iter()) {
+            match m {
+                WriterMsg::Stop => return,
+                WriterMsg::Pool(PoolEvent::Stored { key, bytes }) => {
+                    c.commits_seen.fetch_add(1, Ordering::Release);
+                    if inner.from_remote.lock().remove(&key) {
+                        continue;
+                    }
+                    match inner.cfg.write {
+                        WritePolicy::Eager => enqueue(inner, &mut backlog, key, bytes),
+                        WritePolicy::OnReuse => inner.candidates.lock().insert(key, 0),
+                    }
                 }
-                match inner.cfg.write {
-                    WritePolicy::Eager => enqueue(inner, &mut backlog, key, bytes),
-                    WritePolicy::OnReuse => inner.candidates.lock().insert(key, 0),
+                WriterMsg::Pool(PoolEvent::Removed { .. }) => {}
+                WriterMsg::Write(key) => {
+                    match inner.pool.peek(&key).map(|o| o.len()) {
+                        Some(bytes) => enqueue(inner, &mut backlog, key, bytes),
+                        None => add(&c.writes_evicted, 1),
+                    }
+                    inner.writes_queued.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         }
-        let promoted = std::mem::take(&mut *inner.promoted.lock());
-        for (key, _) in promoted {
-            let bytes = inner.pool.peek(&key).map_or(0, |o| o.len());
-            if bytes > 0 {
-                enqueue(inner, &mut backlog, key, bytes);
-            } else {
-                add(&c.writes_evicted, 1);
-            }
+        if inner.closed.load(Ordering::Acquire) {
+            return;
         }
         if backlog.keys.is_empty() {
             continue;
@@ -745,10 +845,10 @@ fn writer(inner: &Inner, events: Receiver<PoolEvent>) {
             c.backlog_bytes.store(0, Ordering::Relaxed);
             continue;
         }
-        // One batch: pinned only while it is encoded.
-        let mut items: Vec<(String, usize)> = Vec::new();
+        // One batch, pinned while it is sent (its bytes go from the pool into the command).
+        let mut batch = Vec::new();
         let mut batch_bytes = 0u64;
-        while items.len() < WRITE_BATCH && batch_bytes < WRITE_BATCH_BYTES {
+        while batch.len() < WRITE_BATCH && batch_bytes < WRITE_BATCH_BYTES {
             let Some((key, bytes)) = backlog.keys.pop_front() else {
                 break;
             };
@@ -757,22 +857,25 @@ fn writer(inner: &Inner, events: Receiver<PoolEvent>) {
                 add(&c.writes_evicted, 1);
                 continue;
             };
-            if buf.len() <= items.len() {
-                buf.push(Vec::new());
-            }
-            object::encode_into(&key, obj.as_slice(), &mut buf[items.len()]);
-            drop(obj);
-            batch_bytes += bytes;
-            items.push((object::remote_key(&key), items.len()));
+            batch_bytes += obj.len();
+            batch.push((key, object::remote_key(&key), obj));
         }
         c.backlog_bytes.store(backlog.bytes, Ordering::Relaxed);
-        if items.is_empty() {
+        if batch.is_empty() {
             continue;
         }
         rate.wait(batch_bytes, &inner.closed);
-        let pairs: Vec<(String, &[u8])> = items
-            .into_iter()
-            .map(|(k, i)| (k, buf[i].as_slice()))
+        let pairs: Vec<(String, object::Encoded<'_>)> = batch
+            .iter()
+            .map(|(key, name, obj)| {
+                (
+                    name.clone(),
+                    object::Encoded {
+                        key,
+                        payload: obj.as_slice(),
+                    },
+                )
+            })
             .collect();
         let n = pairs.len() as u64;
         let Some(con) = inner.conn(&mut slot) else {
@@ -791,8 +894,6 @@ fn writer(inner: &Inner, events: Receiver<PoolEvent>) {
                 inner.failed("a write", &e);
             }
         }
-        // Keep the buffers of an ordinary batch, not those of a huge one.
-        buf.truncate(WRITE_BATCH);
     }
 }
 

@@ -39,17 +39,47 @@ pub fn remote_key(key: &BlockKey) -> String {
     s
 }
 
+/// The header of `key`'s object `payload`.
+pub fn header(key: &BlockKey, payload: &[u8]) -> [u8; HEADER_BYTES] {
+    let mut h = [0u8; HEADER_BYTES];
+    h[..4].copy_from_slice(MAGIC);
+    h[4] = VERSION;
+    h[8..72].copy_from_slice(key.as_bytes());
+    h[72..80].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    h[80..88].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+    h
+}
+
 /// Appends the value of `key`'s object `payload` to `out` (cleared first).
 pub fn encode_into(key: &BlockKey, payload: &[u8], out: &mut Vec<u8>) {
     out.clear();
     out.reserve(HEADER_BYTES + payload.len());
-    out.extend_from_slice(MAGIC);
-    out.push(VERSION);
-    out.extend_from_slice(&[0, 0, 0]);
-    out.extend_from_slice(key.as_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(&xxh3_64(payload).to_le_bytes());
+    out.extend_from_slice(&header(key, payload));
     out.extend_from_slice(payload);
+}
+
+/// The value of an object as one command argument, written straight from the object's bytes
+/// (in the pool) into the command being sent: no intermediate copy.
+#[derive(Debug, Clone, Copy)]
+pub struct Encoded<'a> {
+    /// The object's key.
+    pub key: &'a BlockKey,
+    /// Its bytes.
+    pub payload: &'a [u8],
+}
+
+impl redis::ToRedisArgs for Encoded<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        use std::io::Write;
+        let mut w = out.writer_for_next_arg();
+        // Writes into a growing in-memory buffer cannot fail.
+        w.write_all(&header(self.key, self.payload))
+            .and_then(|()| w.write_all(self.payload))
+            .expect("writing into the command buffer");
+    }
 }
 
 /// Why a remote value was not taken as the object it was fetched for.

@@ -87,6 +87,7 @@ pub(crate) struct Gauges {
     pub(crate) evictions: u64,
     pub(crate) reservations: u64,
     pub(crate) pinned: u64,
+    pub(crate) remote: Option<umbp_store::RemoteStats>,
 }
 
 impl Metrics {
@@ -148,6 +149,84 @@ impl Metrics {
             "Objects evicted.",
             g.evictions,
         );
+        if let Some(r) = &g.remote {
+            for (name, help, v) in [
+                (
+                    "remote_lookup_keys_total",
+                    "Keys the pool missed that were asked of the remote tier.",
+                    r.lookup_keys,
+                ),
+                (
+                    "remote_hits_total",
+                    "Objects fetched from the remote tier into the pool.",
+                    r.hits,
+                ),
+                (
+                    "remote_misses_total",
+                    "Keys the remote tier did not have (or had corrupted).",
+                    r.misses,
+                ),
+                (
+                    "remote_corrupt_total",
+                    "Remote values rejected by their header or checksum.",
+                    r.corrupt,
+                ),
+                (
+                    "remote_timeouts_total",
+                    "Lookups that stopped waiting for the remote tier.",
+                    r.timeouts,
+                ),
+                (
+                    "remote_skipped_lookups_total",
+                    "Lookups that did not ask the remote tier (down or busy).",
+                    r.skipped_lookups,
+                ),
+                (
+                    "remote_fetched_bytes_total",
+                    "Bytes fetched from the remote tier.",
+                    r.bytes_fetched,
+                ),
+                (
+                    "remote_writes_total",
+                    "Objects written to the remote tier.",
+                    r.writes,
+                ),
+                (
+                    "remote_written_bytes_total",
+                    "Bytes written to the remote tier.",
+                    r.bytes_written,
+                ),
+                (
+                    "remote_writes_dropped_total",
+                    "Objects not written (backlog full, remote down or failing).",
+                    r.writes_dropped,
+                ),
+                (
+                    "remote_writes_evicted_total",
+                    "Objects evicted from the pool before being written.",
+                    r.writes_evicted,
+                ),
+                (
+                    "remote_errors_total",
+                    "Failed requests to the remote tier.",
+                    r.errors,
+                ),
+            ] {
+                counter(&mut o, name, help, v);
+            }
+            gauge(
+                &mut o,
+                "remote_connected",
+                "1 when the last remote request succeeded.",
+                u64::from(r.connected),
+            );
+            gauge(
+                &mut o,
+                "remote_backlog_bytes",
+                "Bytes waiting to be written to the remote tier.",
+                r.backlog_bytes,
+            );
+        }
         gauge(&mut o, "sessions", "Attached client sessions.", g.sessions);
         gauge(
             &mut o,

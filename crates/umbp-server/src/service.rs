@@ -54,6 +54,7 @@ impl State {
             g.reservations = p.reservations;
             g.pinned = p.pinned;
         }
+        g.remote = self.store.remote_stats();
         g
     }
 }
@@ -86,6 +87,7 @@ pub(crate) fn status_of(e: &StoreError) -> Status {
             _ => Code::Internal,
         },
         StoreError::Cuda(_) => Code::FailedPrecondition,
+        StoreError::Remote(_) => Code::Internal,
     };
     Status::new(code, e.to_string())
 }
@@ -298,6 +300,22 @@ impl Store for Service {
             metadata_bytes: p.metadata_bytes,
             placement: format!("{:?}", p.placement),
             cuda_imports: t.cuda_imports,
+            remote: s.store.remote_stats().map(|r| v1::RemoteStats {
+                lookup_keys: r.lookup_keys,
+                hits: r.hits,
+                misses: r.misses,
+                corrupt: r.corrupt,
+                timeouts: r.timeouts,
+                skipped_lookups: r.skipped_lookups,
+                bytes_fetched: r.bytes_fetched,
+                writes: r.writes,
+                bytes_written: r.bytes_written,
+                writes_dropped: r.writes_dropped,
+                writes_evicted: r.writes_evicted,
+                errors: r.errors,
+                connected: r.connected,
+                backlog_bytes: r.backlog_bytes,
+            }),
         }))
     }
 

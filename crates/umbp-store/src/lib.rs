@@ -21,6 +21,8 @@ use umbp_core::{options, BlockKey, CoreError, KvLayout, PoolConfig};
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_cuda::{CudaMover, Device, PoolPinner};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
+use umbp_remote::RemoteTier;
+pub use umbp_remote::{RemoteConfig, RemoteError, RemoteStats, WritePolicy};
 
 pub use umbp_copy::{JobFinished, JobSet, KeyFailure, KeyResult, MoveError};
 
@@ -57,6 +59,9 @@ pub enum StoreError {
     /// The CUDA backend failed (or there is no CUDA).
     #[error(transparent)]
     Cuda(#[from] CudaError),
+    /// The remote tier's configuration is unusable.
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
     /// Host memory to register is not mapped readable and writable in this process.
     #[error("cannot register host memory {addr:#x}+{len}: {reason}; pass the address and byte size of a live, writable allocation (e.g. a tensor's data_ptr() and its storage's nbytes())")]
     Unmapped {
@@ -130,6 +135,8 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// The CUDA backend, used once CUDA memory is registered.
     pub cuda: CudaOptions,
+    /// A remote tier behind the pool (off when `None`).
+    pub remote: Option<RemoteConfig>,
 }
 
 impl Default for StoreConfig {
@@ -139,6 +146,7 @@ impl Default for StoreConfig {
             num_workers: options::NUM_WORKERS.default_u64() as usize,
             timeout: Duration::from_millis(options::TIMEOUT_MS.default_u64()),
             cuda: CudaOptions::default(),
+            remote: None,
         }
     }
 }
@@ -155,7 +163,15 @@ impl StoreConfig {
         self.cuda.validate().map_err(|e| match e {
             CudaError::Option { name, reason } => CoreError::option(name, reason),
             other => CoreError::option("cuda", other.to_string()),
-        })
+        })?;
+        if let Some(r) = &self.remote {
+            r.validate().map_err(|e| match e {
+                RemoteError::Setting { name, why } => CoreError::option(name, why),
+                RemoteError::Url { .. } => CoreError::option("remote_url", e.to_string()),
+                other => CoreError::option("remote_url", other.to_string()),
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -177,6 +193,8 @@ pub(crate) struct StoreShared {
     /// The pool's registration for DMA, shared by every device's mover (pinned once, whatever
     /// the number of devices; released after the last mover, when the store closes).
     pinner: Mutex<Option<Arc<PoolPinner>>>,
+    /// The remote tier, when configured.
+    remote: Option<RemoteTier>,
 }
 
 impl StoreShared {
@@ -285,6 +303,9 @@ impl StoreShared {
 
     fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
+            if let Some(r) = &self.remote {
+                r.close();
+            }
             self.engine.close();
             for m in self.cuda.lock().values() {
                 m.shutdown();
@@ -332,8 +353,13 @@ impl EmbeddedStore {
             p.prefault_seconds,
             cfg.num_workers
         );
+        let remote = match cfg.remote {
+            Some(rc) => Some(RemoteTier::start(rc, Arc::clone(&pool))?),
+            None => None,
+        };
         let shared = Arc::new(StoreShared {
             pool,
+            remote,
             engine,
             next_layout: AtomicU32::new(1),
             next_session: AtomicU64::new(1),
@@ -395,27 +421,66 @@ impl EmbeddedStore {
         self.default.layout(id)
     }
 
-    /// Which keys are in the pool (pins nothing). [`StoreError::Closed`] after `close`.
+    /// Which keys are in the pool (pins nothing). With a remote tier, keys the pool misses are
+    /// fetched from it into the pool first (waiting at most its timeout). [`StoreError::Closed`]
+    /// after `close`.
     pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
         self.check_open()?;
-        Ok(self.shared.pool.exists_many(keys))
+        let mut found = self.shared.pool.exists_many(keys);
+        if let Some(r) = &self.shared.remote {
+            r.note_hits(
+                keys.iter()
+                    .zip(&found)
+                    .filter(|(_, f)| **f)
+                    .map(|(k, _)| *k),
+            );
+            let missing: Vec<usize> = (0..keys.len()).filter(|i| !found[*i]).collect();
+            if !missing.is_empty() {
+                let ks: Vec<BlockKey> = missing.iter().map(|i| keys[*i]).collect();
+                for (i, got) in missing.into_iter().zip(r.fetch_present(&ks)) {
+                    found[i] = got;
+                }
+            }
+        }
+        Ok(found)
     }
 
-    /// How many keys, from the first, are in the pool. [`StoreError::Closed`] after `close`.
+    /// How many keys, from the first, are in the pool (with a remote tier, as
+    /// [`exists`](Self::exists), the missing rest is fetched from it first).
+    /// [`StoreError::Closed`] after `close`.
     pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
-        self.check_open()?;
-        Ok(self.shared.pool.prefix_hits(keys))
+        self.prefix_hits_with(keys.len(), |i| keys[i])
     }
 
     /// [`prefix_hits`](Self::prefix_hits) over `n` keys made on demand by `key(i)` (none is
-    /// made past the first miss).
+    /// made past the first miss, but for the remote tier's fetch).
     pub fn prefix_hits_with(
         &self,
         n: usize,
         key: impl Fn(usize) -> BlockKey,
     ) -> Result<usize, StoreError> {
         self.check_open()?;
-        Ok(self.shared.pool.prefix_hits_with(n, key))
+        let local = self.shared.pool.prefix_hits_with(n, &key);
+        let Some(r) = &self.shared.remote else {
+            return Ok(local);
+        };
+        r.note_hits((0..local).map(&key));
+        if local == n {
+            return Ok(local);
+        }
+        let rest: Vec<BlockKey> = (local..n).map(&key).collect();
+        Ok(local + r.fetch_prefix(&rest))
+    }
+
+    /// The remote tier's counters (`None` without one).
+    pub fn remote_stats(&self) -> Option<RemoteStats> {
+        self.shared.remote.as_ref().map(RemoteTier::stats)
+    }
+
+    /// Waits until the remote tier has written every object committed so far (or dropped it),
+    /// at most `timeout`; whether it did (true without a remote tier).
+    pub fn flush_remote(&self, timeout: Duration) -> bool {
+        self.shared.remote.as_ref().is_none_or(|r| r.flush(timeout))
     }
 
     /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`

@@ -73,6 +73,12 @@ class ConnectorConfig:
     dram_hugepage_size: str
     dram_numa_node: int | None
     dram_prefault: bool
+    remote_url: str | None
+    remote_ttl_s: int
+    remote_write: str
+    remote_timeout_ms: int
+    remote_write_backlog: int
+    remote_write_mb_per_s: int
     # standalone
     endpoint: str | None
     startup_timeout_ms: int

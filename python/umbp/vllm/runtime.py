@@ -161,6 +161,12 @@ class EmbeddedRuntime:
             prefault=cfg.dram_prefault,
             num_workers=cfg.num_workers,
             timeout_ms=cfg.timeout_ms,
+            remote_url=cfg.remote_url,
+            remote_ttl_s=cfg.remote_ttl_s,
+            remote_write=cfg.remote_write,
+            remote_timeout_ms=cfg.remote_timeout_ms,
+            remote_write_backlog=cfg.remote_write_backlog,
+            remote_write_mb_per_s=cfg.remote_write_mb_per_s,
         )
         self.capacity = capacity
         return store

@@ -11,7 +11,7 @@ use clap::Parser;
 use umbp_core::{HugepageSize, PoolConfig};
 use umbp_proto::Endpoint;
 use umbp_server::{Access, ServerConfig};
-use umbp_store::StoreConfig;
+use umbp_store::{RemoteConfig, StoreConfig, WritePolicy};
 
 /// UMBP standalone server: one host-DRAM KV-cache pool per node, shared by every engine and
 /// worker on the host over gRPC on a Unix-domain socket. Clients register their KV cache
@@ -96,6 +96,33 @@ struct Args {
     /// Largest gRPC message accepted or sent, in bytes.
     #[arg(long = "max-message-bytes", env = "UMBP_MAX_MESSAGE_BYTES", default_value_t = umbp_proto::DEFAULT_MAX_MESSAGE_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=1 << 30))]
     max_message_bytes: u64,
+    /// A shared remote tier behind the pool, on an existing Redis / Valkey: redis://host:port
+    /// (one server) or redis+cluster://host:port,host:port (a cluster; user:password@ before
+    /// the hosts). Off when unset. See docs/remote.md.
+    #[arg(long = "remote-url", env = "UMBP_REMOTE_URL")]
+    remote_url: Option<String>,
+    /// Expiry of objects written to the remote tier, in seconds (0: none; the remote's
+    /// maxmemory-policy evicts).
+    #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = 0)]
+    remote_ttl_s: u64,
+    /// When objects go to the remote tier: eager (every stored object) or on_reuse (the second
+    /// time a lookup hits it).
+    #[arg(long = "remote-write", env = "UMBP_REMOTE_WRITE", default_value = "eager", value_parser = ["eager", "on_reuse"])]
+    remote_write: String,
+    /// How long a lookup waits for the remote tier, in ms (also each connect and answer).
+    #[arg(long = "remote-timeout-ms", env = "UMBP_REMOTE_TIMEOUT_MS", default_value_t = umbp_core::options::REMOTE_TIMEOUT_MS.default_u64(), value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    remote_timeout_ms: u64,
+    /// Bytes of objects waiting to be written to the remote tier before new ones are dropped
+    /// (suffixes as --capacity).
+    #[arg(long = "remote-write-backlog", env = "UMBP_REMOTE_WRITE_BACKLOG", default_value = "256MiB", value_parser = parse_bytes)]
+    remote_write_backlog: u64,
+    /// Upper bound of the remote tier's write rate in MB/s (0: none).
+    #[arg(
+        long = "remote-write-mb-per-s",
+        env = "UMBP_REMOTE_WRITE_MB_PER_S",
+        default_value_t = 0
+    )]
+    remote_write_mb_per_s: u64,
     /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
     #[arg(long, env = "UMBP_LOG", default_value = "info")]
     log: String,
@@ -192,11 +219,23 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
         },
         num_workers: a.workers,
         timeout: Duration::from_millis(a.timeout_ms),
+        remote: a.remote_url.as_ref().map(|url| RemoteConfig {
+            url: url.clone(),
+            ttl: (a.remote_ttl_s > 0).then(|| Duration::from_secs(a.remote_ttl_s)),
+            write: if a.remote_write == "on_reuse" {
+                WritePolicy::OnReuse
+            } else {
+                WritePolicy::Eager
+            },
+            timeout: Duration::from_millis(a.remote_timeout_ms),
+            write_backlog_bytes: a.remote_write_backlog,
+            write_bytes_per_s: a.remote_write_mb_per_s.saturating_mul(1_000_000),
+        }),
         ..StoreConfig::default()
     };
     cfg.store
         .validate()
-        .map_err(|e| anyhow::anyhow!("{e} (flags --capacity, --high-watermark, --low-watermark, ... or their UMBP_DRAM_* variables)"))?;
+        .map_err(|e| anyhow::anyhow!("{e} (flags --capacity, --high-watermark, --low-watermark, --remote-*, ... or their UMBP_DRAM_* / UMBP_REMOTE_* variables)"))?;
     cfg.socket_mode = socket_mode;
     cfg.access = Access {
         own_uid: cfg.access.own_uid,
