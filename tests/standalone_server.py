@@ -39,8 +39,9 @@ def short_dir(tag: str) -> Path:
 class Server:
     """One `umbp_standalone_server` on a socket in `directory`."""
 
-    def __init__(self, binary, directory, capacity="64MiB"):
+    def __init__(self, binary, directory, capacity="64MiB", extra_args=()):
         self.binary, self.dir, self.capacity = binary, directory, capacity
+        self.extra_args = list(extra_args)
         self.path = directory / "umbp.sock"
         self.proc = None
         self.starts = 0
@@ -68,6 +69,7 @@ class Server:
                     str(GRACE_MS),
                     "--log",
                     "warn",
+                    *self.extra_args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -138,9 +140,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(tag: str, capacity: str = "64MiB"):
+def running(tag: str, capacity: str = "64MiB", extra_args=()):
     """A started server in a fresh short directory, stopped (and checked to exit cleanly)
-    afterwards; pytest fixtures wrap it. Skips the test when there is no binary."""
+    afterwards; pytest fixtures wrap it. Skips the test when there is no binary. `extra_args`
+    go to the server's command line."""
     import pytest
 
     binary = server_binary()
@@ -150,7 +153,7 @@ def running(tag: str, capacity: str = "64MiB"):
             "run scripts/venv.sh or `cargo build --release -p umbp-server`"
         )
     d = short_dir(tag)
-    s = Server(binary, d, capacity=capacity)
+    s = Server(binary, d, capacity=capacity, extra_args=extra_args)
     s.start()
     try:
         yield s

@@ -351,13 +351,15 @@ impl EmbeddedStore {
     /// Which keys are in the pool. Pins nothing and never refreshes recency.
     fn exists(&self, py: Python<'_>, keys: &Keys) -> Result<Vec<bool>> {
         let s = self.live()?;
-        Ok(bulk(py, keys.keys.len(), || s.exists(&keys.keys))?)
+        Ok(bulk(py, lookup_weight(&s, keys), || s.exists(&keys.keys))?)
     }
 
     /// How many keys, from the first, are in the pool.
     fn prefix_hits(&self, py: Python<'_>, keys: &Keys) -> Result<usize> {
         let s = self.live()?;
-        Ok(bulk(py, keys.keys.len(), || s.prefix_hits(&keys.keys))?)
+        Ok(bulk(py, lookup_weight(&s, keys), || {
+            s.prefix_hits(&keys.keys)
+        })?)
     }
 
     /// Starts copying `block_ids` of cache group `group` into the pool under `keys`. For a CUDA
@@ -650,4 +652,14 @@ pub(crate) fn remote_stats_dict<'py>(
     }
     d.set_item("connected", connected)?;
     Ok(d)
+}
+
+/// The weight of a lookup for [`bulk`]: with a remote tier it may wait on the network (and the
+/// tier's threads log through Python), so it always runs without the GIL.
+fn lookup_weight(s: &CoreStore, keys: &Keys) -> usize {
+    if s.has_remote() {
+        usize::MAX
+    } else {
+        keys.keys.len()
+    }
 }

@@ -640,6 +640,13 @@ fn fetcher(inner: &Inner, jobs: &std::sync::Mutex<Receiver<FetchJob>>) {
     // Two connections: the next chunk's request travels on one while the last chunk's
     // objects are checked and copied into the pool from the other.
     let mut slots: [Option<Conn>; 2] = [None, None];
+    // Connect at start, so the first lookup does not pay for it (a cluster connection asks
+    // every node for its slots).
+    for slot in &mut slots {
+        if inner.conn(slot).is_none() {
+            break;
+        }
+    }
     loop {
         let job = {
             let rx = jobs.lock().unwrap_or_else(|p| p.into_inner());
@@ -794,6 +801,7 @@ struct Backlog {
 /// The writer thread: follows the pool's commits, writes objects in pipelined batches.
 fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
     let mut slot: Option<Conn> = None;
+    let _ = inner.conn(&mut slot);
     let mut backlog = Backlog::default();
     let mut rate = Rate::new(inner.cfg.write_bytes_per_s);
     let c = &inner.c;

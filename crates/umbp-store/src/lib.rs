@@ -472,6 +472,12 @@ impl EmbeddedStore {
         Ok(local + r.fetch_prefix(&rest))
     }
 
+    /// Whether lookups may wait for a remote tier (then callers holding a lock other threads
+    /// need, such as Python's GIL, should release it first).
+    pub fn has_remote(&self) -> bool {
+        self.shared.remote.is_some()
+    }
+
     /// The remote tier's counters (`None` without one).
     pub fn remote_stats(&self) -> Option<RemoteStats> {
         self.shared.remote.as_ref().map(RemoteTier::stats)
