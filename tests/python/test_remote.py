@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import standalone_peer as peer
-from conftest import KvCache, hashes
 
 import umbp
+from conftest import KvCache, hashes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_cluster import redis_cluster  # noqa: E402
@@ -32,9 +32,7 @@ def empty_cluster(cluster):
 
 def node(cluster, **kw):
     kw.setdefault("remote_timeout_ms", 2000)  # tests share 2 cores with 3 Redis nodes
-    return umbp.EmbeddedStore(
-        16 << 20, num_workers=2, prefault=False, remote_url=cluster.url, **kw
-    )
+    return umbp.EmbeddedStore(16 << 20, num_workers=2, prefault=False, remote_url=cluster.url, **kw)
 
 
 def attach(store, cache):
@@ -172,9 +170,10 @@ def test_two_standalone_servers_share_objects_through_the_cluster(cluster, tmp_p
     """Two servers standing in for two nodes: a client of server A stores, a client of
     server B (another pool) loads the same bytes."""
     args = ["--remote-url", cluster.url, "--remote-timeout-ms", "2000"]
-    with running(tmp_path.name + "a", extra_args=args) as sa, running(
-        tmp_path.name + "b", extra_args=args
-    ) as sb:
+    with (
+        running(tmp_path.name + "a", extra_args=args) as sa,
+        running(tmp_path.name + "b", extra_args=args) as sb,
+    ):
         src, dst = own_buffer(), own_buffer()
         src[:] = peer.pattern(11)
         ca = umbp.StandaloneClient(sa.endpoint, startup_timeout_ms=5000, client_name="node-a")

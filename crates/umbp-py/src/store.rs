@@ -351,13 +351,13 @@ impl EmbeddedStore {
     /// Which keys are in the pool. Pins nothing and never refreshes recency.
     fn exists(&self, py: Python<'_>, keys: &Keys) -> Result<Vec<bool>> {
         let s = self.live()?;
-        Ok(bulk(py, lookup_weight(&s, keys), || s.exists(&keys.keys))?)
+        Ok(bulk(py, lookup_weight(s, keys), || s.exists(&keys.keys))?)
     }
 
     /// How many keys, from the first, are in the pool.
     fn prefix_hits(&self, py: Python<'_>, keys: &Keys) -> Result<usize> {
         let s = self.live()?;
-        Ok(bulk(py, lookup_weight(&s, keys), || {
+        Ok(bulk(py, lookup_weight(s, keys), || {
             s.prefix_hits(&keys.keys)
         })?)
     }
