@@ -11,6 +11,17 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 step "ruff (lint + format check)"
 ruff check python tests
 ruff format --check python tests
+step "redis-server for the remote tier's tests (Debian's package; installed when missing)"
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 ||
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; }
+fi
+redis-server --version
+# The tests start their own Redis processes on free loopback ports; without redis-server
+# they would skip, and here they must not.
+export UMBP_REQUIRE_REDIS=1
 step "Rust tests"
 cargo test --workspace -q
 step "building a wheel (tests/python/test_packaging.py checks what it ships)"

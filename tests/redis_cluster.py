@@ -66,10 +66,17 @@ class RedisCluster:
                 timeout=60,
             )
             assert out.returncode == 0, out.stdout + out.stderr
-            deadline = time.monotonic() + 20
-            while "cluster_state:ok" not in self.cli(self.ports[0], "cluster", "info"):
-                assert time.monotonic() < deadline, "the Redis cluster never became ok"
-                time.sleep(0.1)
+            self.wait_ok()
+
+    def wait_ok(self, timeout: float = 30) -> None:
+        """Waits until every node sees the cluster as ok (after a start, or a stopped node's
+        return: the others marked it failed)."""
+        if len(self.ports) == 1:
+            return
+        deadline = time.monotonic() + timeout
+        while not all("cluster_state:ok" in self.cli(p, "cluster", "info") for p in self.ports):
+            assert time.monotonic() < deadline, "the Redis cluster never became ok"
+            time.sleep(0.1)
 
     def _wait_ping(self, port: int) -> None:
         deadline = time.monotonic() + 10
@@ -118,7 +125,9 @@ class RedisCluster:
         self.procs[i].send_signal(signal.SIGSTOP)
 
     def resume_node(self, i: int) -> None:
+        """SIGCONT, then waits until the cluster is ok again."""
         self.procs[i].send_signal(signal.SIGCONT)
+        self.wait_ok()
 
     def flush(self) -> None:
         for p in self.ports:
