@@ -199,3 +199,53 @@ def test_two_standalone_servers_share_objects_through_the_cluster(cluster, tmp_p
         assert st["remote"]["hits"] == peer.BLOCKS and st["remote"]["connected"], st["remote"]
         text = sb.umbp("stats")
         assert "remote tier          connected" in text, text
+
+
+def test_an_engine_reset_clears_its_namespace_in_the_remote_tier(cluster, tmp_path):
+    """The scheduler's clear (vLLM's reset_prefix_cache with reset_external) reaches each
+    worker's lookup server: its pool, and the engine's namespace in the cluster, go; another
+    namespace stays."""
+    mine, other = umbp.KeyBuilder("remote-py-reset", tp=0), umbp.KeyBuilder("remote-py-keep")
+    km, ko = mine.keys(0, hashes(range(10))), other.keys(0, hashes(range(10, 16)))
+    src = KvCache(fill_seed=8)
+    a = node(cluster)
+    server = umbp.LookupServer(a, tmp_path / "w0.sock", "remote-py-reset")
+    try:
+        la = attach(a, src)
+        assert a.store(la, 0, list(range(10)), km).wait() == ["done"] * 10
+        assert a.store(la, 0, list(range(10, 16)), ko).wait() == ["done"] * 6
+        assert a.flush_remote(10_000)
+        assert len(cluster.keys()) == 16
+        assert umbp.LookupClient([server.path], timeout_ms=5000).clear() == 16
+        assert a.stats()["objects"] == 0
+        left = cluster.keys()
+        assert len(left) == 6, left
+        assert a.prefix_hits(km) == 0, "the reset namespace is gone from the remote tier"
+        assert a.prefix_hits(ko) == 6, "another namespace's objects come back from it"
+    finally:
+        server.shutdown()
+        a.close()
+
+
+def test_umbp_clear_namespace_reaches_the_servers_remote_tier(cluster, tmp_path):
+    args = ["--remote-url", cluster.url, "--remote-timeout-ms", "2000"]
+    with running(tmp_path.name, extra_args=args) as s:
+        src = own_buffer()
+        src[:] = peer.pattern(12)
+        c = umbp.StandaloneClient(s.endpoint, startup_timeout_ms=5000, client_name="clear")
+        with c:
+            c.register_memory(src.ctypes.data, src.nbytes)
+            lid = c.register_layout(peer.layout(src))
+            k = peer.keys(12)
+            assert c.store(lid, 0, list(range(peer.BLOCKS)), k).wait() == ["done"] * peer.BLOCKS
+            wait_until(
+                lambda: len(cluster.keys()) == peer.BLOCKS, what="the server's remote writes"
+            )
+            # `umbp clear` (every namespace) leaves the shared remote tier alone...
+            s.umbp("clear")
+            assert len(cluster.keys()) == peer.BLOCKS
+            assert c.exists(k) == [True] * peer.BLOCKS  # ...so lookups fetch them back
+            # ...and `--namespace` clears that namespace there too.
+            s.umbp("clear", "--namespace", peer.NAMESPACE)
+            assert cluster.keys() == []
+            assert c.exists(k) == [False] * peer.BLOCKS

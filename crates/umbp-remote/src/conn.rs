@@ -6,7 +6,25 @@
 use std::time::Duration;
 
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterClientBuilder, ClusterConnection};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Client, Connection, RedisResult};
+
+/// The `(host, port)` of every primary that serves slots, from `CLUSTER NODES`.
+fn primaries(nodes: &str) -> Vec<(String, u16)> {
+    nodes
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let flags = f.get(2)?;
+            if !flags.contains("master") || flags.contains("fail") || f.len() < 9 {
+                return None;
+            }
+            let addr = f.get(1)?.split('@').next()?;
+            let (host, port) = addr.rsplit_once(':')?;
+            Some((host.to_string(), port.parse().ok()?))
+        })
+        .collect()
+}
 
 use crate::RemoteError;
 
@@ -225,6 +243,76 @@ impl Conn {
         }
     }
 
+    /// Deletes every key matching `pattern` (`SCAN MATCH` on every primary of a cluster, then
+    /// `UNLINK`); returns how many.
+    pub(crate) fn delete_matching(&mut self, pattern: &str) -> RedisResult<u64> {
+        match self {
+            Conn::Single(c) => {
+                let mut n = 0u64;
+                let mut cursor = 0u64;
+                loop {
+                    let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(pattern)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query(c)?;
+                    if !keys.is_empty() {
+                        let mut p = redis::pipe();
+                        for k in &keys {
+                            p.cmd("UNLINK").arg(k).ignore();
+                        }
+                        p.exec(c)?;
+                        n += keys.len() as u64;
+                    }
+                    if next == 0 {
+                        return Ok(n);
+                    }
+                    cursor = next;
+                }
+            }
+            Conn::Cluster(c) => {
+                let nodes: String = redis::from_redis_value(c.route_command(
+                    redis::cmd("CLUSTER").arg("NODES"),
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+                )?)?;
+                let mut n = 0u64;
+                for (host, port) in primaries(&nodes) {
+                    let mut cursor = 0u64;
+                    loop {
+                        let v = c.route_command(
+                            redis::cmd("SCAN")
+                                .arg(cursor)
+                                .arg("MATCH")
+                                .arg(pattern)
+                                .arg("COUNT")
+                                .arg(1000),
+                            RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                                host: host.clone(),
+                                port,
+                            }),
+                        )?;
+                        let (next, keys): (u64, Vec<String>) = redis::from_redis_value(v)?;
+                        if !keys.is_empty() {
+                            let mut p = cluster_pipe();
+                            for k in &keys {
+                                p.cmd("UNLINK").arg(k).ignore();
+                            }
+                            p.exec(c)?;
+                            n += keys.len() as u64;
+                        }
+                        if next == 0 {
+                            break;
+                        }
+                        cursor = next;
+                    }
+                }
+                Ok(n)
+            }
+        }
+    }
+
     /// `DEL` of every key (`clear`), pipelined.
     pub(crate) fn del_many(&mut self, keys: &[String]) -> RedisResult<()> {
         if keys.is_empty() {
@@ -282,6 +370,24 @@ mod tests {
             let e = Target::parse(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn primaries_from_cluster_nodes() {
+        let nodes = "\
+a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7001@17001 master - 0 0 2 connected 5461-10922
+c3 127.0.0.1:7002@17002 slave b2 0 0 2 connected
+d4 127.0.0.1:7003@17003 master,fail - 0 0 3 connected 10923-16383
+e5 127.0.0.1:7004@17004 master - 0 0 4 connected
+";
+        assert_eq!(
+            primaries(nodes),
+            [
+                ("127.0.0.1".to_string(), 7000),
+                ("127.0.0.1".to_string(), 7001)
+            ]
+        );
     }
 
     #[test]

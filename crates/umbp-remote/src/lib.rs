@@ -573,6 +573,30 @@ impl RemoteTier {
         }
     }
 
+    /// Deletes every remote object of the namespace whose id is `namespace_id` (as in
+    /// [`BlockKey::namespace_id`]): every rank, every group, whichever node wrote it. Waits
+    /// for it (each request bounded by the timeout); returns how many were deleted, or `None`
+    /// when the remote failed (counted, logged).
+    pub fn clear_namespace(&self, namespace_id: &[u8; 16]) -> Option<u64> {
+        let mut pattern = String::from(object::REMOTE_KEY_PREFIX);
+        for b in namespace_id {
+            pattern.push_str(&format!("{b:02x}"));
+        }
+        pattern.push('*');
+        let mut slot = None;
+        let con = self.inner.conn(&mut slot)?;
+        match con.delete_matching(&pattern) {
+            Ok(n) => {
+                log::info!("remote tier: deleted {n} objects of the namespace ({pattern})");
+                Some(n)
+            }
+            Err(e) => {
+                self.inner.failed("clearing a namespace", &e);
+                None
+            }
+        }
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> RemoteStats {
         let c = &self.inner.c;

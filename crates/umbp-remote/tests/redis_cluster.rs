@@ -440,6 +440,16 @@ fn on_reuse_writes_at_the_second_hit_and_one_server_urls_work() -> Result<()> {
     let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
     assert_eq!(tb.fetch_present(&ks), [true, false, false, false]);
     check_restored(&pb, &ks[..1], 4096);
+    // Clearing the namespace on one server (SCAN + UNLINK) leaves other namespaces.
+    let other = keys("remote-it-reuse-other", 2);
+    pb.put(other[0], &payload(0, 4096))?;
+    tb.write_keys(&other);
+    assert!(tb.flush(Duration::from_secs(5)));
+    assert_eq!(tb.clear_namespace(&ks[0].namespace_id()), Some(1));
+    let pc = pool();
+    let tc = RemoteTier::start(config(r.url()), Arc::clone(&pc))?;
+    assert_eq!(tc.fetch_present(&ks[..1]), [false]);
+    assert_eq!(tc.fetch_present(&other), [true, false]);
     Ok(())
 }
 

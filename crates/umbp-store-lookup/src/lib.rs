@@ -61,8 +61,12 @@ impl LookupTarget for StoreLookup {
         self.store.exists(&keys).map_err(|e| e.to_string())
     }
 
+    /// The engine's reset: this worker's pool, and the engine's namespace in the remote tier
+    /// (which would otherwise hand the objects back at the next lookup).
     fn clear(&self) -> u64 {
-        self.store.clear().unwrap_or(0)
+        let n = self.store.clear().unwrap_or(0);
+        self.store.clear_remote_namespace(&self.keys.namespace_id());
+        n
     }
 
     fn describe(&self) -> String {

@@ -617,12 +617,25 @@ impl EmbeddedStore {
         Ok(self.shared.pool.clear())
     }
 
-    /// Removes the objects of one key namespace (the string keys were built from); returns
-    /// how many. Other namespaces are untouched.
+    /// Removes the objects of one key namespace (the string keys were built from) from the
+    /// pool, and from the remote tier when there is one; returns how many left the pool. Other
+    /// namespaces are untouched.
     pub fn clear_namespace(&self, namespace: &str) -> Result<u64, StoreError> {
         self.check_open()?;
         let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
-        Ok(self.shared.pool.clear_namespace(&id))
+        let n = self.shared.pool.clear_namespace(&id);
+        self.clear_remote_namespace(&id);
+        Ok(n)
+    }
+
+    /// Removes the remote tier's objects of the namespace with id `namespace_id` (every rank,
+    /// whichever node wrote them); how many (`None` without a remote tier or when it failed).
+    /// [`clear`](Self::clear) leaves the remote tier alone: other nodes and models share it.
+    pub fn clear_remote_namespace(&self, namespace_id: &[u8; 16]) -> Option<u64> {
+        self.shared
+            .remote
+            .as_ref()
+            .and_then(|r| r.clear_namespace(namespace_id))
     }
 
     /// Pool counters. [`StoreError::Closed`] after `close`.

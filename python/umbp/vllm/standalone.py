@@ -250,8 +250,12 @@ class ServerLookups:
         return present
 
     def clear(self, timeout_ms: int = 10000) -> int:
-        """Empties the server's whole pool, every engine's objects (reset_external)."""
-        return self.client.clear()
+        """Empties the server's whole pool, every engine's objects (reset_external), and this
+        engine's namespace in the server's remote tier, if it has one (which would otherwise
+        hand the objects back at the next lookup)."""
+        removed = self.client.clear()
+        self.client.clear(self.namespace)
+        return removed
 
     def close(self) -> None:
         self.client.close()
