@@ -920,13 +920,26 @@ fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
                 add(&c.writes, n);
                 add(&c.bytes_written, batch_bytes);
             }
-            Err(e) => {
+            Err(e) if is_transport(&e) => {
                 slot = None;
                 add(&c.writes_dropped, n);
                 inner.failed("a write", &e);
             }
+            Err(e) => {
+                // The remote answered with an error (full: OOM under `noeviction`, read-only
+                // replica, ...): this batch is lost, the connection and the lookups are fine.
+                add(&c.writes_dropped, n);
+                add(&c.errors, 1);
+                log::warn!("remote tier: a write batch of {n} objects was refused: {e}");
+            }
         }
     }
+}
+
+/// Whether `e` says the connection failed (then the remote is left alone for a while), not
+/// that the remote refused a command.
+fn is_transport(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
 }
 
 fn enqueue(inner: &Inner, backlog: &mut Backlog, key: BlockKey, bytes: u64) {

@@ -55,6 +55,10 @@ struct Redis {
 
 impl Redis {
     fn start(n: usize, cluster: bool) -> Result<Redis> {
+        Redis::start_with(n, cluster, &[])
+    }
+
+    fn start_with(n: usize, cluster: bool, extra: &[&str]) -> Result<Redis> {
         let dir =
             std::env::temp_dir().join(format!("umbp-redis-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir)?;
@@ -71,6 +75,7 @@ impl Redis {
                 .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
                 .arg("--dir")
                 .arg(&d)
+                .args(extra)
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
             if cluster {
@@ -483,5 +488,38 @@ fn a_remote_that_is_down_misses_at_once_and_drops_writes() -> Result<()> {
     assert!(!s.connected && s.errors >= 1 && s.writes == 0, "{s:?}");
     // The pool itself is untouched.
     check_restored(&pa, &ks, 4096);
+    Ok(())
+}
+
+#[test]
+fn a_full_remote_refuses_writes_without_failing_lookups() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start_with(
+        1,
+        false,
+        &["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"],
+    )?;
+    let pa = pool();
+    let ta = RemoteTier::start(config(r.url()), Arc::clone(&pa))?;
+    let ks = keys("remote-it-full", 16);
+    for (i, k) in ks.iter().enumerate() {
+        pa.put(*k, &payload(i, 256 << 10))?;
+        // One object per batch: what fits is written, the rest is refused.
+        assert!(ta.flush(Duration::from_secs(5)));
+    }
+    let s = ta.stats();
+    assert!(s.writes >= 1 && s.writes_dropped >= 1, "{s:?}");
+    assert!(s.errors >= 1, "{s:?}");
+    // A refusal is no connection failure: lookups still ask, and find what was written.
+    let missing = keys("remote-it-full-missing", 2);
+    assert_eq!(ta.fetch_prefix(&missing), 0);
+    let s2 = ta.stats();
+    assert_eq!(s2.skipped_lookups, 0, "{s2:?}");
+    let pb = pool();
+    let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+    let got = tb.fetch_present(&ks).iter().filter(|p| **p).count() as u64;
+    assert_eq!(got, s.writes);
     Ok(())
 }
