@@ -221,41 +221,73 @@ fn tier_config(url: &str, bytes: u64) -> RemoteConfig {
     }
 }
 
-/// One round of one size: raw SET and GET, and the tier's put and get, raw first in even
-/// rounds and the tier first in odd ones (the machine's state after one must not favour the
-/// other).
-fn round(url: &str, raw: &mut Raw, size: usize, n: usize, round: u32, t: &mut Times) -> Result<()> {
-    if round.is_multiple_of(2) {
-        raw_round(raw, size, n, round, t)?;
-        tier_round(url, size, n, round, t)
-    } else {
-        tier_round(url, size, n, round, t)?;
-        raw_round(raw, size, n, round, t)
+/// What one object size's rounds reuse: allocated and faulted in once, so no round pays
+/// for page faults the other does not.
+struct Fixture {
+    size: usize,
+    n: usize,
+    /// The raw SETs' distinct values (object plus header bytes each).
+    values: Vec<Vec<u8>>,
+    /// The tier's objects.
+    payloads: Vec<Vec<u8>>,
+    /// Node A's and node B's pools.
+    pa: Arc<Pool>,
+    pb: Arc<Pool>,
+}
+
+impl Fixture {
+    fn new(size: usize, n: usize) -> Result<Fixture> {
+        let bytes = (size * n) as u64;
+        let cap = ((bytes as f64 * 1.3) as u64 + (64 << 20)).next_multiple_of(2 << 20);
+        let mk_pool = || -> Result<Arc<Pool>> {
+            Ok(Arc::new(Pool::new(PoolConfig {
+                prefault: true,
+                ..PoolConfig::with_capacity(cap)
+            })?))
+        };
+        Ok(Fixture {
+            size,
+            n,
+            values: (0..n).map(|i| payload(i + n, size + HEADER)).collect(),
+            payloads: (0..n).map(|i| payload(i, size)).collect(),
+            pa: mk_pool()?,
+            pb: mk_pool()?,
+        })
     }
 }
 
-fn raw_round(raw: &mut Raw, size: usize, n: usize, round: u32, t: &mut Times) -> Result<()> {
-    let raw_keys: Vec<String> = (0..n)
+/// One round of one size: raw SET and GET, and the tier's put and get, raw first in even
+/// rounds and the tier first in odd ones (the machine's state after one must not favour the
+/// other).
+fn round(url: &str, raw: &mut Raw, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
+    if round.is_multiple_of(2) {
+        raw_round(raw, f, round, t)?;
+        tier_round(url, f, round, t)
+    } else {
+        tier_round(url, f, round, t)?;
+        raw_round(raw, f, round, t)
+    }
+}
+
+fn raw_round(raw: &mut Raw, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
+    let raw_keys: Vec<String> = (0..f.n)
         .map(|i| format!("umbp-bench-raw:{}:{round}:{i}", std::process::id()))
         .collect();
-    // Distinct values, as many bytes as the tier's objects: none is read from cache.
-    let values: Vec<Vec<u8>> = (0..n).map(|i| payload(i + n, size + HEADER)).collect();
     let s = Instant::now();
-    raw.set(&raw_keys, &values)?;
+    raw.set(&raw_keys, &f.values)?;
     t.raw_set.push(s.elapsed().as_secs_f64());
     let s = Instant::now();
     let got = raw.get(&raw_keys)?;
     t.raw_get.push(s.elapsed().as_secs_f64());
     ensure!(
-        got == ((size + HEADER) * n) as u64,
+        got == ((f.size + HEADER) * f.n) as u64,
         "raw GET returned {got} bytes"
     );
     raw.del(&raw_keys)
 }
 
-fn tier_round(url: &str, size: usize, n: usize, round: u32, t: &mut Times) -> Result<()> {
-    let bytes = (size * n) as u64;
-
+fn tier_round(url: &str, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
+    let (n, bytes) = (f.n, (f.size * f.n) as u64);
     let kb = KeyBuilder::new(
         &format!("umbp-bench-remote-{}-{round}", std::process::id()),
         RankTopology::default(),
@@ -263,21 +295,14 @@ fn tier_round(url: &str, size: usize, n: usize, round: u32, t: &mut Times) -> Re
     let keys: Vec<BlockKey> = (0..n)
         .map(|i| kb.key(0, &(i as u64).to_le_bytes()))
         .collect::<Result<_, _>>()?;
-    let payloads: Vec<Vec<u8>> = (0..n).map(|i| payload(i, size)).collect();
-    let cap = (bytes as f64 * 1.3) as u64 + (64 << 20);
-    let mk_pool = || -> Result<Arc<Pool>> {
-        Ok(Arc::new(Pool::new(PoolConfig {
-            prefault: true,
-            ..PoolConfig::with_capacity(cap.next_multiple_of(2 << 20))
-        })?))
-    };
-    let (pa, pb) = (mk_pool()?, mk_pool()?);
+    f.pa.clear();
+    f.pb.clear();
     // The objects are in node A's pool before its tier starts: the tier's own work (pin,
     // header and checksum, send) is timed, not the engine's copies into the pool.
-    for (k, p) in keys.iter().zip(&payloads) {
-        pa.put(*k, p)?;
+    for (k, p) in keys.iter().zip(&f.payloads) {
+        f.pa.put(*k, p)?;
     }
-    let ta = umbp_remote::RemoteTier::start(tier_config(url, bytes), Arc::clone(&pa))?;
+    let ta = umbp_remote::RemoteTier::start(tier_config(url, bytes), Arc::clone(&f.pa))?;
     let s = Instant::now();
     ta.write_keys(&keys);
     ensure!(
@@ -293,7 +318,7 @@ fn tier_round(url: &str, size: usize, n: usize, round: u32, t: &mut Times) -> Re
         st.writes_dropped,
         st.errors
     );
-    let tb = umbp_remote::RemoteTier::start(tier_config(url, bytes), Arc::clone(&pb))?;
+    let tb = umbp_remote::RemoteTier::start(tier_config(url, bytes), Arc::clone(&f.pb))?;
     let s = Instant::now();
     let present = tb.fetch_present(&keys);
     t.tier_get.push(s.elapsed().as_secs_f64());
@@ -303,8 +328,8 @@ fn tier_round(url: &str, size: usize, n: usize, round: u32, t: &mut Times) -> Re
         "the tier fetched {} of {n} objects",
         n - missing
     );
-    for (i, (k, p)) in keys.iter().zip(&payloads).enumerate() {
-        let o = pb.get(k).context("a fetched object is not in the pool")?;
+    for (i, (k, p)) in keys.iter().zip(&f.payloads).enumerate() {
+        let o = f.pb.get(k).context("a fetched object is not in the pool")?;
         ensure!(o.as_slice() == p.as_slice(), "object {i}: bytes differ");
     }
     let deleted = ta.delete(&keys);
@@ -365,9 +390,10 @@ pub fn run(a: &Args) -> Result<()> {
         let n = ((a.mib << 20) as usize / size).max(1);
         let bytes = (n * size) as f64;
         let mut t = Times::default();
+        let fixture = Fixture::new(size, n)?;
         for r in 0..=a.rounds {
             let mut one = Times::default();
-            round(&url, &mut raw, size, n, r, &mut one)?;
+            round(&url, &mut raw, &fixture, r, &mut one)?;
             let g = |v: &[f64]| bytes / v[0] / GB;
             progress!(
                 "  {} KiB round {r}{}: raw SET {:.2} GET {:.2}, tier put {:.2} get {:.2} GB/s",

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use thiserror::Error;
 use umbp_core::{options, BlockKey};
-use umbp_pool::{Pool, PoolEvent};
+use umbp_pool::{CommitOutcome, Pool, PoolEvent};
 
 mod conn;
 pub mod object;
@@ -349,7 +349,10 @@ impl Inner {
                 return None;
             }
             match self.backend.connect(self.cfg.timeout) {
-                Ok(c) => *slot = Some(c),
+                Ok(c) => {
+                    *slot = Some(c);
+                    self.succeeded();
+                }
                 Err(e) => {
                     self.failed("connecting", &e);
                     return None;
@@ -794,6 +797,9 @@ fn serve_fetch(inner: &Inner, slots: &mut [Option<Conn>; 2], job: FetchJob) {
 }
 
 fn put_fetched(inner: &Inner, key: BlockKey, payload: &[u8]) -> bool {
+    if inner.pool.contains(&key) {
+        return true;
+    }
     {
         let mut fr = inner.from_remote.lock();
         if fr.len() >= MAX_TRACKED {
@@ -801,10 +807,24 @@ fn put_fetched(inner: &Inner, key: BlockKey, payload: &[u8]) -> bool {
         }
         fr.insert(key);
     }
-    match inner.pool.put(key, payload) {
-        Ok(_) => {
-            add(&inner.c.hits, 1);
-            add(&inner.c.bytes_fetched, payload.len() as u64);
+    let stored = inner.pool.reserve(payload.len() as u64).map(|mut r| {
+        let dst = r.as_mut_slice();
+        // SAFETY: `dst` is a fresh reservation of exactly `payload.len()` bytes, `payload` a
+        // slice of the fetched value: both valid, and disjoint.
+        unsafe { umbp_copy::memcpy::copy(dst.as_mut_ptr(), payload.as_ptr(), payload.len()) };
+        // The streaming stores are visible before the commit publishes the object.
+        umbp_copy::memcpy::fence();
+        inner.pool.commit(r, key)
+    });
+    match stored {
+        Ok(outcome) => {
+            if outcome == CommitOutcome::AlreadyPresent {
+                // No commit event will take it out of the set.
+                inner.from_remote.lock().remove(&key);
+            } else {
+                add(&inner.c.hits, 1);
+                add(&inner.c.bytes_fetched, payload.len() as u64);
+            }
             true
         }
         Err(e) => {

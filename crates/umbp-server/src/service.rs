@@ -343,38 +343,47 @@ impl Store for Service {
         let t = Instant::now();
         let r = req.into_inner();
         let (keys, n, n_ranks) = exists_keys(&r).map_err(|s| self.refuse(s))?;
-        let store = &self.state.store;
-        let reply = if r.prefix_only {
-            let mut prefix = n;
-            for rank in keys.chunks(n.max(1)).take(n_ranks) {
-                if prefix == 0 {
-                    break;
+        let prefix_only = r.prefix_only;
+        let n_keys = keys.len();
+        let store = Arc::clone(&self.state.store);
+        let answer = move || -> Result<v1::ExistsReply, StoreError> {
+            Ok(if prefix_only {
+                let mut prefix = n;
+                for rank in keys.chunks(n.max(1)).take(n_ranks) {
+                    if prefix == 0 {
+                        break;
+                    }
+                    prefix = prefix.min(store.prefix_hits(&rank[..prefix])?);
                 }
-                prefix = prefix.min(
-                    store
-                        .prefix_hits(&rank[..prefix])
-                        .map_err(|e| self.store_err(e))?,
-                );
-            }
-            v1::ExistsReply {
-                present: Vec::new(),
-                prefix: prefix as u64,
-            }
-        } else {
-            let found = store.exists(&keys).map_err(|e| self.store_err(e))?;
-            let mut present = vec![1u8; n];
-            for rank in found.chunks(n.max(1)).take(n_ranks) {
-                for (p, f) in present.iter_mut().zip(rank) {
-                    *p &= *f as u8;
+                v1::ExistsReply {
+                    present: Vec::new(),
+                    prefix: prefix as u64,
                 }
-            }
-            let prefix = present.iter().take_while(|p| **p == 1).count() as u64;
-            v1::ExistsReply { present, prefix }
+            } else {
+                let found = store.exists(&keys)?;
+                let mut present = vec![1u8; n];
+                for rank in found.chunks(n.max(1)).take(n_ranks) {
+                    for (p, f) in present.iter_mut().zip(rank) {
+                        *p &= *f as u8;
+                    }
+                }
+                let prefix = present.iter().take_while(|p| **p == 1).count() as u64;
+                v1::ExistsReply { present, prefix }
+            })
         };
+        // With a remote tier a lookup may wait on the network: off the runtime's threads,
+        // which serve every client's transfers.
+        let reply = if self.state.store.has_remote() {
+            tokio::task::spawn_blocking(answer)
+                .await
+                .map_err(|e| Status::internal(format!("the lookup failed: {e}")))?
+        } else {
+            answer()
+        }
+        .map_err(|e| self.store_err(e))?;
         let m = &self.state.metrics;
         m.lookups.fetch_add(1, Ordering::Relaxed);
-        m.lookup_keys
-            .fetch_add(keys.len() as u64, Ordering::Relaxed);
+        m.lookup_keys.fetch_add(n_keys as u64, Ordering::Relaxed);
         m.lookup_latency.observe(t.elapsed());
         Ok(Response::new(reply))
     }
