@@ -11,12 +11,14 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 step "ruff (lint + format check)"
 ruff check python tests
 ruff format --check python tests
-step "redis-server for the remote tier's tests (Debian's package; installed when missing)"
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+step "redis-server for the remote tier's tests (Debian's packages; installed when missing)"
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null ||
+  ! command -v openssl >/dev/null; then
   SUDO=""
   [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get install -y -qq redis-server >/dev/null 2>&1 ||
-    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null; }
+  # openssl makes the TLS test's self-signed certificate.
+  $SUDO apt-get install -y -qq redis-server openssl >/dev/null 2>&1 ||
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server openssl >/dev/null; }
 fi
 redis-server --version
 # The tests start their own Redis processes on free loopback ports; without redis-server

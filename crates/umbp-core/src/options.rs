@@ -469,11 +469,12 @@ pub const REMOTE_URL: OptionSpec = OptionSpec {
     default_doc: Some("— (off)"),
     doc: "A shared remote tier behind each worker's pool, on an existing Redis or Valkey: \
           `redis://[user:password@]host:port[/db]` for one server, \
-          `redis+cluster://[user:password@]host:port,host:port,...` for a cluster (seed nodes). \
+          `redis+cluster://[user:password@]host:port,host:port,...` for a cluster (seed nodes); \
+          `rediss://` and `rediss+cluster://` for TLS. \
           Lookups fetch what the pool misses from it; stores are written to it behind the \
           engine (see [remote.md](remote.md)). In standalone mode the server takes it \
           (`--remote-url`, `UMBP_REMOTE_URL`).",
-    also_rejected: Some("Another scheme (`rediss://`: TLS is not built in), several hosts without `+cluster`, a cluster URL with a `/db`."),
+    also_rejected: Some("Another scheme, several hosts without `+cluster`, a cluster URL with a `/db` (found when the store starts)."),
 };
 /// `remote_ttl_s`.
 pub const REMOTE_TTL_S: OptionSpec = OptionSpec {
@@ -700,7 +701,9 @@ impl OptionSpec {
             Kind::Text(TextRule::Endpoint) => {
                 "an absolute socket path or unix:///absolute/path".to_owned()
             }
-            Kind::Text(TextRule::RemoteUrl) => "a redis:// or redis+cluster:// URL".to_owned(),
+            Kind::Text(TextRule::RemoteUrl) => {
+                "a redis://, redis+cluster://, rediss:// or rediss+cluster:// URL".to_owned()
+            }
             Kind::HugepageSize => "\"2MiB\" or \"1GiB\"".to_owned(),
         }
     }
@@ -734,7 +737,8 @@ impl OptionSpec {
                 "A TCP address, a relative path, or not a string.".to_owned()
             }
             Kind::Text(TextRule::RemoteUrl) => {
-                "Not a `redis://` or `redis+cluster://` URL.".to_owned()
+                "Not a `redis://`, `redis+cluster://`, `rediss://` or `rediss+cluster://` URL."
+                    .to_owned()
             }
             Kind::HugepageSize => {
                 "Not `\"2MiB\"` or `\"1GiB\"` (also accepted: `2M`, `1G`, `2097152`, ...)."
@@ -832,17 +836,13 @@ fn check_text(rule: TextRule, s: &str) -> Result<Value, Refusal> {
         TextRule::RemoteUrl => {
             let scheme = s.split_once("://").map(|(a, _)| a.to_ascii_lowercase());
             match scheme.as_deref() {
-                Some("redis" | "redis+cluster" | "valkey" | "valkey+cluster") if !has_space => {
-                    Ok(Value::from(s))
-                }
-                Some("rediss" | "rediss+cluster" | "valkeys" | "valkeys+cluster") => Err(
-                    "TLS (rediss://) is not built into this UMBP; use redis:// on a trusted \
-                     network, or a TLS proxy on the node"
-                        .to_owned(),
-                ),
+                Some(
+                    "redis" | "redis+cluster" | "valkey" | "valkey+cluster" | "rediss"
+                    | "rediss+cluster" | "valkeys" | "valkeys+cluster",
+                ) if !has_space => Ok(Value::from(s)),
                 _ => Err(format!(
                     "must be redis://host:port (one server) or \
-                     redis+cluster://host:port,host:port (a cluster), got {:?}",
+                     redis+cluster://host:port,host:port (a cluster), rediss:// for TLS, got {:?}",
                     umbp_redact(s)
                 )),
             }
@@ -1153,7 +1153,7 @@ mod tests {
             e.contains("remote_url") && e.contains("redis+cluster://") && !e.contains("secret"),
             "{e}"
         );
-        assert!(refusal(json!({"remote_url": "rediss://h:1"})).contains("TLS"));
+        assert!(parse(json!({"remote_url": "rediss://h:1"})).is_ok());
         assert!(refusal(json!({"remote_write": "lazy"})).contains("on_reuse"));
         assert!(refusal(json!({"remote_timeout_ms": 0})).contains("remote_timeout_ms"));
         let e = refusal(

@@ -29,12 +29,26 @@ fn primaries(nodes: &str) -> Vec<(String, u16)> {
 use crate::RemoteError;
 
 /// Where the remote store is, parsed from `remote_url`.
+///
+/// `rediss://` (and `rediss+cluster://`) connect with TLS: the server's certificate is checked
+/// against the system's roots (or the file named by `SSL_CERT_FILE`); a `#insecure` suffix
+/// skips that check (self-signed test set-ups only).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
     /// One server: `redis://[user:password@]host[:port][/db]` (`valkey://` is the same).
     Single(String),
     /// A cluster, by its seed nodes: `redis+cluster://[user:password@]host:port[,host:port...]`.
     Cluster(Vec<String>),
+}
+
+impl Target {
+    /// Whether it connects with TLS.
+    pub fn tls(&self) -> bool {
+        match self {
+            Target::Single(u) => u.starts_with("rediss://"),
+            Target::Cluster(s) => s.iter().any(|u| u.starts_with("rediss://")),
+        }
+    }
 }
 
 impl Target {
@@ -48,24 +62,27 @@ impl Target {
             bad("it has no scheme; write redis://host:port or redis+cluster://host:port,host:port")
         })?;
         let scheme = scheme.to_ascii_lowercase();
-        let tls = matches!(
-            scheme.as_str(),
-            "rediss" | "valkeys" | "rediss+cluster" | "valkeys+cluster"
-        );
-        if tls {
-            return Err(bad(
-                "TLS (rediss://) is not built into this UMBP; use redis:// on a trusted network, or a TLS proxy such as stunnel on the node",
-            ));
-        }
-        let cluster = match scheme.as_str() {
-            "redis" | "valkey" => false,
-            "redis+cluster" | "valkey+cluster" => true,
+        let (cluster, tls) = match scheme.as_str() {
+            "redis" | "valkey" => (false, false),
+            "rediss" | "valkeys" => (false, true),
+            "redis+cluster" | "valkey+cluster" => (true, false),
+            "rediss+cluster" | "valkeys+cluster" => (true, true),
             other => {
                 return Err(bad(&format!(
-                    "scheme {other:?} is not one UMBP knows; use redis:// (one server) or redis+cluster:// (a cluster)"
+                    "scheme {other:?} is not one UMBP knows; use redis:// (one server), redis+cluster:// (a cluster), or rediss:// / rediss+cluster:// for TLS"
                 )))
             }
         };
+        let proto = if tls { "rediss" } else { "redis" };
+        let (rest, insecure) = match rest
+            .strip_suffix("/#insecure")
+            .or_else(|| rest.strip_suffix("#insecure"))
+        {
+            Some(r) if tls => (r, true),
+            Some(_) => return Err(bad("#insecure only applies to TLS (rediss://) URLs")),
+            None => (rest, false),
+        };
+        let fragment = if insecure { "/#insecure" } else { "" };
         if rest.is_empty() || rest.starts_with('/') {
             return Err(bad("it names no host"));
         }
@@ -75,7 +92,11 @@ impl Target {
                     "several hosts need redis+cluster://; redis:// names one server",
                 ));
             }
-            let u = format!("redis://{rest}");
+            let u = if insecure && rest.contains('/') {
+                format!("{proto}://{rest}#insecure")
+            } else {
+                format!("{proto}://{rest}{fragment}")
+            };
             redis::parse_redis_url(&u).ok_or_else(|| bad("it is not a valid URL"))?;
             return Ok(Target::Single(u));
         }
@@ -95,8 +116,8 @@ impl Target {
                 return Err(bad("an empty host between commas"));
             }
             let u = match auth {
-                Some(a) => format!("redis://{a}@{h}"),
-                None => format!("redis://{h}"),
+                Some(a) => format!("{proto}://{a}@{h}{fragment}"),
+                None => format!("{proto}://{h}{fragment}"),
             };
             redis::parse_redis_url(&u)
                 .ok_or_else(|| bad(&format!("seed {h:?} is not host:port")))?;
@@ -144,6 +165,11 @@ impl Backend {
     /// `timeout` bounds each connect and each answer.
     pub(crate) fn new(target: &Target, timeout: Duration) -> Result<Backend, RemoteError> {
         let err = |e: redis::RedisError| RemoteError::Client(e.to_string());
+        if target.tls() {
+            // One process-wide TLS provider (ring); a second install (another tier, or the
+            // host program's own) is refused harmlessly.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
         Ok(match target {
             Target::Single(u) => Backend::Single(Client::open(u.as_str()).map_err(err)?),
             Target::Cluster(seeds) => Backend::Cluster(
@@ -358,11 +384,28 @@ mod tests {
                 "redis://:pw@b:7001".into()
             ])
         );
+        assert_eq!(
+            Target::parse("rediss://:pw@h:6380").unwrap(),
+            Target::Single("rediss://:pw@h:6380".into())
+        );
+        assert_eq!(
+            Target::parse("rediss://h:6380/#insecure").unwrap(),
+            Target::Single("rediss://h:6380/#insecure".into())
+        );
+        let c = Target::parse("rediss+cluster://a:1,b:2#insecure").unwrap();
+        assert_eq!(
+            c,
+            Target::Cluster(vec![
+                "rediss://a:1/#insecure".into(),
+                "rediss://b:2/#insecure".into()
+            ])
+        );
+        assert!(c.tls() && !Target::parse("redis://h:1").unwrap().tls());
         for (bad, says) in [
             ("localhost:6379", "no scheme"),
             ("http://h:1", "redis+cluster://"),
             ("redis://a:1,b:2", "redis+cluster://"),
-            ("rediss://h:1", "TLS"),
+            ("redis://h:1/#insecure", "only applies to TLS"),
             ("redis+cluster://a:1,,b:2", "empty host"),
             ("redis+cluster://a:1/3", "/db"),
             ("redis://", "no host"),

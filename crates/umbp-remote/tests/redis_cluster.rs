@@ -523,3 +523,111 @@ fn a_full_remote_refuses_writes_without_failing_lookups() -> Result<()> {
     assert_eq!(got, s.writes);
     Ok(())
 }
+
+/// A self-signed certificate for 127.0.0.1, made with the `openssl` command.
+fn self_signed(dir: &std::path::Path) -> Result<(PathBuf, PathBuf)> {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let out = Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args([
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .context("running openssl")?;
+    ensure!(
+        out.status.success(),
+        "openssl req: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((cert, key))
+}
+
+#[test]
+fn tls_with_rediss_urls() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let dir = std::env::temp_dir().join(format!("umbp-redis-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (cert, key) = self_signed(&dir)?;
+    let port = free_port();
+    let (c, k) = (cert.display().to_string(), key.display().to_string());
+    let mut child = Command::new("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+        ])
+        .args([
+            "--tls-cert-file",
+            &c,
+            "--tls-key-file",
+            &k,
+            "--tls-ca-cert-file",
+            &c,
+        ])
+        .args([
+            "--tls-auth-clients",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let result = (|| -> Result<()> {
+        let url = format!("rediss://127.0.0.1:{port}/#insecure");
+        let ks = keys("remote-it-tls", 6);
+        let pa = pool();
+        let ta = RemoteTier::start(config(url.clone()), Arc::clone(&pa))?;
+        let t = Instant::now();
+        loop {
+            for (i, k) in ks.iter().enumerate() {
+                pa.put(*k, &payload(i, 8192))?;
+            }
+            ta.write_keys(&ks);
+            assert!(ta.flush(Duration::from_secs(5)));
+            if ta.stats().writes >= 6 {
+                break;
+            }
+            // The server may still be starting: the tier backs off and retries.
+            ensure!(t.elapsed() < Duration::from_secs(10), "{:?}", ta.stats());
+            std::thread::sleep(Duration::from_millis(1100));
+        }
+        let pb = pool();
+        let tb = RemoteTier::start(config(url), Arc::clone(&pb))?;
+        assert_eq!(tb.fetch_prefix(&ks), 6);
+        check_restored(&pb, &ks, 8192);
+        // Without #insecure the self-signed certificate is refused: the remote is down for
+        // this tier, its lookups miss, nothing hangs.
+        let pc = pool();
+        let tc = RemoteTier::start(
+            config(format!("rediss://127.0.0.1:{port}")),
+            Arc::clone(&pc),
+        )?;
+        let t = Instant::now();
+        assert_eq!(tc.fetch_prefix(&ks), 0);
+        assert!(t.elapsed() < Duration::from_secs(3));
+        let s = tc.stats();
+        assert!(!s.connected && s.errors >= 1, "{s:?}");
+        Ok(())
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}

@@ -98,7 +98,7 @@ struct Args {
     max_message_bytes: u64,
     /// A shared remote tier behind the pool, on an existing Redis / Valkey: redis://host:port
     /// (one server) or redis+cluster://host:port,host:port (a cluster; user:password@ before
-    /// the hosts). Off when unset. See docs/remote.md.
+    /// the hosts; rediss:// and rediss+cluster:// for TLS). Off when unset. See docs/remote.md.
     #[arg(long = "remote-url", env = "UMBP_REMOTE_URL")]
     remote_url: Option<String>,
     /// Expiry of objects written to the remote tier, in seconds (0: none; the remote's
