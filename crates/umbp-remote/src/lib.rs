@@ -699,17 +699,46 @@ fn get_chunk(inner: &Inner, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> Opti
         return None;
     };
     let names: Vec<String> = chunk.iter().map(object::remote_key).collect();
-    match con.get_many(&names) {
+    let mut res = con.get_many(&names);
+    if res.as_ref().is_err_and(is_redirect) {
+        // The cluster moved slots: a new connection reads the new slot map; once.
+        *slot = None;
+        res = match inner.conn(slot) {
+            Some(con) => con.get_many(&names),
+            None => return None,
+        };
+    }
+    match res {
         Ok(v) => {
             inner.succeeded();
             Some(v)
         }
-        Err(e) => {
+        Err(e) if is_transport(&e) => {
+            // A timed-out pipeline may still answer later: never reuse the connection.
             *slot = None;
             inner.failed("a lookup", &e);
             None
         }
+        Err(e) => {
+            // The remote answered with errors (a slot still migrating, say): this chunk
+            // misses; the connection and later lookups are fine.
+            *slot = None;
+            add(&inner.c.errors, 1);
+            log::warn!("remote tier: a lookup was refused: {e}");
+            None
+        }
     }
+}
+
+/// Whether `e` (maybe one of a pipeline's errors) says the cluster's slots moved.
+fn is_redirect(e: &redis::RedisError) -> bool {
+    if e.is_cluster_error() {
+        return true;
+    }
+    // A pipeline's errors come as one error listing them; the sync cluster pipeline does not
+    // follow redirections itself.
+    let text = e.to_string();
+    text.contains("Moved:") || text.contains("Ask:") || text.contains("TryAgain")
 }
 
 /// Checks the values of `chunk` and puts the good ones in the pool; which keys are now
@@ -934,7 +963,19 @@ fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
             add(&c.writes_dropped, n);
             continue;
         };
-        match con.set_many(&pairs, inner.cfg.ttl) {
+        let mut res = con.set_many(&pairs, inner.cfg.ttl);
+        if res.as_ref().is_err_and(is_redirect) {
+            // The cluster moved slots: a new connection reads the new slot map; once.
+            slot = None;
+            res = match inner.conn(&mut slot) {
+                Some(con) => con.set_many(&pairs, inner.cfg.ttl),
+                None => {
+                    add(&c.writes_dropped, n);
+                    continue;
+                }
+            };
+        }
+        match res {
             Ok(()) => {
                 inner.succeeded();
                 add(&c.writes, n);

@@ -631,3 +631,39 @@ fn tls_with_rediss_urls() -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
+
+#[test]
+fn lookups_follow_a_resharding_cluster() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start(3, true)?;
+    let ks = keys("remote-it-reshard", 40);
+    let len = 8 << 10;
+    let (_pa, _ta) = node_a_stores(&r.url(), &ks, len)?;
+    let pb = pool();
+    let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+    // B knows the slot map from before the move.
+    assert_eq!(tb.fetch_prefix(&ks[..1]), 1);
+    let id =
+        |port: u16| -> Result<String> { Ok(r.cli(port, &["cluster", "myid"])?.trim().to_string()) };
+    let (from, to) = (id(r.nodes[0].port)?, id(r.nodes[1].port)?);
+    let out = Command::new("redis-cli")
+        .args([
+            "--cluster",
+            "reshard",
+            &format!("127.0.0.1:{}", r.nodes[0].port),
+        ])
+        .args(["--cluster-from", &from, "--cluster-to", &to])
+        .args(["--cluster-slots", "5000", "--cluster-yes"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "reshard failed: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // Every object moved with its slots; B follows the redirections.
+    assert_eq!(tb.fetch_prefix(&ks), ks.len(), "{:?}", tb.stats());
+    check_restored(&pb, &ks, len);
+    Ok(())
+}
