@@ -3,8 +3,10 @@
 cluster started from the distribution's `redis-server` (tests/redis_cluster.py)."""
 
 import mmap
+import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -170,9 +172,12 @@ def test_two_standalone_servers_share_objects_through_the_cluster(cluster, tmp_p
     """Two servers standing in for two nodes: a client of server A stores, a client of
     server B (another pool) loads the same bytes."""
     args = ["--remote-url", cluster.url, "--remote-timeout-ms", "2000"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        metrics = f"127.0.0.1:{probe.getsockname()[1]}"
     with (
         running(tmp_path.name + "a", extra_args=args) as sa,
-        running(tmp_path.name + "b", extra_args=args) as sb,
+        running(tmp_path.name + "b", extra_args=[*args, "--metrics-address", metrics]) as sb,
     ):
         src, dst = own_buffer(), own_buffer()
         src[:] = peer.pattern(11)
@@ -199,6 +204,10 @@ def test_two_standalone_servers_share_objects_through_the_cluster(cluster, tmp_p
         assert st["remote"]["hits"] == peer.BLOCKS and st["remote"]["connected"], st["remote"]
         text = sb.umbp("stats")
         assert "remote tier          connected" in text, text
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as r:
+            prom = r.read().decode()
+        assert f"umbp_remote_hits_total {peer.BLOCKS}" in prom, prom
+        assert "umbp_remote_connected 1" in prom, prom
 
 
 def test_an_engine_reset_clears_its_namespace_in_the_remote_tier(cluster, tmp_path):
