@@ -107,7 +107,7 @@ def test_a_corrupted_object_is_a_miss_and_the_rest_restores(cluster):
         b.close()
 
 
-def test_on_reuse_writes_only_what_lookups_hit_twice(cluster):
+def test_on_reuse_writes_only_what_lookups_hit_twice_a_second_apart(cluster):
     kb = umbp.KeyBuilder("remote-py-reuse", tp=0)
     keys = kb.keys(0, hashes(range(6)))
     src = KvCache(fill_seed=3)
@@ -119,6 +119,9 @@ def test_on_reuse_writes_only_what_lookups_hit_twice(cluster):
         assert cluster.keys() == []
         assert a.prefix_hits(keys[:2]) == 2  # first hit of blocks 0, 1
         assert a.flush_remote(5_000) and cluster.keys() == []
+        assert a.prefix_hits(keys[:1]) == 1  # within a second: the same reuse
+        assert a.flush_remote(5_000) and cluster.keys() == []
+        time.sleep(1.1)
         assert a.prefix_hits(keys[:1]) == 1  # second hit of block 0
         wait_until(lambda: len(cluster.keys()) == 1, what="block 0 written")
         assert a.remote_stats()["writes"] == 1

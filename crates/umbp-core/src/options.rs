@@ -480,7 +480,11 @@ pub const REMOTE_URL: OptionSpec = OptionSpec {
 pub const REMOTE_TTL_S: OptionSpec = OptionSpec {
     name: "remote_ttl_s",
     scope: Scope::Embedded,
-    kind: at_least(0, Unit::Seconds),
+    kind: Kind::Int {
+        min: 0,
+        max: 315_360_000,
+        unit: Unit::Seconds,
+    },
     default: DefaultValue::Int(0),
     nullable: false,
     default_doc: Some("0 (no expiry)"),

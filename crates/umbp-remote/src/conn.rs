@@ -187,6 +187,40 @@ impl Backend {
         })
     }
 
+    /// `SET key value [PX ttl]` for every pair, as one pipeline for this kind of remote. The
+    /// values' bytes are copied into the pipeline here: the caller's objects may be released
+    /// before it is sent.
+    pub(crate) fn prepare_sets<V: redis::ToRedisArgs>(
+        &self,
+        items: &[(String, V)],
+        ttl: Option<Duration>,
+    ) -> SetBatch {
+        macro_rules! fill {
+            ($p:expr) => {
+                for (k, v) in items {
+                    let c = $p.cmd("SET").arg(k).arg(v);
+                    if let Some(t) = ttl {
+                        c.arg("PX")
+                            .arg(u64::try_from(t.as_millis()).unwrap_or(u64::MAX));
+                    }
+                    c.ignore();
+                }
+            };
+        }
+        match self {
+            Backend::Single(_) => {
+                let mut p = redis::pipe();
+                fill!(p);
+                SetBatch::Single(p)
+            }
+            Backend::Cluster(_) => {
+                let mut p = cluster_pipe();
+                fill!(p);
+                SetBatch::Cluster(p)
+            }
+        }
+    }
+
     pub(crate) fn connect(&self, timeout: Duration) -> RedisResult<Conn> {
         Ok(match self {
             Backend::Single(c) => {
@@ -203,6 +237,12 @@ impl Backend {
             }
         })
     }
+}
+
+/// A pipeline of `SET`s, ready to send.
+pub(crate) enum SetBatch {
+    Single(redis::Pipeline),
+    Cluster(redis::cluster::ClusterPipeline),
 }
 
 /// One live connection.
@@ -235,37 +275,15 @@ impl Conn {
         }
     }
 
-    /// `SET key value [PX ttl]` for every pair, pipelined.
-    pub(crate) fn set_many<V: redis::ToRedisArgs>(
-        &mut self,
-        items: &[(String, V)],
-        ttl: Option<Duration>,
-    ) -> RedisResult<()> {
-        if items.is_empty() {
-            return Ok(());
-        }
-        macro_rules! fill {
-            ($p:expr) => {
-                for (k, v) in items {
-                    let c = $p.cmd("SET").arg(k).arg(v);
-                    if let Some(t) = ttl {
-                        c.arg("PX").arg(t.as_millis() as u64);
-                    }
-                    c.ignore();
-                }
-            };
-        }
-        match self {
-            Conn::Single(c) => {
-                let mut p = redis::pipe();
-                fill!(p);
-                p.exec(c)
-            }
-            Conn::Cluster(c) => {
-                let mut p = cluster_pipe();
-                fill!(p);
-                p.exec(c)
-            }
+    /// Runs a batch of `SET`s made by [`Backend::prepare_sets`].
+    pub(crate) fn run_sets(&mut self, batch: &SetBatch) -> RedisResult<()> {
+        match (self, batch) {
+            (Conn::Single(c), SetBatch::Single(p)) => p.exec(c),
+            (Conn::Cluster(c), SetBatch::Cluster(p)) => p.exec(c),
+            _ => Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "a batch made for another kind of connection",
+            ))),
         }
     }
 

@@ -77,7 +77,8 @@ pub enum WritePolicy {
     /// Every object, as soon as it is committed to the pool.
     #[default]
     Eager,
-    /// An object the second time a lookup hits it in the pool.
+    /// An object the second time a lookup hits it in the pool (hits of one key less than a
+    /// second apart count once: vLLM looks a waiting request up again every step).
     OnReuse,
 }
 
@@ -241,11 +242,26 @@ impl<V> Tracked<V> {
     }
 }
 
+/// How often lookups hit a committed object not written yet (on-reuse policy).
+#[derive(Debug, Default, Clone, Copy)]
+struct Reuse {
+    hits: u8,
+    last: Option<Instant>,
+}
+
+/// Hits of one key closer together than this count as one (on-reuse policy).
+const REUSE_WINDOW: Duration = Duration::from_secs(1);
+
 /// What the fetch threads are asked.
 struct FetchJob {
     keys: Vec<BlockKey>,
     /// Stop at the first key the remote lacks.
     prefix: bool,
+    /// The caller stops waiting then; a job still queued at that time is not served.
+    deadline: Instant,
+    /// Set when a fetch thread takes the job (a job that waited in the queue all along says
+    /// nothing about the remote).
+    started: Arc<AtomicBool>,
     /// Per chunk: (index of its first key, which of its keys are now in the pool).
     reply: mpsc::Sender<(usize, Vec<bool>)>,
 }
@@ -262,9 +278,9 @@ struct Inner {
     /// Keys the fetchers put in the pool: their commits are not written back.
     from_remote: Mutex<HashSet<BlockKey>>,
     /// On-reuse policy: committed keys not written yet, and how often lookups hit them.
-    candidates: Mutex<Tracked<u8>>,
+    candidates: Mutex<Tracked<Reuse>>,
     /// The writer's queue: pool commits (through the forwarder thread), objects to write, stop.
-    to_writer: Mutex<Option<mpsc::Sender<WriterMsg>>>,
+    to_writer: Mutex<Option<SyncSender<WriterMsg>>>,
     /// `Write` messages sent and not yet taken by the writer.
     writes_queued: AtomicU64,
     /// The pool's commits before the tier subscribed to them.
@@ -287,8 +303,10 @@ impl Inner {
         if let Some(tx) = self.to_writer.lock().as_ref() {
             for k in keys {
                 self.writes_queued.fetch_add(1, Ordering::AcqRel);
-                if tx.send(WriterMsg::Write(k)).is_err() {
+                // Never waits (a lookup calls this): a full queue drops the write.
+                if tx.try_send(WriterMsg::Write(k)).is_err() {
                     self.writes_queued.fetch_sub(1, Ordering::AcqRel);
+                    add(&self.c.writes_dropped, 1);
                 }
             }
         }
@@ -379,8 +397,9 @@ impl RemoteTier {
         let target = cfg.validate()?;
         let backend = Backend::new(&target, cfg.timeout)?;
         let events = pool.subscribe(EVENT_QUEUE);
-        // After subscribing: a commit racing with this is counted here and also seen as an
-        // event, which `flush` tolerates (it waits for at least as many events as commits).
+        // After subscribing: a commit racing with this line is counted here and also seen as
+        // an event, so `flush` may return one such commit early (only commits made while the
+        // tier starts). Read before subscribing, it would never return.
         let puts_before = pool.stats().puts;
         let inner = Arc::new(Inner {
             cfg,
@@ -395,7 +414,9 @@ impl RemoteTier {
             writes_queued: AtomicU64::new(0),
             puts_before,
         });
-        let (to_writer, writer_rx) = mpsc::channel::<WriterMsg>();
+        // Bounded: when the writer lags this far, the forwarder waits, the pool's own queue
+        // fills and the pool drops (and counts) events instead of anything growing.
+        let (to_writer, writer_rx) = mpsc::sync_channel::<WriterMsg>(EVENT_QUEUE);
         *inner.to_writer.lock() = Some(to_writer.clone());
         let (fetch_tx, fetch_rx) = mpsc::sync_channel::<FetchJob>(FETCH_QUEUE);
         let fetch_rx = Arc::new(std::sync::Mutex::new(fetch_rx));
@@ -462,17 +483,28 @@ impl RemoteTier {
     /// first the remote lacks; waits at most the tier's timeout. Returns how many keys from
     /// the first are now in the pool.
     pub fn fetch_prefix(&self, keys: &[BlockKey]) -> usize {
-        let got = self.fetch(keys, true);
+        self.fetch_prefix_by(keys, Instant::now() + self.inner.cfg.timeout)
+    }
+
+    /// [`fetch_prefix`](Self::fetch_prefix), waiting until `deadline` at most (one deadline
+    /// for the several calls of one lookup).
+    pub fn fetch_prefix_by(&self, keys: &[BlockKey], deadline: Instant) -> usize {
+        let got = self.fetch(keys, true, deadline);
         got.iter().take_while(|p| **p).count()
+    }
+
+    /// When a lookup that starts now must be answered.
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.inner.cfg.timeout
     }
 
     /// Fetches every key of `keys` (those the pool missed) that the remote holds into the pool;
     /// waits at most the tier's timeout. Returns which are now in the pool.
     pub fn fetch_present(&self, keys: &[BlockKey]) -> Vec<bool> {
-        self.fetch(keys, false)
+        self.fetch(keys, false, self.deadline())
     }
 
-    fn fetch(&self, keys: &[BlockKey], prefix: bool) -> Vec<bool> {
+    fn fetch(&self, keys: &[BlockKey], prefix: bool, deadline: Instant) -> Vec<bool> {
         let mut got = vec![false; keys.len()];
         if keys.is_empty() {
             return got;
@@ -482,11 +514,16 @@ impl RemoteTier {
             add(&c.skipped_lookups, 1);
             return got;
         }
-        let deadline = Instant::now() + self.inner.cfg.timeout;
+        if Instant::now() >= deadline {
+            return got;
+        }
         let (tx, rx) = mpsc::channel();
+        let started = Arc::new(AtomicBool::new(false));
         let job = FetchJob {
             keys: keys.to_vec(),
             prefix,
+            deadline,
+            started: Arc::clone(&started),
             reply: tx,
         };
         let sent = match self.fetch_tx.lock().as_ref() {
@@ -515,9 +552,10 @@ impl RemoteTier {
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     add(&c.timeouts, 1);
-                    if seen == 0 {
-                        // Not one answer within the timeout: the remote is unresponsive,
-                        // not merely busy with a long prefix. Leave it alone for a while.
+                    if seen == 0 && started.load(Ordering::Acquire) {
+                        // A fetch thread asked and not one chunk came back within the
+                        // timeout: the remote is unresponsive, not merely busy with a long
+                        // prefix (or this job queued behind others). Leave it alone a while.
                         self.inner.unresponsive();
                     }
                     break;
@@ -540,10 +578,17 @@ impl RemoteTier {
             return;
         }
         let mut promoted = Vec::new();
+        let now = Instant::now();
         for k in keys {
-            if let Some(n) = cand.map.get_mut(&k) {
-                *n += 1;
-                if *n >= 2 {
+            if let Some(r) = cand.map.get_mut(&k) {
+                // vLLM asks again for a request that waits, every scheduler step: hits of
+                // one key closer than REUSE_WINDOW count once.
+                if r.last.is_some_and(|t| now.duration_since(t) < REUSE_WINDOW) {
+                    continue;
+                }
+                r.last = Some(now);
+                r.hits += 1;
+                if r.hits >= 2 {
                     cand.map.remove(&k);
                     promoted.push(k);
                 }
@@ -586,8 +631,17 @@ impl RemoteTier {
             pattern.push_str(&format!("{b:02x}"));
         }
         pattern.push('*');
-        let mut slot = None;
-        let con = self.inner.conn(&mut slot)?;
+        // A reset must not be skipped because of a back-off: it connects whatever the state.
+        let mut con = match self.inner.backend.connect(self.inner.cfg.timeout) {
+            Ok(c) => c,
+            Err(e) => {
+                self.inner.failed("connecting to clear a namespace", &e);
+                log::warn!(
+                    "remote tier: the namespace's remote objects ({pattern}) were NOT deleted; they expire by TTL or eviction, or delete them with redis-cli"
+                );
+                return None;
+            }
+        };
         match con.delete_matching(&pattern) {
             Ok(n) => {
                 log::info!("remote tier: deleted {n} objects of the namespace ({pattern})");
@@ -595,6 +649,9 @@ impl RemoteTier {
             }
             Err(e) => {
                 self.inner.failed("clearing a namespace", &e);
+                log::warn!(
+                    "remote tier: the namespace's remote objects ({pattern}) may not all be deleted; they expire by TTL or eviction, or delete them with redis-cli"
+                );
                 None
             }
         }
@@ -647,7 +704,8 @@ impl RemoteTier {
         self.inner.closed.store(true, Ordering::Release);
         self.fetch_tx.lock().take();
         if let Some(tx) = self.inner.to_writer.lock().take() {
-            let _ = tx.send(WriterMsg::Stop);
+            // A full queue means the writer is busy: it sees `closed` after its batch.
+            let _ = tx.try_send(WriterMsg::Stop);
         }
         let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
@@ -685,6 +743,12 @@ fn fetcher(inner: &Inner, jobs: &std::sync::Mutex<Receiver<FetchJob>>) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
+        if Instant::now() >= job.deadline {
+            // Its caller has given up: asking now would only load the remote.
+            add(&inner.c.skipped_lookups, 1);
+            continue;
+        }
+        job.started.store(true, Ordering::Release);
         serve_fetch(inner, &mut slots, job);
     }
 }
@@ -721,7 +785,8 @@ fn get_chunk(inner: &Inner, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> Opti
         }
         Err(e) => {
             // The remote answered with errors (a slot still migrating, say): this chunk
-            // misses; the connection and later lookups are fine.
+            // misses, and no back-off follows; the connection is made again next time, so
+            // that it reads the cluster's slot map afresh.
             *slot = None;
             add(&inner.c.errors, 1);
             log::warn!("remote tier: a lookup was refused: {e}");
@@ -795,32 +860,41 @@ fn serve_fetch(inner: &Inner, slots: &mut [Option<Conn>; 2], job: FetchJob) {
             &mut this[0]
         };
         let next_chunk = chunks.get(ci + 1).copied();
-        let ((present, stop), next) = std::thread::scope(|s| {
-            let mut next_slot = Some(next_slot);
-            let ahead = next_chunk.and_then(|nc| {
-                let slot = next_slot.take()?;
-                std::thread::Builder::new()
-                    .name("umbp-remote-ahead".into())
-                    .spawn_scoped(s, move || get_chunk(inner, slot, nc))
-                    .ok()
-            });
-            let taken = take_chunk(inner, chunks[ci], std::mem::take(&mut values), job.prefix);
-            let next = match (ahead, next_chunk, next_slot) {
-                (Some(h), _, _) => h.join().unwrap_or(None),
-                // No thread could be started: fetch it now.
-                (None, Some(nc), Some(slot)) if !taken.1 => get_chunk(inner, slot, nc),
-                _ => None,
+        let current = std::mem::take(&mut values);
+        // The next chunk's request travels while this one is checked, copied and answered;
+        // the answer goes out before waiting for the next chunk.
+        let next = std::thread::scope(|s| {
+            let mut slot = Some(next_slot);
+            let ahead = match next_chunk {
+                Some(nc) => {
+                    let taken = slot.take().expect("the slot is there");
+                    std::thread::Builder::new()
+                        .name("umbp-remote-ahead".into())
+                        .spawn_scoped(s, move || get_chunk(inner, taken, nc))
+                        .map_err(|_| ())
+                }
+                None => Err(()),
             };
-            (taken, Some(next))
+            let (present, stop) = take_chunk(inner, chunks[ci], current, job.prefix);
+            // The caller gone (timed out) or a prefix broken: no more chunks (a fetched-ahead
+            // one is dropped).
+            let go_on = job.reply.send((ci * FETCH_CHUNK, present)).is_ok() && !stop;
+            match ahead {
+                Ok(h) => h.join().ok().flatten().filter(|_| go_on),
+                // No thread could be started: the next chunk is fetched here, after this one.
+                Err(()) => match (next_chunk, go_on) {
+                    (Some(nc), true) => {
+                        // The failed spawn took the slot's connection with it: a new one.
+                        log::debug!("remote tier: no look-ahead thread; fetching in turn");
+                        get_chunk(inner, &mut None, nc)
+                    }
+                    _ => None,
+                },
+            }
         });
-        // The caller gone (timed out) or a prefix broken: no more chunks (a fetched-ahead
-        // one is dropped).
-        if job.reply.send((ci * FETCH_CHUNK, present)).is_err() || stop {
-            return;
-        }
         match next {
-            Some(Some(v)) => values = v,
-            _ => return,
+            Some(v) => values = v,
+            None => return,
         }
     }
 }
@@ -836,7 +910,9 @@ fn put_fetched(inner: &Inner, key: BlockKey, payload: &[u8]) -> bool {
         }
         fr.insert(key);
     }
-    let stored = inner.pool.reserve(payload.len() as u64).map(|mut r| {
+    // Never evicts: on the lookup path a fetch must not push out what the same lookup just
+    // counted (or an earlier chunk of it). What does not fit in the free room misses.
+    let stored = inner.pool.try_reserve(payload.len() as u64).map(|mut r| {
         let dst = r.as_mut_slice();
         // SAFETY: `dst` is a fresh reservation of exactly `payload.len()` bytes, `payload` a
         // slice of the fetched value: both valid, and disjoint.
@@ -847,10 +923,9 @@ fn put_fetched(inner: &Inner, key: BlockKey, payload: &[u8]) -> bool {
     });
     match stored {
         Ok(outcome) => {
-            if outcome == CommitOutcome::AlreadyPresent {
-                // No commit event will take it out of the set.
-                inner.from_remote.lock().remove(&key);
-            } else {
+            // Already present: another fetch (or the engine) committed it first. Its entry
+            // in the set stays for that commit's event (one entry per key).
+            if outcome == CommitOutcome::Stored {
                 add(&inner.c.hits, 1);
                 add(&inner.c.bytes_fetched, payload.len() as u64);
             }
@@ -900,10 +975,16 @@ fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
                     }
                     match inner.cfg.write {
                         WritePolicy::Eager => enqueue(inner, &mut backlog, key, bytes),
-                        WritePolicy::OnReuse => inner.candidates.lock().insert(key, 0),
+                        WritePolicy::OnReuse => {
+                            inner.candidates.lock().insert(key, Reuse::default())
+                        }
                     }
                 }
-                WriterMsg::Pool(PoolEvent::Removed { .. }) => {}
+                WriterMsg::Pool(PoolEvent::Removed { key, .. }) => {
+                    if inner.cfg.write == WritePolicy::OnReuse {
+                        inner.candidates.lock().map.remove(&key);
+                    }
+                }
                 WriterMsg::Write(key) => {
                     match inner.pool.peek(&key).map(|o| o.len()) {
                         Some(bytes) => enqueue(inner, &mut backlog, key, bytes),
@@ -926,7 +1007,7 @@ fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
             c.backlog_bytes.store(0, Ordering::Relaxed);
             continue;
         }
-        // One batch, pinned while it is sent (its bytes go from the pool into the command).
+        // One batch, pinned until its bytes are copied into the pipeline.
         let mut batch = Vec::new();
         let mut batch_bytes = 0u64;
         while batch.len() < WRITE_BATCH && batch_bytes < WRITE_BATCH_BYTES {
@@ -945,7 +1026,6 @@ fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
         if batch.is_empty() {
             continue;
         }
-        rate.wait(batch_bytes, &inner.closed);
         let pairs: Vec<(String, object::Encoded<'_>)> = batch
             .iter()
             .map(|(key, name, obj)| {
@@ -959,16 +1039,21 @@ fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
             })
             .collect();
         let n = pairs.len() as u64;
+        // The objects' bytes go into the pipeline here; the pins end with it.
+        let prepared = inner.backend.prepare_sets(&pairs, inner.cfg.ttl);
+        drop(pairs);
+        drop(batch);
+        rate.wait(batch_bytes, &inner.closed);
         let Some(con) = inner.conn(&mut slot) else {
             add(&c.writes_dropped, n);
             continue;
         };
-        let mut res = con.set_many(&pairs, inner.cfg.ttl);
+        let mut res = con.run_sets(&prepared);
         if res.as_ref().is_err_and(is_redirect) {
             // The cluster moved slots: a new connection reads the new slot map; once.
             slot = None;
             res = match inner.conn(&mut slot) {
-                Some(con) => con.set_many(&pairs, inner.cfg.ttl),
+                Some(con) => con.run_sets(&prepared),
                 None => {
                     add(&c.writes_dropped, n);
                     continue;

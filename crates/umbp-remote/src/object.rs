@@ -58,8 +58,8 @@ pub fn encode_into(key: &BlockKey, payload: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(payload);
 }
 
-/// The value of an object as one command argument, written straight from the object's bytes
-/// (in the pool) into the command being sent: no intermediate copy.
+/// The value of an object as one command argument: the header and the object's bytes (in the
+/// pool) are written straight into the command's buffer, with no buffer of its own between.
 #[derive(Debug, Clone, Copy)]
 pub struct Encoded<'a> {
     /// The object's key.

@@ -428,6 +428,14 @@ fn on_reuse_writes_at_the_second_hit_and_one_server_urls_work() -> Result<()> {
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(ta.stats().writes, 0, "one hit is not a reuse yet");
     ta.note_hits([ks[0]]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        ta.stats().writes,
+        0,
+        "hits less than a second apart count once"
+    );
+    std::thread::sleep(Duration::from_millis(900));
+    ta.note_hits([ks[0]]);
     assert!(ta.flush(Duration::from_secs(5)));
     let t = Instant::now();
     while ta.stats().writes < 1 {

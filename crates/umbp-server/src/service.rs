@@ -325,10 +325,22 @@ impl Store for Service {
     ) -> Result<Response<v1::ClearReply>, Status> {
         let peer = self.peer(&req)?;
         let ns = req.into_inner().namespace;
-        let removed = if ns.is_empty() {
-            self.state.store.clear()
+        let store = Arc::clone(&self.state.store);
+        let name = ns.clone();
+        let clear = move || {
+            if name.is_empty() {
+                store.clear()
+            } else {
+                store.clear_namespace(&name)
+            }
+        };
+        // With a remote tier a namespace's clear scans the remote store: off the runtime.
+        let removed = if self.state.store.has_remote() {
+            tokio::task::spawn_blocking(clear)
+                .await
+                .map_err(|e| Status::internal(format!("the clear failed: {e}")))?
         } else {
-            self.state.store.clear_namespace(&ns)
+            clear()
         }
         .map_err(|e| self.store_err(e))?;
         tracing::info!(pid = peer.pid, namespace = %ns, removed, "pool cleared");
@@ -349,11 +361,14 @@ impl Store for Service {
         let answer = move || -> Result<v1::ExistsReply, StoreError> {
             Ok(if prefix_only {
                 let mut prefix = n;
+                // Every rank's remote fetch shares one deadline.
+                let deadline = store.remote_deadline();
                 for rank in keys.chunks(n.max(1)).take(n_ranks) {
                     if prefix == 0 {
                         break;
                     }
-                    prefix = prefix.min(store.prefix_hits(&rank[..prefix])?);
+                    let hits = store.prefix_hits_until(prefix, |i| rank[i], deadline)?;
+                    prefix = prefix.min(hits);
                 }
                 v1::ExistsReply {
                     present: Vec::new(),

@@ -64,9 +64,9 @@ impl LookupTarget for StoreLookup {
     /// The engine's reset: this worker's pool, and the engine's namespace in the remote tier
     /// (which would otherwise hand the objects back at the next lookup).
     fn clear(&self) -> u64 {
-        let n = self.store.clear().unwrap_or(0);
+        // The remote first: a lookup between the two would fetch back what the pool lost.
         self.store.clear_remote_namespace(&self.keys.namespace_id());
-        n
+        self.store.clear().unwrap_or(0)
     }
 
     fn describe(&self) -> String {

@@ -459,6 +459,24 @@ impl EmbeddedStore {
         n: usize,
         key: impl Fn(usize) -> BlockKey,
     ) -> Result<usize, StoreError> {
+        self.prefix_hits_until(n, key, None)
+    }
+
+    /// When a lookup that starts now must have its remote tier's answers (`None` without a
+    /// remote tier): one deadline for the several calls of one request (every rank of a
+    /// topology, say), so that together they wait the tier's timeout at most.
+    pub fn remote_deadline(&self) -> Option<std::time::Instant> {
+        self.shared.remote.as_ref().map(RemoteTier::deadline)
+    }
+
+    /// [`prefix_hits_with`](Self::prefix_hits_with) whose remote fetch ends at `deadline`
+    /// (from [`remote_deadline`](Self::remote_deadline); `None`: the tier's timeout from now).
+    pub fn prefix_hits_until(
+        &self,
+        n: usize,
+        key: impl Fn(usize) -> BlockKey,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<usize, StoreError> {
         self.check_open()?;
         let local = self.shared.pool.prefix_hits_with(n, &key);
         let Some(r) = &self.shared.remote else {
@@ -469,7 +487,8 @@ impl EmbeddedStore {
             return Ok(local);
         }
         let rest: Vec<BlockKey> = (local..n).map(&key).collect();
-        Ok(local + r.fetch_prefix(&rest))
+        let deadline = deadline.unwrap_or_else(|| r.deadline());
+        Ok(local + r.fetch_prefix_by(&rest, deadline))
     }
 
     /// Whether lookups may wait for a remote tier (then callers holding a lock other threads
@@ -623,9 +642,9 @@ impl EmbeddedStore {
     pub fn clear_namespace(&self, namespace: &str) -> Result<u64, StoreError> {
         self.check_open()?;
         let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
-        let n = self.shared.pool.clear_namespace(&id);
+        // The remote first: a lookup between the two would fetch back what the pool lost.
         self.clear_remote_namespace(&id);
-        Ok(n)
+        Ok(self.shared.pool.clear_namespace(&id))
     }
 
     /// Removes the remote tier's objects of the namespace with id `namespace_id` (every rank,

@@ -103,7 +103,7 @@ struct Args {
     remote_url: Option<String>,
     /// Expiry of objects written to the remote tier, in seconds (0: none; the remote's
     /// maxmemory-policy evicts).
-    #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = 0)]
+    #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=315_360_000))]
     remote_ttl_s: u64,
     /// When objects go to the remote tier: eager (every stored object) or on_reuse (the second
     /// time a lookup hits it).
