@@ -827,8 +827,10 @@ fn take_chunk(
                 add(&c.misses, 1);
                 false
             }
-            Some(v) => match object::decode(key, &v) {
-                Ok(payload) => put_fetched(inner, *key, payload),
+            Some(v) => match object::parse(key, &v)
+                .and_then(|(payload, sum)| put_fetched(inner, *key, payload, sum))
+            {
+                Ok(stored) => stored,
                 Err(why) => {
                     add(&c.corrupt, 1);
                     add(&c.misses, 1);
@@ -899,9 +901,29 @@ fn serve_fetch(inner: &Inner, slots: &mut [Option<Conn>; 2], job: FetchJob) {
     }
 }
 
-fn put_fetched(inner: &Inner, key: BlockKey, payload: &[u8]) -> bool {
+/// Puts a fetched object in the pool, its checksum checked while it is copied in: `Ok(true)`
+/// stored (or already there), `Ok(false)` no room, `Err` a bad checksum (nothing stored).
+fn put_fetched(
+    inner: &Inner,
+    key: BlockKey,
+    payload: &[u8],
+    sum: u64,
+) -> Result<bool, object::Reject> {
     if inner.pool.contains(&key) {
-        return true;
+        return Ok(true);
+    }
+    // Never evicts: on the lookup path a fetch must not push out what the same lookup just
+    // counted (or an earlier chunk of it). What does not fit in the free room misses.
+    let mut r = match inner.pool.try_reserve(payload.len() as u64) {
+        Ok(r) => r,
+        Err(e) => {
+            log::debug!("remote tier: a fetched object did not fit in the pool: {e}");
+            return Ok(false);
+        }
+    };
+    if !object::copy_checked(r.as_mut_slice(), payload, sum) {
+        // Dropping the reservation frees it; nothing was visible.
+        return Err(object::Reject::BadChecksum);
     }
     {
         let mut fr = inner.from_remote.lock();
@@ -910,33 +932,13 @@ fn put_fetched(inner: &Inner, key: BlockKey, payload: &[u8]) -> bool {
         }
         fr.insert(key);
     }
-    // Never evicts: on the lookup path a fetch must not push out what the same lookup just
-    // counted (or an earlier chunk of it). What does not fit in the free room misses.
-    let stored = inner.pool.try_reserve(payload.len() as u64).map(|mut r| {
-        let dst = r.as_mut_slice();
-        // SAFETY: `dst` is a fresh reservation of exactly `payload.len()` bytes, `payload` a
-        // slice of the fetched value: both valid, and disjoint.
-        unsafe { umbp_copy::memcpy::copy(dst.as_mut_ptr(), payload.as_ptr(), payload.len()) };
-        // The streaming stores are visible before the commit publishes the object.
-        umbp_copy::memcpy::fence();
-        inner.pool.commit(r, key)
-    });
-    match stored {
-        Ok(outcome) => {
-            // Already present: another fetch (or the engine) committed it first. Its entry
-            // in the set stays for that commit's event (one entry per key).
-            if outcome == CommitOutcome::Stored {
-                add(&inner.c.hits, 1);
-                add(&inner.c.bytes_fetched, payload.len() as u64);
-            }
-            true
-        }
-        Err(e) => {
-            inner.from_remote.lock().remove(&key);
-            log::debug!("remote tier: a fetched object did not fit in the pool: {e}");
-            false
-        }
+    // Already present: another fetch (or the engine) committed it first. Its entry in the
+    // set stays for that commit's event (one entry per key).
+    if inner.pool.commit(r, key) == CommitOutcome::Stored {
+        add(&inner.c.hits, 1);
+        add(&inner.c.bytes_fetched, payload.len() as u64);
     }
+    Ok(true)
 }
 
 /// The writer thread's queue of objects to write.
