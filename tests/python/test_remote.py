@@ -80,17 +80,21 @@ def test_node_b_restores_what_node_a_stored(cluster):
         b.close()
 
 
-def test_a_corrupted_object_is_a_miss_and_the_rest_restores(cluster):
-    kb = umbp.KeyBuilder("remote-py-corrupt", tp=0)
-    keys = kb.keys(0, hashes(range(8)))
-    src = KvCache(fill_seed=9)
+def stored_by_a_closed_node(cluster, namespace, n, seed):
+    """Keys of `n` blocks that a node stored and wrote to the cluster, then closed."""
+    keys = umbp.KeyBuilder(namespace, tp=0).keys(0, hashes(range(n)))
     a = node(cluster)
     try:
-        la = attach(a, src)
-        assert a.store(la, 0, list(range(8)), keys).wait() == ["done"] * 8
+        la = attach(a, KvCache(fill_seed=seed))
+        assert a.store(la, 0, list(range(n)), keys).wait() == ["done"] * n
         assert a.flush_remote(10_000)
     finally:
         a.close()
+    return keys
+
+
+def test_a_corrupted_object_is_a_miss_and_the_rest_restores(cluster):
+    keys = stored_by_a_closed_node(cluster, "remote-py-corrupt", 8, seed=9)
     names = cluster.keys()
     assert len(names) == 8
     # Key 4's remote name: the key's 64 bytes in hex, after the prefix.
@@ -133,15 +137,7 @@ def test_on_reuse_writes_only_what_lookups_hit_twice_a_second_apart(cluster):
 
 def test_a_stopped_cluster_node_makes_lookups_miss_within_the_timeout(cluster):
     kb = umbp.KeyBuilder("remote-py-stopped", tp=0)
-    keys = kb.keys(0, hashes(range(32)))
-    src = KvCache(fill_seed=4)
-    a = node(cluster)
-    try:
-        la = attach(a, src)
-        assert a.store(la, 0, list(range(32)), keys).wait() == ["done"] * 32
-        assert a.flush_remote(10_000)
-    finally:
-        a.close()
+    keys = stored_by_a_closed_node(cluster, "remote-py-stopped", 32, seed=4)
     b = node(cluster, remote_timeout_ms=300)
     victim = cluster.owner("umbp:v1:" + keys.to_bytes()[0:64].hex())
     try:

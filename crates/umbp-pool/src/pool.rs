@@ -578,43 +578,34 @@ impl Pool {
 
     /// Pins `key`'s object for reading and marks it most recently used.
     pub fn get(&self, key: &BlockKey) -> Option<PinnedObject> {
-        let inner = &self.inner;
-        let fp = key.fingerprint();
-        let si = shard_of(fp);
-        let mut shard = inner.shards[si].write();
-        let Some(idx) = shard.find(key, fp) else {
-            drop(shard);
-            inner.counters.misses.fetch_add(1, Ordering::Relaxed);
+        let c = &self.inner.counters;
+        let Some(obj) = self.pin(key, true) else {
+            c.misses.fetch_add(1, Ordering::Relaxed);
             return None;
         };
-        shard.pin(idx);
-        shard.touch(idx, inner.tick.fetch_add(1, Ordering::Relaxed));
-        let e = shard.entry(idx);
-        let (offset, len) = (e.slot.offset, e.len);
-        drop(shard);
-        let c = &inner.counters;
         c.hits.fetch_add(1, Ordering::Relaxed);
         c.gets.fetch_add(1, Ordering::Relaxed);
-        c.pinned.fetch_add(1, Ordering::Relaxed);
-        c.bytes_out.fetch_add(len, Ordering::Relaxed);
-        Some(PinnedObject {
-            inner: Arc::clone(inner),
-            shard: si as u32,
-            idx,
-            offset,
-            len,
-        })
+        c.bytes_out.fetch_add(obj.len, Ordering::Relaxed);
+        Some(obj)
     }
 
     /// Pins `key`'s object for reading without refreshing its recency or counting a hit or a
     /// get: for readers that are not the engine (the remote tier's writer).
     pub fn peek(&self, key: &BlockKey) -> Option<PinnedObject> {
+        self.pin(key, false)
+    }
+
+    /// Pins `key`'s object (marking it most recently used when `touch`); counts the pin only.
+    fn pin(&self, key: &BlockKey, touch: bool) -> Option<PinnedObject> {
         let inner = &self.inner;
         let fp = key.fingerprint();
         let si = shard_of(fp);
         let mut shard = inner.shards[si].write();
         let idx = shard.find(key, fp)?;
         shard.pin(idx);
+        if touch {
+            shard.touch(idx, inner.tick.fetch_add(1, Ordering::Relaxed));
+        }
         let e = shard.entry(idx);
         let (offset, len) = (e.slot.offset, e.len);
         drop(shard);

@@ -866,15 +866,11 @@ fn serve_fetch(inner: &Inner, slots: &mut [Option<Conn>; 2], job: FetchJob) {
         // The next chunk's request travels while this one is checked, copied and answered;
         // the answer goes out before waiting for the next chunk.
         let next = std::thread::scope(|s| {
-            let mut slot = Some(next_slot);
             let ahead = match next_chunk {
-                Some(nc) => {
-                    let taken = slot.take().expect("the slot is there");
-                    std::thread::Builder::new()
-                        .name("umbp-remote-ahead".into())
-                        .spawn_scoped(s, move || get_chunk(inner, taken, nc))
-                        .map_err(|_| ())
-                }
+                Some(nc) => std::thread::Builder::new()
+                    .name("umbp-remote-ahead".into())
+                    .spawn_scoped(s, move || get_chunk(inner, next_slot, nc))
+                    .map_err(|_| ()),
                 None => Err(()),
             };
             let (present, stop) = take_chunk(inner, chunks[ci], current, job.prefix);
