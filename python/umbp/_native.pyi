@@ -105,10 +105,10 @@ class EmbeddedStore:
         num_workers: int = 4,
         timeout_ms: int = 30000,
         cuda_copy_method: Literal["auto", "dma", "staged"] = "auto",
-        cuda_staging_bytes: int | None = None,  # 64 MiB per direction
+        cuda_staging_bytes: int | None = None,  # 256 MiB per direction
         cuda_max_ctas: int | None = None,  # 132
         cuda_pin_chunk_bytes: int | None = None,  # 64 MiB
-        cuda_batch_blocks: int | None = None,  # 64
+        cuda_batch_blocks: int | None = None,  # 256
         remote_url: str | None = None,  # redis://host:port or redis+cluster://h:p,h:p
         remote_ttl_s: int = 0,
         remote_write: Literal["eager", "on_reuse"] = "eager",

@@ -138,6 +138,11 @@ impl CudaError {
     pub fn is_sticky(&self) -> bool {
         matches!(self, CudaError::Call { code, .. } if STICKY.contains(code))
     }
+
+    /// Whether this is a driver call that failed for want of device memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, CudaError::Call { code, .. } if *code == crate::ffi::CUDA_ERROR_OUT_OF_MEMORY)
+    }
 }
 
 #[cfg(test)]

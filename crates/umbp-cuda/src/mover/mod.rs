@@ -11,13 +11,17 @@
 //!   The kernel runs at HBM speed on at most `max_ctas` thread blocks; its GPU time is measured
 //!   (see [`CudaStats`]).
 //!
-//! `auto` (the default) uses DMA only for batches whose pieces average at least 64 KiB and whose
+//! `auto` (the default) uses DMA only for batches whose pieces average at least 1 MiB and whose
 //! blocks average at least 2 MiB, and stages the rest: DMA pays a fixed cost per copy (one 2-D
-//! copy per block) and per row, so smaller pieces or blocks fall below 0.9 of the link, where
-//! the staged path stays at 0.93-0.98 (the piece-size sweep of `umbp bench gpu --sweep`, in
-//! docs/benchmarks.md). While compute kernels fill every SM the staging kernels wait for SMs;
-//! `auto` watches their GPU time per GB and sends small pieces by DMA while they are slower than
-//! DMA would be (see [`StagedHealth`]). Per direction there is one DMA stream and one kernel stream, created once and reused.
+//! copy per block) and per row, so it reaches 0.92-0.94 of the link where the staged path
+//! reaches 0.95-0.98 for every piece from 4 to 512 KiB (the piece-size sweep of
+//! `umbp bench gpu --sweep`, in docs/benchmarks.md). While compute kernels fill every SM the
+//! staging kernels wait for SMs, and each launch moves one staging slot: with the default
+//! 128 MiB slots the staged path still moved 46-53 GB/s beside a full-GPU bf16 matmul, against
+//! 36-50 GB/s by DMA, where 16 MiB slots moved 21-34. `auto` also watches the kernels' GPU time
+//! per GB and sends small pieces by DMA while they are slower than DMA would be (see
+//! [`StagedHealth`]). Per direction there is one DMA stream and one kernel stream, created once
+//! and reused.
 //! A submitter's ordering token is an event recorded on its stream ([`CudaMover::record_after`]);
 //! every copy of the job that reads (store) or writes (load) engine memory waits for it on the
 //! device, so the host never blocks on it. A batch returns once its completion event has been
@@ -170,7 +174,21 @@ impl CudaMover {
         } else {
             None
         };
-        let slot_bytes = (opts.staging_bytes / opts.staging_slots as u64) / 256 * 256;
+        let mut kernels = kernels;
+        let (stages, slot_bytes) = if kernels.is_some() {
+            match staging_memory(&dev, &opts) {
+                Ok(s) => s,
+                Err(e) if opts.method == CopyMethod::Auto => {
+                    log::warn!("umbp: no device memory for staging ({e}); using DMA only");
+                    kernels = None;
+                    (Vec::new(), 0)
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            (Vec::new(), 0)
+        };
+        let mut stages = stages.into_iter();
         let flags = if kernels.is_some() {
             match device_flags(&dev, 4 * opts.staging_slots) {
                 Ok(f) => Some(f),
@@ -199,7 +217,7 @@ impl CudaMover {
                     let (ready_flag, free_flag) = (flag(), flag());
                     let nd = if ready_flag != 0 { DESC_BUFFERS } else { 1 };
                     slots.push(Slot {
-                        stage: dev.alloc(slot_bytes)?,
+                        stage: stages.next().expect("one staging buffer per slot"),
                         descs: (0..nd)
                             .map(|_| dev.alloc_host(3 * 8 * MAX_DESCS as u64))
                             .collect::<Result<_, _>>()?,
@@ -532,6 +550,43 @@ impl CudaMover {
         }
     }
 }
+
+/// The staging slots' device memory, both directions: `2 × staging_slots` buffers of
+/// `staging_bytes / staging_slots` bytes, or of half, a quarter, ... of that (down to 4 MiB
+/// slots, with a warning) while the device is out of memory, as it may be when the engine has
+/// given its KV cache nearly all of it.
+fn staging_memory(
+    dev: &Arc<Device>,
+    opts: &CudaOptions,
+) -> Result<(Vec<DeviceBuffer>, u64), CudaError> {
+    let wanted = (opts.staging_bytes / opts.staging_slots as u64) / 256 * 256;
+    let mut slot_bytes = wanted;
+    loop {
+        let got: Result<Vec<DeviceBuffer>, CudaError> = (0..2 * opts.staging_slots)
+            .map(|_| dev.alloc(slot_bytes))
+            .collect();
+        match got {
+            Ok(b) => {
+                if slot_bytes < wanted {
+                    log::warn!(
+                        "umbp: CUDA device {} had no room for {} MiB staging slots; using {} MiB slots (copies while the GPU computes are slower with smaller slots; lower the engine's GPU memory share or set cuda_staging_bytes)",
+                        dev.ordinal(),
+                        wanted >> 20,
+                        slot_bytes >> 20
+                    );
+                }
+                return Ok((b, slot_bytes));
+            }
+            Err(e) if e.is_out_of_memory() && slot_bytes / 2 >= MIN_SLOT_BYTES => {
+                slot_bytes = (slot_bytes / 2) / 256 * 256;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The smallest staging slot [`staging_memory`] falls back to.
+const MIN_SLOT_BYTES: u64 = 4 << 20;
 
 impl Drop for CudaMover {
     fn drop(&mut self) {

@@ -47,7 +47,8 @@ impl std::fmt::Display for CopyMethod {
 pub struct CudaOptions {
     /// How batches move.
     pub method: CopyMethod,
-    /// Device staging memory per direction (0 disables staging).
+    /// Device staging memory per direction (0 disables staging). Where the device is out of
+    /// memory, smaller slots are used (with a warning), down to 4 MiB.
     pub staging_bytes: u64,
     /// Staging slots per direction (the staging memory is split evenly).
     pub staging_slots: usize,
@@ -67,12 +68,12 @@ impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
             method: CopyMethod::Auto,
-            staging_bytes: 64 << 20,
-            staging_slots: 4,
+            staging_bytes: 256 << 20,
+            staging_slots: 2,
             max_ctas: 132,
             pin_chunk_bytes: SPLIT_BYTES,
-            batch_blocks: 64,
-            auto_dma_min_piece: 64 << 10,
+            batch_blocks: 256,
+            auto_dma_min_piece: 1 << 20,
             auto_dma_min_block: 2 << 20,
         }
     }
