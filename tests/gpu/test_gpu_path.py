@@ -310,6 +310,7 @@ def test_staged_copies_ordered_by_events_where_stream_memops_are_off():
         "keys = keys_for('events', src)\n"
         "assert store.store(lid, 0, src, keys).wait() == ['done'] * 500\n"
         "kv.bytes[:, torch.as_tensor(dst, device='cuda')] = 0x5A\n"
+        "torch.cuda.synchronize()  # the loads below are unordered: poison first\n"
         "k2 = keys_for('events2', dst)\n"
         "j1 = store.load(lid, 0, dst, keys)\n"
         "j2 = store.store(lid, 0, src, k2)\n"

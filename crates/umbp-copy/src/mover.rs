@@ -184,8 +184,10 @@ pub type MoveResult = Result<(), MoveError>;
 /// implementation uses CPU copies; each device kind (CUDA today) plugs in its own, one per
 /// device, and the copy engine picks it by the kind of memory a job moves.
 pub trait Mover: Send + Sync + std::fmt::Debug {
-    /// Blocks a worker hands over per call.
-    fn batch_size(&self) -> usize {
+    /// Blocks a worker hands over per call, for a job whose blocks are `object_bytes` long
+    /// in at most `pieces_per_block` ranges each.
+    fn batch_size(&self, object_bytes: u64, pieces_per_block: usize) -> usize {
+        let _ = (object_bytes, pieces_per_block);
         8
     }
 

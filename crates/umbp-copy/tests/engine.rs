@@ -317,7 +317,7 @@ struct RecordingMover {
 }
 
 impl umbp_copy::Mover for RecordingMover {
-    fn batch_size(&self) -> usize {
+    fn batch_size(&self, _object_bytes: u64, _pieces_per_block: usize) -> usize {
         3
     }
 

@@ -143,6 +143,17 @@ impl RangePlan {
         self.object_bytes
     }
 
+    /// The most ranges one planned block has (before merging adjacent ones, for a layout:
+    /// its layer count).
+    pub fn max_pieces_per_block(&self) -> usize {
+        match &self.source {
+            Source::Layout { layers, .. } => layers.len(),
+            Source::Ranges { starts, .. } => {
+                starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+            }
+        }
+    }
+
     /// Appends the ranges of the `i`-th planned block to `out` (runs adjacent in both memories
     /// merged).
     pub fn append_block(&self, i: usize, out: &mut Vec<CopyRange>) {
