@@ -448,8 +448,8 @@ def test_auto_sends_small_pieces_by_dma_while_compute_fills_the_gpu():
     then move less than DMA would, `auto` sends small pieces by DMA (cuda_stats shows the
     switch); once the GPU is idle again, its probes find the kernels fast and small pieces are
     staged again. Every byte is checked. The default 128 MiB slots keep the kernels fast
-    enough beside this matmul (7-12 ms per GB, measured), so the test uses 16 MiB slots and
-    64-block calls, with which they are not (40-160 ms per GB)."""
+    enough beside this matmul (6-12 ms per GB, measured), so the test uses 16 MiB slots and
+    64-block calls, with which they are not (24-160 ms per GB)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     kv = VllmKv("LBNHC", layers=32, blocks=2400, heads=1)  # 8 KiB pieces: staged when idle

@@ -424,7 +424,7 @@ fn worker_loop(
 fn run_job(job: &JobState, pool: &Pool, mover: &dyn Mover, reserve: &Mutex<()>) {
     let n = job.keys.len();
     let batch = mover
-        .batch_size(job.plan.object_bytes(), job.plan.max_pieces_per_block())
+        .batch_size(job.plan.object_bytes(), job.plan.pieces_per_block())
         .max(1);
     loop {
         let first = job.next.fetch_add(batch, Ordering::AcqRel);

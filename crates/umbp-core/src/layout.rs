@@ -143,11 +143,19 @@ impl RangePlan {
         self.object_bytes
     }
 
-    /// The most ranges one planned block has (before merging adjacent ones, for a layout:
-    /// its layer count).
-    pub fn max_pieces_per_block(&self) -> usize {
+    /// The ranges of one planned block, as [`RangePlan::append_block`] makes them: for a
+    /// layout, those of the first block (layers merge alike in every block when they share a
+    /// block stride, as engines lay them out); for explicit ranges, the most of any block.
+    pub fn pieces_per_block(&self) -> usize {
         match &self.source {
-            Source::Layout { layers, .. } => layers.len(),
+            Source::Layout { layers, .. } => {
+                if self.num_blocks() == 0 {
+                    return layers.len();
+                }
+                let mut first = Vec::with_capacity(layers.len());
+                self.append_block(0, &mut first);
+                first.len()
+            }
             Source::Ranges { starts, .. } => {
                 starts.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
             }
@@ -461,6 +469,7 @@ mod tests {
         let plan = g.plan(&[3, 7]).unwrap();
         assert_eq!(plan.num_blocks(), 2);
         assert_eq!(plan.block(0).len(), 4);
+        assert_eq!(plan.pieces_per_block(), 4);
         assert_eq!(
             plan.block(1)[2],
             CopyRange {
@@ -500,6 +509,7 @@ mod tests {
         // The same ranges as an explicit plan.
         let explicit = RangePlan::from_ranges(ranges, starts, 80 * 64).unwrap();
         assert_eq!(explicit.block(7), plan.block(7));
+        assert_eq!(explicit.pieces_per_block(), 80);
         assert_eq!(explicit.layer_spans(), None);
         let spans = plan.layer_spans().unwrap();
         assert_eq!(spans.len(), 80);
@@ -531,6 +541,8 @@ mod tests {
             }]
         );
         assert_eq!(plan.block(1).len(), 1);
+        assert_eq!(plan.pieces_per_block(), 1);
+        assert_eq!(g.plan(&[]).unwrap().pieces_per_block(), 8);
     }
 
     #[test]

@@ -545,6 +545,24 @@ pub const REMOTE_WRITE_MB_PER_S: OptionSpec = OptionSpec {
     also_rejected: None,
 };
 
+/// `cuda_staging_bytes`.
+pub const CUDA_STAGING_BYTES: OptionSpec = OptionSpec {
+    name: "cuda_staging_bytes",
+    scope: Scope::Embedded,
+    kind: at_least(0, Unit::Bytes),
+    default: DefaultValue::Int(256 * MIB),
+    nullable: false,
+    default_doc: None,
+    doc: "GPU memory per direction for the CUDA copy path's staging slots (two slots; 2 × this \
+          per GPU in all), allocated when a worker registers a CUDA KV cache, after vLLM has \
+          sized its own memory: leave this much free (lower `gpu_memory_utilization`) or lower \
+          it. Smaller slots copy as fast while the GPU is idle but slower while it computes \
+          (128 MiB slots moved 46-53 GB/s beside a full-GPU matmul, 16 MiB slots 12-34; see \
+          docs/benchmarks.md). 0: the copy engines only (no staging kernels). Where the GPU is \
+          out of memory, smaller slots are used, with a warning.",
+    also_rejected: Some("Between 0 and 1 MiB."),
+};
+
 /// Every option, in the order of the docs' tables.
 pub const SCHEMA: &[OptionSpec] = &[
     MODE,
@@ -577,6 +595,7 @@ pub const SCHEMA: &[OptionSpec] = &[
     REMOTE_TIMEOUT_MS,
     REMOTE_WRITE_BACKLOG,
     REMOTE_WRITE_MB_PER_S,
+    CUDA_STAGING_BYTES,
     ENDPOINT,
     STARTUP_TIMEOUT_MS,
 ];
@@ -981,6 +1000,7 @@ pub struct ConnectorOptions {
     pub remote_timeout_ms: u64,
     pub remote_write_backlog: u64,
     pub remote_write_mb_per_s: u64,
+    pub cuda_staging_bytes: u64,
 }
 
 impl ConnectorOptions {
@@ -1031,6 +1051,10 @@ impl ConnectorOptions {
                 return Err(CoreError::option(
                     name.as_str(),
                     match mode {
+                        Mode::Standalone if name.starts_with("cuda_") => {
+                            "is not accepted in standalone mode: the server does the copies; \
+                             start it with --cuda-staging-bytes (UMBP_CUDA_STAGING_BYTES)"
+                        }
                         Mode::Standalone if name.starts_with("remote_") => {
                             "is not accepted in standalone mode: the server owns the pool and \
                              its remote tier; start the server with --remote-url \
@@ -1074,6 +1098,12 @@ impl ConnectorOptions {
                     opts.capacity_bytes = None;
                 }
                 check_watermarks(opts.dram_high_watermark, opts.dram_low_watermark)?;
+                if (1..MIB).contains(&opts.cuda_staging_bytes) {
+                    return Err(CUDA_STAGING_BYTES.refuse(format!(
+                        "{} is below 1 MiB; give at least 1 MiB, or 0 for no staging",
+                        opts.cuda_staging_bytes
+                    )));
+                }
             }
             Mode::Standalone => {
                 if opts.endpoint.is_none() {
@@ -1164,6 +1194,26 @@ mod tests {
             json!({"mode": "standalone", "endpoint": "/tmp/s", "remote_url": "redis://h:1"}),
         );
         assert!(e.contains("--remote-url"), "{e}");
+    }
+
+    #[test]
+    fn cuda_staging_bytes() {
+        assert_eq!(parse(json!({})).unwrap().cuda_staging_bytes, 256 << 20);
+        assert_eq!(
+            parse(json!({"cuda_staging_bytes": 0}))
+                .unwrap()
+                .cuda_staging_bytes,
+            0
+        );
+        let e = refusal(json!({"cuda_staging_bytes": 4096}));
+        assert!(
+            e.contains("cuda_staging_bytes") && e.contains("1 MiB"),
+            "{e}"
+        );
+        let e = refusal(
+            json!({"mode": "standalone", "endpoint": "/tmp/s", "cuda_staging_bytes": 1 << 20}),
+        );
+        assert!(e.contains("--cuda-staging-bytes"), "{e}");
     }
 
     #[test]

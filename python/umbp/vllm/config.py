@@ -79,6 +79,7 @@ class ConnectorConfig:
     remote_timeout_ms: int
     remote_write_backlog: int
     remote_write_mb_per_s: int
+    cuda_staging_bytes: int
     # standalone
     endpoint: str | None
     startup_timeout_ms: int

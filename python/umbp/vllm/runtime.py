@@ -167,6 +167,7 @@ class EmbeddedRuntime:
             remote_timeout_ms=cfg.remote_timeout_ms,
             remote_write_backlog=cfg.remote_write_backlog,
             remote_write_mb_per_s=cfg.remote_write_mb_per_s,
+            cuda_staging_bytes=cfg.cuda_staging_bytes,
         )
         self.capacity = capacity
         return store

@@ -13,12 +13,12 @@
 //!
 //! `auto` (the default) uses DMA only for batches whose pieces average at least 1 MiB and whose
 //! blocks average at least 2 MiB, and stages the rest: DMA pays a fixed cost per copy (one 2-D
-//! copy per block) and per row, so it reaches 0.92-0.94 of the link where the staged path
-//! reaches 0.95-0.98 for every piece from 4 to 512 KiB (the piece-size sweep of
+//! copy per block) and per row, so it reaches 0.61-0.93 of the link where the staged path
+//! reaches 0.91-0.99 for every piece from 4 to 256 KiB (the piece-size sweep of
 //! `umbp bench gpu --sweep`, in docs/benchmarks.md). While compute kernels fill every SM the
 //! staging kernels wait for SMs, and each launch moves one staging slot: with the default
 //! 128 MiB slots the staged path still moved 46-53 GB/s beside a full-GPU bf16 matmul, against
-//! 36-50 GB/s by DMA, where 16 MiB slots moved 21-34. `auto` also watches the kernels' GPU time
+//! 33-50 GB/s by DMA, where 16 MiB slots moved 12-34. `auto` also watches the kernels' GPU time
 //! per GB and sends small pieces by DMA while they are slower than DMA would be (see
 //! [`StagedHealth`]). Per direction there is one DMA stream and one kernel stream, created once
 //! and reused.
@@ -178,7 +178,7 @@ impl CudaMover {
         let (stages, slot_bytes) = if kernels.is_some() {
             match staging_memory(&dev, &opts) {
                 Ok(s) => s,
-                Err(e) if opts.method == CopyMethod::Auto => {
+                Err(e) if opts.method == CopyMethod::Auto && e.is_out_of_memory() => {
                     log::warn!("umbp: no device memory for staging ({e}); using DMA only");
                     kernels = None;
                     (Vec::new(), 0)
@@ -585,15 +585,32 @@ fn staging_memory(
     }
 }
 
-/// Blocks of `object_bytes` in at most `pieces` ranges each that one staging slot of
-/// `slot_bytes` holds (within its descriptor limit), at most `cap` and at least 1.
+/// Blocks of `object_bytes` in at most `pieces` ranges each for one staged call: what one
+/// staging slot of `slot_bytes` holds (objects start 256-byte aligned in it) within its
+/// descriptor limit, at most `cap` and at least 1. Slots below [`ONE_SLOT_CALLS_FROM`] (set
+/// smaller, or shrunk for want of device memory) get calls of that many bytes instead, over
+/// several slots, as the 16 MiB slots measured before. `cap` for blocks larger than a slot or
+/// with more pieces than its descriptors, which go by DMA.
 fn staged_batch_blocks(slot_bytes: u64, object_bytes: u64, pieces: usize, cap: usize) -> usize {
+    if object_bytes > slot_bytes || pieces > MAX_DESCS {
+        return cap;
+    }
+    let slot_object = object_bytes.next_multiple_of(256);
+    if slot_bytes < ONE_SLOT_CALLS_FROM {
+        return ONE_SLOT_CALLS_FROM
+            .checked_div(slot_object)
+            .map_or(cap, |n| n as usize)
+            .clamp(1, cap);
+    }
     let by_bytes = slot_bytes
-        .checked_div(object_bytes)
+        .checked_div(slot_object)
         .map_or(cap, |n| n as usize);
     let by_descs = MAX_DESCS / pieces.max(1);
     by_bytes.min(by_descs).min(cap).max(1)
 }
+
+/// Staging slots from this size carry one slot per staged call.
+const ONE_SLOT_CALLS_FROM: u64 = 64 << 20;
 
 /// The smallest staging slot [`staging_memory`] falls back to.
 const MIN_SLOT_BYTES: u64 = 4 << 20;
@@ -684,9 +701,18 @@ mod tests {
         assert_eq!(staged_batch_blocks(slot, 640 << 10, 80, 256), 204);
         // 128 x 4 KiB: the slot's 16384 descriptors allow 128 blocks (64 MiB).
         assert_eq!(staged_batch_blocks(slot, 512 << 10, 128, 256), 128);
-        // The cap, and at least one block even when one is larger than a slot.
+        // The cap; a block larger than a slot, or with more pieces than its descriptors, goes
+        // by DMA, in calls of the cap.
         assert_eq!(staged_batch_blocks(slot, 64 << 10, 1, 256), 256);
-        assert_eq!(staged_batch_blocks(slot, 256 << 20, 8, 256), 1);
+        assert_eq!(staged_batch_blocks(slot, 256 << 20, 8, 256), 256);
+        assert_eq!(staged_batch_blocks(slot, 1 << 20, 20000, 256), 256);
+        // As many pieces as a slot's descriptors: one block per call.
+        assert_eq!(staged_batch_blocks(slot, 1 << 20, MAX_DESCS, 256), 1);
+        // Objects start 256-byte aligned in a slot.
+        assert_eq!(staged_batch_blocks(slot, (1 << 20) + 1, 8, 256), 127);
+        // Small slots (set so, or shrunk): calls of 64 MiB over several slots.
+        assert_eq!(staged_batch_blocks(16 << 20, 640 << 10, 80, 256), 102);
+        assert_eq!(staged_batch_blocks(4 << 20, 2 << 20, 32, 256), 32);
         assert_eq!(staged_batch_blocks(slot, 0, 0, 256), 256);
     }
 }

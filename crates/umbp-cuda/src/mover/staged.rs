@@ -67,8 +67,8 @@ pub(super) struct Ring {
 /// stream reaches them, so the wait for free SMs is included) and whether `auto` therefore
 /// sends small pieces by DMA for now. When compute kernels fill every SM, staging kernels
 /// start only as SMs free up. Measured on the H200 beside a full-GPU bf16 matmul: with 16 MiB
-/// slots they took 40-160 ms per GB and moved 21-34 GB/s, less than DMA (34-40 GB/s for 8
-/// and 32 KiB pieces); with the default 128 MiB slots, 7-12 ms per GB and 46-53 GB/s, more
+/// slots they took 24-160 ms per GB and moved 12-34 GB/s, less than DMA (33-50 GB/s for 8
+/// to 64 KiB pieces); with the default 128 MiB slots, 6-12 ms per GB and 46-53 GB/s, more
 /// than DMA, so the switch stays off there and guards against compute that leaves even fewer
 /// gaps.
 #[derive(Debug, Default)]
@@ -89,7 +89,7 @@ pub(super) struct StagedHealth {
 /// about what DMA moves for small pieces while compute fills the GPU: `auto` switches small
 /// pieces to DMA.
 pub(super) const STAGED_SLOW_MS_PER_GB: f64 = 25.0;
-/// Below this (the kernels no longer limit the copy: idle they take 1-3 ms per GB) `auto`
+/// Below this (the kernels no longer limit the copy: idle they take about 1 ms per GB) `auto`
 /// stages small pieces again.
 pub(super) const STAGED_FAST_MS_PER_GB: f64 = 15.0;
 /// While small pieces go by DMA, one call in this many is staged to measure the kernels again.
@@ -401,7 +401,7 @@ mod tests {
     #[test]
     fn auto_switches_small_pieces_with_hysteresis() {
         // Idle kernels (2-8 ms per GB, measured) stay staged; kernels waiting for SMs beside
-        // a full-GPU matmul (40-160 ms per GB) switch to DMA; back only once clearly fast.
+        // a full-GPU matmul (24-160 ms per GB with 16 MiB slots) switch to DMA; back only once clearly fast.
         assert!(!small_pieces_by_dma(false, 2.0));
         assert!(!small_pieces_by_dma(false, 8.0));
         assert!(!small_pieces_by_dma(false, 24.0));

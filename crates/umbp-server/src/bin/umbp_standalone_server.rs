@@ -11,7 +11,7 @@ use clap::Parser;
 use umbp_core::{HugepageSize, PoolConfig};
 use umbp_proto::Endpoint;
 use umbp_server::{Access, ServerConfig};
-use umbp_store::{RemoteConfig, StoreConfig, WritePolicy};
+use umbp_store::{CudaOptions, RemoteConfig, StoreConfig, WritePolicy};
 
 /// UMBP standalone server: one host-DRAM KV-cache pool per node, shared by every engine and
 /// worker on the host over gRPC on a Unix-domain socket. Clients register their KV cache
@@ -123,6 +123,11 @@ struct Args {
         default_value_t = 0
     )]
     remote_write_mb_per_s: u64,
+    /// GPU memory per direction for the CUDA copy path's staging slots (two slots; 2 × this
+    /// per GPU the server copies for, allocated when the first client registers CUDA memory of
+    /// that GPU; suffixes as --capacity). 0: the copy engines only. See docs/benchmarks.md.
+    #[arg(long = "cuda-staging-bytes", env = "UMBP_CUDA_STAGING_BYTES", default_value = "256MiB", value_parser = parse_bytes)]
+    cuda_staging_bytes: u64,
     /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
     #[arg(long, env = "UMBP_LOG", default_value = "info")]
     log: String,
@@ -231,11 +236,14 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
             write_backlog_bytes: a.remote_write_backlog,
             write_bytes_per_s: a.remote_write_mb_per_s.saturating_mul(1_000_000),
         }),
-        ..StoreConfig::default()
+        cuda: CudaOptions {
+            staging_bytes: a.cuda_staging_bytes,
+            ..CudaOptions::default()
+        },
     };
     cfg.store
         .validate()
-        .map_err(|e| anyhow::anyhow!("{e} (flags --capacity, --high-watermark, --low-watermark, --remote-*, ... or their UMBP_DRAM_* / UMBP_REMOTE_* variables)"))?;
+        .map_err(|e| anyhow::anyhow!("{e} (flags --capacity, --high-watermark, --low-watermark, --remote-*, --cuda-staging-bytes, ... or their UMBP_DRAM_* / UMBP_REMOTE_* / UMBP_CUDA_* variables)"))?;
     cfg.socket_mode = socket_mode;
     cfg.access = Access {
         own_uid: cfg.access.own_uid,
