@@ -10,7 +10,6 @@ use common::*;
 use proptest::prelude::*;
 use prost::Message;
 use tonic::Code;
-use umbp_client::KeyStatus;
 use umbp_proto::v1;
 
 fn attach(
@@ -42,13 +41,7 @@ fn bad_requests_get_errors_with_messages_and_touch_nothing() {
     let mut vc = cache(&victim);
     vc.fill(5);
     let ids: Vec<u64> = (0..BLOCKS).collect();
-    assert!(victim
-        .store(vc.layout, 0, &ids, &keys("victim", BLOCKS))
-        .unwrap()
-        .wait(None)
-        .unwrap()
-        .iter()
-        .all(KeyStatus::is_ok));
+    assert!(vc.stores_all(&victim, &ids, "victim"));
 
     let (rt, mut g) = raw(&server.endpoint);
     let me = attach(&rt, &mut g);
@@ -222,13 +215,7 @@ fn bad_requests_get_errors_with_messages_and_touch_nothing() {
     // The victim's memory and objects are untouched; it still works.
     vc.check(5, &ids);
     vc.buf.fill(0);
-    assert!(victim
-        .load(vc.layout, 0, &ids, &keys("victim", BLOCKS))
-        .unwrap()
-        .wait(None)
-        .unwrap()
-        .iter()
-        .all(|s| *s == KeyStatus::Done));
+    assert!(vc.loads_all(&victim, &ids, "victim"));
     vc.check(5, &ids);
     assert!(stats(&server.endpoint).objects >= BLOCKS);
     assert!(server.stop().success());
@@ -460,13 +447,7 @@ fn fuzzed_requests_never_break_the_server() {
     let mut vc = cache(&victim);
     vc.fill(11);
     let ids: Vec<u64> = (0..BLOCKS).collect();
-    assert!(victim
-        .store(vc.layout, 0, &ids, &keys("keep", BLOCKS))
-        .unwrap()
-        .wait(None)
-        .unwrap()
-        .iter()
-        .all(KeyStatus::is_ok));
+    assert!(vc.stores_all(&victim, &ids, "keep"));
     let (rt, mut g) = raw(&server.endpoint);
     let me = attach(&rt, &mut g);
     let ch = {
@@ -534,22 +515,10 @@ fn fuzzed_requests_never_break_the_server() {
     // Still serving, the victim's objects and memory intact (stored again where a fuzzed
     // Clear was accepted).
     if cleared.into_inner() {
-        assert!(victim
-            .store(vc.layout, 0, &ids, &keys("keep", BLOCKS))
-            .unwrap()
-            .wait(None)
-            .unwrap()
-            .iter()
-            .all(KeyStatus::is_ok));
+        assert!(vc.stores_all(&victim, &ids, "keep"));
     }
     vc.buf.fill(0);
-    assert!(victim
-        .load(vc.layout, 0, &ids, &keys("keep", BLOCKS))
-        .unwrap()
-        .wait(None)
-        .unwrap()
-        .iter()
-        .all(|s| *s == KeyStatus::Done));
+    assert!(vc.loads_all(&victim, &ids, "keep"));
     vc.check(11, &ids);
     let s = stats(&server.endpoint);
     assert_eq!((s.reservations, s.pinned), (0, 0), "{s:?}");

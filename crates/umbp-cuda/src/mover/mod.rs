@@ -162,7 +162,7 @@ impl CudaMover {
         opts.validate()?;
         let dev = Device::open(device)?;
         let want_staging = opts.method != CopyMethod::Dma && opts.staging_bytes > 0;
-        let kernels = if want_staging {
+        let mut kernels = if want_staging {
             match load_kernels(&dev) {
                 Ok(k) => Some(k),
                 Err(e) if opts.method == CopyMethod::Auto => {
@@ -174,7 +174,6 @@ impl CudaMover {
         } else {
             None
         };
-        let mut kernels = kernels;
         let (stages, slot_bytes) = if kernels.is_some() {
             match staging_memory(&dev, &opts) {
                 Ok(s) => s,
@@ -433,10 +432,9 @@ impl CudaMover {
                         n += 1;
                     }
                 }
-                let small_pieces = n > 0 && bytes / n < self.opts.auto_dma_min_piece;
-                let small_blocks = !blocks.is_empty()
-                    && bytes / (blocks.len() as u64) < self.opts.auto_dma_min_block;
-                if !(small_pieces || small_blocks) {
+                let piece = bytes.checked_div(n);
+                let block = bytes.checked_div(blocks.len() as u64);
+                if !self.auto_stages(piece, block) {
                     return CopyMethod::Dma;
                 }
                 let h = &self.staged_health[dir.index()];
@@ -452,6 +450,13 @@ impl CudaMover {
                 }
             }
         }
+    }
+
+    /// `auto`'s rule: stage a call whose pieces average `piece` bytes and whose blocks average
+    /// `block` (None: no pieces or blocks) unless both are large enough for DMA.
+    fn auto_stages(&self, piece: Option<u64>, block: Option<u64>) -> bool {
+        piece.is_some_and(|p| p < self.opts.auto_dma_min_piece)
+            || block.is_some_and(|b| b < self.opts.auto_dma_min_block)
     }
 
     /// A device error as a mover's error: a sticky error (the context is unusable from now on)
@@ -636,11 +641,10 @@ impl Mover for CudaMover {
             && match self.opts.method {
                 CopyMethod::Dma => false,
                 CopyMethod::Staged => true,
-                CopyMethod::Auto => {
-                    let piece = object_bytes / pieces_per_block.max(1) as u64;
-                    piece < self.opts.auto_dma_min_piece
-                        || object_bytes < self.opts.auto_dma_min_block
-                }
+                CopyMethod::Auto => self.auto_stages(
+                    object_bytes.checked_div(pieces_per_block as u64),
+                    Some(object_bytes),
+                ),
             };
         if staged {
             staged_batch_blocks(self.slot_bytes, object_bytes, pieces_per_block, cap)

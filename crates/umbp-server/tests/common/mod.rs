@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BufMut};
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::Status;
+use umbp_client::KeyStatus;
 use umbp_core::{BlockKey, KeyBuilder, LayerSpec, RankTopology};
 use umbp_proto::v1::store_client::StoreClient;
 use umbp_proto::{v1, Endpoint};
@@ -221,6 +222,39 @@ impl Cache {
                 self.buf[(b * BLOCK + i) as usize] = pattern(seed, b, i);
             }
         }
+    }
+
+    /// Whether `client` stores blocks `ids` of this cache under `keys(tag, BLOCKS)` with every
+    /// key stored or already present.
+    pub fn stores_all(
+        &self,
+        client: &umbp_client::StandaloneClient,
+        ids: &[u64],
+        tag: &str,
+    ) -> bool {
+        client
+            .store(self.layout, 0, ids, &keys(tag, BLOCKS))
+            .unwrap()
+            .wait(None)
+            .unwrap()
+            .iter()
+            .all(KeyStatus::is_ok)
+    }
+
+    /// Whether `client` loads `keys(tag, BLOCKS)` into blocks `ids` with every key done.
+    pub fn loads_all(
+        &self,
+        client: &umbp_client::StandaloneClient,
+        ids: &[u64],
+        tag: &str,
+    ) -> bool {
+        client
+            .load(self.layout, 0, ids, &keys(tag, BLOCKS))
+            .unwrap()
+            .wait(None)
+            .unwrap()
+            .iter()
+            .all(|s| *s == KeyStatus::Done)
     }
 
     pub fn check(&self, seed: u64, blocks: &[u64]) {
