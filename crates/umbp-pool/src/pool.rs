@@ -1087,7 +1087,17 @@ mod tests {
 
     #[test]
     fn lookups_do_not_pin_or_refresh() {
-        let p = pool(1 << 20, 64 << 10);
+        // A high watermark of 1.0 keeps the background evictor out: only the synchronous eviction of a
+        // full pool runs, so which keys go is decided by LRU order alone (with the defaults the
+        // evictor could drop key 0 while the pool fills, before the lookups below).
+        let p = Pool::new(PoolConfig {
+            segment_bytes: 64 << 10,
+            prefault: false,
+            high_watermark: 1.0,
+            low_watermark: 0.5,
+            ..PoolConfig::with_capacity(1 << 20)
+        })
+        .unwrap();
         for i in 0..64 {
             p.put(key(i), &[1; 16 << 10]).unwrap();
         }
