@@ -1087,9 +1087,9 @@ mod tests {
 
     #[test]
     fn lookups_do_not_pin_or_refresh() {
-        // A high watermark of 1.0 keeps the background evictor out: only the synchronous eviction of a
-        // full pool runs, so which keys go is decided by LRU order alone (with the defaults the
-        // evictor could drop key 0 while the pool fills, before the lookups below).
+        // A high watermark of 1.0 keeps the background evictor out: only the synchronous
+        // eviction of a full pool runs, so which keys go is decided by LRU order alone (with the
+        // defaults the evictor could drop key 0 while the pool fills, before the lookups below).
         let p = Pool::new(PoolConfig {
             segment_bytes: 64 << 10,
             prefault: false,
