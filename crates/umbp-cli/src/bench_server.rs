@@ -68,6 +68,10 @@ pub struct Args {
     /// The server's executable (default: next to this `umbp`, then PATH).
     #[arg(long)]
     server_bin: Option<PathBuf>,
+    /// Clients answered by their transfers' replies only, without the completion page (to
+    /// measure what the page saves).
+    #[arg(long)]
+    replies_only: bool,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -94,6 +98,8 @@ pub struct ClientArgs {
     device: i32,
     #[arg(long, default_value_t = 1)]
     in_flight: u32,
+    #[arg(long)]
+    replies_only: bool,
 }
 
 fn parse_list(s: &str, flag: &str) -> Result<Vec<u64>> {
@@ -395,6 +401,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
     let mut opts = ClientOptions::new(Endpoint::parse(&a.endpoint)?);
     opts.client_name = format!("umbp bench server client {}", a.id);
     opts.transfer_timeout = Duration::from_secs(120);
+    opts.completion_page = !a.replies_only;
     let client = StandaloneClient::connect(opts)?;
     match &mut cache {
         Cache::Host(h) => {
@@ -462,12 +469,16 @@ fn client_main(a: &ClientArgs) -> Result<()> {
                 cache.verify(&shape)?;
             }
         }
+        let by_page = trs
+            .iter()
+            .filter(|t| t.timing().is_some_and(|t| t.completion_page));
         writeln!(
             out,
-            "done {t0} {t1} {} {} {}",
+            "done {t0} {t1} {} {} {} {}",
             tm.round_trip.as_micros(),
             tm.server.as_micros(),
-            tm.copy.as_micros()
+            tm.copy.as_micros(),
+            by_page.count()
         )?;
         out.flush()?;
     }
@@ -504,13 +515,15 @@ impl Kid {
 
 /// Where the first client's transfer of one phase spent its time, in µs: its whole call
 /// (submit to `wait` returning), the gRPC round trip inside the client, the server's
-/// handling, and the copy job inside that.
+/// handling, and the copy job inside that; and how many of every client's transfers the
+/// completion page answered.
 #[derive(Debug, Clone, Copy, Default)]
 struct Breakdown {
     call: u64,
     round_trip: u64,
     server: u64,
     copy: u64,
+    by_page: u64,
 }
 
 /// Sends `cmd` to every client, then collects their (start, end); returns the wall time
@@ -522,13 +535,15 @@ fn phase(kids: &mut [Kid], cmd: &str) -> Result<(f64, Breakdown)> {
             .with_context(|| format!("client process {} is gone", k.id))?;
     }
     let (mut first, mut last) = (u64::MAX, 0u64);
-    let mut breakdown = None;
+    let mut breakdown: Option<Breakdown> = None;
+    let mut by_page = 0;
     for k in kids.iter_mut() {
         let l = k.read_line()?;
         let f: Vec<&str> = l.split_whitespace().collect();
-        let ["done", a, b, rtt, srv, copy] = f[..] else {
+        let ["done", a, b, rtt, srv, copy, pages] = f[..] else {
             bail!("client process {} answered {l:?}", k.id);
         };
+        by_page += pages.parse::<u64>()?;
         let (a, b): (u64, u64) = (a.parse()?, b.parse()?);
         first = first.min(a);
         last = last.max(b);
@@ -537,12 +552,12 @@ fn phase(kids: &mut [Kid], cmd: &str) -> Result<(f64, Breakdown)> {
             round_trip: rtt.parse()?,
             server: srv.parse()?,
             copy: copy.parse()?,
+            by_page: 0,
         });
     }
-    Ok((
-        last.saturating_sub(first) as f64 / 1e9,
-        breakdown.unwrap_or_default(),
-    ))
+    let mut b = breakdown.unwrap_or_default();
+    b.by_page = by_page;
+    Ok((last.saturating_sub(first) as f64 / 1e9, b))
 }
 
 /// Median of each field of `v` (non-empty).
@@ -557,6 +572,7 @@ fn median_breakdown(v: &[Breakdown]) -> Breakdown {
         round_trip: m(|b| b.round_trip),
         server: m(|b| b.server),
         copy: m(|b| b.copy),
+        by_page: m(|b| b.by_page),
     }
 }
 
@@ -567,6 +583,7 @@ fn breakdown_json(b: &Breakdown, embedded_us: f64) -> Value {
         "server_us": b.server,
         "copy_job_us": b.copy,
         "embedded_job_us": embedded_us,
+        "answered_by_completion_page": b.by_page,
     })
 }
 
@@ -655,6 +672,9 @@ impl ServerRun {
                 .stderr(Stdio::inherit());
             if r.a.cuda {
                 cmd.arg("--cuda");
+            }
+            if r.a.replies_only {
+                cmd.arg("--replies-only");
             }
             let mut child = cmd
                 .spawn()
@@ -1012,8 +1032,9 @@ pub fn run(a: &Args) -> Result<()> {
             if c == 1 && a.in_flight == 1 {
                 for (dir, b, e) in [("store", bs, es), ("load", bl, el)] {
                     progress!(
-                        "  one {dir} transfer, median µs: client call {} = gRPC round trip {} (server {} (copy job {})) + the rest; embedded job {e:.0}",
+                        "  one {dir} transfer, median µs: client call {} = {} {} (server {} (copy job {})) + the rest; embedded job {e:.0}",
                         b.call,
+                        if b.by_page > 0 { "to the completion page's wake-up" } else { "gRPC round trip" },
                         b.round_trip,
                         b.server,
                         b.copy
@@ -1047,6 +1068,7 @@ pub fn run(a: &Args) -> Result<()> {
                 "layers": a.layers,
                 "blocks_per_client": a.blocks,
                 "in_flight": a.in_flight,
+                "completion_page": !a.replies_only,
                 "rounds": a.rounds,
                 "workers": workers,
                 "results": rows,
@@ -1090,8 +1112,12 @@ fn row(r: &Run<'_>, stat: Stat, srv: &Samples, emb: &Samples, ceil: Option<&Samp
 
 fn print_header(a: &Args, mode: &str, workers: usize) {
     println!(
-        "server benchmark ({mode} memory): {} layers × {} blocks per client process and transfer, {} transfer(s) in flight per client, each way; {} timed rounds after a warm-up; {workers} copy workers in the server and in embedded mode",
-        a.layers, a.blocks, a.in_flight, a.rounds
+        "server benchmark ({mode} memory): {} layers × {} blocks per client process and transfer, {} transfer(s) in flight per client, each way; {} timed rounds after a warm-up; {workers} copy workers in the server and in embedded mode; clients answered {}",
+        a.layers,
+        a.blocks,
+        a.in_flight,
+        a.rounds,
+        if a.replies_only { "by replies only" } else { "through the completion page" }
     );
     if !a.cuda {
         println!(

@@ -27,9 +27,13 @@ use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use tonic::{Code, Status};
 use umbp_core::{BlockKey, LayerSpec, RankTopology};
 use umbp_cuda::DeviceExport;
+use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED};
 use umbp_proto::v1::{self, store_client::StoreClient};
 use umbp_proto::{Endpoint, PROTOCOL, SECRET_BYTES};
 
+use crate::completions::{Completions, Lease};
+
+mod completions;
 mod error;
 mod fdsend;
 pub mod host_share;
@@ -58,10 +62,15 @@ pub struct ClientOptions {
     pub client_name: String,
     /// Largest gRPC message sent or accepted.
     pub max_message_bytes: usize,
+    /// Whether transfers are answered through a completion page (the server wakes the
+    /// waiting caller from its copy worker) as well as by their replies. On by default; off
+    /// only to measure what the page saves.
+    pub completion_page: bool,
 }
 
 impl ClientOptions {
-    /// Defaults for `endpoint`: startup 30 s, lookups 1 s, transfers 30 s, other calls 30 s.
+    /// Defaults for `endpoint`: startup 30 s, lookups 1 s, transfers 30 s, other calls 30 s,
+    /// completion page on.
     pub fn new(endpoint: Endpoint) -> Self {
         ClientOptions {
             endpoint,
@@ -71,6 +80,7 @@ impl ClientOptions {
             control_timeout: Duration::from_secs(30),
             client_name: format!("pid {}", std::process::id()),
             max_message_bytes: umbp_proto::DEFAULT_MAX_MESSAGE_BYTES,
+            completion_page: true,
         }
     }
 }
@@ -138,6 +148,8 @@ struct Attachment {
     boot_id: String,
     secret: [u8; SECRET_BYTES],
     fd_socket: std::path::PathBuf,
+    /// Slots of the completion page this session accepted (0: none; replies only).
+    completion_slots: u32,
 }
 
 /// Where a registration's memory comes from (kept to register it again).
@@ -192,6 +204,8 @@ struct Inner {
     stalled_transfers: Arc<AtomicU64>,
     attaches: AtomicU64,
     socket: CurrentSocket,
+    /// The completion page (None where it could not be made: replies only).
+    completions: Option<Arc<Completions>>,
 }
 
 impl Inner {
@@ -317,6 +331,17 @@ impl StandaloneClient {
         let grpc = StoreClient::new(channel)
             .max_decoding_message_size(opts.max_message_bytes)
             .max_encoding_message_size(opts.max_message_bytes);
+        let completions = if opts.completion_page {
+            Completions::new()
+                .inspect_err(|e| {
+                    log::warn!(
+                        "umbp: no completion page ({e}); transfers are answered by their replies only"
+                    )
+                })
+                .ok()
+        } else {
+            None
+        };
         let c = StandaloneClient {
             inner: Arc::new(Inner {
                 opts,
@@ -333,6 +358,7 @@ impl StandaloneClient {
                 stalled_transfers: Arc::new(AtomicU64::new(0)),
                 attaches: AtomicU64::new(0),
                 socket,
+                completions,
             }),
         };
         c.wait_for_server()?;
@@ -454,12 +480,13 @@ impl StandaloneClient {
                     code: "Internal".into(),
                     message: "the server sent a malformed session secret".into(),
                 })?;
-        let a = Attachment {
+        let mut a = Attachment {
             generation: self.inner.generation.fetch_add(1, Ordering::AcqRel) + 1,
             session_id: r.session_id,
             boot_id: r.boot_id,
             secret,
             fd_socket: r.fd_socket.into(),
+            completion_slots: 0,
         };
         let n = self.inner.attaches.fetch_add(1, Ordering::Relaxed);
         if n > 0 {
@@ -469,6 +496,7 @@ impl StandaloneClient {
             );
         }
         self.replay(&a)?;
+        a.completion_slots = self.register_completions(&a);
         *self.inner.attachment.write() = Some(a.clone());
         Ok(a)
     }
@@ -489,6 +517,41 @@ impl StandaloneClient {
             rec.layouts.get_mut(&lid).expect("listed").server = Some((a.generation, sid));
         }
         Ok(())
+    }
+
+    /// Registers the completion page in attachment `a`; the slots the server accepted, 0 when
+    /// it refused (an older server: transfers are then answered by their replies only).
+    fn register_completions(&self, a: &Attachment) -> u32 {
+        let Some(c) = &self.inner.completions else {
+            return 0;
+        };
+        let sid = a.session_id;
+        let length = c.len();
+        let registered = self.send_fds(a, &[c.shm.fd()]).and_then(|t| {
+            let ticket = t[0];
+            self.call(
+                "register_completion_page",
+                self.inner.opts.control_timeout,
+                |mut g| async move {
+                    g.register_completion_page(v1::RegisterCompletionPageRequest {
+                        session_id: sid,
+                        ticket,
+                        length,
+                    })
+                    .await
+                },
+            )
+        });
+        match registered {
+            Ok(r) => r.slots.min(completions::SLOTS),
+            Err(e) => {
+                log::info!(
+                    "umbp: the server at {} took no completion page ({e}); transfers are answered by their replies only",
+                    self.inner.opts.endpoint
+                );
+                0
+            }
+        }
     }
 
     /// Registers one region with the server in attachment `a`; returns the server's id.
@@ -834,6 +897,12 @@ impl StandaloneClient {
             packed.extend_from_slice(k.as_bytes());
         }
         let timeout = self.inner.opts.transfer_timeout;
+        let lease = match &self.inner.completions {
+            Some(c) if a.completion_slots > 0 => c.lease(a.completion_slots).map(Arc::new),
+            _ => None,
+        };
+        let (completion_slot, completion_seq) =
+            lease.as_ref().map_or((0, 0), |l| (l.slot + 1, l.seq));
         let req = v1::TransferRequest {
             session_id: a.session_id,
             layout_id,
@@ -843,6 +912,8 @@ impl StandaloneClient {
             keys: packed,
             timeout_ms: timeout.as_millis().min(u32::MAX as u128) as u32,
             transfer_id,
+            completion_slot,
+            completion_seq,
         };
         let slot = Arc::new(Slot::default());
         let s2 = Arc::clone(&slot);
@@ -852,15 +923,19 @@ impl StandaloneClient {
         let me = self.clone();
         let n = keys.len();
         let sent = Instant::now();
+        let l2 = lease.clone();
         self.inner.rt().spawn(async move {
             let r = grpc.transfer(req).await;
             let out = match r {
                 Ok(reply) => {
                     let reply = reply.into_inner();
-                    *s2.timing.lock() = Some(TransferTiming {
+                    // Kept when the completion page answered first (its figures are the ones
+                    // the caller waited for).
+                    s2.timing.lock().get_or_insert(TransferTiming {
                         round_trip: sent.elapsed(),
                         server: Duration::from_micros(reply.server_micros),
                         copy: Duration::from_micros(reply.copy_micros),
+                        completion_page: false,
                     });
                     decode_reply(reply, n)
                 }
@@ -872,10 +947,18 @@ impl StandaloneClient {
                 }
             };
             s2.fill(out);
+            // A waiter asleep on the page wakes for the reply (the server may never have set
+            // the slot: a refused or unfinished transfer).
+            if let Some(l) = l2 {
+                l.page().settle(l.slot, l.seq, REPLIED);
+            }
         });
         Ok(Transfer {
             client: self.clone(),
             slot,
+            lease,
+            keys: n,
+            sent,
             session_id: a.session_id,
             transfer_id,
             deadline: Instant::now() + timeout,
@@ -1130,12 +1213,17 @@ impl Slot {
 /// Where an answered transfer's time went ([`Transfer::timing`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TransferTiming {
-    /// From handing the request to the client's runtime to receiving the answer.
+    /// From handing the request to the client's runtime to receiving the answer (the reply,
+    /// or the completion page's wake-up).
     pub round_trip: Duration,
     /// In the server, from receiving the request to sending the answer.
     pub server: Duration,
     /// In the server, the copy job alone (submission to its last key).
     pub copy: Duration,
+    /// Whether the server set the transfer's completion-page slot to "every key done" from
+    /// its copy worker (a waiting caller is then woken there, without the reply).
+    /// `round_trip`, `server` and `copy` are those of whichever answer came first.
+    pub completion_page: bool,
 }
 
 /// A transfer in flight. Dropping it does not cancel it.
@@ -1143,6 +1231,10 @@ pub struct TransferTiming {
 pub struct Transfer {
     client: StandaloneClient,
     slot: Arc<Slot>,
+    /// Its slot of the completion page, when it has one.
+    lease: Option<Arc<Lease>>,
+    keys: usize,
+    sent: Instant,
     session_id: u64,
     transfer_id: u64,
     deadline: Instant,
@@ -1153,8 +1245,57 @@ pub struct Transfer {
 impl Transfer {
     /// Per-key statuses once answered, else None. Never blocks.
     pub fn poll(&self) -> Option<Result<Vec<KeyStatus>>> {
+        // The page first: once it says every key is done, that is the answer, even if the
+        // reply later fails (the server died after finishing the job).
+        if self.all_done() {
+            return Some(Ok(self.done_by_page()));
+        }
         let v = self.slot.value.lock();
         v.as_ref().map(|r| self.take(r))
+    }
+
+    /// Whether the completion page says every key is done.
+    fn all_done(&self) -> bool {
+        self.lease
+            .as_ref()
+            .is_some_and(|l| l.page().load(l.slot) == completion::word(l.seq, ALL_DONE))
+    }
+
+    /// The answer the completion page gave (every key done), its timing noted.
+    fn done_by_page(&self) -> Vec<KeyStatus> {
+        if let Some(l) = &self.lease {
+            let (server, copy) = l.page().times(l.slot);
+            let round_trip = self.sent.elapsed();
+            self.slot.timing.lock().get_or_insert(TransferTiming {
+                round_trip,
+                server: Duration::from_micros(server),
+                copy: Duration::from_micros(copy),
+                completion_page: true,
+            });
+        }
+        vec![KeyStatus::Done; self.keys]
+    }
+
+    /// Sleeps on the completion page until the server sets the slot, the reply arrives or
+    /// `until`; the answer when the page says every key is done.
+    fn wait_on_page(&self, l: &Lease, until: Instant) -> Option<Vec<KeyStatus>> {
+        let pending = completion::word(l.seq, PENDING);
+        loop {
+            let w = l.page().load(l.slot);
+            if w == completion::word(l.seq, ALL_DONE) {
+                return Some(self.done_by_page());
+            }
+            // Anything else than pending (some keys not done, the reply, a late write of an
+            // earlier use): the reply says.
+            if w != pending {
+                return None;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return None;
+            }
+            l.page().wait(l.slot, pending, until - now);
+        }
     }
 
     fn take(&self, r: &std::result::Result<Vec<KeyStatus>, String>) -> Result<Vec<KeyStatus>> {
@@ -1177,12 +1318,16 @@ impl Transfer {
     /// Where the time went, once the server has answered (None before, or after a failed
     /// call).
     pub fn timing(&self) -> Option<TransferTiming> {
-        *self.slot.timing.lock()
+        let all_done = self.all_done();
+        self.slot.timing.lock().map(|t| TransferTiming {
+            completion_page: all_done,
+            ..t
+        })
     }
 
     /// Whether the server has answered.
     pub fn is_done(&self) -> bool {
-        self.slot.value.lock().is_some()
+        self.slot.value.lock().is_some() || self.all_done()
     }
 
     /// Waits up to `timeout` (None: the transfer's own deadline) for the answer. Past the
@@ -1193,6 +1338,11 @@ impl Transfer {
             Some(t) => Instant::now() + t,
             None => self.deadline,
         };
+        if let Some(l) = &self.lease {
+            if let Some(done) = self.wait_on_page(l, until) {
+                return Ok(done);
+            }
+        }
         let mut v = self.slot.value.lock();
         while v.is_none() {
             if self.slot.ready.wait_until(&mut v, until).timed_out() {

@@ -78,33 +78,35 @@ impl Completion {
         true
     }
 
-    /// Marks the job finished, then wakes its waiting threads and futures and runs its
-    /// callbacks (each with `results()`), on this thread. Called once, by whoever finished the
-    /// last key. A callback that panics is logged and does not take the caller down.
+    /// Runs the job's callbacks (each with `results()`), then marks it finished and wakes its
+    /// waiting threads and futures, on this thread. Called once, by whoever finished the last
+    /// key. Callbacks come first, and the job reads as finished only after them, so that what
+    /// they signal (a standalone client's completion page) happens before anything a waiter
+    /// does next (the server's reply); a callback added meanwhile runs in the same turn. A
+    /// callback that panics is logged and does not take the caller down.
     pub(crate) fn finish(&self, results: impl Fn() -> Vec<KeyResult>) {
-        let (wakers, callbacks) = {
-            let mut w = self.inner.lock();
-            w.done = true;
-            (
-                std::mem::take(&mut w.wakers),
-                std::mem::take(&mut w.callbacks),
-            )
+        let wakers = loop {
+            let callbacks = {
+                let mut w = self.inner.lock();
+                if w.callbacks.is_empty() {
+                    w.done = true;
+                    break std::mem::take(&mut w.wakers);
+                }
+                std::mem::take(&mut w.callbacks)
+            };
+            let results = results();
+            for cb in callbacks {
+                let r = results.clone();
+                if catch_unwind(AssertUnwindSafe(move || cb(r))).is_err() {
+                    log::error!(
+                        "umbp: a job's on_done callback panicked; the panic was caught and the copy worker goes on"
+                    );
+                }
+            }
         };
         self.cv.notify_all();
         for (_, waker) in wakers {
             waker.wake();
-        }
-        if callbacks.is_empty() {
-            return;
-        }
-        let results = results();
-        for cb in callbacks {
-            let r = results.clone();
-            if catch_unwind(AssertUnwindSafe(move || cb(r))).is_err() {
-                log::error!(
-                    "umbp: a job's on_done callback panicked; the panic was caught and the copy worker goes on"
-                );
-            }
         }
     }
 

@@ -8,6 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod completion;
+
 use thiserror::Error;
 
 /// The generated messages, client and server of `umbp.v1`.
@@ -47,6 +49,9 @@ pub enum ProtoError {
     /// A side-channel message is malformed.
     #[error("descriptor side channel: {0}")]
     SideChannel(String),
+    /// A completion page's memory does not fit the format.
+    #[error("completion page: {0}")]
+    CompletionPage(String),
 }
 
 /// Where the server listens: a Unix-domain socket, and beside it the descriptor side channel.

@@ -9,12 +9,12 @@ use tonic::{Code, Request, Response, Status};
 use umbp_copy::{CopyError, KeyFailure, KeyResult};
 use umbp_core::{BlockKey, CoreError, KeyBuilder, RankTopology};
 use umbp_proto::v1::{self, store_server::Store};
-use umbp_proto::{Endpoint, KEY_BYTES, PROTOCOL};
+use umbp_proto::{completion, Endpoint, KEY_BYTES, PROTOCOL};
 use umbp_store::{EmbeddedStore, RegionOffset, RelativeLayer, StoreError};
 
 use crate::listen::PeerInfo;
 use crate::metrics::{Gauges, Metrics};
-use crate::sessions::{Backing, ClientSession, EndReason, Sessions};
+use crate::sessions::{Backing, ClientSession, CompletionMapping, EndReason, Sessions};
 use crate::Access;
 
 /// Everything the service's handlers share.
@@ -509,6 +509,28 @@ impl Store for Service {
         }))
     }
 
+    async fn register_completion_page(
+        &self,
+        req: Request<v1::RegisterCompletionPageRequest>,
+    ) -> Result<Response<v1::RegisterCompletionPageReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let cs = self.session(&peer, r.session_id)?;
+        let fd = cs.take_ticket(r.ticket).ok_or_else(|| {
+            self.refuse(Status::not_found(format!(
+                "descriptor ticket {} is unknown to session {} (send the memfd over the side channel first; each ticket is used once)",
+                r.ticket, r.session_id
+            )))
+        })?;
+        use std::os::fd::AsFd;
+        let page = CompletionMapping::map(fd.as_fd(), r.length)
+            .map_err(|m| self.refuse(Status::invalid_argument(m)))?;
+        let slots = page.page.slots();
+        cs.res.lock().completions = Some(Arc::new(page));
+        tracing::debug!(session = cs.id, slots, "completion page registered");
+        Ok(Response::new(v1::RegisterCompletionPageReply { slots }))
+    }
+
     async fn register_cuda_ipc(
         &self,
         req: Request<v1::RegisterCudaIpcRequest>,
@@ -632,6 +654,26 @@ impl Store for Service {
                 ))))
             }
         };
+        let completion = match r.completion_slot {
+            0 => None,
+            k => {
+                let page = cs.res.lock().completions.clone().ok_or_else(|| {
+                    self.refuse(invalid(format!(
+                        "completion slot {k} named, but session {} has no completion page; register one or send 0",
+                        cs.id
+                    )))
+                })?;
+                let slot = k - 1;
+                if slot >= page.page.slots() || r.completion_seq >= completion::SEQ_LIMIT {
+                    return Err(self.refuse(invalid(format!(
+                        "completion slot {k} (sequence {}) is outside the session's page of {} slots (sequence below 2^30)",
+                        r.completion_seq,
+                        page.page.slots()
+                    ))));
+                }
+                Some((page, slot, r.completion_seq))
+            }
+        };
         let object_bytes = cs
             .session
             .layout(r.layout_id)
@@ -645,6 +687,20 @@ impl Store for Service {
             umbp_copy::Direction::Load => cs.session.load(r.layout_id, r.group, &r.block_ids, keys),
         }
         .map_err(|e| self.store_err(e))?;
+        if let Some((page, slot, seq)) = completion {
+            // Runs on the copy worker that finishes the job: the client wakes from here,
+            // without waiting for this handler, the reply's encoding or its own runtime.
+            job.on_done(move |results| {
+                let all_done = results.iter().all(|r| *r == KeyResult::Done);
+                page.page.publish(
+                    slot,
+                    seq,
+                    all_done,
+                    t.elapsed().as_micros() as u64,
+                    submitted.elapsed().as_micros() as u64,
+                );
+            });
+        }
         st.in_flight.fetch_add(1, Ordering::Relaxed);
         let _counted = InFlight(&st.in_flight);
         let _named = (r.transfer_id != 0).then(|| {

@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use umbp_copy::RegionId;
+use umbp_proto::completion::{CompletionPage, MAX_PAGE_BYTES, SLOT_BYTES};
 use umbp_proto::SECRET_BYTES;
 use umbp_store::{EmbeddedStore, Session, SessionRelease};
 
@@ -45,6 +46,44 @@ pub(crate) struct Resources {
     pub(crate) tickets: HashMap<u64, OwnedFd>,
     /// CUDA IPC imports of this session by handle: one allocation is opened once per session.
     pub(crate) ipc: HashMap<[u8; 64], std::sync::Weak<crate::memory::IpcImport>>,
+    /// The client's completion page, when it registered one (transfers still running hold it
+    /// too, so it stays mapped until their last write).
+    pub(crate) completions: Option<Arc<CompletionMapping>>,
+}
+
+/// A client's completion page mapped in the server (see [`umbp_proto::completion`]).
+#[derive(Debug)]
+pub(crate) struct CompletionMapping {
+    pub(crate) page: CompletionPage,
+    /// Keeps the page's memory mapped; declared after `page`, so dropped after it.
+    _mapping: ServerMapping,
+}
+
+impl CompletionMapping {
+    /// Maps `len` bytes of the client's sealed memfd `fd` as a completion page.
+    pub(crate) fn map(fd: std::os::fd::BorrowedFd<'_>, len: u64) -> Result<Self, String> {
+        if len == 0 || len > MAX_PAGE_BYTES || !len.is_multiple_of(SLOT_BYTES) {
+            return Err(format!(
+                "a completion page of {len} bytes; give a multiple of {SLOT_BYTES} bytes, at most {MAX_PAGE_BYTES}"
+            ));
+        }
+        let mapping = ServerMapping::map(fd, len)
+            .map_err(|e| format!("cannot map the completion page: {e}"))?;
+        if mapping.is_hugetlb() {
+            return Err(
+                "the completion page is a huge-page (hugetlbfs) memfd; use a normal memfd".into(),
+            );
+        }
+        // SAFETY: the mapping is read-write, of a memfd checked to be sealed against
+        // shrinking (so it cannot fault), page-aligned, and lives in `_mapping` as long as the
+        // view does.
+        let page =
+            unsafe { CompletionPage::new(mapping.as_ptr(), len) }.map_err(|e| e.to_string())?;
+        Ok(CompletionMapping {
+            page,
+            _mapping: mapping,
+        })
+    }
 }
 
 /// One attached client.

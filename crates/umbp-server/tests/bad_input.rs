@@ -160,6 +160,25 @@ fn bad_requests_get_errors_with_messages_and_touch_nothing() {
         "{c:?} {m}"
     );
 
+    // Completion pages: an unknown ticket; a slot named by a session without a page.
+    let (c, m) = code_and_message(rt.block_on(g.register_completion_page(
+        v1::RegisterCompletionPageRequest {
+            session_id: sid,
+            ticket: 78,
+            length: 65536,
+        },
+    )));
+    assert_eq!(c, Code::NotFound, "{m}");
+    assert!(m.contains("ticket"), "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.transfer(v1::TransferRequest {
+        session_id: sid,
+        direction: v1::Direction::Store as i32,
+        completion_slot: 1,
+        ..Default::default()
+    })));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    assert!(m.contains("no completion page"), "{m}");
+
     // Malformed transfers and lookups.
     let (c, m) = code_and_message(rt.block_on(g.transfer(v1::TransferRequest {
         session_id: sid,
@@ -374,6 +393,17 @@ fn valid_bodies(sid: u64) -> Vec<(&'static str, Vec<u8>)> {
                 keys: packed,
                 timeout_ms: 50,
                 transfer_id: 3,
+                completion_slot: 2,
+                completion_seq: 9,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            "RegisterCompletionPage",
+            v1::RegisterCompletionPageRequest {
+                session_id: sid,
+                ticket: 1,
+                length: 65536,
             }
             .encode_to_vec(),
         ),
@@ -533,6 +563,7 @@ fn decoding_random_bytes_as_any_request_never_panics() {
         let _ = v1::RegisterLayoutRequest::decode(b.as_slice());
         let _ = v1::RegisterCudaVmmRequest::decode(b.as_slice());
         let _ = v1::RegisterCudaIpcRequest::decode(b.as_slice());
+        let _ = v1::RegisterCompletionPageRequest::decode(b.as_slice());
         let _ = umbp_proto::FdHeader::decode(&b);
     });
 }

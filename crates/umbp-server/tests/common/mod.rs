@@ -371,6 +371,7 @@ pub const METHODS: &[&str] = &[
     "RegisterLayout",
     "Transfer",
     "CancelTransfer",
+    "RegisterCompletionPage",
 ];
 
 /// Calls `method` with an undecoded body.

@@ -1,0 +1,302 @@
+//! The completion page: how the server tells a client that a transfer finished without
+//! waiting for the Transfer reply.
+//!
+//! A client maps a small sealed memfd (the page) and registers it with its session
+//! (`RegisterCompletionPage`). The page is an array of [`SLOT_BYTES`]-byte slots; a transfer
+//! that names slot `k` (its `completion_slot` is `k + 1`) gets, the moment its copy job's last
+//! key finishes and on the copy worker that finished it:
+//!
+//! | bytes | written by the server |
+//! |---|---|
+//! | 8..16 | microseconds from receiving the request to the job's end |
+//! | 16..24 | microseconds of the copy job (submission to its last key) |
+//! | 0..4 | the word: `(seq << 2) \| ALL_DONE` or `(seq << 2) \| SEE_REPLY`, stored last (release) |
+//!
+//! and then a `FUTEX_WAKE` on the word. A client arms the slot with `(seq << 2) | PENDING`
+//! before sending the request and sleeps in `FUTEX_WAIT` while the word still holds that; its
+//! own reply handler moves a still-pending word to `(seq << 2) | REPLIED` (and wakes), so a
+//! transfer the server refused or never finished wakes its waiter too. A word with another
+//! `seq` is a late write for an earlier use of the slot (by a session that is gone): the
+//! waiter then reads the reply. The path saves the server's runtime, the reply's encoding, the
+//! client's runtime and one more thread hand-off between the copy and the caller.
+//!
+//! The server only ever writes the page, so a client that scribbles on it harms only itself;
+//! the memfd is sealed against shrinking, so the server's writes can never fault.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::ProtoError;
+
+/// Bytes of one slot (a cache line: concurrent transfers never share one).
+pub const SLOT_BYTES: u64 = 64;
+/// Largest page the server maps.
+pub const MAX_PAGE_BYTES: u64 = 1 << 20;
+/// Armed by the client: the transfer has not finished.
+pub const PENDING: u32 = 0;
+/// Set by the server: every key is DONE (the reply, when it comes, says the same).
+pub const ALL_DONE: u32 = 1;
+/// Set by the server: the job finished but not every key is DONE; read the reply.
+pub const SEE_REPLY: u32 = 2;
+/// Set by the client's reply handler over a still-pending word.
+pub const REPLIED: u32 = 3;
+/// Sequence numbers are below this (30 bits).
+pub const SEQ_LIMIT: u32 = 1 << 30;
+
+/// A slot's word for use `seq` (taken modulo [`SEQ_LIMIT`]) in state `state`.
+pub fn word(seq: u32, state: u32) -> u32 {
+    ((seq % SEQ_LIMIT) << 2) | (state & 3)
+}
+
+/// A view of a completion page mapped in this process. Every access is atomic: the other
+/// process may write any slot at any time.
+#[derive(Debug)]
+pub struct CompletionPage {
+    base: *mut u8,
+    slots: u32,
+}
+
+// SAFETY: the page is only reached through atomic loads and stores (and futex calls, which
+// the kernel makes atomic), from any thread; the pointer itself is never handed out.
+unsafe impl Send for CompletionPage {}
+// SAFETY: as for Send: shared access is atomic only.
+unsafe impl Sync for CompletionPage {}
+
+impl CompletionPage {
+    /// A view of `len` bytes at `base`, holding `len / SLOT_BYTES` slots.
+    ///
+    /// # Safety
+    /// `[base, base + len)` is a read-write mapping that stays mapped, and cannot fault, for
+    /// as long as the view lives (a `MAP_SHARED` mapping of a memfd sealed against shrinking);
+    /// `base` is aligned to [`SLOT_BYTES`].
+    pub unsafe fn new(base: *mut u8, len: u64) -> Result<Self, ProtoError> {
+        if !(SLOT_BYTES..=MAX_PAGE_BYTES).contains(&len) {
+            return Err(ProtoError::CompletionPage(format!(
+                "{len} bytes; give {SLOT_BYTES} to {MAX_PAGE_BYTES} bytes"
+            )));
+        }
+        if !(base as u64).is_multiple_of(SLOT_BYTES) {
+            return Err(ProtoError::CompletionPage(format!(
+                "its address {base:p} is not {SLOT_BYTES}-byte aligned"
+            )));
+        }
+        Ok(CompletionPage {
+            base,
+            slots: (len / SLOT_BYTES) as u32,
+        })
+    }
+
+    /// Slots in the page.
+    pub fn slots(&self) -> u32 {
+        self.slots
+    }
+
+    fn slot_ptr(&self, slot: u32) -> *mut u8 {
+        assert!(
+            slot < self.slots,
+            "slot {slot} of a {}-slot page",
+            self.slots
+        );
+        // SAFETY: `slot < slots`, so the offset stays inside the mapping (`new`'s contract).
+        unsafe { self.base.add((slot as u64 * SLOT_BYTES) as usize) }
+    }
+
+    fn word_of(&self, slot: u32) -> &AtomicU32 {
+        // SAFETY: the slot's first 4 bytes are inside the live mapping and 64-byte aligned;
+        // they are only ever accessed atomically.
+        unsafe { &*(self.slot_ptr(slot) as *const AtomicU32) }
+    }
+
+    fn time_of(&self, slot: u32, i: usize) -> &AtomicU64 {
+        // SAFETY: bytes 8 * i .. 8 * i + 8 (i is 1 or 2) of the slot are inside the live
+        // mapping and 8-byte aligned; they are only ever accessed atomically.
+        unsafe { &*(self.slot_ptr(slot).add(8 * i) as *const AtomicU64) }
+    }
+
+    /// The slot's word now.
+    pub fn load(&self, slot: u32) -> u32 {
+        self.word_of(slot).load(Ordering::Acquire)
+    }
+
+    /// Client: arms the slot for use `seq` before the request goes out.
+    pub fn arm(&self, slot: u32, seq: u32) {
+        self.time_of(slot, 1).store(0, Ordering::Relaxed);
+        self.time_of(slot, 2).store(0, Ordering::Relaxed);
+        self.word_of(slot)
+            .store(word(seq, PENDING), Ordering::Release);
+    }
+
+    /// Client: moves the slot from pending to `state` for use `seq`, if it is still pending,
+    /// and wakes its waiters. Whether it was.
+    pub fn settle(&self, slot: u32, seq: u32, state: u32) -> bool {
+        let moved = self
+            .word_of(slot)
+            .compare_exchange(
+                word(seq, PENDING),
+                word(seq, state),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok();
+        if moved {
+            self.wake(slot);
+        }
+        moved
+    }
+
+    /// Server: publishes the end of use `seq` of `slot` (times first, then the word) and
+    /// wakes its waiters.
+    pub fn publish(&self, slot: u32, seq: u32, all_done: bool, server_us: u64, copy_us: u64) {
+        self.time_of(slot, 1).store(server_us, Ordering::Relaxed);
+        self.time_of(slot, 2).store(copy_us, Ordering::Relaxed);
+        let state = if all_done { ALL_DONE } else { SEE_REPLY };
+        self.word_of(slot)
+            .store(word(seq, state), Ordering::Release);
+        self.wake(slot);
+    }
+
+    /// The times the server wrote with the slot's word: (in the server, copy job), in µs.
+    pub fn times(&self, slot: u32) -> (u64, u64) {
+        (
+            self.time_of(slot, 1).load(Ordering::Relaxed),
+            self.time_of(slot, 2).load(Ordering::Relaxed),
+        )
+    }
+
+    /// Sleeps while the slot's word is `expected`, at most `timeout` (spurious returns are
+    /// possible: look at the word again).
+    pub fn wait(&self, slot: u32, expected: u32, timeout: Duration) {
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+            tv_nsec: timeout.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: the word is a live, aligned u32 of a shared mapping; FUTEX_WAIT only reads
+        // it (atomically) and sleeps; `ts` outlives the call. Not FUTEX_PRIVATE: the waker is
+        // another process.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                self.word_of(slot).as_ptr(),
+                libc::FUTEX_WAIT,
+                expected,
+                &ts as *const libc::timespec,
+            );
+        }
+    }
+
+    fn wake(&self, slot: u32) {
+        // SAFETY: the word is a live, aligned u32 of a shared mapping; FUTEX_WAKE touches no
+        // memory. Not FUTEX_PRIVATE: the waiter is another process.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                self.word_of(slot).as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    /// A page in this process's own anonymous shared memory.
+    struct Mem(*mut u8, usize);
+    impl Mem {
+        fn new(len: usize) -> Mem {
+            // SAFETY: a fresh anonymous mapping; checked below.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            Mem(p as *mut u8, len)
+        }
+    }
+    impl Drop for Mem {
+        fn drop(&mut self) {
+            // SAFETY: our own mapping, unmapped once, after every view of it is gone.
+            unsafe { libc::munmap(self.0 as *mut libc::c_void, self.1) };
+        }
+    }
+
+    #[test]
+    fn words_carry_sequence_and_state() {
+        assert_eq!(word(5, ALL_DONE), 21);
+        assert_eq!(word(SEQ_LIMIT + 5, ALL_DONE), 21);
+        assert_eq!(word(SEQ_LIMIT - 1, REPLIED) >> 2, SEQ_LIMIT - 1);
+    }
+
+    #[test]
+    fn sizes_outside_the_limits_are_refused() {
+        let m = Mem::new(4096);
+        // SAFETY: the mapping outlives the views (each dropped at once).
+        unsafe {
+            assert!(CompletionPage::new(m.0, 0).is_err());
+            assert!(CompletionPage::new(m.0, MAX_PAGE_BYTES + 4096).is_err());
+            assert!(CompletionPage::new(m.0.add(8), 1024).is_err());
+            assert_eq!(CompletionPage::new(m.0, 4096).unwrap().slots(), 64);
+        }
+    }
+
+    #[test]
+    fn a_published_slot_wakes_its_waiter_with_the_times() {
+        let m = Mem::new(4096);
+        // SAFETY: the mapping outlives the page (dropped after the thread is joined).
+        let page = Arc::new(unsafe { CompletionPage::new(m.0, 4096) }.unwrap());
+        page.arm(3, 7);
+        let p2 = Arc::clone(&page);
+        let waiter = std::thread::spawn(move || {
+            let start = Instant::now();
+            while p2.load(3) == word(7, PENDING) {
+                p2.wait(3, word(7, PENDING), Duration::from_secs(10));
+            }
+            (p2.load(3), p2.times(3), start.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        page.publish(3, 7, true, 11, 9);
+        let (w, times, waited) = waiter.join().unwrap();
+        assert_eq!(w, word(7, ALL_DONE));
+        assert_eq!(times, (11, 9));
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        // Other slots are untouched.
+        assert_eq!(page.load(2), 0);
+    }
+
+    #[test]
+    fn settle_moves_only_a_pending_word_of_the_same_use() {
+        let m = Mem::new(4096);
+        // SAFETY: the mapping outlives the page.
+        let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
+        page.arm(0, 1);
+        assert!(!page.settle(0, 2, REPLIED));
+        page.publish(0, 1, false, 0, 0);
+        assert!(!page.settle(0, 1, REPLIED));
+        assert_eq!(page.load(0), word(1, SEE_REPLY));
+        page.arm(0, 2);
+        assert!(page.settle(0, 2, REPLIED));
+        assert_eq!(page.load(0), word(2, REPLIED));
+    }
+
+    #[test]
+    fn a_wait_on_a_word_nobody_sets_returns_at_its_timeout() {
+        let m = Mem::new(4096);
+        // SAFETY: the mapping outlives the page.
+        let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
+        page.arm(1, 1);
+        page.wait(1, word(1, PENDING), Duration::from_millis(20));
+        // A word that is not the expected one returns at once.
+        page.wait(1, word(9, PENDING), Duration::from_secs(3600));
+        assert_eq!(page.load(1), word(1, PENDING));
+    }
+}
