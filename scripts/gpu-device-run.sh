@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Runs the GPU benchmark and the GPU tests on a machine with an NVIDIA GPU, from a folder that
-# holds a built `umbp` binary, the umbp wheel and the tests folder (tests/kv_matrix.py and
-# tests/gpu/; see docs/benchmarks.md, "GPU"). Results go to $OUT (default ./gpu-out).
+# holds built `umbp` and `umbp_standalone_server` binaries, the umbp wheel and the tests folder
+# (tests/kv_matrix.py and tests/gpu/; see docs/benchmarks.md, "GPU"). Results go to $OUT
+# (default ./gpu-out).
 #   scripts/gpu-device-run.sh <folder>
 # BENCH=shapes (default: llama8b, tp8-8k, a 2.2 GiB layer stride, with dma beside), sweep (the
 # piece-size sweep: auto, dma and staged for 4-256 KiB pieces), load (idle rounds, then the same
-# copies beside a bf16 matmul loop that fills every SM, for 8, 32 and 64 KiB pieces) or none;
+# copies beside a bf16 matmul loop that fills every SM, for 8, 32 and 64 KiB pieces), server
+# (one CUDA client through the standalone server against embedded mode, 64 and 8 KiB pieces,
+# answered through the completion page and then by replies only) or none;
 # TESTS=0 skips pytest.
 set -u
 C="${1:?folder with umbp, the wheel and tests/}"
@@ -20,6 +23,8 @@ chmod +x "$C/umbp"
 # cuBLAS for the matmul load, from PyTorch's NVIDIA wheels.
 NV_LIBS="$(python3 -c 'import glob, os, site; print(":".join(sorted({os.path.dirname(f) for d in site.getsitepackages() for f in glob.glob(os.path.join(d, "nvidia", "**", "lib*.so*"), recursive=True)})))' 2>/dev/null)"
 export LD_LIBRARY_PATH="${NV_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ -x "$C/umbp_standalone_server" ] && chmod +x "$C/umbp_standalone_server" \
+  && export UMBP_SERVER_BIN="$C/umbp_standalone_server"
 case "${BENCH:-shapes}" in
   shapes)
     timeout "${BENCH_TIMEOUT:-240}" "$C/umbp" bench gpu \
@@ -35,6 +40,14 @@ case "${BENCH:-shapes}" in
     timeout "${BENCH_TIMEOUT:-420}" "$C/umbp" bench gpu --shapes "${SHAPES:-tp8-8k,28x32768,llama8b}" \
       --under-load --under-load-methods "${LOAD_METHODS:-auto,dma,staged}" --load-rounds "${LOAD_ROUNDS:-5}" --json \
       >"$OUT/bench.txt" 2>"$OUT/bench.err"
+    ;;
+  server)
+    : >"$OUT/bench.txt"
+    for answered in "" "--replies-only"; do
+      timeout "${BENCH_TIMEOUT:-240}" "$C/umbp" bench server --cuda --clients "${CLIENTS:-1}" \
+        --block-kib 64,8 --rounds "${ROUNDS:-12}" --in-flight "${IN_FLIGHT:-1}" \
+        --server-bin "$C/umbp_standalone_server" $answered --json >>"$OUT/bench.txt" 2>>"$OUT/bench.err"
+    done
     ;;
   none) : >"$OUT/bench.txt" ;;
 esac
