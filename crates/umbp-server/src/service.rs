@@ -251,6 +251,146 @@ impl Service {
     fn store_err(&self, e: StoreError) -> Status {
         self.refuse(status_of(&e))
     }
+
+    /// Checks transfer request `r` of session `cs` (received at `t`) and submits its copy
+    /// job, with the session's completion page hooked to it when the request names a slot.
+    fn start_transfer(
+        &self,
+        cs: &ClientSession,
+        r: &v1::TransferRequest,
+        t: Instant,
+    ) -> Result<Started, Status> {
+        if self.state.draining.load(Ordering::Acquire) {
+            return Err(Status::unavailable(
+                "the server is shutting down; transfer refused",
+            ));
+        }
+        let keys = unpack_keys(&r.keys, "keys").map_err(|s| self.refuse(s))?;
+        if keys.len() != r.block_ids.len() {
+            return Err(self.refuse(invalid(format!(
+                "{} keys for {} block ids; give one key per block",
+                keys.len(),
+                r.block_ids.len()
+            ))));
+        }
+        let dir = match v1::Direction::try_from(r.direction) {
+            Ok(v1::Direction::Store) => umbp_copy::Direction::Store,
+            Ok(v1::Direction::Load) => umbp_copy::Direction::Load,
+            _ => {
+                return Err(self.refuse(invalid(format!(
+                    "direction {} is neither store nor load",
+                    r.direction
+                ))))
+            }
+        };
+        let completion = match r.completion_slot {
+            0 => None,
+            k => {
+                let page = cs.res.lock().completions.clone().ok_or_else(|| {
+                    self.refuse(invalid(format!(
+                        "completion slot {k} named, but session {} has no completion page; register one or send 0",
+                        cs.id
+                    )))
+                })?;
+                let slot = k - 1;
+                if slot >= page.page.slots() || r.completion_seq >= completion::SEQ_LIMIT {
+                    return Err(self.refuse(invalid(format!(
+                        "completion slot {k} (sequence {}) is outside the session's page of {} slots (sequence below 2^30)",
+                        r.completion_seq,
+                        page.page.slots()
+                    ))));
+                }
+                Some((page, slot, r.completion_seq))
+            }
+        };
+        let object_bytes = cs
+            .session
+            .layout(r.layout_id)
+            .and_then(|l| Ok(l.group(r.group).map_err(StoreError::from)?.object_bytes()))
+            .map_err(|e| self.store_err(e))?;
+        let submitted = Instant::now();
+        let job = match dir {
+            umbp_copy::Direction::Store => {
+                cs.session.store(r.layout_id, r.group, &r.block_ids, keys)
+            }
+            umbp_copy::Direction::Load => cs.session.load(r.layout_id, r.group, &r.block_ids, keys),
+        }
+        .map_err(|e| self.store_err(e))?;
+        if let Some((page, slot, seq)) = completion {
+            // Runs on the copy worker that finishes the job: the client wakes from here,
+            // without waiting for the reply, its encoding or the client's runtime.
+            job.on_done(move |results| {
+                let all_done = results.iter().all(|r| *r == KeyResult::Done);
+                page.page.publish(
+                    slot,
+                    seq,
+                    all_done,
+                    t.elapsed().as_micros() as u64,
+                    submitted.elapsed().as_micros() as u64,
+                );
+            });
+        }
+        Ok(Started {
+            job,
+            dir,
+            object_bytes,
+            received: t,
+            submitted,
+        })
+    }
+}
+
+/// A transfer whose copy job is running.
+struct Started {
+    job: umbp_copy::JobHandle,
+    dir: umbp_copy::Direction,
+    object_bytes: u64,
+    received: Instant,
+    submitted: Instant,
+}
+
+impl State {
+    /// The reply to transfer `s` that ended with `results` (cancelled by its deadline when
+    /// `timed_out`), counted in the metrics.
+    fn reply_of(&self, s: &Started, results: &[KeyResult], timed_out: bool) -> v1::TransferReply {
+        let copy_micros = s.submitted.elapsed().as_micros() as u64;
+        let mut statuses = Vec::with_capacity(results.len());
+        let mut errors = Vec::new();
+        let mut ok = 0u64;
+        for (i, res) in results.iter().enumerate() {
+            statuses.push(key_status(res, timed_out) as u8);
+            if res.is_ok() {
+                ok += 1;
+            }
+            if let KeyResult::Failed(f) = res {
+                errors.push(v1::KeyError {
+                    index: i as u32,
+                    kind: failure_kind(f).into(),
+                    message: f.to_string(),
+                });
+            }
+        }
+        let done = results.iter().filter(|r| **r == KeyResult::Done).count() as u64;
+        let bytes = done * s.object_bytes;
+        let m = match s.dir {
+            umbp_copy::Direction::Store => &self.metrics.store,
+            umbp_copy::Direction::Load => &self.metrics.load,
+        };
+        m.transfers.fetch_add(1, Ordering::Relaxed);
+        m.keys_ok.fetch_add(ok, Ordering::Relaxed);
+        m.keys_failed
+            .fetch_add(results.len() as u64 - ok, Ordering::Relaxed);
+        m.bytes.fetch_add(bytes, Ordering::Relaxed);
+        let elapsed = s.received.elapsed();
+        m.latency.observe(elapsed);
+        v1::TransferReply {
+            statuses,
+            errors,
+            bytes,
+            server_micros: elapsed.as_micros() as u64,
+            copy_micros,
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -629,78 +769,10 @@ impl Store for Service {
         let t = Instant::now();
         let peer = self.peer(&req)?;
         let r = req.into_inner();
-        let st = &self.state;
-        if st.draining.load(Ordering::Acquire) {
-            return Err(Status::unavailable(
-                "the server is shutting down; transfer refused",
-            ));
-        }
         let cs = self.session(&peer, r.session_id)?;
-        let keys = unpack_keys(&r.keys, "keys").map_err(|s| self.refuse(s))?;
-        if keys.len() != r.block_ids.len() {
-            return Err(self.refuse(invalid(format!(
-                "{} keys for {} block ids; give one key per block",
-                keys.len(),
-                r.block_ids.len()
-            ))));
-        }
-        let dir = match v1::Direction::try_from(r.direction) {
-            Ok(v1::Direction::Store) => umbp_copy::Direction::Store,
-            Ok(v1::Direction::Load) => umbp_copy::Direction::Load,
-            _ => {
-                return Err(self.refuse(invalid(format!(
-                    "direction {} is neither store nor load",
-                    r.direction
-                ))))
-            }
-        };
-        let completion = match r.completion_slot {
-            0 => None,
-            k => {
-                let page = cs.res.lock().completions.clone().ok_or_else(|| {
-                    self.refuse(invalid(format!(
-                        "completion slot {k} named, but session {} has no completion page; register one or send 0",
-                        cs.id
-                    )))
-                })?;
-                let slot = k - 1;
-                if slot >= page.page.slots() || r.completion_seq >= completion::SEQ_LIMIT {
-                    return Err(self.refuse(invalid(format!(
-                        "completion slot {k} (sequence {}) is outside the session's page of {} slots (sequence below 2^30)",
-                        r.completion_seq,
-                        page.page.slots()
-                    ))));
-                }
-                Some((page, slot, r.completion_seq))
-            }
-        };
-        let object_bytes = cs
-            .session
-            .layout(r.layout_id)
-            .and_then(|l| Ok(l.group(r.group).map_err(StoreError::from)?.object_bytes()))
-            .map_err(|e| self.store_err(e))?;
-        let submitted = Instant::now();
-        let job = match dir {
-            umbp_copy::Direction::Store => {
-                cs.session.store(r.layout_id, r.group, &r.block_ids, keys)
-            }
-            umbp_copy::Direction::Load => cs.session.load(r.layout_id, r.group, &r.block_ids, keys),
-        }
-        .map_err(|e| self.store_err(e))?;
-        if let Some((page, slot, seq)) = completion {
-            // Runs on the copy worker that finishes the job: the client wakes from here,
-            // without waiting for this handler, the reply's encoding or its own runtime.
-            job.on_done(move |results| {
-                let all_done = results.iter().all(|r| *r == KeyResult::Done);
-                page.page.publish(
-                    slot,
-                    seq,
-                    all_done,
-                    t.elapsed().as_micros() as u64,
-                    submitted.elapsed().as_micros() as u64,
-                );
-            });
-        }
+        let started = self.start_transfer(&cs, &r, t)?;
+        let st = &self.state;
+        let job = started.job.clone();
         st.in_flight.fetch_add(1, Ordering::Relaxed);
         let _counted = InFlight(&st.in_flight);
         let _named = (r.transfer_id != 0).then(|| {
@@ -731,43 +803,7 @@ impl Store for Service {
             }
         };
         guard.0 = None;
-        let copy_micros = submitted.elapsed().as_micros() as u64;
-        let mut statuses = Vec::with_capacity(results.len());
-        let mut errors = Vec::new();
-        let mut ok = 0u64;
-        for (i, res) in results.iter().enumerate() {
-            statuses.push(key_status(res, timed_out) as u8);
-            if res.is_ok() {
-                ok += 1;
-            }
-            if let KeyResult::Failed(f) = res {
-                errors.push(v1::KeyError {
-                    index: i as u32,
-                    kind: failure_kind(f).into(),
-                    message: f.to_string(),
-                });
-            }
-        }
-        let done = results.iter().filter(|r| **r == KeyResult::Done).count() as u64;
-        let bytes = done * object_bytes;
-        let m = match dir {
-            umbp_copy::Direction::Store => &st.metrics.store,
-            umbp_copy::Direction::Load => &st.metrics.load,
-        };
-        m.transfers.fetch_add(1, Ordering::Relaxed);
-        m.keys_ok.fetch_add(ok, Ordering::Relaxed);
-        m.keys_failed
-            .fetch_add(results.len() as u64 - ok, Ordering::Relaxed);
-        m.bytes.fetch_add(bytes, Ordering::Relaxed);
-        let elapsed = t.elapsed();
-        m.latency.observe(elapsed);
-        Ok(Response::new(v1::TransferReply {
-            statuses,
-            errors,
-            bytes,
-            server_micros: elapsed.as_micros() as u64,
-            copy_micros,
-        }))
+        Ok(Response::new(st.reply_of(&started, &results, timed_out)))
     }
 
     async fn cancel_transfer(
