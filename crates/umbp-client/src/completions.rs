@@ -1,6 +1,7 @@
 //! The client's completion page (see [`umbp_proto::completion`]): slots the server sets and
 //! wakes the waiter on the moment a transfer's copy job finishes.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
@@ -20,7 +21,9 @@ pub(crate) struct Completions {
     pub(crate) page: CompletionPage,
     /// The memfd and the mapping (sent to every server the client attaches to).
     pub(crate) shm: SharedHostMemory,
-    free: Mutex<Vec<u32>>,
+    /// Free slots, oldest freed first (a slot just given up, whose job may still end late,
+    /// is the last to be used again).
+    free: Mutex<VecDeque<u32>>,
     next_seq: AtomicU32,
 }
 
@@ -36,7 +39,7 @@ impl Completions {
         Ok(Arc::new(Completions {
             page,
             shm,
-            free: Mutex::new((0..SLOTS).rev().collect()),
+            free: Mutex::new((0..SLOTS).collect()),
             next_seq: AtomicU32::new(1),
         }))
     }
@@ -50,8 +53,8 @@ impl Completions {
     pub(crate) fn lease(self: &Arc<Self>, limit: u32) -> Option<Lease> {
         let slot = {
             let mut f = self.free.lock();
-            let i = f.iter().rposition(|s| *s < limit)?;
-            f.swap_remove(i)
+            let i = f.iter().position(|s| *s < limit)?;
+            f.remove(i)?
         };
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed) % SEQ_LIMIT;
         self.page.arm(slot, seq);
@@ -93,6 +96,6 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        self.owner.free.lock().push(self.slot);
+        self.owner.free.lock().push_back(self.slot);
     }
 }

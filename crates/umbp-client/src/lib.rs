@@ -27,7 +27,7 @@ use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use tonic::{Code, Status};
 use umbp_core::{BlockKey, LayerSpec, RankTopology};
 use umbp_cuda::DeviceExport;
-use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED};
+use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED, WAIT_SLICE};
 use umbp_proto::v1::{self, store_client::StoreClient};
 use umbp_proto::{Endpoint, PROTOCOL, SECRET_BYTES};
 
@@ -436,9 +436,24 @@ impl StandaloneClient {
 
     /// Forgets the current session: the next call attaches again.
     fn lost(&self) {
+        self.forget_attachment(None);
+    }
+
+    /// Forgets the current session if it is still attachment `generation`.
+    fn lost_attachment(&self, generation: u64) {
+        self.forget_attachment(Some(generation));
+    }
+
+    fn forget_attachment(&self, only: Option<u64>) {
         // The lock is not held while logging: a log record may wait for a lock of the
         // embedding program (the Python GIL), whose holder may want this one.
-        let had = self.inner.attachment.write().take().is_some();
+        let had = {
+            let mut a = self.inner.attachment.write();
+            match (&*a, only) {
+                (Some(cur), Some(g)) if cur.generation != g => false,
+                _ => a.take().is_some(),
+            }
+        };
         if had {
             log::warn!(
                 "umbp: lost the session with the server at {}; the next call attaches again",
@@ -924,14 +939,13 @@ impl StandaloneClient {
         let n = keys.len();
         let sent = Instant::now();
         let l2 = lease.clone();
+        let generation = a.generation;
         self.inner.rt().spawn(async move {
             let r = grpc.transfer(req).await;
             let out = match r {
                 Ok(reply) => {
                     let reply = reply.into_inner();
-                    // Kept when the completion page answered first (its figures are the ones
-                    // the caller waited for).
-                    s2.timing.lock().get_or_insert(TransferTiming {
+                    *s2.timing.lock() = Some(TransferTiming {
                         round_trip: sent.elapsed(),
                         server: Duration::from_micros(reply.server_micros),
                         copy: Duration::from_micros(reply.copy_micros),
@@ -940,8 +954,10 @@ impl StandaloneClient {
                     decode_reply(reply, n)
                 }
                 Err(s) => {
+                    // Only this transfer's session: the caller may have moved on (answered
+                    // by the completion page) and attached again meanwhile.
                     if session_lost(&s) {
-                        me.lost();
+                        me.lost_attachment(generation);
                     }
                     Err(status_error("transfer", &me.inner.opts.endpoint, s))
                 }
@@ -957,6 +973,7 @@ impl StandaloneClient {
             client: self.clone(),
             slot,
             lease,
+            page_answer: std::sync::OnceLock::new(),
             keys: n,
             sent,
             session_id: a.session_id,
@@ -1216,13 +1233,15 @@ pub struct TransferTiming {
     /// From handing the request to the client's runtime to receiving the answer (the reply,
     /// or the completion page's wake-up).
     pub round_trip: Duration,
-    /// In the server, from receiving the request to sending the answer.
+    /// In the server, from receiving the request to sending the reply (to the job's end when
+    /// the completion page answered).
     pub server: Duration,
     /// In the server, the copy job alone (submission to its last key).
     pub copy: Duration,
-    /// Whether the server set the transfer's completion-page slot to "every key done" from
-    /// its copy worker (a waiting caller is then woken there, without the reply).
-    /// `round_trip`, `server` and `copy` are those of whichever answer came first.
+    /// Whether the completion page answered: the server set the transfer's slot to "every
+    /// key done" from its copy worker (a waiting caller is woken there, without the reply).
+    /// Then `round_trip` runs to when this client first saw the slot set, and `server` to the
+    /// job's end rather than to the reply.
     pub completion_page: bool,
 }
 
@@ -1233,6 +1252,8 @@ pub struct Transfer {
     slot: Arc<Slot>,
     /// Its slot of the completion page, when it has one.
     lease: Option<Arc<Lease>>,
+    /// Set when the page was first seen saying every key is done (then the answer).
+    page_answer: std::sync::OnceLock<TransferTiming>,
     keys: usize,
     sent: Instant,
     session_id: u64,
@@ -1254,25 +1275,30 @@ impl Transfer {
         v.as_ref().map(|r| self.take(r))
     }
 
-    /// Whether the completion page says every key is done.
+    /// Whether the completion page says every key is done; the first time it does, the
+    /// answer is kept (with the page's times), so it never changes afterwards.
     fn all_done(&self) -> bool {
-        self.lease
-            .as_ref()
-            .is_some_and(|l| l.page().load(l.slot) == completion::word(l.seq, ALL_DONE))
+        if self.page_answer.get().is_some() {
+            return true;
+        }
+        let Some(l) = &self.lease else {
+            return false;
+        };
+        if l.page().load(l.slot) != completion::word(l.seq, ALL_DONE) {
+            return false;
+        }
+        let (server, copy) = l.page().times(l.slot);
+        let _ = self.page_answer.set(TransferTiming {
+            round_trip: self.sent.elapsed(),
+            server: Duration::from_micros(server),
+            copy: Duration::from_micros(copy),
+            completion_page: true,
+        });
+        true
     }
 
-    /// The answer the completion page gave (every key done), its timing noted.
+    /// The answer the completion page gave: every key done.
     fn done_by_page(&self) -> Vec<KeyStatus> {
-        if let Some(l) = &self.lease {
-            let (server, copy) = l.page().times(l.slot);
-            let round_trip = self.sent.elapsed();
-            self.slot.timing.lock().get_or_insert(TransferTiming {
-                round_trip,
-                server: Duration::from_micros(server),
-                copy: Duration::from_micros(copy),
-                completion_page: true,
-            });
-        }
         vec![KeyStatus::Done; self.keys]
     }
 
@@ -1281,10 +1307,10 @@ impl Transfer {
     fn wait_on_page(&self, l: &Lease, until: Instant) -> Option<Vec<KeyStatus>> {
         let pending = completion::word(l.seq, PENDING);
         loop {
-            let w = l.page().load(l.slot);
-            if w == completion::word(l.seq, ALL_DONE) {
+            if self.all_done() {
                 return Some(self.done_by_page());
             }
+            let w = l.page().load(l.slot);
             // Anything else than pending (some keys not done, the reply, a late write of an
             // earlier use): the reply says.
             if w != pending {
@@ -1294,7 +1320,8 @@ impl Transfer {
             if now >= until {
                 return None;
             }
-            l.page().wait(l.slot, pending, until - now);
+            l.page()
+                .wait(l.slot, pending, (until - now).min(WAIT_SLICE));
         }
     }
 
@@ -1318,11 +1345,10 @@ impl Transfer {
     /// Where the time went, once the server has answered (None before, or after a failed
     /// call).
     pub fn timing(&self) -> Option<TransferTiming> {
-        let all_done = self.all_done();
-        self.slot.timing.lock().map(|t| TransferTiming {
-            completion_page: all_done,
-            ..t
-        })
+        if self.all_done() {
+            return self.page_answer.get().copied();
+        }
+        *self.slot.timing.lock()
     }
 
     /// Whether the server has answered.

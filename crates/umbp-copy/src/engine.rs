@@ -53,7 +53,7 @@ pub(crate) struct JobState {
 
 impl JobState {
     /// Marks `n` keys finished; after the last ones, runs `on_last` and then reports the job
-    /// done (waking its waiters and running its callbacks on this thread).
+    /// done (running its callbacks, then waking its waiters, on this thread).
     fn finish_keys(&self, n: usize, on_last: impl FnOnce()) {
         let last = self.remaining.fetch_sub(n, Ordering::AcqRel) == n;
         if last {

@@ -196,7 +196,9 @@ impl JobHandle {
     /// Runs `f` once with the results when the job finishes: at once, on this thread, when it
     /// already has (or has no keys); otherwise on the copy worker that finished its last key.
     /// `f` then holds that worker, so it must be quick and must not block (hand the results
-    /// to a channel or wake a task); a panic in it is caught and logged.
+    /// to a channel or wake a task); a panic in it is caught and logged. Callbacks run before
+    /// the job reads as finished: inside one, `is_done()` is still false, `poll()` None, and a
+    /// `wait()` on the same job would block until its timeout.
     pub fn on_done(&self, f: impl FnOnce(Vec<KeyResult>) + Send + 'static) {
         if let Some(f) = self.state.completion.add_callback(Box::new(f)) {
             f(self.state.results.lock().clone());

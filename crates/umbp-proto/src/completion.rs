@@ -15,13 +15,15 @@
 //! and then a `FUTEX_WAKE` on the word. A client arms the slot with `(seq << 2) | PENDING`
 //! before sending the request and sleeps in `FUTEX_WAIT` while the word still holds that; its
 //! own reply handler moves a still-pending word to `(seq << 2) | REPLIED` (and wakes), so a
-//! transfer the server refused or never finished wakes its waiter too. A word with another
-//! `seq` is a late write for an earlier use of the slot (by a session that is gone): the
-//! waiter then reads the reply. The path saves the server's runtime, the reply's encoding, the
-//! client's runtime and one more thread hand-off between the copy and the caller.
+//! transfer the server refused or never finished wakes its waiter too. Both ends move the word
+//! only from `(seq << 2) | PENDING` of their own use (compare-and-swap), so once it left pending
+//! it stays: a late write for an earlier use of the slot (a job that outlived its reply, or one
+//! of a session that is gone) changes nothing. The path saves the server's runtime, the reply's
+//! encoding, the client's runtime and one more thread hand-off between the copy and the caller.
 //!
-//! The server only ever writes the page, so a client that scribbles on it harms only itself;
-//! the memfd is sealed against shrinking, so the server's writes can never fault.
+//! The server reads only the word it is about to swap and acts on nothing else in the page, so
+//! a client that scribbles on it harms only itself; the memfd is sealed against shrinking, so
+//! the server's writes can never raise SIGBUS.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -42,6 +44,10 @@ pub const SEE_REPLY: u32 = 2;
 pub const REPLIED: u32 = 3;
 /// Sequence numbers are below this (30 bits).
 pub const SEQ_LIMIT: u32 = 1 << 30;
+/// Most waiters of one word a wake-up reaches.
+pub const MAX_WOKEN: i32 = 64;
+/// Longest single sleep of a waiter (see [`CompletionPage::wait`]).
+pub const WAIT_SLICE: Duration = Duration::from_millis(100);
 
 /// A slot's word for use `seq` (taken modulo [`SEQ_LIMIT`]) in state `state`.
 pub fn word(seq: u32, state: u32) -> u32 {
@@ -145,14 +151,37 @@ impl CompletionPage {
     }
 
     /// Server: publishes the end of use `seq` of `slot` (times first, then the word) and
-    /// wakes its waiters.
-    pub fn publish(&self, slot: u32, seq: u32, all_done: bool, server_us: u64, copy_us: u64) {
+    /// wakes its waiters, only while the slot is still armed for that use: a late write for an
+    /// earlier use, or one after the client settled the slot, changes nothing, so a slot's
+    /// word never changes again once it left pending. Whether it published.
+    pub fn publish(
+        &self,
+        slot: u32,
+        seq: u32,
+        all_done: bool,
+        server_us: u64,
+        copy_us: u64,
+    ) -> bool {
+        let pending = word(seq, PENDING);
+        if self.word_of(slot).load(Ordering::Acquire) != pending {
+            return false;
+        }
         self.time_of(slot, 1).store(server_us, Ordering::Relaxed);
         self.time_of(slot, 2).store(copy_us, Ordering::Relaxed);
         let state = if all_done { ALL_DONE } else { SEE_REPLY };
-        self.word_of(slot)
-            .store(word(seq, state), Ordering::Release);
-        self.wake(slot);
+        let moved = self
+            .word_of(slot)
+            .compare_exchange(
+                pending,
+                word(seq, state),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok();
+        if moved {
+            self.wake(slot);
+        }
+        moved
     }
 
     /// The times the server wrote with the slot's word: (in the server, copy job), in µs.
@@ -164,7 +193,8 @@ impl CompletionPage {
     }
 
     /// Sleeps while the slot's word is `expected`, at most `timeout` (spurious returns are
-    /// possible: look at the word again).
+    /// possible: look at the word again). A wake-up reaches at most [`MAX_WOKEN`] waiters of a
+    /// word, so wait in slices of at most [`WAIT_SLICE`] when more threads may wait on one.
     pub fn wait(&self, slot: u32, expected: u32, timeout: Duration) {
         let ts = libc::timespec {
             tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
@@ -186,13 +216,14 @@ impl CompletionPage {
 
     fn wake(&self, slot: u32) {
         // SAFETY: the word is a live, aligned u32 of a shared mapping; FUTEX_WAKE touches no
-        // memory. Not FUTEX_PRIVATE: the waiter is another process.
+        // memory. Not FUTEX_PRIVATE: the waiter is another process. Bounded, so a client that
+        // parks many threads on its own words cannot make a copy worker wake them all.
         unsafe {
             libc::syscall(
                 libc::SYS_futex,
                 self.word_of(slot).as_ptr(),
                 libc::FUTEX_WAKE,
-                i32::MAX,
+                MAX_WOKEN,
             );
         }
     }
@@ -280,12 +311,32 @@ mod tests {
         let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
         page.arm(0, 1);
         assert!(!page.settle(0, 2, REPLIED));
-        page.publish(0, 1, false, 0, 0);
+        assert!(page.publish(0, 1, false, 0, 0));
         assert!(!page.settle(0, 1, REPLIED));
         assert_eq!(page.load(0), word(1, SEE_REPLY));
         page.arm(0, 2);
         assert!(page.settle(0, 2, REPLIED));
         assert_eq!(page.load(0), word(2, REPLIED));
+        // Once settled, the server's write for the same use changes nothing.
+        assert!(!page.publish(0, 2, true, 5, 5));
+        assert_eq!(page.load(0), word(2, REPLIED));
+        assert_eq!(page.times(0), (0, 0));
+    }
+
+    #[test]
+    fn a_late_write_for_an_earlier_use_changes_nothing() {
+        let m = Mem::new(4096);
+        // SAFETY: the mapping outlives the page.
+        let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
+        page.arm(4, 10);
+        assert!(page.publish(4, 10, true, 1, 1));
+        page.arm(4, 11);
+        assert!(!page.publish(4, 10, false, 7, 7));
+        assert_eq!(page.load(4), word(11, PENDING));
+        assert_eq!(page.times(4), (0, 0));
+        assert!(page.publish(4, 11, true, 2, 3));
+        assert!(!page.publish(4, 10, false, 7, 7));
+        assert_eq!((page.load(4), page.times(4)), (word(11, ALL_DONE), (2, 3)));
     }
 
     #[test]

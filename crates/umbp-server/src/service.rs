@@ -252,6 +252,16 @@ impl Service {
         self.refuse(status_of(&e))
     }
 
+    /// Unavailable once the server is shutting down.
+    fn refuse_if_draining(&self) -> Result<(), Status> {
+        if self.state.draining.load(Ordering::Acquire) {
+            return Err(Status::unavailable(
+                "the server is shutting down; transfer refused",
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks transfer request `r` of session `cs` (received at `t`) and submits its copy
     /// job, with the session's completion page hooked to it when the request names a slot.
     fn start_transfer(
@@ -260,11 +270,7 @@ impl Service {
         r: &v1::TransferRequest,
         t: Instant,
     ) -> Result<Started, Status> {
-        if self.state.draining.load(Ordering::Acquire) {
-            return Err(Status::unavailable(
-                "the server is shutting down; transfer refused",
-            ));
-        }
+        self.refuse_if_draining()?;
         let keys = unpack_keys(&r.keys, "keys").map_err(|s| self.refuse(s))?;
         if keys.len() != r.block_ids.len() {
             return Err(self.refuse(invalid(format!(
@@ -293,11 +299,16 @@ impl Service {
                     )))
                 })?;
                 let slot = k - 1;
-                if slot >= page.page.slots() || r.completion_seq >= completion::SEQ_LIMIT {
+                if slot >= page.page.slots() {
                     return Err(self.refuse(invalid(format!(
-                        "completion slot {k} (sequence {}) is outside the session's page of {} slots (sequence below 2^30)",
-                        r.completion_seq,
+                        "completion slot {k} is outside the session's page of {} slots; name 1 to {0}, or 0 for none",
                         page.page.slots()
+                    ))));
+                }
+                if r.completion_seq >= completion::SEQ_LIMIT {
+                    return Err(self.refuse(invalid(format!(
+                        "completion sequence {} is too large; send one below 2^30",
+                        r.completion_seq
                     ))));
                 }
                 Some((page, slot, r.completion_seq))
@@ -321,7 +332,8 @@ impl Service {
             // without waiting for the reply, its encoding or the client's runtime.
             job.on_done(move |results| {
                 let all_done = results.iter().all(|r| *r == KeyResult::Done);
-                page.page.publish(
+                // Not published when the client already settled the slot (nothing to tell).
+                let _ = page.page.publish(
                     slot,
                     seq,
                     all_done,
@@ -769,6 +781,7 @@ impl Store for Service {
         let t = Instant::now();
         let peer = self.peer(&req)?;
         let r = req.into_inner();
+        self.refuse_if_draining()?;
         let cs = self.session(&peer, r.session_id)?;
         let started = self.start_transfer(&cs, &r, t)?;
         let st = &self.state;

@@ -162,7 +162,7 @@ fn a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second() {
     // The steady client exited too: its release may still be running for a moment.
     let t = Instant::now();
     let mut s = stats(&server.endpoint);
-    while s.sessions != 0 && t.elapsed() < Duration::from_secs(1) {
+    while (s.sessions != 0 || s.transfers_in_flight != 0) && t.elapsed() < Duration::from_secs(1) {
         std::thread::sleep(Duration::from_millis(5));
         s = stats(&server.endpoint);
     }
@@ -330,7 +330,16 @@ fn prometheus_metrics_are_served_on_loopback_only_when_asked() {
         s.read_to_string(&mut r).unwrap();
         r
     };
-    let m = get("/metrics");
+    // The client's wait may return (through the completion page) a moment before the server
+    // counts the transfer.
+    let t = Instant::now();
+    let mut m = get("/metrics");
+    while !m.contains("umbp_transfer_seconds_count{direction=\"store\"} 1")
+        && t.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+        m = get("/metrics");
+    }
     assert!(m.starts_with("HTTP/1.1 200"), "{m}");
     for needle in [
         "umbp_sessions 1",

@@ -863,6 +863,8 @@ mod tests {
             rx.recv_timeout(Duration::from_secs(5)).unwrap(),
             vec![KeyResult::Done; 2]
         );
+        // Callbacks run before the job reads as finished: wait for that before counting.
+        job.wait(Duration::from_secs(5)).unwrap();
         assert_eq!(st.session().jobs_in_flight(), 0);
         // Store-wide operations stay on the store.
         assert_eq!(st.clear().unwrap(), 2);
