@@ -68,10 +68,14 @@ pub struct Args {
     /// The server's executable (default: next to this `umbp`, then PATH).
     #[arg(long)]
     server_bin: Option<PathBuf>,
-    /// Clients answered by their transfers' replies only, without the completion page (to
-    /// measure what the page saves).
+    /// Clients as before the direct paths: transfers over gRPC, answered by their replies
+    /// only (no transfer channel, no completion page), to measure what those save.
     #[arg(long)]
     replies_only: bool,
+    /// Clients that send transfers over gRPC (no transfer channel) but are answered through
+    /// the completion page.
+    #[arg(long, conflicts_with = "replies_only")]
+    no_channel: bool,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -100,6 +104,8 @@ pub struct ClientArgs {
     in_flight: u32,
     #[arg(long)]
     replies_only: bool,
+    #[arg(long)]
+    no_channel: bool,
 }
 
 fn parse_list(s: &str, flag: &str) -> Result<Vec<u64>> {
@@ -402,6 +408,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
     opts.client_name = format!("umbp bench server client {}", a.id);
     opts.transfer_timeout = Duration::from_secs(120);
     opts.completion_page = !a.replies_only;
+    opts.transfer_channel = !a.replies_only && !a.no_channel;
     let client = StandaloneClient::connect(opts)?;
     match &mut cache {
         Cache::Host(h) => {
@@ -675,6 +682,9 @@ impl ServerRun {
             }
             if r.a.replies_only {
                 cmd.arg("--replies-only");
+            }
+            if r.a.no_channel {
+                cmd.arg("--no-channel");
             }
             let mut child = cmd
                 .spawn()
@@ -1069,6 +1079,7 @@ pub fn run(a: &Args) -> Result<()> {
                 "blocks_per_client": a.blocks,
                 "in_flight": a.in_flight,
                 "completion_page": !a.replies_only,
+                "transfer_channel": !a.replies_only && !a.no_channel,
                 "rounds": a.rounds,
                 "workers": workers,
                 "results": rows,
@@ -1110,14 +1121,25 @@ fn row(r: &Run<'_>, stat: Stat, srv: &Samples, emb: &Samples, ceil: Option<&Samp
     v
 }
 
+/// How the clients send and are answered.
+fn paths(a: &Args) -> &'static str {
+    if a.replies_only {
+        "over gRPC, answered by the replies"
+    } else if a.no_channel {
+        "over gRPC, answered through the completion page"
+    } else {
+        "on the transfer channel, answered through the completion page"
+    }
+}
+
 fn print_header(a: &Args, mode: &str, workers: usize) {
     println!(
-        "server benchmark ({mode} memory): {} layers × {} blocks per client process and transfer, {} transfer(s) in flight per client, each way; {} timed rounds after a warm-up; {workers} copy workers in the server and in embedded mode; clients answered {}",
+        "server benchmark ({mode} memory): {} layers × {} blocks per client process and transfer, {} transfer(s) in flight per client, each way; {} timed rounds after a warm-up; {workers} copy workers in the server and in embedded mode; transfers {}",
         a.layers,
         a.blocks,
         a.in_flight,
         a.rounds,
-        if a.replies_only { "by replies only" } else { "through the completion page" }
+        paths(a)
     );
     if !a.cuda {
         println!(

@@ -244,6 +244,8 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "metadata_bytes": s.metadata_bytes,
                 "placement": s.placement,
                 "cuda_imports": s.cuda_imports,
+                "channel_transfers": s.channel_transfers,
+                "transfer_channels": s.transfer_channels,
                 "remote": remote,
             })
         );
@@ -296,11 +298,13 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
     println!("  store bytes          {}", b(s.store_bytes));
     println!("  load bytes           {}", b(s.load_bytes));
     println!("  in flight            {}", s.transfers_in_flight);
+    println!("  on transfer channels {}", s.channel_transfers);
     println!("clients");
     println!("  sessions             {}", s.sessions);
     println!("  registrations        {}", s.registrations);
     println!("  layouts              {}", s.layouts);
     println!("  cuda imports         {}", s.cuda_imports);
+    println!("  transfer channels    {}", s.transfer_channels);
     println!("  pending descriptors  {}", s.pending_descriptors);
     match &s.remote {
         None => println!("remote tier          off (--remote-url)"),

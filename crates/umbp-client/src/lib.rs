@@ -31,8 +31,10 @@ use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED, WAIT_SLICE};
 use umbp_proto::v1::{self, store_client::StoreClient};
 use umbp_proto::{Endpoint, PROTOCOL, SECRET_BYTES};
 
+use crate::channel::{Pending, TransferChannel};
 use crate::completions::{Completions, Lease};
 
+mod channel;
 mod completions;
 mod error;
 mod fdsend;
@@ -66,11 +68,15 @@ pub struct ClientOptions {
     /// waiting caller from its copy worker) as well as by their replies. On by default; off
     /// only to measure what the page saves.
     pub completion_page: bool,
+    /// Whether transfers are sent on a transfer channel (a socket the calling thread writes
+    /// to and a server thread reads, no runtime on either end) rather than over gRPC. On by
+    /// default; off only to measure what the channel saves.
+    pub transfer_channel: bool,
 }
 
 impl ClientOptions {
     /// Defaults for `endpoint`: startup 30 s, lookups 1 s, transfers 30 s, other calls 30 s,
-    /// completion page on.
+    /// completion page and transfer channel on.
     pub fn new(endpoint: Endpoint) -> Self {
         ClientOptions {
             endpoint,
@@ -81,6 +87,7 @@ impl ClientOptions {
             client_name: format!("pid {}", std::process::id()),
             max_message_bytes: umbp_proto::DEFAULT_MAX_MESSAGE_BYTES,
             completion_page: true,
+            transfer_channel: true,
         }
     }
 }
@@ -150,6 +157,8 @@ struct Attachment {
     fd_socket: std::path::PathBuf,
     /// Slots of the completion page this session accepted (0: none; replies only).
     completion_slots: u32,
+    /// The session's transfer channel, when the server opened one.
+    channel: Option<Arc<TransferChannel>>,
 }
 
 /// Where a registration's memory comes from (kept to register it again).
@@ -230,6 +239,13 @@ impl Drop for Inner {
     fn drop(&mut self) {
         // SAFETY: `rt` is taken here, once, and `self` is not used afterwards.
         let rt = unsafe { ManuallyDrop::take(&mut self.rt) };
+        if std::process::id() == self.pid {
+            // Its reader thread ends with it (not in a forked child: a shutdown there would
+            // end the parent's channel, which shares the socket).
+            if let Some(ch) = self.attachment.get_mut().take().and_then(|a| a.channel) {
+                ch.close();
+            }
+        }
         if std::process::id() != self.pid {
             std::mem::forget(rt);
         } else if tokio::runtime::Handle::try_current().is_ok() {
@@ -447,13 +463,17 @@ impl StandaloneClient {
     fn forget_attachment(&self, only: Option<u64>) {
         // The lock is not held while logging: a log record may wait for a lock of the
         // embedding program (the Python GIL), whose holder may want this one.
-        let had = {
+        let gone = {
             let mut a = self.inner.attachment.write();
             match (&*a, only) {
-                (Some(cur), Some(g)) if cur.generation != g => false,
-                _ => a.take().is_some(),
+                (Some(cur), Some(g)) if cur.generation != g => None,
+                _ => a.take(),
             }
         };
+        let had = gone.is_some();
+        if let Some(ch) = gone.and_then(|a| a.channel) {
+            ch.close();
+        }
         if had {
             log::warn!(
                 "umbp: lost the session with the server at {}; the next call attaches again",
@@ -502,6 +522,7 @@ impl StandaloneClient {
             secret,
             fd_socket: r.fd_socket.into(),
             completion_slots: 0,
+            channel: None,
         };
         let n = self.inner.attaches.fetch_add(1, Ordering::Relaxed);
         if n > 0 {
@@ -512,6 +533,7 @@ impl StandaloneClient {
         }
         self.replay(&a)?;
         a.completion_slots = self.register_completions(&a);
+        a.channel = self.open_channel(&a);
         *self.inner.attachment.write() = Some(a.clone());
         Ok(a)
     }
@@ -532,6 +554,25 @@ impl StandaloneClient {
             rec.layouts.get_mut(&lid).expect("listed").server = Some((a.generation, sid));
         }
         Ok(())
+    }
+
+    /// Opens the transfer channel of attachment `a`; None when the client does without one
+    /// or the server opened none (transfers then go over gRPC).
+    fn open_channel(&self, a: &Attachment) -> Option<Arc<TransferChannel>> {
+        if !self.inner.opts.transfer_channel {
+            return None;
+        }
+        TransferChannel::open(
+            &a.fd_socket,
+            a.session_id,
+            &a.secret,
+            self.inner.opts.max_message_bytes,
+            &self.inner.opts.endpoint,
+        )
+        .unwrap_or_else(|e| {
+            log::info!("umbp: no transfer channel ({e}); transfers go over gRPC");
+            None
+        })
     }
 
     /// Registers the completion page in attachment `a`; the slots the server accepted, 0 when
@@ -931,14 +972,42 @@ impl StandaloneClient {
             completion_seq,
         };
         let slot = Arc::new(Slot::default());
+        let n = keys.len();
+        let sent = Instant::now();
+        let done = Transfer {
+            client: self.clone(),
+            slot: Arc::clone(&slot),
+            lease: lease.clone(),
+            page_answer: std::sync::OnceLock::new(),
+            keys: n,
+            sent,
+            session_id: a.session_id,
+            transfer_id,
+            deadline: sent + timeout,
+            timeout,
+            stalled_marked: AtomicBool::new(false),
+        };
+        // The transfer channel first: written by this thread, no runtime hand-off.
+        let mut lease = lease;
+        if let Some(ch) = a.channel.as_ref().filter(|c| c.is_open()) {
+            let p = Pending {
+                slot: Arc::clone(&slot),
+                lease: lease.take(),
+                sent,
+                keys: n,
+                _client: self.clone(),
+            };
+            match ch.send(&req, p) {
+                Ok(()) => return Ok(done),
+                Err(p) => lease = p.lease,
+            }
+        }
         let s2 = Arc::clone(&slot);
         let mut grpc = self.inner.grpc.clone();
         // The task keeps the client alive until the server answers (dropping every handle
         // does not cancel a transfer); `Inner`'s drop copes with being run on this task.
         let me = self.clone();
-        let n = keys.len();
-        let sent = Instant::now();
-        let l2 = lease.clone();
+        let l2 = lease;
         let generation = a.generation;
         self.inner.rt().spawn(async move {
             let r = grpc.transfer(req).await;
@@ -969,19 +1038,7 @@ impl StandaloneClient {
                 l.page().settle(l.slot, l.seq, REPLIED);
             }
         });
-        Ok(Transfer {
-            client: self.clone(),
-            slot,
-            lease,
-            page_answer: std::sync::OnceLock::new(),
-            keys: n,
-            sent,
-            session_id: a.session_id,
-            transfer_id,
-            deadline: Instant::now() + timeout,
-            timeout,
-            stalled_marked: AtomicBool::new(false),
-        })
+        Ok(done)
     }
 
     /// Which of `keys` are in the pool (one key per block; a single rank).
@@ -1125,6 +1182,9 @@ impl StandaloneClient {
         // wait on a stalled server.
         let stalled = self.inner.stalled_lookups.load(Ordering::Acquire) > 0
             || self.inner.stalled_transfers.load(Ordering::Acquire) > 0;
+        if let Some(ch) = attachment.as_ref().and_then(|a| a.channel.as_ref()) {
+            ch.close();
+        }
         if let Some(a) = attachment.filter(|_| !stalled) {
             let mut g = self.inner.grpc.clone();
             // A detach only makes the release synchronous: the socket's shutdown below releases

@@ -8,6 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod channel;
 pub mod completion;
 
 use thiserror::Error;
@@ -134,7 +135,8 @@ pub struct FdHeader {
     pub session_id: u64,
     /// The session's secret from `AttachReply`.
     pub secret: [u8; SECRET_BYTES],
-    /// Descriptors attached.
+    /// Descriptors attached; 0 (and none attached) turns the connection into the session's
+    /// transfer channel (see [`channel`]).
     pub count: u32,
 }
 
@@ -163,9 +165,9 @@ impl FdHeader {
         let mut secret = [0u8; SECRET_BYTES];
         secret.copy_from_slice(&b[8..8 + SECRET_BYTES]);
         let count = u32::from_le_bytes(b[8 + SECRET_BYTES..].try_into().expect("4 bytes"));
-        if count == 0 || count as usize > MAX_FDS_PER_MESSAGE {
+        if count as usize > MAX_FDS_PER_MESSAGE {
             return Err(ProtoError::SideChannel(format!(
-                "{count} descriptors announced; send 1 to {MAX_FDS_PER_MESSAGE} per message"
+                "{count} descriptors announced; send 1 to {MAX_FDS_PER_MESSAGE} per message (0 opens a transfer channel)"
             )));
         }
         Ok(FdHeader {
@@ -218,9 +220,10 @@ mod tests {
         };
         assert_eq!(FdHeader::decode(&h.encode()).unwrap(), h);
         assert!(FdHeader::decode(&[0; 5]).is_err());
+        // No descriptors: a transfer channel's opening.
         let mut zero = h;
         zero.count = 0;
-        assert!(FdHeader::decode(&zero.encode()).is_err());
+        assert_eq!(FdHeader::decode(&zero.encode()).unwrap(), zero);
         let mut many = h;
         many.count = 1000;
         assert!(FdHeader::decode(&many.encode()).is_err());

@@ -409,6 +409,8 @@ impl StandaloneClient {
             placement,
             cuda_imports,
             remote,
+            channel_transfers,
+            transfer_channels,
         } = s;
         let d = PyDict::new(py);
         d.set_item("boot_id", boot_id)?;
@@ -437,6 +439,8 @@ impl StandaloneClient {
         d.set_item("metadata_bytes", metadata_bytes)?;
         d.set_item("placement", placement)?;
         d.set_item("cuda_imports", cuda_imports)?;
+        d.set_item("channel_transfers", channel_transfers)?;
+        d.set_item("transfer_channels", transfer_channels)?;
         let remote = remote
             .map(|r| {
                 crate::store::remote_stats_dict(

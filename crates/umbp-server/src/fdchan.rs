@@ -11,14 +11,12 @@ use std::time::Duration;
 use umbp_proto::{FdHeader, FD_REFUSED, MAX_FDS_PER_MESSAGE};
 
 use crate::listen::{peer_of, PeerInfo};
-use crate::sessions::Sessions;
-use crate::Access;
+use crate::service::{Service, State};
 
 /// Accepts side-channel connections until `stop` changes.
 pub(crate) async fn serve(
     listener: tokio::net::UnixListener,
-    sessions: Arc<Sessions>,
-    access: Access,
+    state: Arc<State>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
@@ -27,9 +25,9 @@ pub(crate) async fn serve(
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
                 let Ok(std_stream) = stream.into_std() else { continue };
-                let sessions = Arc::clone(&sessions);
-                let access = access.clone();
-                tokio::task::spawn_blocking(move || handle(std_stream, &sessions, &access));
+                let state = Arc::clone(&state);
+                let rt = tokio::runtime::Handle::current();
+                tokio::task::spawn_blocking(move || handle(std_stream, state, rt));
             }
         }
     }
@@ -88,7 +86,8 @@ fn receive(stream: &std::os::unix::net::UnixStream) -> Result<(Vec<u8>, Vec<Owne
     Ok((data, fds))
 }
 
-fn handle(stream: std::os::unix::net::UnixStream, sessions: &Sessions, access: &Access) {
+fn handle(stream: std::os::unix::net::UnixStream, state: Arc<State>, rt: tokio::runtime::Handle) {
+    let (sessions, access) = (&state.sessions, &state.access);
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
@@ -141,6 +140,26 @@ fn handle(stream: std::os::unix::net::UnixStream, sessions: &Sessions, access: &
             &stream,
             &format!("session {} belongs to another client", header.session_id),
         );
+    }
+    if header.count == 0 {
+        // A transfer channel: it lives as long as its connection, on a thread of its own
+        // (not on the blocking pool, which serves short jobs).
+        let mut s = &stream;
+        if let Err(e) = s.write_all(&umbp_proto::channel::CHANNEL_OPENED.to_le_bytes()) {
+            tracing::warn!("descriptor side channel: reply failed: {e}");
+            return;
+        }
+        let svc = Service {
+            state: Arc::clone(&state),
+        };
+        let sid = cs.id;
+        if let Err(e) = std::thread::Builder::new()
+            .name(format!("umbp-chan-r{sid}"))
+            .spawn(move || crate::channel::serve(svc, cs, stream, rt))
+        {
+            tracing::warn!(session = sid, "transfer channel: no reader thread: {e}");
+        }
+        return;
     }
     let tickets = cs.add_tickets(fds);
     let mut reply = Vec::with_capacity(tickets.len() * 8);

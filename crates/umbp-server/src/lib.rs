@@ -23,6 +23,7 @@ use tokio_stream::StreamExt;
 use umbp_proto::Endpoint;
 use umbp_store::{EmbeddedStore, StoreConfig, StoreError};
 
+mod channel;
 mod fdchan;
 mod listen;
 mod memory;
@@ -244,8 +245,7 @@ pub async fn serve(
     }
     tasks.push(tokio::spawn(fdchan::serve(
         fd_listener,
-        Arc::clone(&sessions),
-        cfg.access.clone(),
+        Arc::clone(&state),
         stop_rx.clone(),
     )));
     let p = store.stats()?;

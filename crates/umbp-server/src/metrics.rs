@@ -70,6 +70,10 @@ pub(crate) struct Metrics {
     /// Sessions ended whose release has not finished.
     pub(crate) releasing: AtomicU64,
     pub(crate) refused: AtomicU64,
+    /// Transfers that came on transfer channels.
+    pub(crate) channel_transfers: AtomicU64,
+    /// Transfer channels open now.
+    pub(crate) channels_open: AtomicU64,
 }
 
 /// Gauges read when rendering.
@@ -263,6 +267,12 @@ impl Metrics {
             "requests_refused_total",
             "Requests refused (bad input, unknown ids, other uids).",
             self.refused.load(Ordering::Relaxed),
+        );
+        counter(
+            &mut o,
+            "channel_transfers_total",
+            "Transfers that came on transfer channels (the rest over gRPC).",
+            self.channel_transfers.load(Ordering::Relaxed),
         );
         counter(
             &mut o,

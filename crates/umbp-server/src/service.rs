@@ -217,7 +217,7 @@ impl Drop for Named<'_> {
 }
 
 /// Extra time a timed-out transfer gets to stop (keys being copied finish) before the reply.
-const STOP_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(5);
 
 impl Service {
     fn refuse(&self, s: Status) -> Status {
@@ -264,7 +264,7 @@ impl Service {
 
     /// Checks transfer request `r` of session `cs` (received at `t`) and submits its copy
     /// job, with the session's completion page hooked to it when the request names a slot.
-    fn start_transfer(
+    pub(crate) fn start_transfer(
         &self,
         cs: &ClientSession,
         r: &v1::TransferRequest,
@@ -353,8 +353,8 @@ impl Service {
 }
 
 /// A transfer whose copy job is running.
-struct Started {
-    job: umbp_copy::JobHandle,
+pub(crate) struct Started {
+    pub(crate) job: umbp_copy::JobHandle,
     dir: umbp_copy::Direction,
     object_bytes: u64,
     received: Instant,
@@ -364,7 +364,12 @@ struct Started {
 impl State {
     /// The reply to transfer `s` that ended with `results` (cancelled by its deadline when
     /// `timed_out`), counted in the metrics.
-    fn reply_of(&self, s: &Started, results: &[KeyResult], timed_out: bool) -> v1::TransferReply {
+    pub(crate) fn reply_of(
+        &self,
+        s: &Started,
+        results: &[KeyResult],
+        timed_out: bool,
+    ) -> v1::TransferReply {
         let copy_micros = s.submitted.elapsed().as_micros() as u64;
         let mut statuses = Vec::with_capacity(results.len());
         let mut errors = Vec::new();
@@ -452,6 +457,8 @@ impl Store for Service {
             metadata_bytes: p.metadata_bytes,
             placement: format!("{:?}", p.placement),
             cuda_imports: t.cuda_imports,
+            channel_transfers: m.channel_transfers.load(Ordering::Relaxed),
+            transfer_channels: m.channels_open.load(Ordering::Relaxed),
             remote: s.store.remote_stats().map(|r| v1::RemoteStats {
                 lookup_keys: r.lookup_keys,
                 hits: r.hits,

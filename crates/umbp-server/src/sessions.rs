@@ -49,6 +49,8 @@ pub(crate) struct Resources {
     /// The client's completion page, when it registered one (transfers still running hold it
     /// too, so it stays mapped until their last write).
     pub(crate) completions: Option<Arc<CompletionMapping>>,
+    /// The session's transfer channels (duplicates of their sockets, shut down at release).
+    pub(crate) channels: Vec<OwnedFd>,
 }
 
 /// A client's completion page mapped in the server (see [`umbp_proto::completion`]).
@@ -101,6 +103,8 @@ pub(crate) struct ClientSession {
     pub(crate) transfers: Mutex<HashMap<u64, umbp_copy::JobHandle>>,
     /// Notified once when the session is released (stops its process watcher).
     pub(crate) ended: tokio::sync::Notify,
+    /// Set when its release begins (a transfer channel opened after that ends at once).
+    pub(crate) released: std::sync::atomic::AtomicBool,
     next_ticket: AtomicU64,
 }
 
@@ -126,6 +130,12 @@ impl ClientSession {
     /// timeout for transfers still copying; call it off the async threads.
     fn release(&self) -> SessionRelease {
         self.ended.notify_one();
+        self.released.store(true, Ordering::Release);
+        // Its transfer channels end now: no new transfer can arrive on them.
+        for fd in std::mem::take(&mut self.res.lock().channels) {
+            // SAFETY: shutting down a socket this session owns a duplicate of; plain integers.
+            unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&fd), libc::SHUT_RDWR) };
+        }
         let report = self.session.release_now();
         let mut res = std::mem::take(&mut *self.res.lock());
         for id in &report.regions_kept {
@@ -187,6 +197,7 @@ impl Sessions {
             res: Mutex::new(Resources::default()),
             attached: Instant::now(),
             ended: tokio::sync::Notify::new(),
+            released: std::sync::atomic::AtomicBool::new(false),
             transfers: Mutex::new(HashMap::new()),
             next_ticket: AtomicU64::new(1),
         });

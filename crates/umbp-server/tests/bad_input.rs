@@ -567,3 +567,104 @@ fn decoding_random_bytes_as_any_request_never_panics() {
         let _ = umbp_proto::FdHeader::decode(&b);
     });
 }
+
+/// Opens a transfer channel of session `sid` (a side-channel header of no descriptors) and
+/// returns the socket with the server's 8-byte answer.
+fn open_channel(
+    server: &Server,
+    sid: u64,
+    secret: &[u8],
+) -> (std::os::unix::net::UnixStream, [u8; 8]) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(server.endpoint.fd_socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let h = umbp_proto::FdHeader {
+        session_id: sid,
+        secret: secret.try_into().unwrap(),
+        count: 0,
+    };
+    s.write_all(&h.encode()).unwrap();
+    let mut ack = [0u8; 8];
+    s.read_exact(&mut ack).unwrap();
+    (s, ack)
+}
+
+fn channel_reply(s: &mut std::os::unix::net::UnixStream) -> Option<v1::ChannelReply> {
+    umbp_proto::channel::read_frame(s, 1 << 20)
+        .ok()
+        .flatten()
+        .map(|f| v1::ChannelReply::decode(f.as_slice()).unwrap())
+}
+
+#[test]
+fn transfer_channels_refuse_strangers_and_bad_frames_and_the_server_goes_on() {
+    use umbp_proto::channel::write_frame;
+    let dir = tmpdir("chan");
+    let server = Server::start(&dir.join("s.sock"), &["--max-message-bytes", "1048576"]);
+    let victim = client(&server.endpoint);
+    let mut vc = cache(&victim);
+    vc.fill(3);
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    assert!(vc.stores_all(&victim, &ids, "chan-victim"));
+    // The victim's own transfers came on its channel.
+    assert!(stats(&server.endpoint).channel_transfers >= 1);
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    let sid = me.session_id;
+
+    // A wrong secret, or another session's id with this secret: refused, no channel.
+    let (_, ack) = open_channel(&server, sid, &[0; 16]);
+    assert_eq!(ack, umbp_proto::FD_REFUSED.to_le_bytes());
+    let (victim_sid, _) = victim.session().unwrap();
+    let (_, ack) = open_channel(&server, victim_sid, &me.secret);
+    assert_eq!(ack, umbp_proto::FD_REFUSED.to_le_bytes());
+
+    // A request naming another session is refused on the channel, which goes on; one of this
+    // session with an unknown layout gets its error; a frame that is not a request ends it.
+    let (mut ch, ack) = open_channel(&server, sid, &me.secret);
+    assert_eq!(ack, umbp_proto::channel::CHANNEL_OPENED.to_le_bytes());
+    let req = |session_id, transfer_id| v1::TransferRequest {
+        session_id,
+        layout_id: 0,
+        direction: v1::Direction::Load as i32,
+        block_ids: vec![0],
+        keys: keys("chan-victim", 1)[0].as_bytes().to_vec(),
+        transfer_id,
+        ..Default::default()
+    };
+    write_frame(&mut ch, &req(victim_sid, 7).encode_to_vec()).unwrap();
+    let r = channel_reply(&mut ch).expect("an answer");
+    assert_eq!(
+        (r.transfer_id, r.code),
+        (7, Code::PermissionDenied as i32),
+        "{r:?}"
+    );
+    assert!(!r.message.is_empty());
+    write_frame(&mut ch, &req(sid, 8).encode_to_vec()).unwrap();
+    let r = channel_reply(&mut ch).expect("an answer");
+    assert_eq!((r.transfer_id, r.code), (8, Code::NotFound as i32), "{r:?}");
+    write_frame(&mut ch, &[0xff; 40]).unwrap();
+    let r = channel_reply(&mut ch).expect("an answer");
+    assert_eq!(r.code, Code::InvalidArgument as i32, "{r:?}");
+    assert!(channel_reply(&mut ch).is_none(), "the channel ended");
+
+    // An oversized frame, a cut one and random bytes end only that channel.
+    let (mut ch, _) = open_channel(&server, sid, &me.secret);
+    std::io::Write::write_all(&mut ch, &(64u32 << 20).to_le_bytes()).unwrap();
+    assert!(channel_reply(&mut ch).is_none());
+    let mut rng = rand::rng();
+    for n in [1usize, 3, 5, 64, 700] {
+        let (mut ch, _) = open_channel(&server, sid, &me.secret);
+        let junk: Vec<u8> = (0..n).map(|_| rand::Rng::random::<u8>(&mut rng)).collect();
+        std::io::Write::write_all(&mut ch, &junk).unwrap();
+        drop(ch);
+    }
+
+    // The server still serves the victim, whose memory and objects are untouched.
+    vc.buf.fill(0);
+    assert!(vc.loads_all(&victim, &ids, "chan-victim"));
+    vc.check(3, &ids);
+    let s = stats(&server.endpoint);
+    assert_eq!((s.reservations, s.pinned), (0, 0), "{s:?}");
+    assert!(server.stop().success());
+}

@@ -58,6 +58,15 @@ fn bytes_stored_by_one_client_process_load_exactly_in_another() {
     assert!(b.wait().unwrap().success(), "{}", server.log_text());
     let s = stats_settled(&server.endpoint, 0);
     assert_eq!(s.objects, BLOCKS);
+    // Every transfer came on the clients' transfer channels, none over gRPC.
+    assert_eq!((s.channel_transfers, s.stores + s.loads), (3, 3), "{s:?}");
+    let t = Instant::now();
+    let mut open = s.transfer_channels;
+    while open != 0 && t.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(10));
+        open = stats(&server.endpoint).transfer_channels;
+    }
+    assert_eq!(open, 0, "the channels end with their connections");
     assert_eq!(
         (s.sessions, s.registrations, s.layouts),
         (0, 0, 0),
@@ -257,8 +266,14 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
         .iter()
         .all(|s| *s == KeyStatus::Done));
     cache.check(1, &ids);
-    // The completion page was registered with the new server too.
+    // The completion page was registered with the new server too, and a transfer channel
+    // opened.
     assert!(back.timing().unwrap().completion_page);
+    let s = stats(&server.endpoint);
+    assert!(
+        s.channel_transfers >= 2 && s.transfer_channels == 1,
+        "{s:?}"
+    );
     c.close();
     assert!(server.stop().success());
 }

@@ -1,0 +1,74 @@
+//! Framing of the transfer channel: a side-channel connection (opened with an [`FdHeader`]
+//! of zero descriptors, answered by 8 zero bytes) that then carries `TransferRequest` frames
+//! from the client and `ChannelReply` frames from the server. A frame is a 4-byte
+//! little-endian length and that many bytes of one protobuf message. The channel exists so
+//! that a transfer is sent by the calling thread itself and read by a server thread blocked
+//! on the socket: no async runtime hand-off on either end.
+//!
+//! [`FdHeader`]: crate::FdHeader
+
+use std::io::{Read, Write};
+
+/// The answer to a header that opened a transfer channel.
+pub const CHANNEL_OPENED: u64 = 0;
+
+/// Writes one frame holding `msg`.
+pub fn write_frame(w: &mut impl Write, msg: &[u8]) -> std::io::Result<()> {
+    let len = u32::try_from(msg.len())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "frame over 4 GiB"))?;
+    let mut buf = Vec::with_capacity(4 + msg.len());
+    buf.extend_from_slice(&len.to_le_bytes());
+    buf.extend_from_slice(msg);
+    w.write_all(&buf)
+}
+
+/// Reads one frame of at most `max` bytes; None at a clean end of the stream (before a frame).
+pub fn read_frame(r: &mut impl Read, max: usize) -> std::io::Result<Option<Vec<u8>>> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the stream ended inside a frame's length",
+                ))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a frame of {len} bytes, over the limit of {max}"),
+        ));
+    }
+    let mut msg = vec![0u8; len];
+    r.read_exact(&mut msg)?;
+    Ok(Some(msg))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_oversized_or_cut_ones_fail() {
+        let mut b = Vec::new();
+        write_frame(&mut b, b"hello").unwrap();
+        write_frame(&mut b, b"").unwrap();
+        let mut r = b.as_slice();
+        assert_eq!(read_frame(&mut r, 16).unwrap().unwrap(), b"hello");
+        assert_eq!(read_frame(&mut r, 16).unwrap().unwrap(), b"");
+        assert!(read_frame(&mut r, 16).unwrap().is_none());
+        let mut big = Vec::new();
+        write_frame(&mut big, &[0; 32]).unwrap();
+        assert!(read_frame(&mut big.as_slice(), 16).is_err());
+        assert!(read_frame(&mut &b[..3], 16).is_err());
+        assert!(read_frame(&mut &b[..6], 16).is_err());
+    }
+}
