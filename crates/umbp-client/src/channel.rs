@@ -42,6 +42,10 @@ pub(crate) struct Pending {
 #[derive(Debug)]
 pub(crate) struct TransferChannel {
     writer: Mutex<UnixStream>,
+    /// The same socket, to shut down without waiting for a write in progress.
+    shut: UnixStream,
+    /// Largest request frame (larger ones go over gRPC, which refuses them with a message).
+    max: usize,
     pending: Mutex<HashMap<u64, Pending>>,
     dead: AtomicBool,
     endpoint: Endpoint,
@@ -95,8 +99,11 @@ impl TransferChannel {
         s.set_write_timeout(Some(WRITE_TIMEOUT))
             .map_err(io("transfer channel"))?;
         let reader = s.try_clone().map_err(io("transfer channel"))?;
+        let shut = s.try_clone().map_err(io("transfer channel"))?;
         let ch = Arc::new(TransferChannel {
             writer: Mutex::new(s),
+            shut,
+            max: max_message_bytes,
             pending: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
             endpoint: endpoint.clone(),
@@ -119,11 +126,14 @@ impl TransferChannel {
     pub(crate) fn send(&self, req: &v1::TransferRequest, p: Pending) -> Result<(), Pending> {
         let id = req.transfer_id;
         let frame = req.encode_to_vec();
+        if frame.len() > self.max {
+            return Err(p);
+        }
         // Known before the reply can come.
         self.pending.lock().insert(id, p);
         let sent = {
-            let mut w = self.writer.lock();
-            self.is_open() && write_frame(&mut *w, &frame).is_ok()
+            let w = self.writer.lock();
+            self.is_open() && write_frame(&mut NoSigPipe(&w), &frame).is_ok()
         };
         if sent {
             return Ok(());
@@ -140,7 +150,7 @@ impl TransferChannel {
     /// Closes the channel: pending transfers fail as disconnected, the reader ends.
     pub(crate) fn close(&self) {
         self.dead.store(true, Ordering::Release);
-        let _ = self.writer.lock().shutdown(std::net::Shutdown::Both);
+        let _ = self.shut.shutdown(std::net::Shutdown::Both);
     }
 
     fn read_replies(self: Arc<Self>, mut s: UnixStream, max: usize) {
@@ -198,6 +208,34 @@ impl TransferChannel {
                 }),
             );
         }
+    }
+}
+
+/// Writes with `MSG_NOSIGNAL`: a server that went away fails the write (EPIPE) instead of
+/// raising SIGPIPE in a host process that does not ignore it.
+struct NoSigPipe<'a>(&'a UnixStream);
+
+impl Write for NoSigPipe<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: `buf` is valid for `buf.len()` bytes; the descriptor is the live socket.
+        let n = unsafe {
+            libc::send(
+                self.0.as_raw_fd(),
+                buf.as_ptr() as *const libc::c_void,
+                buf.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

@@ -1270,6 +1270,9 @@ struct Slot {
     ready: Condvar,
     /// Set with the value: the error, kept typed for the first waiter.
     error: Mutex<Option<ClientError>>,
+    /// Set by whoever clears the transfer's stall mark (its reply, or its completion page,
+    /// whichever comes first), so it is cleared once.
+    stall_cleared: AtomicBool,
 }
 
 impl Slot {
@@ -1346,6 +1349,16 @@ impl Transfer {
         };
         if l.page().load(l.slot) != completion::word(l.seq, ALL_DONE) {
             return false;
+        }
+        // A transfer marked stalled is answered now: later transfers need not wait for its
+        // reply to go on.
+        if self.stalled_marked.load(Ordering::Acquire)
+            && !self.slot.stall_cleared.swap(true, Ordering::AcqRel)
+        {
+            self.client
+                .inner
+                .stalled_transfers
+                .fetch_sub(1, Ordering::AcqRel);
         }
         let (server, copy) = l.page().times(l.slot);
         let _ = self.page_answer.set(TransferTiming {
@@ -1448,7 +1461,9 @@ impl Transfer {
                 while v.is_none() {
                     slot.ready.wait(&mut v);
                 }
-                stalled.fetch_sub(1, Ordering::AcqRel);
+                if !slot.stall_cleared.swap(true, Ordering::AcqRel) {
+                    stalled.fetch_sub(1, Ordering::AcqRel);
+                }
             });
         }
         Err(ClientError::Timeout {

@@ -10,12 +10,13 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prost::Message;
 use tonic::{Code, Status};
-use umbp_proto::channel::{read_frame, write_frame};
+use umbp_proto::channel::{read_frame, write_frame, CHANNEL_OPENED};
 use umbp_proto::v1;
 
 use crate::service::{Service, STOP_GRACE};
@@ -24,6 +25,61 @@ use crate::sessions::ClientSession;
 /// Replies waiting for the writer at most; a client that leaves more unread loses its channel.
 const WRITER_BACKLOG: usize = 4096;
 
+/// Live transfer channels one session may have (a client opens one per attach).
+pub(crate) const MAX_CHANNELS_PER_SESSION: usize = 4;
+
+/// What a channel's replies go through: the writer's queue, and the socket to shut down when
+/// the queue overruns (which ends the channel on both sides, so no reply is lost silently).
+#[derive(Clone)]
+struct Replies {
+    tx: SyncSender<Vec<u8>>,
+    sock: Arc<UnixStream>,
+    sid: u64,
+    max: usize,
+}
+
+impl Replies {
+    /// Queues `frame` for the writer; false when the channel has ended (or now ends: the
+    /// writer is overrun, and the socket is shut down).
+    fn send(&self, frame: Vec<u8>) -> bool {
+        match self.tx.try_send(frame) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) => {
+                tracing::warn!(
+                    session = self.sid,
+                    "transfer channel: {WRITER_BACKLOG} replies unread; the channel is closed"
+                );
+                let _ = self.sock.shutdown(std::net::Shutdown::Both);
+                false
+            }
+            Err(TrySendError::Disconnected(_)) => false,
+        }
+    }
+
+    /// The reply frame of transfer `id`; an error for it alone when the reply would exceed
+    /// the message limit (the client could not read it).
+    fn reply_frame(&self, id: u64, reply: v1::TransferReply) -> Vec<u8> {
+        let frame = v1::ChannelReply {
+            transfer_id: id,
+            reply: Some(reply),
+            code: 0,
+            message: String::new(),
+        }
+        .encode_to_vec();
+        if frame.len() <= self.max {
+            return frame;
+        }
+        error_frame(
+            id,
+            &Status::resource_exhausted(format!(
+                "the reply ({} bytes) exceeds the message limit of {} bytes; transfer fewer keys at once or raise --max-message-bytes",
+                frame.len(),
+                self.max
+            )),
+        )
+    }
+}
+
 /// Serves the channel of session `cs` on `stream` until it ends (runs on its own thread).
 pub(crate) fn serve(
     svc: Service,
@@ -31,45 +87,60 @@ pub(crate) fn serve(
     stream: UnixStream,
     rt: tokio::runtime::Handle,
 ) {
-    let _ = stream.set_read_timeout(None);
+    let sid = cs.id;
+    let refuse = |why: &str| crate::fdchan::refuse(&stream, why);
     let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
-    let writer_stream = match stream.try_clone() {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(
-                session = cs.id,
-                "transfer channel: cannot clone the socket: {e}"
-            );
-            return;
-        }
+    let (Ok(writer_stream), Ok(sock), Ok(kept)) = (
+        stream.try_clone(),
+        stream.try_clone(),
+        stream.as_fd().try_clone_to_owned(),
+    ) else {
+        return refuse("the server cannot duplicate the socket (descriptor limit?)");
     };
     // Kept with the session, which shuts it down at its release (ending both threads).
-    match stream.as_fd().try_clone_to_owned() {
-        Ok(fd) => cs.res.lock().channels.push(fd),
-        Err(e) => {
-            tracing::warn!(
-                session = cs.id,
-                "transfer channel: cannot keep the socket: {e}"
-            );
-            return;
+    let token = {
+        let mut res = cs.res.lock();
+        if res.channels.len() >= MAX_CHANNELS_PER_SESSION {
+            drop(res);
+            return refuse(&format!(
+                "session {sid} has {MAX_CHANNELS_PER_SESSION} transfer channels open already"
+            ));
         }
-    }
+        let t = cs.next_channel_token();
+        res.channels.push((t, kept));
+        t
+    };
+    let forget = || cs.res.lock().channels.retain(|(t, _)| *t != token);
     if cs.released.load(Ordering::Acquire) {
-        return;
+        forget();
+        return refuse(&format!("session {sid} has ended"));
     }
     let (tx, rx) = sync_channel::<Vec<u8>>(WRITER_BACKLOG);
-    let sid = cs.id;
     let writer = std::thread::Builder::new()
         .name(format!("umbp-chan-w{sid}"))
         .spawn(move || write_replies(writer_stream, rx, sid));
     if let Err(e) = writer {
-        tracing::warn!(session = sid, "transfer channel: no writer thread: {e}");
-        return;
+        forget();
+        return refuse(&format!("the server cannot start a thread: {e}"));
+    }
+    let _ = stream.set_read_timeout(None);
+    {
+        let mut w = &stream;
+        if std::io::Write::write_all(&mut w, &CHANNEL_OPENED.to_le_bytes()).is_err() {
+            forget();
+            return;
+        }
     }
     tracing::debug!(session = sid, "transfer channel opened");
     let metrics = Arc::clone(&svc.state.metrics);
     metrics.channels_open.fetch_add(1, Ordering::Relaxed);
     let max = svc.state.max_message_bytes;
+    let replies = Replies {
+        tx,
+        sock: Arc::new(sock),
+        sid,
+        max,
+    };
     let mut reader = &stream;
     loop {
         let frame = match read_frame(&mut reader, max) {
@@ -85,35 +156,52 @@ pub(crate) fn serve(
             Ok(r) => r,
             Err(e) => {
                 // The stream cannot be trusted past a frame that is not a request.
-                let _ = tx.try_send(error_frame(
+                replies.send(error_frame(
                     0,
                     &Status::invalid_argument(format!(
                         "a transfer channel frame is not a TransferRequest ({e}); the channel is closed"
                     )),
                 ));
-                svc.state.metrics.refused.fetch_add(1, Ordering::Relaxed);
+                metrics.refused.fetch_add(1, Ordering::Relaxed);
                 break;
             }
         };
         if r.session_id != sid {
-            let _ = tx.try_send(error_frame(
+            metrics.refused.fetch_add(1, Ordering::Relaxed);
+            let refused = error_frame(
                 r.transfer_id,
                 &Status::permission_denied(format!(
                     "session {} is not this channel's (session {sid})",
                     r.session_id
                 )),
+            );
+            if replies.send(refused) {
+                continue;
+            }
+            break;
+        }
+        // A session that ended (its release may still be running) takes no more transfers.
+        if cs.released.load(Ordering::Acquire) || svc.state.sessions.get_any(sid).is_none() {
+            replies.send(error_frame(
+                r.transfer_id,
+                &Status::failed_precondition(format!(
+                    "session {sid} is not attached (server boot {}); attach again",
+                    svc.state.boot_id
+                )),
             ));
-            svc.state.metrics.refused.fetch_add(1, Ordering::Relaxed);
-            continue;
+            break;
         }
         metrics.channel_transfers.fetch_add(1, Ordering::Relaxed);
-        if !start(&svc, &cs, r, t, &tx, &rt) {
+        if !start(&svc, &cs, r, t, &replies, &rt) {
             break;
         }
     }
+    // No more requests are read: the client's next write fails at once (and goes over gRPC).
     // The writer sends what is still to come (a refusal just queued, the replies of jobs in
     // flight) and then shuts the socket down, which tells the client the channel ended.
-    drop(tx);
+    let _ = stream.shutdown(std::net::Shutdown::Read);
+    drop(replies);
+    forget();
     metrics.channels_open.fetch_sub(1, Ordering::Relaxed);
     tracing::debug!(session = sid, "transfer channel ended");
 }
@@ -124,13 +212,13 @@ fn start(
     cs: &Arc<ClientSession>,
     r: v1::TransferRequest,
     t: Instant,
-    tx: &SyncSender<Vec<u8>>,
+    replies: &Replies,
     rt: &tokio::runtime::Handle,
 ) -> bool {
     let id = r.transfer_id;
     let started = match svc.start_transfer(cs, &r, t) {
         Ok(s) => s,
-        Err(s) => return send(tx, error_frame(id, &s), cs.id),
+        Err(s) => return replies.send(error_frame(id, &s)),
     };
     let st = Arc::clone(&svc.state);
     st.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -148,7 +236,7 @@ fn start(
     let answered = Arc::new(AtomicBool::new(false));
     let started = Arc::new(started);
     {
-        let (st, cs, tx) = (Arc::clone(&st), Arc::clone(cs), tx.clone());
+        let (st, cs, replies) = (Arc::clone(&st), Arc::clone(cs), replies.clone());
         let (timed_out, answered, started) = (
             Arc::clone(&timed_out),
             Arc::clone(&answered),
@@ -163,20 +251,12 @@ fn start(
                 return;
             }
             let reply = st.reply_of(&started, &results, timed_out.load(Ordering::Acquire));
-            let frame = v1::ChannelReply {
-                transfer_id: id,
-                reply: Some(reply),
-                code: 0,
-                message: String::new(),
-            }
-            .encode_to_vec();
             // Never blocks the copy worker: an overrun channel is shut down instead.
-            send(&tx, frame, cs.id);
+            replies.send(replies.reply_frame(id, reply));
         });
     }
     if !job.is_done() {
-        let tx = tx.clone();
-        let sid = cs.id;
+        let replies = replies.clone();
         rt.spawn(async move {
             if tokio::time::timeout(timeout, job.finished()).await.is_ok() {
                 return;
@@ -191,26 +271,11 @@ fn start(
                     timeout.as_millis(),
                     STOP_GRACE.as_secs()
                 ));
-                send(&tx, error_frame(id, &s), sid);
+                replies.send(error_frame(id, &s));
             }
         });
     }
     true
-}
-
-/// Queues `frame` for the writer; false (and the channel is to end) when it cannot take it.
-fn send(tx: &SyncSender<Vec<u8>>, frame: Vec<u8>, sid: u64) -> bool {
-    match tx.try_send(frame) {
-        Ok(()) => true,
-        Err(TrySendError::Full(_)) => {
-            tracing::warn!(
-                session = sid,
-                "transfer channel: {WRITER_BACKLOG} replies unread; the channel is closed"
-            );
-            false
-        }
-        Err(TrySendError::Disconnected(_)) => false,
-    }
 }
 
 fn error_frame(transfer_id: u64, s: &Status) -> Vec<u8> {

@@ -33,7 +33,7 @@ pub(crate) async fn serve(
     }
 }
 
-fn refuse(mut s: &std::os::unix::net::UnixStream, why: &str) {
+pub(crate) fn refuse(mut s: &std::os::unix::net::UnixStream, why: &str) {
     tracing::warn!("descriptor side channel: refused: {why}");
     let mut msg = FD_REFUSED.to_le_bytes().to_vec();
     msg.extend_from_slice(why.as_bytes());
@@ -143,12 +143,7 @@ fn handle(stream: std::os::unix::net::UnixStream, state: Arc<State>, rt: tokio::
     }
     if header.count == 0 {
         // A transfer channel: it lives as long as its connection, on a thread of its own
-        // (not on the blocking pool, which serves short jobs).
-        let mut s = &stream;
-        if let Err(e) = s.write_all(&umbp_proto::channel::CHANNEL_OPENED.to_le_bytes()) {
-            tracing::warn!("descriptor side channel: reply failed: {e}");
-            return;
-        }
+        // (not on the blocking pool, which serves short jobs); that thread answers.
         let svc = Service {
             state: Arc::clone(&state),
         };

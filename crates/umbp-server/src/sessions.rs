@@ -49,8 +49,9 @@ pub(crate) struct Resources {
     /// The client's completion page, when it registered one (transfers still running hold it
     /// too, so it stays mapped until their last write).
     pub(crate) completions: Option<Arc<CompletionMapping>>,
-    /// The session's transfer channels (duplicates of their sockets, shut down at release).
-    pub(crate) channels: Vec<OwnedFd>,
+    /// The session's live transfer channels (a token and a duplicate of the socket, shut
+    /// down at release; removed when the channel ends).
+    pub(crate) channels: Vec<(u64, OwnedFd)>,
 }
 
 /// A client's completion page mapped in the server (see [`umbp_proto::completion`]).
@@ -121,6 +122,11 @@ impl ClientSession {
             .collect()
     }
 
+    /// A new token naming one of the session's transfer channels.
+    pub(crate) fn next_channel_token(&self) -> u64 {
+        self.next_ticket.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Takes the descriptor of `ticket` (each ticket is used once).
     pub(crate) fn take_ticket(&self, ticket: u64) -> Option<OwnedFd> {
         self.res.lock().tickets.remove(&ticket)
@@ -132,7 +138,7 @@ impl ClientSession {
         self.ended.notify_one();
         self.released.store(true, Ordering::Release);
         // Its transfer channels end now: no new transfer can arrive on them.
-        for fd in std::mem::take(&mut self.res.lock().channels) {
+        for (_, fd) in std::mem::take(&mut self.res.lock().channels) {
             // SAFETY: shutting down a socket this session owns a duplicate of; plain integers.
             unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&fd), libc::SHUT_RDWR) };
         }

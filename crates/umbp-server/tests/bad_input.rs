@@ -568,6 +568,9 @@ fn decoding_random_bytes_as_any_request_never_panics() {
     });
 }
 
+/// Live channels one session may have (the server's `MAX_CHANNELS_PER_SESSION`).
+const CHANNELS_PER_SESSION: usize = 4;
+
 /// Opens a transfer channel of session `sid` (a side-channel header of no descriptors) and
 /// returns the socket with the server's 8-byte answer.
 fn open_channel(
@@ -589,11 +592,14 @@ fn open_channel(
     (s, ack)
 }
 
+/// The next reply on a channel; None when the server ended it (a clean end: a read that
+/// times out fails the test).
 fn channel_reply(s: &mut std::os::unix::net::UnixStream) -> Option<v1::ChannelReply> {
-    umbp_proto::channel::read_frame(s, 1 << 20)
-        .ok()
-        .flatten()
-        .map(|f| v1::ChannelReply::decode(f.as_slice()).unwrap())
+    match umbp_proto::channel::read_frame(s, 1 << 20) {
+        Ok(f) => f.map(|f| v1::ChannelReply::decode(f.as_slice()).unwrap()),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+        Err(e) => panic!("no answer on the channel: {e}"),
+    }
 }
 
 #[test]
@@ -654,11 +660,36 @@ fn transfer_channels_refuse_strangers_and_bad_frames_and_the_server_goes_on() {
     assert!(channel_reply(&mut ch).is_none());
     let mut rng = rand::rng();
     for n in [1usize, 3, 5, 64, 700] {
-        let (mut ch, _) = open_channel(&server, sid, &me.secret);
+        let (mut ch, ack) = open_channel(&server, sid, &me.secret);
+        assert_eq!(ack, umbp_proto::channel::CHANNEL_OPENED.to_le_bytes());
         let junk: Vec<u8> = (0..n).map(|_| rand::Rng::random::<u8>(&mut rng)).collect();
-        std::io::Write::write_all(&mut ch, &junk).unwrap();
+        // A junk length may make the server end the channel before all of it is read.
+        let _ = std::io::Write::write_all(&mut ch, &junk);
         drop(ch);
+        // Every one of them ends (no thread left behind): only the victim's stays open.
+        let t = std::time::Instant::now();
+        while stats(&server.endpoint).transfer_channels != 1 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "a channel did not end"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
+    // At most a few channels per session at once.
+    let held: Vec<_> = (0..CHANNELS_PER_SESSION)
+        .map(|_| open_channel(&server, sid, &me.secret))
+        .collect();
+    assert!(held
+        .iter()
+        .all(|(_, a)| *a == umbp_proto::channel::CHANNEL_OPENED.to_le_bytes()));
+    let (_, ack) = open_channel(&server, sid, &me.secret);
+    assert_eq!(
+        ack,
+        umbp_proto::FD_REFUSED.to_le_bytes(),
+        "one channel too many"
+    );
+    drop(held);
 
     // The server still serves the victim, whose memory and objects are untouched.
     vc.buf.fill(0);
