@@ -200,31 +200,23 @@ impl CompletionPage {
             tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
             tv_nsec: timeout.subsec_nanos() as libc::c_long,
         };
-        // SAFETY: the word is a live, aligned u32 of a shared mapping; FUTEX_WAIT only reads
-        // it (atomically) and sleeps; `ts` outlives the call. Not FUTEX_PRIVATE: the waker is
-        // another process.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                self.word_of(slot).as_ptr(),
-                libc::FUTEX_WAIT,
-                expected,
-                &ts as *const libc::timespec,
-            );
-        }
+        self.futex(slot, libc::FUTEX_WAIT, expected as i32, &ts);
     }
 
+    /// Wakes waiters of the slot's word: bounded, so a client that parks many threads on its
+    /// own words cannot make a copy worker wake them all.
     fn wake(&self, slot: u32) {
-        // SAFETY: the word is a live, aligned u32 of a shared mapping; FUTEX_WAKE touches no
-        // memory. Not FUTEX_PRIVATE: the waiter is another process. Bounded, so a client that
-        // parks many threads on its own words cannot make a copy worker wake them all.
+        self.futex(slot, libc::FUTEX_WAKE, MAX_WOKEN, std::ptr::null());
+    }
+
+    /// One futex call on the slot's word. Not FUTEX_PRIVATE: the other side is another
+    /// process mapping the same memfd.
+    fn futex(&self, slot: u32, op: libc::c_int, val: i32, ts: *const libc::timespec) {
+        // SAFETY: the word is a live, aligned u32 of a shared mapping; FUTEX_WAIT only reads it
+        // (atomically) and sleeps, FUTEX_WAKE touches no memory; `ts` is null or outlives
+        // the call.
         unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                self.word_of(slot).as_ptr(),
-                libc::FUTEX_WAKE,
-                MAX_WOKEN,
-            );
+            libc::syscall(libc::SYS_futex, self.word_of(slot).as_ptr(), op, val, ts);
         }
     }
 }

@@ -252,6 +252,16 @@ impl Service {
         self.refuse(status_of(&e))
     }
 
+    /// The descriptor session `cs` sent over the side channel under `ticket` (used once).
+    fn ticket(&self, cs: &ClientSession, ticket: u64) -> Result<std::os::fd::OwnedFd, Status> {
+        cs.take_ticket(ticket).ok_or_else(|| {
+            self.refuse(Status::not_found(format!(
+                "descriptor ticket {ticket} is unknown to session {} (send the memfd over the side channel first; each ticket is used once)",
+                cs.id
+            )))
+        })
+    }
+
     /// Unavailable once the server is shutting down.
     fn refuse_if_draining(&self) -> Result<(), Status> {
         if self.state.draining.load(Ordering::Acquire) {
@@ -625,12 +635,7 @@ impl Store for Service {
         let peer = self.peer(&req)?;
         let r = req.into_inner();
         let cs = self.session(&peer, r.session_id)?;
-        let fd = cs.take_ticket(r.ticket).ok_or_else(|| {
-            self.refuse(Status::not_found(format!(
-                "descriptor ticket {} is unknown to session {} (send the memfd over the side channel first; each ticket is used once)",
-                r.ticket, r.session_id
-            )))
-        })?;
+        let fd = self.ticket(&cs, r.ticket)?;
         let len = r.length;
         let cs2 = Arc::clone(&cs);
         let out = tokio::task::spawn_blocking(move || -> Result<u64, Status> {
@@ -675,12 +680,7 @@ impl Store for Service {
         let peer = self.peer(&req)?;
         let r = req.into_inner();
         let cs = self.session(&peer, r.session_id)?;
-        let fd = cs.take_ticket(r.ticket).ok_or_else(|| {
-            self.refuse(Status::not_found(format!(
-                "descriptor ticket {} is unknown to session {} (send the memfd over the side channel first; each ticket is used once)",
-                r.ticket, r.session_id
-            )))
-        })?;
+        let fd = self.ticket(&cs, r.ticket)?;
         use std::os::fd::AsFd;
         let page = CompletionMapping::map(fd.as_fd(), r.length)
             .map_err(|m| self.refuse(Status::invalid_argument(m)))?;
