@@ -10,6 +10,7 @@ two processes of an engine do.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from pathlib import Path
 
@@ -438,23 +439,43 @@ def _new_req(req: Request, block_ids):
 def test_async_lookup_is_rechecked_and_dropped_when_the_request_finishes(model_config, tmp_path):
     vc = vllm_config(model_config, tmp_path, lookup_async=True)
     e = Engine(vc, kv_config((["l0"], full())))
+    side = e.sched._scheduler
+    # Lookups wait for `gate` on the lookup thread, so a lookup is surely pending when the
+    # test needs one (an ungated lookup may answer before the call that started it returns,
+    # which is the right thing for the connector to do, but leaves nothing pending to test).
+    gate = threading.Event()
+    looked_up = side._lookup
+
+    def gated_lookup(hashes):
+        assert gate.wait(10), "the test never opened the gate"
+        return looked_up(hashes)
+
+    side._lookup = gated_lookup
     try:
         req = e.request("a", blocks=3)
         e.put(0, req, [1, 2, 3])
         n, _ = e.sched.get_num_new_matched_tokens(req, 0)
         assert n is None  # looking up
-        time.sleep(0.5)
+        assert side.async_lookups["a"].first == 0
         # Meanwhile vLLM's own cache came to hold the first block: the lookup of blocks 0..2
-        # is stale; only blocks 1..2 are left to restore.
+        # is stale and started again for blocks 1..2, the only ones left to restore.
+        assert e.sched.get_num_new_matched_tokens(req, BS)[0] is None
+        assert side.async_lookups["a"].first == 1
+        gate.set()
         assert matched(e, req, computed=BS)[0] == 2 * BS
-        # A finished request's lookup is dropped: a new request with the same id (and other
-        # tokens) is looked up afresh.
+        assert "a" not in side.async_lookups
+        # A finished request's pending lookup is dropped: a new request with the same id (and
+        # other tokens) is looked up afresh.
+        gate.clear()
         assert e.sched.get_num_new_matched_tokens(req, 0)[0] is None
-        time.sleep(0.5)
+        assert "a" in side.async_lookups
         e.step(finished={"a"})
+        assert "a" not in side.async_lookups
+        gate.set()
         other = e.request("a", blocks=3, seed=5)
         assert matched(e, other)[0] == 0
     finally:
+        gate.set()
         e.close()
 
 
