@@ -191,6 +191,15 @@ pub trait Mover: Send + Sync + std::fmt::Debug {
         8
     }
 
+    /// Blocks of a job's first and last calls, for a job of `batch`-block calls (at most
+    /// `batch`; the default, `batch`, cuts no call short). A device mover whose calls run as
+    /// stages (a gather kernel before its DMA, a scatter kernel after it) asks for short first
+    /// and last calls: the copy engine starts moving after planning a few blocks instead of a
+    /// whole call, and the job ends with a short last stage.
+    fn edge_batch(&self, batch: usize) -> usize {
+        batch
+    }
+
     /// Copies each block's engine ranges into its object. `after` is the submitter's ordering
     /// token, if any; the copies must not read engine memory before the work it marks is
     /// done. Returns one result per block.

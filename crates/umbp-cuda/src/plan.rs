@@ -224,56 +224,89 @@ pub fn staged(
     base: u64,
     g: u64,
 ) -> Option<Vec<Slice>> {
+    let mut out = Vec::new();
+    staged_into(blocks, slot_bytes, max_descs, base, g, &mut out).then_some(out)
+}
+
+/// [`staged`] into `out`, reusing the slices and vectors a previous plan left there (a mover
+/// keeps them between calls: a 16,384-piece plan built in fresh memory spent most of its
+/// 250-330 µs faulting in pages, against about 60 µs in memory already touched). Returns false
+/// (and leaves `out` empty) where [`staged`] returns `None`.
+pub fn staged_into(
+    blocks: &[BlockCopy<'_>],
+    slot_bytes: u64,
+    max_descs: usize,
+    base: u64,
+    g: u64,
+    out: &mut Vec<Slice>,
+) -> bool {
     let mut order: Vec<usize> = (0..blocks.len()).collect();
     order.sort_by_key(|&i| blocks[i].object as u64);
-    let mut out = Vec::new();
-    let mut cur = Slice::default();
+    // Slices `0..used` of `out` hold this plan; later ones are spares from earlier plans.
+    let mut used = 0usize;
+    let take = |out: &mut Vec<Slice>, used: &mut usize| {
+        if *used == out.len() {
+            out.push(Slice::default());
+        }
+        let s = &mut out[*used];
+        s.descs.clear();
+        s.dmas.clear();
+        s.blocks.clear();
+        s.used = 0;
+        *used += 1;
+        *used - 1
+    };
+    let mut cur = take(out, &mut used);
     // Pool address just past the previous object, if the current DMA may grow.
     let mut host_end: Option<u64> = None;
     for i in order {
         let b = &blocks[i];
         let extent = b.extent();
         if extent > slot_bytes || b.ranges.len() > max_descs {
-            return None;
+            out.clear();
+            return false;
         }
         let host = b.object as u64;
         let contiguous = host_end == Some(host);
         let mut off = if contiguous {
-            cur.used
+            out[cur].used
         } else {
-            cur.used.div_ceil(STAGE_ALIGN) * STAGE_ALIGN
+            out[cur].used.div_ceil(STAGE_ALIGN) * STAGE_ALIGN
         };
-        if off + extent > slot_bytes || cur.descs.len() + b.ranges.len() > max_descs {
-            out.push(std::mem::take(&mut cur));
+        if off + extent > slot_bytes || out[cur].descs.len() + b.ranges.len() > max_descs {
+            cur = take(out, &mut used);
             off = 0;
             host_end = None;
         }
+        let s = &mut out[cur];
         if host_end == Some(host) {
-            cur.dmas.last_mut().expect("a DMA is open").len += extent;
+            s.dmas.last_mut().expect("a DMA is open").len += extent;
         } else {
-            cur.dmas.push(Dma {
+            s.dmas.push(Dma {
                 host,
                 off,
                 len: extent,
             });
         }
-        for r in b.ranges {
-            cur.descs.push(Desc {
-                dev: r.host_addr,
-                off: off + r.object_offset,
-                len: r.len,
-            });
-        }
-        cur.blocks.push(i);
-        cur.used = off + extent;
+        s.descs.extend(b.ranges.iter().map(|r| Desc {
+            dev: r.host_addr,
+            off: off + r.object_offset,
+            len: r.len,
+        }));
+        s.blocks.push(i);
+        s.used = off + extent;
         host_end = Some(host + extent);
     }
-    if !cur.blocks.is_empty() {
-        out.push(cur);
+    if out[cur].blocks.is_empty() {
+        used -= 1;
     }
+    out.truncate(used);
     // Cut DMAs at granule boundaries.
-    for s in &mut out {
-        let mut cut = Vec::with_capacity(s.dmas.len());
+    for s in out.iter_mut() {
+        if s.dmas.iter().all(|d| within_granule(d, base, g)) {
+            continue;
+        }
+        let mut cut = Vec::with_capacity(s.dmas.len() + 1);
         for d in &s.dmas {
             for p in split(
                 &[Piece {
@@ -294,7 +327,16 @@ pub fn staged(
         }
         s.dmas = cut;
     }
-    Some(out)
+    true
+}
+
+/// Whether DMA `d` lies inside one registration granule of `g` bytes from `base` (or outside
+/// the registered span, where [`split`] leaves it whole too).
+fn within_granule(d: &Dma, base: u64, g: u64) -> bool {
+    if g == 0 || d.len == 0 || d.host < base {
+        return true;
+    }
+    (d.host - base) / g == (d.host - base + d.len - 1) / g
 }
 
 #[cfg(test)]
@@ -539,6 +581,15 @@ mod tests {
                 let mut seen: Vec<usize> = slices.iter().flat_map(|s| s.blocks.clone()).collect();
                 seen.sort_unstable();
                 prop_assert_eq!(seen, (0..nblocks).collect::<Vec<_>>());
+                // A plan into a buffer an earlier, different plan left (as a mover reuses
+                // them) is the same plan: nothing of the earlier one is left in it.
+                let mut reused = Vec::new();
+                prop_assert!(staged_into(&blocks[..nblocks / 2], 1 << 12, 8, base, g, &mut reused)
+                    || reused.is_empty());
+                prop_assert!(staged_into(&blocks, 1 << 16, 64, base, g, &mut reused));
+                prop_assert_eq!(&reused, &slices);
+                prop_assert!(staged_into(&blocks[..1], 1 << 16, 64, base, g, &mut reused));
+                prop_assert_eq!(reused, staged(&blocks[..1], 1 << 16, 64, base, g).unwrap());
             }
         }
     }

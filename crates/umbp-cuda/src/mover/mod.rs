@@ -32,6 +32,7 @@ mod kernels;
 mod options;
 mod staged;
 mod trace;
+mod wait;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -101,6 +102,8 @@ struct Lane {
     dma: Stream,
     kern: Stream,
     ring: Option<Mutex<Ring>>,
+    /// When the copies queued on this direction's streams should end.
+    eta: wait::Eta,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,7 +151,12 @@ pub struct CudaMover {
     tracer: Mutex<Option<Tracer>>,
     /// `auto`'s view of the staging kernels, per direction (store, load).
     staged_health: [StagedHealth; 2],
+    /// Staging plans of finished calls, whose memory the next calls reuse.
+    spare_plans: Mutex<Vec<Vec<plan::Slice>>>,
 }
+
+/// Spare staging plans kept at most (one per copy worker that stages at once is enough).
+const SPARE_PLANS: usize = 16;
 
 impl CudaMover {
     /// A mover for device `device` that copies into and out of the pool `pinner` registers for
@@ -241,6 +249,7 @@ impl CudaMover {
                 dma: dev.stream()?,
                 kern: dev.priority_stream()?,
                 ring,
+                eta: wait::Eta::default(),
             })
         };
         let store = lane(kernels.is_some())?;
@@ -279,6 +288,7 @@ impl CudaMover {
             tracing: std::sync::atomic::AtomicBool::new(false),
             tracer: Mutex::new(None),
             staged_health: Default::default(),
+            spare_plans: Mutex::new(Vec::new()),
         })
     }
 
@@ -526,22 +536,33 @@ impl CudaMover {
         };
         let (base, g) = (pin.base, pin.chunk);
         let mut timings = Vec::new();
-        let slices = match self.choose(dir, blocks) {
-            CopyMethod::Dma => None,
-            _ => plan::staged(blocks, self.slot_bytes, MAX_DESCS, base, g),
+        let bytes: u64 = blocks
+            .iter()
+            .flat_map(|b| b.ranges.iter().map(|r| r.len))
+            .sum();
+        // A plan of an earlier call, whose memory is already touched (see plan::staged_into).
+        let mut slices = self.spare_plans.lock().pop().unwrap_or_default();
+        let staged = self.choose(dir, blocks) != CopyMethod::Dma
+            && plan::staged_into(blocks, self.slot_bytes, MAX_DESCS, base, g, &mut slices);
+        let enqueued = if staged {
+            self.run_staged(dir, &slices, after, &done, &mut results, &mut timings)
+        } else {
+            self.run_dma(dir, blocks, after, &done, &mut results, &mut timings)
         };
-        let enqueued = match &slices {
-            Some(slices) => self.run_staged(dir, slices, after, &done, &mut results, &mut timings),
-            None => self.run_dma(dir, blocks, after, &done, &mut results, &mut timings),
-        };
-        if let Err(e) = enqueued.and_then(|_| done.synchronize()) {
+        let lane = self.lane(dir);
+        if let Err(e) = enqueued.and_then(|_| lane.eta.wait(&done, &lane.eta.queued(bytes))) {
             log::error!("umbp: CUDA copy failed: {e}");
             // Whatever was queued must finish before the blocks are failed: a failed store's
             // pool reservations are handed out again, and its events go back to the pools.
-            let lane = self.lane(dir);
             let _ = lane.dma.synchronize();
             let _ = lane.kern.synchronize();
             fail_all(&mut results, &e);
+        }
+        {
+            let mut spare = self.spare_plans.lock();
+            if spare.len() < SPARE_PLANS {
+                spare.push(slices);
+            }
         }
         self.account(dir, timings, call_start);
         self.give_event(done, false);
@@ -614,6 +635,9 @@ fn staged_batch_blocks(slot_bytes: u64, object_bytes: u64, pieces: usize, cap: u
     by_bytes.min(by_descs).min(cap).max(1)
 }
 
+/// A job's first and last calls carry this share of a call's blocks ([`Mover::edge_batch`]).
+const EDGE_SHARE: usize = 8;
+
 /// Staging slots from this size carry one slot per staged call.
 const ONE_SLOT_CALLS_FROM: u64 = 64 << 20;
 
@@ -651,6 +675,14 @@ impl Mover for CudaMover {
         } else {
             cap
         }
+    }
+
+    /// An eighth of a call (16 MiB of a 128 MiB staging slot): a job's first copies start
+    /// once a few blocks are planned and gathered, not a whole slot's worth (a 16,384-piece
+    /// call spends 150-250 µs in planning and its gather kernel before its DMA starts), and
+    /// a load ends with a short scatter kernel.
+    fn edge_batch(&self, batch: usize) -> usize {
+        (batch / EDGE_SHARE).max(1)
     }
 
     /// Two threads keep one direction's stream fed (one issues while the other waits), and
