@@ -37,6 +37,7 @@ use crate::completions::{Completions, Lease};
 mod channel;
 mod completions;
 mod error;
+mod eta;
 mod fdsend;
 pub mod host_share;
 
@@ -215,6 +216,8 @@ struct Inner {
     socket: CurrentSocket,
     /// The completion page (None where it could not be made: replies only).
     completions: Option<Arc<Completions>>,
+    /// How long transfers take, so that callers are awake when their answer comes.
+    eta: eta::TransferEta,
 }
 
 impl Inner {
@@ -375,6 +378,7 @@ impl StandaloneClient {
                 attaches: AtomicU64::new(0),
                 socket,
                 completions,
+                eta: eta::TransferEta::default(),
             }),
         };
         c.wait_for_server()?;
@@ -986,6 +990,11 @@ impl StandaloneClient {
             deadline: sent + timeout,
             timeout,
             stalled_marked: AtomicBool::new(false),
+            eta_key: (layout, group, dir == v1::Direction::Store),
+            due: self
+                .inner
+                .eta
+                .due((layout, group, dir == v1::Direction::Store), n, sent),
         };
         // The transfer channel first: written by this thread, no runtime hand-off.
         let mut lease = lease;
@@ -1324,6 +1333,9 @@ pub struct Transfer {
     deadline: Instant,
     timeout: Duration,
     stalled_marked: AtomicBool,
+    /// What kind of transfer it is for [`eta::TransferEta`], and when its answer is due.
+    eta_key: eta::EtaKey,
+    due: Option<Instant>,
 }
 
 impl Transfer {
@@ -1376,11 +1388,17 @@ impl Transfer {
     }
 
     /// Sleeps on the completion page until the server sets the slot, the reply arrives or
-    /// `until`; the answer when the page says every key is done.
+    /// `until`; the answer when the page says every key is done. Near the time the answer is
+    /// due (see [`eta`]) the caller watches the page word instead of sleeping, to be running
+    /// when the answer comes rather than woken after it.
     fn wait_on_page(&self, l: &Lease, until: Instant) -> Option<Vec<KeyStatus>> {
         let pending = completion::word(l.seq, PENDING);
         loop {
             if self.all_done() {
+                self.client
+                    .inner
+                    .eta
+                    .answered(self.eta_key, self.keys, self.sent.elapsed());
                 return Some(self.done_by_page());
             }
             let w = l.page().load(l.slot);
@@ -1393,8 +1411,18 @@ impl Transfer {
             if now >= until {
                 return None;
             }
-            l.page()
-                .wait(l.slot, pending, (until - now).min(WAIT_SLICE));
+            let mut sleep = (until - now).min(WAIT_SLICE);
+            if let Some(due) = self.due {
+                let wake = due.checked_sub(eta::EARLY).unwrap_or(due);
+                if now >= wake && now < due + eta::WATCH_PAST {
+                    std::thread::yield_now();
+                    continue;
+                }
+                if now < wake {
+                    sleep = sleep.min(wake - now);
+                }
+            }
+            l.page().wait(l.slot, pending, sleep);
         }
     }
 

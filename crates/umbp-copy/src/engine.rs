@@ -429,18 +429,21 @@ fn worker_loop(
 }
 
 /// Blocks of the call that starts at block `first` of a job of `n` blocks, in calls of
-/// `batch` blocks whose first and last are `edge` blocks (see [`Mover::edge_batch`]).
+/// `batch` blocks, where the mover asked for `edge`-block calls at the ends (see
+/// [`Mover::edge_batch`]): the first call is `edge` blocks and each next one twice as long as
+/// the calls so far (`edge`, `2 edge`, `4 edge`, ... up to `batch`), so that a call is
+/// planned while the one before it copies; the last call is `edge` blocks.
 fn next_batch(first: usize, n: usize, batch: usize, edge: usize) -> usize {
     let left = n - first;
     if edge >= batch {
-        left.min(batch)
-    } else if first == 0 {
-        left.min(edge)
-    } else if left > batch + edge {
-        batch
+        return left.min(batch);
+    }
+    let size = (first + edge).min(batch);
+    if left > size + edge {
+        size
     } else if left > edge {
-        // The last full-size call leaves `edge` blocks for a short last one.
-        (left - edge).min(batch)
+        // This call leaves `edge` blocks for a short last one.
+        (left - edge).min(size)
     } else {
         left
     }
@@ -460,7 +463,7 @@ fn run_job(
     let batch = mover
         .batch_size(job.plan.object_bytes(), job.plan.pieces_per_block())
         .max(1);
-    let edge = mover.edge_batch(batch).clamp(1, batch);
+    let edge = mover.edge_batch(batch, n).clamp(1, batch);
     loop {
         let mut first = job.next.load(Ordering::Acquire);
         let last = loop {
@@ -642,10 +645,10 @@ mod tests {
         // No edge asked for: calls of `batch`.
         assert_eq!(calls(1000, 204, 204), [204, 204, 204, 204, 184]);
         // 1,000 blocks of 640 KiB in one-slot calls of 204, edges of 25.
-        assert_eq!(calls(1000, 204, 25), [25, 204, 204, 204, 204, 134, 25]);
-        assert_eq!(calls(254, 204, 25), [25, 204, 25]);
+        assert_eq!(calls(1000, 204, 25), [25, 50, 100, 200, 204, 204, 192, 25]);
+        assert_eq!(calls(254, 204, 25), [25, 50, 100, 54, 25]);
         assert_eq!(calls(100, 204, 25), [25, 50, 25]);
-        assert_eq!(calls(40, 204, 25), [25, 15]);
+        assert_eq!(calls(40, 204, 25), [15, 25]);
         assert_eq!(calls(20, 204, 25), [20]);
         assert_eq!(calls(1, 1, 1), [1]);
     }

@@ -92,6 +92,9 @@ pub(super) const STAGED_SLOW_MS_PER_GB: f64 = 25.0;
 /// Below this (the kernels no longer limit the copy: idle they take about 1 ms per GB) `auto`
 /// stages small pieces again.
 pub(super) const STAGED_FAST_MS_PER_GB: f64 = 15.0;
+/// Below this the staging kernels find free SMs (idle they take about 1 ms per GB, beside a
+/// full-GPU matmul 6-12): jobs start and end with short calls ([`CudaMover::edge_batch`]).
+pub(super) const SMS_FREE_MS_PER_GB: f64 = 3.0;
 /// While small pieces go by DMA, one call in this many is staged to measure the kernels again.
 pub(super) const STAGED_PROBE_EVERY: u64 = 8;
 
@@ -106,13 +109,17 @@ pub(super) fn small_pieces_by_dma(now: bool, ms_per_gb: f64) -> bool {
 }
 
 impl CudaMover {
-    /// Folds one staged call's kernel time per GB into `auto`'s view and switches small pieces
-    /// between staged and DMA when the kernels have become slow or fast again.
-    pub(super) fn note_kernels(&self, dir: Dir, ms_per_gb: f64) {
+    /// Folds one staged call's kernel time per GB (its kernels moved `bytes`) into `auto`'s
+    /// view and switches small pieces between staged and DMA when the kernels have become
+    /// slow or fast again. A call weighs by its share of a staging slot: a short call's
+    /// kernel waits for free SMs as long as a full one's and moves less, so its time per GB
+    /// alone would overstate how slow the kernels are.
+    pub(super) fn note_kernels(&self, dir: Dir, ms_per_gb: f64, bytes: u64) {
         let h = &self.staged_health[dir.index()];
         let old = f64::from_bits(h.ms_per_gb.load(Ordering::Relaxed));
+        let weight = 0.5 * (bytes as f64 / self.slot_bytes.max(1) as f64).min(1.0);
         let avg = if old > 0.0 {
-            0.5 * old + 0.5 * ms_per_gb
+            (1.0 - weight) * old + weight * ms_per_gb
         } else {
             ms_per_gb
         };

@@ -168,7 +168,11 @@ impl CudaMover {
         drop(tracer);
         self.counters.kernel_ns.fetch_add(ns, Ordering::Relaxed);
         if kernel_bytes > 0 {
-            self.note_kernels(dir, ns as f64 / 1e6 / (kernel_bytes as f64 / 1e9));
+            self.note_kernels(
+                dir,
+                ns as f64 / 1e6 / (kernel_bytes as f64 / 1e9),
+                kernel_bytes,
+            );
         }
         if traced {
             self.trace_host(dir, "call", total, call_start);
