@@ -1393,14 +1393,22 @@ impl Transfer {
     /// when the answer comes rather than woken after it.
     fn wait_on_page(&self, l: &Lease, until: Instant) -> Option<Vec<KeyStatus>> {
         let pending = completion::word(l.seq, PENDING);
+        let mut waited = false;
         loop {
             if self.all_done() {
-                self.client
-                    .inner
-                    .eta
-                    .answered(self.eta_key, self.keys, self.sent.elapsed());
+                // Only an answer that came while this caller waited tells how long the
+                // transfer took (not one a late caller or a second wait found).
+                if waited {
+                    if let Some(t) = self.page_answer.get() {
+                        self.client
+                            .inner
+                            .eta
+                            .answered(self.eta_key, self.keys, t.round_trip);
+                    }
+                }
                 return Some(self.done_by_page());
             }
+            waited = true;
             let w = l.page().load(l.slot);
             // Anything else than pending (some keys not done, the reply, a late write of an
             // earlier use): the reply says.

@@ -430,22 +430,21 @@ fn worker_loop(
 
 /// Blocks of the call that starts at block `first` of a job of `n` blocks, in calls of
 /// `batch` blocks, where the mover asked for `edge`-block calls at the ends (see
-/// [`Mover::edge_batch`]): the first call is `edge` blocks and each next one twice as long as
-/// the calls so far (`edge`, `2 edge`, `4 edge`, ... up to `batch`), so that a call is
-/// planned while the one before it copies; the last call is `edge` blocks.
+/// [`Mover::edge_batch`]): the first call is `edge` blocks and each next one twice the one
+/// before (`edge`, `2 edge`, `4 edge`, ... up to `batch`), so that a call is planned while the
+/// one before it copies; the last call is `edge` to `2 edge - 1` blocks, and none before it
+/// is shorter than `edge`.
 fn next_batch(first: usize, n: usize, batch: usize, edge: usize) -> usize {
     let left = n - first;
-    if edge >= batch {
+    if edge >= batch || left < 2 * edge {
         return left.min(batch);
     }
     let size = (first + edge).min(batch);
     if left > size + edge {
         size
-    } else if left > edge {
+    } else {
         // This call leaves `edge` blocks for a short last one.
         (left - edge).min(size)
-    } else {
-        left
     }
 }
 
@@ -460,10 +459,11 @@ fn run_job(
     ranges: &mut Vec<CopyRange>,
 ) {
     let n = job.keys.len();
-    let batch = mover
-        .batch_size(job.plan.object_bytes(), job.plan.pieces_per_block())
-        .max(1);
-    let edge = mover.edge_batch(batch, n).clamp(1, batch);
+    let (object_bytes, pieces) = (job.plan.object_bytes(), job.plan.pieces_per_block());
+    let batch = mover.batch_size(object_bytes, pieces).max(1);
+    let edge = mover
+        .edge_batch(batch, n, object_bytes, pieces)
+        .clamp(1, batch);
     loop {
         let mut first = job.next.load(Ordering::Acquire);
         let last = loop {
@@ -648,7 +648,17 @@ mod tests {
         assert_eq!(calls(1000, 204, 25), [25, 50, 100, 200, 204, 204, 192, 25]);
         assert_eq!(calls(254, 204, 25), [25, 50, 100, 54, 25]);
         assert_eq!(calls(100, 204, 25), [25, 50, 25]);
-        assert_eq!(calls(40, 204, 25), [15, 25]);
+        assert_eq!(calls(40, 204, 25), [40]);
+        // No call but the last is shorter than an edge.
+        assert_eq!(calls(817, 204, 25), [25, 50, 100, 200, 204, 204, 34]);
+        for n in 1..3000 {
+            let c = calls(n, 204, 25);
+            assert_eq!(c.iter().sum::<usize>(), n);
+            if n >= 50 {
+                assert!(c[..c.len() - 1].iter().all(|&k| k >= 25), "{n}: {c:?}");
+                assert!((25..50).contains(c.last().unwrap()), "{n}: {c:?}");
+            }
+        }
         assert_eq!(calls(20, 204, 25), [20]);
         assert_eq!(calls(1, 1, 1), [1]);
     }

@@ -192,12 +192,20 @@ pub trait Mover: Send + Sync + std::fmt::Debug {
     }
 
     /// Blocks of a job's first and last calls, for a job of `job_blocks` blocks in calls of
-    /// `batch` (at most `batch`; the default, `batch`, cuts no call short). A device mover
-    /// whose calls run as stages (a gather kernel before its DMA, a scatter kernel after it)
-    /// asks for short first and last calls in jobs of many calls: the copies start after a
-    /// few blocks are planned instead of a whole call, and the job ends with a short stage.
-    fn edge_batch(&self, batch: usize, job_blocks: usize) -> usize {
-        let _ = job_blocks;
+    /// `batch` (as [`Mover::batch_size`] answered for `object_bytes` and
+    /// `pieces_per_block`); at most `batch`, and the default, `batch`, cuts no call short. A
+    /// device mover whose calls run as stages (a gather kernel before its DMA, a scatter
+    /// kernel after it) asks for short first and last calls in jobs of many calls: the
+    /// copies start after a few blocks are planned instead of a whole call, and the job ends
+    /// with a short stage.
+    fn edge_batch(
+        &self,
+        batch: usize,
+        job_blocks: usize,
+        object_bytes: u64,
+        pieces_per_block: usize,
+    ) -> usize {
+        let _ = (job_blocks, object_bytes, pieces_per_block);
         batch
     }
 

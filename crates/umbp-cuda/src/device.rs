@@ -511,6 +511,16 @@ impl Device {
         })
     }
 
+    /// Whether the latest record of `event` has completed (never blocks; an error reads as
+    /// not completed).
+    ///
+    /// # Safety
+    /// `event` must be a live event handle of this device's context.
+    pub(crate) unsafe fn event_done(&self, event: CUevent) -> bool {
+        // SAFETY: forwarded contract.
+        unsafe { (self.drv.event_query)(event) == CUDA_SUCCESS }
+    }
+
     /// Waits for all work on `stream`.
     pub fn synchronize(&self, stream: &Stream) -> Result<(), CudaError> {
         // SAFETY: a live stream of this device.

@@ -462,6 +462,21 @@ impl CudaMover {
         }
     }
 
+    /// Whether calls of blocks of `object_bytes` in `pieces_per_block` pieces are staged (by
+    /// the method and `auto`'s rule; `auto` may still send some by DMA while the kernels wait
+    /// for SMs).
+    fn stages(&self, object_bytes: u64, pieces_per_block: usize) -> bool {
+        self.kernels.is_some()
+            && match self.opts.method {
+                CopyMethod::Dma => false,
+                CopyMethod::Staged => true,
+                CopyMethod::Auto => self.auto_stages(
+                    object_bytes.checked_div(pieces_per_block as u64),
+                    Some(object_bytes),
+                ),
+            }
+    }
+
     /// `auto`'s rule: stage a call whose pieces average `piece` bytes and whose blocks average
     /// `block` (None: no pieces or blocks) unless both are large enough for DMA.
     fn auto_stages(&self, piece: Option<u64>, block: Option<u64>) -> bool {
@@ -550,7 +565,13 @@ impl CudaMover {
             self.run_dma(dir, blocks, after, &done, &mut results, &mut timings)
         };
         let lane = self.lane(dir);
-        if let Err(e) = enqueued.and_then(|_| lane.eta.wait(&done, &lane.eta.queued(bytes))) {
+        // A call whose copies first wait on the device for the submitter's unfinished work
+        // does not tell the copies' rate.
+        // SAFETY: `ev` is the job's token event, alive until the job finishes.
+        let ordered = after.is_some_and(|ev| !unsafe { self.dev.event_done(ev) });
+        if let Err(e) =
+            enqueued.and_then(|_| lane.eta.wait(&done, &lane.eta.queued(bytes, ordered)))
+        {
             log::error!("umbp: CUDA copy failed: {e}");
             // Whatever was queued must finish before the blocks are failed: a failed store's
             // pool reservations are handed out again, and its events go back to the pools.
@@ -663,36 +684,37 @@ impl Mover for CudaMover {
     /// 128-block calls, while 640 KiB blocks needed 128-block calls (80 MiB) to reach 47.
     fn batch_size(&self, object_bytes: u64, pieces_per_block: usize) -> usize {
         let cap = self.opts.batch_blocks;
-        let staged = self.kernels.is_some()
-            && match self.opts.method {
-                CopyMethod::Dma => false,
-                CopyMethod::Staged => true,
-                CopyMethod::Auto => self.auto_stages(
-                    object_bytes.checked_div(pieces_per_block as u64),
-                    Some(object_bytes),
-                ),
-            };
-        if staged {
+        if self.stages(object_bytes, pieces_per_block) {
             staged_batch_blocks(self.slot_bytes, object_bytes, pieces_per_block, cap)
         } else {
             cap
         }
     }
 
-    /// In jobs of at least [`EDGE_FROM_CALLS`] calls, and while the staging kernels find free
-    /// SMs, an eighth of a call (16 MiB of a 128 MiB staging slot): a job's first copies
+    /// In staged jobs of at least [`EDGE_FROM_CALLS`] calls, while the staging kernels find
+    /// free SMs, an eighth of a call (16 MiB of a 128 MiB staging slot): a job's first copies
     /// start once a few blocks are planned and gathered, not a whole slot's worth (a
     /// 16,384-piece call spent 150-250 µs planning and 150 µs in its gather kernel on the H200
     /// before its DMA started), and a load ends with a short scatter kernel. Measured on the
     /// H200 (1,000 blocks of 640 KiB, 8 KiB pieces): one-way 0.93-0.94 of the link without
     /// them, 0.97 with them. A job of one or two calls is left whole: split into four calls
     /// a 16 MiB job took 0.82-0.88 ms instead of 0.68. While compute holds the SMs every
-    /// launch waits for free ones however little it moves, so jobs keep whole calls.
-    fn edge_batch(&self, batch: usize, job_blocks: usize) -> usize {
+    /// launch waits for free ones however little it moves, so jobs keep whole calls; and
+    /// calls by DMA have no kernel stage to shorten.
+    fn edge_batch(
+        &self,
+        batch: usize,
+        job_blocks: usize,
+        object_bytes: u64,
+        pieces_per_block: usize,
+    ) -> usize {
+        if !self.stages(object_bytes, pieces_per_block) || job_blocks < EDGE_FROM_CALLS * batch {
+            return batch;
+        }
         let sms_free = self.staged_health.iter().all(|h| {
             f64::from_bits(h.ms_per_gb.load(Ordering::Relaxed)) < staged::SMS_FREE_MS_PER_GB
         });
-        if sms_free && job_blocks >= EDGE_FROM_CALLS * batch {
+        if sms_free {
             (batch / EDGE_SHARE).max(1)
         } else {
             batch

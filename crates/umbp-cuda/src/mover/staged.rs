@@ -120,8 +120,10 @@ impl CudaMover {
         let weight = 0.5 * (bytes as f64 / self.slot_bytes.max(1) as f64).min(1.0);
         let avg = if old > 0.0 {
             (1.0 - weight) * old + weight * ms_per_gb
-        } else {
+        } else if weight >= 0.25 {
             ms_per_gb
+        } else {
+            return; // a first view from a short call would be mostly its launch's wait
         };
         h.ms_per_gb.store(avg.to_bits(), Ordering::Relaxed);
         if self.opts.method != CopyMethod::Auto {

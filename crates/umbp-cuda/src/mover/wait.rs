@@ -26,6 +26,8 @@ const OPTIMISM: f64 = 0.9;
 const EARLY: Duration = Duration::from_micros(150);
 /// Poll at most this long past the expected end, then block on the event.
 const POLL_PAST: Duration = Duration::from_micros(500);
+/// Calls shorter than this do not tell the rate (their fixed costs dominate).
+const LEARN_FROM_BYTES: u64 = 1 << 20;
 /// While sleeping towards the expected end, look at the event this often.
 const SLEEP_SLICE: Duration = Duration::from_micros(200);
 /// Weight of a new call's rate in the direction's running estimate.
@@ -51,6 +53,9 @@ pub(super) struct Expected {
     start: Instant,
     end: Instant,
     bytes: u64,
+    /// Whether the call's time tells the direction's rate (not when its copies first waited
+    /// on the device for the submitter's work).
+    learn: bool,
 }
 
 impl Default for Eta {
@@ -65,28 +70,37 @@ impl Default for Eta {
 }
 
 impl Eta {
-    /// Notes a call of `bytes` just queued behind whatever is queued already.
-    pub(super) fn queued(&self, bytes: u64) -> Expected {
+    /// Notes a call of `bytes` just queued behind whatever is queued already. `ordered`: its
+    /// copies wait on the device for the submitter's work first, so its time says nothing of
+    /// the copies' rate.
+    pub(super) fn queued(&self, bytes: u64, ordered: bool) -> Expected {
         let now = Instant::now();
         let mut s = self.state.lock();
         let start = s.busy_until.map_or(now, |b| b.max(now));
         let took = Duration::from_nanos((bytes as f64 * s.ns_per_byte * OPTIMISM) as u64);
         let end = start + took;
         s.busy_until = Some(end);
-        Expected { start, end, bytes }
+        Expected {
+            start,
+            end,
+            bytes,
+            learn: !ordered && bytes >= LEARN_FROM_BYTES,
+        }
     }
 
     /// Notes that the call `e` was seen finished at `at`, and learns its rate.
     fn finished(&self, e: &Expected, at: Instant) {
-        if e.bytes < (1 << 20) {
-            return; // too short to tell the rate from the fixed costs
-        }
-        let took = at.saturating_duration_since(e.start).as_nanos() as f64;
-        let sample = took / e.bytes as f64;
         let mut s = self.state.lock();
-        s.ns_per_byte = (1.0 - ALPHA) * s.ns_per_byte + ALPHA * sample;
-        if s.busy_until.is_some_and(|b| b < at) {
+        // The direction is idle from `at` if nothing was queued after this call, however
+        // wrong its estimate was; otherwise no sooner than `at`.
+        if s.busy_until == Some(e.end) || s.busy_until.is_some_and(|b| b < at) {
             s.busy_until = Some(at);
+        }
+        // A call the estimate started after it ended (queued behind calls that ended sooner
+        // than expected) tells nothing.
+        if e.learn && at > e.start {
+            let sample = (at - e.start).as_nanos() as f64 / e.bytes as f64;
+            s.ns_per_byte = (1.0 - ALPHA) * s.ns_per_byte + ALPHA * sample;
         }
     }
 
@@ -121,5 +135,48 @@ impl Eta {
             }
             std::thread::yield_now();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rate(eta: &Eta) -> f64 {
+        eta.state.lock().ns_per_byte
+    }
+
+    #[test]
+    fn calls_queue_behind_each_other_and_the_rate_follows_what_was_seen() {
+        let eta = Eta::default();
+        let a = eta.queued(64 << 20, false);
+        let b = eta.queued(64 << 20, false);
+        // Behind `a`, as long again (64 MiB at 64 GB/s x 0.9: about 0.94 ms each).
+        assert_eq!(b.start, a.end);
+        assert_eq!(b.end - b.start, a.end - a.start);
+        assert!(a.end - a.start > Duration::from_micros(800));
+        assert!(a.end - a.start < Duration::from_micros(1100));
+        // `a` took 2 ms: slower than the first guess, and the rate moves a quarter of the way.
+        let before = rate(&eta);
+        eta.finished(&a, a.start + Duration::from_millis(2));
+        let after = rate(&eta);
+        assert!(after > before && after < before + 0.5 * (2e6 / (64 << 20) as f64 - before));
+        // `b`, queued behind `a`, cannot end before `a` was seen done: the direction is busy
+        // until `b` is seen done.
+        let seen = a.start + Duration::from_millis(3);
+        eta.finished(&b, seen);
+        assert_eq!(eta.state.lock().busy_until, Some(seen));
+        // A call alone that ends sooner than expected: idle from when it was seen done.
+        let e = eta.queued(64 << 20, false);
+        let early = e.start + Duration::from_micros(10);
+        eta.finished(&e, early);
+        assert_eq!(eta.state.lock().busy_until, Some(early));
+        // An ordered call, or a short one, does not move the rate.
+        let r = rate(&eta);
+        let c = eta.queued(64 << 20, true);
+        eta.finished(&c, c.start + Duration::from_millis(50));
+        let d = eta.queued(4096, false);
+        eta.finished(&d, d.start + Duration::from_millis(50));
+        assert_eq!(rate(&eta), r);
     }
 }
