@@ -100,6 +100,7 @@ pub fn run(a: &Args) -> Result<()> {
             bin: a.server_bin.clone(),
             capacity: (stored_bytes * 2).max(64 << 20).next_multiple_of(1 << 20),
             workers: a.workers,
+            busy_poll_us: None,
         })?),
     };
     let endpoint = match (&a.endpoint, &server) {

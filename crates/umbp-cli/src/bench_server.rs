@@ -76,6 +76,9 @@ pub struct Args {
     /// the completion page.
     #[arg(long, conflicts_with = "replies_only")]
     no_channel: bool,
+    /// The private server's --busy-poll-us (default: the server's own default).
+    #[arg(long)]
+    server_busy_poll_us: Option<u64>,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -479,13 +482,17 @@ fn client_main(a: &ClientArgs) -> Result<()> {
         let by_page = trs
             .iter()
             .filter(|t| t.timing().is_some_and(|t| t.completion_page));
+        // µs, or -1 where the transfer did not record it.
+        let us = |d: Option<Duration>| d.map_or(-1, |d| d.as_micros() as i64);
         writeln!(
             out,
-            "done {t0} {t1} {} {} {} {}",
+            "done {t0} {t1} {} {} {} {} {} {}",
             tm.round_trip.as_micros(),
             tm.server.as_micros(),
             tm.copy.as_micros(),
-            by_page.count()
+            by_page.count(),
+            us(tm.to_server),
+            us(tm.to_caller),
         )?;
         out.flush()?;
     }
@@ -522,14 +529,18 @@ impl Kid {
 
 /// Where the first client's transfer of one phase spent its time, in µs: its whole call
 /// (submit to `wait` returning), the gRPC round trip inside the client, the server's
-/// handling, and the copy job inside that; and how many of every client's transfers the
-/// completion page answered.
+/// handling, and the copy job inside that; with the completion page, from the call to the
+/// server reading the request and from the server publishing the answer to the client
+/// seeing it (-1: not recorded); and how many of every client's transfers the completion
+/// page answered.
 #[derive(Debug, Clone, Copy, Default)]
 struct Breakdown {
     call: u64,
     round_trip: u64,
     server: u64,
     copy: u64,
+    to_server: i64,
+    to_caller: i64,
     by_page: u64,
 }
 
@@ -547,7 +558,7 @@ fn phase(kids: &mut [Kid], cmd: &str) -> Result<(f64, Breakdown)> {
     for k in kids.iter_mut() {
         let l = k.read_line()?;
         let f: Vec<&str> = l.split_whitespace().collect();
-        let ["done", a, b, rtt, srv, copy, pages] = f[..] else {
+        let ["done", a, b, rtt, srv, copy, pages, to_server, to_caller] = f[..] else {
             bail!("client process {} answered {l:?}", k.id);
         };
         by_page += pages.parse::<u64>()?;
@@ -559,6 +570,8 @@ fn phase(kids: &mut [Kid], cmd: &str) -> Result<(f64, Breakdown)> {
             round_trip: rtt.parse()?,
             server: srv.parse()?,
             copy: copy.parse()?,
+            to_server: to_server.parse()?,
+            to_caller: to_caller.parse()?,
             by_page: 0,
         });
     }
@@ -569,17 +582,19 @@ fn phase(kids: &mut [Kid], cmd: &str) -> Result<(f64, Breakdown)> {
 
 /// Median of each field of `v` (non-empty).
 fn median_breakdown(v: &[Breakdown]) -> Breakdown {
-    let m = |f: fn(&Breakdown) -> u64| {
-        let mut x: Vec<u64> = v.iter().map(f).collect();
+    fn median<T: Ord + Copy>(v: &[Breakdown], f: fn(&Breakdown) -> T) -> T {
+        let mut x: Vec<T> = v.iter().map(f).collect();
         x.sort_unstable();
         x[x.len() / 2]
-    };
+    }
     Breakdown {
-        call: m(|b| b.call),
-        round_trip: m(|b| b.round_trip),
-        server: m(|b| b.server),
-        copy: m(|b| b.copy),
-        by_page: m(|b| b.by_page),
+        call: median(v, |b| b.call),
+        round_trip: median(v, |b| b.round_trip),
+        server: median(v, |b| b.server),
+        copy: median(v, |b| b.copy),
+        to_server: median(v, |b| b.to_server),
+        to_caller: median(v, |b| b.to_caller),
+        by_page: median(v, |b| b.by_page),
     }
 }
 
@@ -590,6 +605,8 @@ fn breakdown_json(b: &Breakdown, embedded_us: f64) -> Value {
         "server_us": b.server,
         "copy_job_us": b.copy,
         "embedded_job_us": embedded_us,
+        "to_server_us": (b.to_server >= 0).then_some(b.to_server),
+        "to_caller_us": (b.to_caller >= 0).then_some(b.to_caller),
         "answered_by_completion_page": b.by_page,
     })
 }
@@ -966,6 +983,7 @@ pub fn run(a: &Args) -> Result<()> {
         bin: a.server_bin.clone(),
         capacity,
         workers,
+        busy_poll_us: a.server_busy_poll_us,
     })?;
     let raw = Raw::new(server.endpoint.clone(), Duration::from_secs(30))?;
     let t = Instant::now();
@@ -1041,8 +1059,16 @@ pub fn run(a: &Args) -> Result<()> {
             );
             if c == 1 && a.in_flight == 1 {
                 for (dir, b, e) in [("store", bs, es), ("load", bl, el)] {
+                    let legs = if b.to_server >= 0 && b.to_caller >= 0 {
+                        format!(
+                            "; call to server {} µs, published to seen {} µs",
+                            b.to_server, b.to_caller
+                        )
+                    } else {
+                        String::new()
+                    };
                     progress!(
-                        "  one {dir} transfer, median µs: client call {} = {} {} (server {} (copy job {})) + the rest; embedded job {e:.0}",
+                        "  one {dir} transfer, median µs: client call {} = {} {} (server {} (copy job {})) + the rest; embedded job {e:.0}{legs}",
                         b.call,
                         if b.by_page > 0 { "to the completion page's wake-up" } else { "gRPC round trip" },
                         b.round_trip,
@@ -1080,6 +1106,7 @@ pub fn run(a: &Args) -> Result<()> {
                 "in_flight": a.in_flight,
                 "completion_page": !a.replies_only,
                 "transfer_channel": !a.replies_only && !a.no_channel,
+                "server_busy_poll_us": a.server_busy_poll_us,
                 "rounds": a.rounds,
                 "workers": workers,
                 "results": rows,
@@ -1141,6 +1168,9 @@ fn print_header(a: &Args, mode: &str, workers: usize) {
         a.rounds,
         paths(a)
     );
+    if let Some(us) = a.server_busy_poll_us {
+        println!("  the server's transfer channels busy-poll {us} µs after each request and reply (--busy-poll-us)");
+    }
     if !a.cuda {
         println!(
             "  ceiling: the faster of libc memcpy and UMBP's streaming copy, one thread per client, the same bytes in the same pieces"

@@ -24,6 +24,8 @@ pub struct ServerSpec {
     pub capacity: u64,
     /// Copy workers.
     pub workers: usize,
+    /// `--busy-poll-us` (None: the server's default).
+    pub busy_poll_us: Option<u64>,
 }
 
 /// A running private server; stopped (SIGTERM) by [`PrivateServer::stop`] or when dropped.
@@ -128,11 +130,13 @@ impl PrivateServer {
         let log_file = std::fs::File::create(&log)
             .with_context(|| format!("cannot create {}", log.display()))?;
         progress!(
-            "starting a private server: {} --address {} --capacity {} --workers {} (log {})",
+            "starting a private server: {} --address {} --capacity {} --workers {}{} (log {})",
             bin.display(),
             sock.display(),
             spec.capacity,
             spec.workers,
+            spec.busy_poll_us
+                .map_or(String::new(), |us| format!(" --busy-poll-us {us}")),
             log.display()
         );
         let mut cmd = Command::new(&bin);
@@ -157,6 +161,12 @@ impl PrivateServer {
             .arg("true")
             .arg("--shutdown-grace-ms")
             .arg("2000")
+            .args(
+                spec.busy_poll_us
+                    .map(|us| ["--busy-poll-us".to_string(), us.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
             .env_remove("UMBP_STANDALONE_ADDRESS")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

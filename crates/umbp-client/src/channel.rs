@@ -178,6 +178,8 @@ impl TransferChannel {
                         server: Duration::from_micros(reply.server_micros),
                         copy: Duration::from_micros(reply.copy_micros),
                         completion_page: false,
+                        to_server: None,
+                        to_caller: None,
                     });
                     decode_reply(reply, p.keys)
                 }

@@ -978,6 +978,7 @@ impl StandaloneClient {
         let slot = Arc::new(Slot::default());
         let n = keys.len();
         let sent = Instant::now();
+        let sent_ns = completion::monotonic_ns();
         let done = Transfer {
             client: self.clone(),
             slot: Arc::clone(&slot),
@@ -985,6 +986,7 @@ impl StandaloneClient {
             page_answer: std::sync::OnceLock::new(),
             keys: n,
             sent,
+            sent_ns,
             session_id: a.session_id,
             transfer_id,
             deadline: sent + timeout,
@@ -1028,6 +1030,8 @@ impl StandaloneClient {
                         server: Duration::from_micros(reply.server_micros),
                         copy: Duration::from_micros(reply.copy_micros),
                         completion_page: false,
+                        to_server: None,
+                        to_caller: None,
                     });
                     decode_reply(reply, n)
                 }
@@ -1315,6 +1319,14 @@ pub struct TransferTiming {
     /// Then `round_trip` runs to when this client first saw the slot set, and `server` to the
     /// job's end rather than to the reply.
     pub completion_page: bool,
+    /// With the completion page, from the call to the server receiving the request (the
+    /// encoding, the write and the server thread's wake-up), read off the host's monotonic
+    /// clock on both ends. None when the reply answered, or from a server that does not write
+    /// the clock readings.
+    pub to_server: Option<Duration>,
+    /// With the completion page, from the server publishing the slot to this client seeing
+    /// it (None as for `to_server`).
+    pub to_caller: Option<Duration>,
 }
 
 /// A transfer in flight. Dropping it does not cancel it.
@@ -1328,6 +1340,8 @@ pub struct Transfer {
     page_answer: std::sync::OnceLock<TransferTiming>,
     keys: usize,
     sent: Instant,
+    /// `sent` on the host's monotonic clock, in nanoseconds (see [`TransferTiming::to_server`]).
+    sent_ns: u64,
     session_id: u64,
     transfer_id: u64,
     deadline: Instant,
@@ -1372,12 +1386,17 @@ impl Transfer {
                 .stalled_transfers
                 .fetch_sub(1, Ordering::AcqRel);
         }
-        let (server, copy) = l.page().times(l.slot);
+        let seen_ns = completion::monotonic_ns();
+        let t = l.page().times(l.slot);
+        let between =
+            |from: u64, to: u64| (from > 0 && to >= from).then(|| Duration::from_nanos(to - from));
         let _ = self.page_answer.set(TransferTiming {
             round_trip: self.sent.elapsed(),
-            server: Duration::from_micros(server),
-            copy: Duration::from_micros(copy),
+            server: Duration::from_micros(t.server_us),
+            copy: Duration::from_micros(t.copy_us),
             completion_page: true,
+            to_server: between(self.sent_ns, t.received_ns),
+            to_caller: between(t.published_ns, seen_ns),
         });
         true
     }

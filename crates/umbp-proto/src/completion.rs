@@ -10,6 +10,8 @@
 //! |---|---|
 //! | 8..16 | microseconds from receiving the request to the job's end |
 //! | 16..24 | microseconds of the copy job (submission to its last key) |
+//! | 24..32 | when the request was received, `CLOCK_MONOTONIC` nanoseconds |
+//! | 32..40 | when the slot was published, `CLOCK_MONOTONIC` nanoseconds |
 //! | 0..4 | the word: `(seq << 2) \| ALL_DONE` or `(seq << 2) \| SEE_REPLY`, stored last (release) |
 //!
 //! and then a `FUTEX_WAKE` on the word. A client arms the slot with `(seq << 2) | PENDING`
@@ -32,6 +34,8 @@ use crate::ProtoError;
 
 /// Bytes of one slot (a cache line: concurrent transfers never share one).
 pub const SLOT_BYTES: u64 = 64;
+/// 8-byte fields of a slot in use: the word's and four times.
+const TIMES: usize = 5;
 /// Largest page the server maps.
 pub const MAX_PAGE_BYTES: u64 = 1 << 20;
 /// Armed by the client: the transfer has not finished.
@@ -48,6 +52,34 @@ pub const SEQ_LIMIT: u32 = 1 << 30;
 pub const MAX_WOKEN: i32 = 64;
 /// Longest single sleep of a waiter (see [`CompletionPage::wait`]).
 pub const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// What the server writes into a slot with its word (see the module's table). The two clock
+/// readings are `CLOCK_MONOTONIC`, one clock for every process of the host, so that a client
+/// can tell how long its request took to reach the server and the answer to reach it; a
+/// server that does not write them leaves 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotTimes {
+    /// Microseconds from receiving the request to the job's end.
+    pub server_us: u64,
+    /// Microseconds of the copy job (submission to its last key).
+    pub copy_us: u64,
+    /// When the request was received (nanoseconds of `CLOCK_MONOTONIC`).
+    pub received_ns: u64,
+    /// When the slot was published (nanoseconds of `CLOCK_MONOTONIC`).
+    pub published_ns: u64,
+}
+
+/// `CLOCK_MONOTONIC` now, in nanoseconds: one clock for every process of the host (the
+/// completion page's clock readings).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 
 /// A slot's word for use `seq` (taken modulo [`SEQ_LIMIT`]) in state `state`.
 pub fn word(seq: u32, state: u32) -> u32 {
@@ -114,8 +146,10 @@ impl CompletionPage {
     }
 
     fn time_of(&self, slot: u32, i: usize) -> &AtomicU64 {
-        // SAFETY: bytes 8 * i .. 8 * i + 8 (i is 1 or 2) of the slot are inside the live
-        // mapping and 8-byte aligned; they are only ever accessed atomically.
+        debug_assert!((1..TIMES).contains(&i));
+        // SAFETY: bytes 8 * i .. 8 * i + 8 (i is 1 to 4) of the slot are inside the live
+        // mapping (a slot is 64 bytes) and 8-byte aligned; they are only ever accessed
+        // atomically.
         unsafe { &*(self.slot_ptr(slot).add(8 * i) as *const AtomicU64) }
     }
 
@@ -126,8 +160,9 @@ impl CompletionPage {
 
     /// Client: arms the slot for use `seq` before the request goes out.
     pub fn arm(&self, slot: u32, seq: u32) {
-        self.time_of(slot, 1).store(0, Ordering::Relaxed);
-        self.time_of(slot, 2).store(0, Ordering::Relaxed);
+        for i in 1..TIMES {
+            self.time_of(slot, i).store(0, Ordering::Relaxed);
+        }
         self.word_of(slot)
             .store(word(seq, PENDING), Ordering::Release);
     }
@@ -154,20 +189,17 @@ impl CompletionPage {
     /// wakes its waiters, only while the slot is still armed for that use: a late write for an
     /// earlier use, or one after the client settled the slot, changes nothing, so a slot's
     /// word never changes again once it left pending. Whether it published.
-    pub fn publish(
-        &self,
-        slot: u32,
-        seq: u32,
-        all_done: bool,
-        server_us: u64,
-        copy_us: u64,
-    ) -> bool {
+    pub fn publish(&self, slot: u32, seq: u32, all_done: bool, t: &SlotTimes) -> bool {
         let pending = word(seq, PENDING);
         if self.word_of(slot).load(Ordering::Acquire) != pending {
             return false;
         }
-        self.time_of(slot, 1).store(server_us, Ordering::Relaxed);
-        self.time_of(slot, 2).store(copy_us, Ordering::Relaxed);
+        self.time_of(slot, 1).store(t.server_us, Ordering::Relaxed);
+        self.time_of(slot, 2).store(t.copy_us, Ordering::Relaxed);
+        self.time_of(slot, 3)
+            .store(t.received_ns, Ordering::Relaxed);
+        self.time_of(slot, 4)
+            .store(t.published_ns, Ordering::Relaxed);
         let state = if all_done { ALL_DONE } else { SEE_REPLY };
         let moved = self
             .word_of(slot)
@@ -184,12 +216,15 @@ impl CompletionPage {
         moved
     }
 
-    /// The times the server wrote with the slot's word: (in the server, copy job), in µs.
-    pub fn times(&self, slot: u32) -> (u64, u64) {
-        (
-            self.time_of(slot, 1).load(Ordering::Relaxed),
-            self.time_of(slot, 2).load(Ordering::Relaxed),
-        )
+    /// The times the server wrote with the slot's word (read them after seeing the word).
+    pub fn times(&self, slot: u32) -> SlotTimes {
+        let t = |i| self.time_of(slot, i).load(Ordering::Relaxed);
+        SlotTimes {
+            server_us: t(1),
+            copy_us: t(2),
+            received_ns: t(3),
+            published_ns: t(4),
+        }
     }
 
     /// Sleeps while the slot's word is `expected`, at most `timeout` (spurious returns are
@@ -253,6 +288,16 @@ mod tests {
         }
     }
 
+    /// Times as a server writes them, the clock readings made up from the two durations.
+    fn times(server_us: u64, copy_us: u64) -> SlotTimes {
+        SlotTimes {
+            server_us,
+            copy_us,
+            received_ns: 1_000_000 + server_us,
+            published_ns: 2_000_000 + copy_us,
+        }
+    }
+
     #[test]
     fn words_carry_sequence_and_state() {
         assert_eq!(word(5, ALL_DONE), 21);
@@ -287,10 +332,11 @@ mod tests {
             (p2.load(3), p2.times(3), start.elapsed())
         });
         std::thread::sleep(Duration::from_millis(50));
-        page.publish(3, 7, true, 11, 9);
-        let (w, times, waited) = waiter.join().unwrap();
+        let sent = times(11, 9);
+        page.publish(3, 7, true, &sent);
+        let (w, got, waited) = waiter.join().unwrap();
         assert_eq!(w, word(7, ALL_DONE));
-        assert_eq!(times, (11, 9));
+        assert_eq!(got, sent);
         assert!(waited < Duration::from_secs(5), "{waited:?}");
         // Other slots are untouched.
         assert_eq!(page.load(2), 0);
@@ -303,16 +349,16 @@ mod tests {
         let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
         page.arm(0, 1);
         assert!(!page.settle(0, 2, REPLIED));
-        assert!(page.publish(0, 1, false, 0, 0));
+        assert!(page.publish(0, 1, false, &times(0, 0)));
         assert!(!page.settle(0, 1, REPLIED));
         assert_eq!(page.load(0), word(1, SEE_REPLY));
         page.arm(0, 2);
         assert!(page.settle(0, 2, REPLIED));
         assert_eq!(page.load(0), word(2, REPLIED));
         // Once settled, the server's write for the same use changes nothing.
-        assert!(!page.publish(0, 2, true, 5, 5));
+        assert!(!page.publish(0, 2, true, &times(5, 5)));
         assert_eq!(page.load(0), word(2, REPLIED));
-        assert_eq!(page.times(0), (0, 0));
+        assert_eq!(page.times(0), SlotTimes::default());
     }
 
     #[test]
@@ -321,14 +367,17 @@ mod tests {
         // SAFETY: the mapping outlives the page.
         let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
         page.arm(4, 10);
-        assert!(page.publish(4, 10, true, 1, 1));
+        assert!(page.publish(4, 10, true, &times(1, 1)));
         page.arm(4, 11);
-        assert!(!page.publish(4, 10, false, 7, 7));
+        assert!(!page.publish(4, 10, false, &times(7, 7)));
         assert_eq!(page.load(4), word(11, PENDING));
-        assert_eq!(page.times(4), (0, 0));
-        assert!(page.publish(4, 11, true, 2, 3));
-        assert!(!page.publish(4, 10, false, 7, 7));
-        assert_eq!((page.load(4), page.times(4)), (word(11, ALL_DONE), (2, 3)));
+        assert_eq!(page.times(4), SlotTimes::default());
+        assert!(page.publish(4, 11, true, &times(2, 3)));
+        assert!(!page.publish(4, 10, false, &times(7, 7)));
+        assert_eq!(
+            (page.load(4), page.times(4)),
+            (word(11, ALL_DONE), times(2, 3))
+        );
     }
 
     #[test]

@@ -6,9 +6,9 @@
 //! a client's socket. The channel ends with its connection, or when the session is released
 //! (which shuts the socket down).
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 
 use std::sync::Arc;
@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use prost::Message;
 use tonic::{Code, Status};
 use umbp_proto::channel::{read_frame, write_frame, CHANNEL_OPENED};
+use umbp_proto::completion::monotonic_ns;
 use umbp_proto::v1;
 
 use crate::service::{Service, STOP_GRACE};
@@ -36,12 +37,27 @@ struct Replies {
     sock: Arc<UnixStream>,
     sid: u64,
     max: usize,
+    /// When a reply was last queued (host monotonic clock, ns): the reader's busy poll
+    /// watches the socket for a while after it, when the client's next request is likeliest.
+    last_reply_ns: Arc<AtomicU64>,
+    /// An eventfd the reader waits on beside the socket when it busy-polls: each reply wakes
+    /// it (off the transfer's path: the client is still taking its answer), so that it is
+    /// already watching when the client's next request comes.
+    wake: Option<Arc<OwnedFd>>,
 }
 
 impl Replies {
     /// Queues `frame` for the writer; false when the channel has ended (or now ends: the
     /// writer is overrun, and the socket is shut down).
     fn send(&self, frame: Vec<u8>) -> bool {
+        if let Some(w) = &self.wake {
+            self.last_reply_ns.store(monotonic_ns(), Ordering::Relaxed);
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: `one` is valid for 8 bytes; the descriptor is the channel's own eventfd,
+            // open as long as this `Replies` is. A full counter (never: the reader drains it)
+            // would only fail this wake-up.
+            let _ = unsafe { libc::write(w.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
+        }
         match self.tx.try_send(frame) {
             Ok(()) => true,
             Err(TrySendError::Full(_)) => {
@@ -140,9 +156,26 @@ pub(crate) fn serve(
         sock: Arc::new(sock),
         sid,
         max,
+        last_reply_ns: Arc::new(AtomicU64::new(0)),
+        wake: if svc.state.busy_poll.is_zero() {
+            None
+        } else {
+            new_eventfd(sid)
+        },
     };
+    let busy_poll_ns = svc.state.busy_poll.as_nanos() as u64;
     let mut reader = &stream;
+    let mut last_request_ns = 0u64;
     loop {
+        if let Some(w) = &replies.wake {
+            wait_readable(
+                &stream,
+                w,
+                busy_poll_ns,
+                last_request_ns,
+                &replies.last_reply_ns,
+            );
+        }
         let frame = match read_frame(&mut reader, max) {
             Ok(Some(f)) => f,
             Ok(None) => break,
@@ -152,6 +185,9 @@ pub(crate) fn serve(
             }
         };
         let t = Instant::now();
+        if replies.wake.is_some() {
+            last_request_ns = monotonic_ns();
+        }
         let r = match v1::TransferRequest::decode(frame.as_slice()) {
             Ok(r) => r,
             Err(e) => {
@@ -278,6 +314,104 @@ fn start(
     true
 }
 
+/// The eventfd of a busy-polling channel; None (the channel blocks on its socket) when the
+/// host refuses one.
+fn new_eventfd(sid: u64) -> Option<Arc<OwnedFd>> {
+    // SAFETY: eventfd has no memory preconditions; a non-negative result is a new descriptor
+    // that only this OwnedFd owns.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        tracing::warn!(
+            session = sid,
+            "transfer channel: no eventfd ({}); this channel does not busy-poll",
+            std::io::Error::last_os_error()
+        );
+        return None;
+    }
+    // SAFETY: `fd` was just opened and is owned by nobody else.
+    Some(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// Returns when `stream` has something to read (or has ended): watching it for `busy_ns`
+/// after the channel's last request or reply, and otherwise blocked on it and on `wake`,
+/// which each reply sets (then it watches again).
+fn wait_readable(
+    stream: &UnixStream,
+    wake: &OwnedFd,
+    busy_ns: u64,
+    last_request_ns: u64,
+    last_reply_ns: &AtomicU64,
+) {
+    loop {
+        let since = last_request_ns.max(last_reply_ns.load(Ordering::Relaxed));
+        if poll_readable(stream, since.saturating_add(busy_ns)) {
+            return;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: stream.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd for the call's duration.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return; // the read reports what is wrong
+        }
+        if fds[0].revents != 0 {
+            return;
+        }
+        let mut count = [0u8; 8];
+        // SAFETY: `count` is valid for 8 bytes; the eventfd is non-blocking.
+        let _ = unsafe { libc::read(wake.as_raw_fd(), count.as_mut_ptr() as *mut libc::c_void, 8) };
+    }
+}
+
+/// Watches `stream` without blocking until it has something to read (or has ended) or the
+/// host's monotonic clock passes `until_ns`; the blocking read that follows then finds the
+/// request at once instead of sleeping until the kernel wakes this thread (tens of µs on a
+/// VM). Costs this thread's core for as long as it watches. True when there is something
+/// to read.
+fn poll_readable(stream: &UnixStream, until_ns: u64) -> bool {
+    let fd = stream.as_raw_fd();
+    let mut byte = 0u8;
+    let mut spins = 0u32;
+    loop {
+        // SAFETY: `byte` is valid for one byte; the descriptor is the live socket. MSG_PEEK
+        // leaves the byte for the read that follows; MSG_DONTWAIT keeps the descriptor's
+        // blocking mode (which the writer thread shares) as it is.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                &mut byte as *mut u8 as *mut libc::c_void,
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return true; // a request, or the end of the stream
+        }
+        let e = std::io::Error::last_os_error().raw_os_error();
+        if e != Some(libc::EAGAIN) && e != Some(libc::EWOULDBLOCK) && e != Some(libc::EINTR) {
+            return true; // the read reports it
+        }
+        if spins % 16 == 0 && monotonic_ns() >= until_ns {
+            return false;
+        }
+        spins = spins.wrapping_add(1);
+        std::hint::spin_loop();
+    }
+}
+
 fn error_frame(transfer_id: u64, s: &Status) -> Vec<u8> {
     v1::ChannelReply {
         transfer_id,
@@ -301,4 +435,69 @@ fn write_replies(mut s: UnixStream, rx: Receiver<Vec<u8>>, sid: u64) {
     }
     // Unblocks the reader too (a client that stopped reading loses its channel).
     let _ = s.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn the_busy_poll_sees_a_request_that_comes_while_it_watches_and_gives_up_after() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        // Nothing comes: it gives up once the window has passed, having read nothing.
+        let t = Instant::now();
+        assert!(!poll_readable(&a, monotonic_ns() + 5 * MS));
+        assert!(t.elapsed() >= Duration::from_millis(5));
+        assert!(!poll_readable(&a, 0), "a window already past is one look");
+        // A request that comes while it watches is seen, and left for the read.
+        let w = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            b.write_all(&[7, 8]).unwrap();
+            b
+        });
+        assert!(poll_readable(&a, monotonic_ns() + 5_000 * MS));
+        let mut buf = [0u8; 2];
+        std::io::Read::read_exact(&mut &a, &mut buf).unwrap();
+        assert_eq!(buf, [7, 8]);
+        // The end of the stream is something to read too (the read then reports it).
+        drop(w.join().unwrap());
+        assert!(poll_readable(&a, monotonic_ns() + 5_000 * MS));
+    }
+
+    #[test]
+    fn a_reply_wakes_the_reader_to_watch_again_and_a_request_ends_the_wait() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let wake = new_eventfd(1).expect("eventfd");
+        let last_reply = Arc::new(AtomicU64::new(0));
+        let (wake2, last2) = (Arc::clone(&wake), Arc::clone(&last_reply));
+        let w = std::thread::spawn(move || {
+            // A reply first: the reader wakes and watches for 50 ms, in which the request
+            // comes.
+            std::thread::sleep(Duration::from_millis(20));
+            last2.store(monotonic_ns(), Ordering::Relaxed);
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: `one` is valid for 8 bytes; `wake2` is a live eventfd.
+            let n = unsafe { libc::write(wake2.as_raw_fd(), one.as_ptr().cast(), 8) };
+            assert_eq!(n, 8);
+            std::thread::sleep(Duration::from_millis(10));
+            b.write_all(&[1]).unwrap();
+            b
+        });
+        let t = Instant::now();
+        wait_readable(&a, &wake, 50 * MS, 0, &last_reply);
+        assert!(
+            t.elapsed() >= Duration::from_millis(25),
+            "{:?}",
+            t.elapsed()
+        );
+        let mut buf = [0u8; 1];
+        std::io::Read::read_exact(&mut &a, &mut buf).unwrap();
+        // The channel's socket shut down (a released session): the wait ends.
+        let b = w.join().unwrap();
+        b.shutdown(std::net::Shutdown::Both).unwrap();
+        wait_readable(&a, &wake, 50 * MS, monotonic_ns(), &last_reply);
+    }
 }

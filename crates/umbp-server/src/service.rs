@@ -28,6 +28,8 @@ pub(crate) struct State {
     pub(crate) access: Access,
     pub(crate) endpoint: Endpoint,
     pub(crate) max_message_bytes: usize,
+    /// How long a transfer channel's reader watches its socket before blocking on it.
+    pub(crate) busy_poll: Duration,
     /// Set when the server starts shutting down: new transfers are refused.
     pub(crate) draining: AtomicBool,
     pub(crate) in_flight: AtomicU64,
@@ -343,13 +345,15 @@ impl Service {
             job.on_done(move |results| {
                 let all_done = results.iter().all(|r| *r == KeyResult::Done);
                 // Not published when the client already settled the slot (nothing to tell).
-                let _ = page.page.publish(
-                    slot,
-                    seq,
-                    all_done,
-                    t.elapsed().as_micros() as u64,
-                    submitted.elapsed().as_micros() as u64,
-                );
+                let in_server = t.elapsed();
+                let now = completion::monotonic_ns();
+                let times = completion::SlotTimes {
+                    server_us: in_server.as_micros() as u64,
+                    copy_us: submitted.elapsed().as_micros() as u64,
+                    received_ns: now.saturating_sub(in_server.as_nanos() as u64),
+                    published_ns: now,
+                };
+                let _ = page.page.publish(slot, seq, all_done, &times);
             });
         }
         Ok(Started {

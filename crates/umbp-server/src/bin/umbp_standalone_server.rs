@@ -128,6 +128,12 @@ struct Args {
     /// that GPU; suffixes as --capacity). 0: the copy engines only. See docs/benchmarks.md.
     #[arg(long = "cuda-staging-bytes", env = "UMBP_CUDA_STAGING_BYTES", default_value = "256MiB", value_parser = parse_bytes)]
     cuda_staging_bytes: u64,
+    /// Microseconds a transfer channel's server thread watches its socket after each request
+    /// and reply before it sleeps on it (0: it always sleeps). Watching spares each transfer
+    /// the wake-up of a sleeping thread (tens of µs on a VM), at the cost of up to this much
+    /// of one core per transfer. See docs/standalone.md.
+    #[arg(long = "busy-poll-us", env = "UMBP_BUSY_POLL_US", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    busy_poll_us: u64,
     /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
     #[arg(long, env = "UMBP_LOG", default_value = "info")]
     log: String,
@@ -254,6 +260,7 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
     cfg.metrics_address = a.metrics_address;
     cfg.metrics_allow_remote = a.metrics_allow_remote;
     cfg.max_message_bytes = a.max_message_bytes as usize;
+    cfg.busy_poll = Duration::from_micros(a.busy_poll_us);
     Ok(cfg)
 }
 
