@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use prost::Message;
 use tonic::{Code, Status};
-use umbp_proto::channel::{read_frame, write_frame, CHANNEL_OPENED};
+use umbp_proto::channel::{encode_frame, read_frame, CHANNEL_OPENED};
 use umbp_proto::completion::REPLIED;
 use umbp_proto::{v1, Endpoint, FdHeader, FD_REFUSED, SECRET_BYTES};
 
@@ -125,15 +125,15 @@ impl TransferChannel {
     /// caller sends the transfer another way).
     pub(crate) fn send(&self, req: &v1::TransferRequest, p: Pending) -> Result<(), Pending> {
         let id = req.transfer_id;
-        let frame = req.encode_to_vec();
-        if frame.len() > self.max {
+        if req.encoded_len() > self.max {
             return Err(p);
         }
+        let frame = encode_frame(req);
         // Known before the reply can come.
         self.pending.lock().insert(id, p);
         let sent = {
             let w = self.writer.lock();
-            self.is_open() && write_frame(&mut NoSigPipe(&w), &frame).is_ok()
+            self.is_open() && NoSigPipe(&w).write_all(&frame).is_ok()
         };
         if sent {
             return Ok(());

@@ -22,6 +22,17 @@ pub fn write_frame(w: &mut impl Write, msg: &[u8]) -> std::io::Result<()> {
     w.write_all(&buf)
 }
 
+/// The frame of `msg`, encoded once straight after its length (no second copy of the
+/// message, which [`write_frame`] would make).
+pub fn encode_frame(msg: &impl prost::Message) -> Vec<u8> {
+    let n = msg.encoded_len();
+    let mut buf = Vec::with_capacity(4 + n);
+    buf.extend_from_slice(&(n as u32).to_le_bytes());
+    msg.encode(&mut buf)
+        .expect("a Vec with room for the encoded length takes the message");
+    buf
+}
+
 /// Reads one frame of at most `max` bytes; None at a clean end of the stream (before a frame).
 pub fn read_frame(r: &mut impl Read, max: usize) -> std::io::Result<Option<Vec<u8>>> {
     let mut len = [0u8; 4];
@@ -70,5 +81,27 @@ mod tests {
         assert!(read_frame(&mut big.as_slice(), 16).is_err());
         assert!(read_frame(&mut &b[..3], 16).is_err());
         assert!(read_frame(&mut &b[..6], 16).is_err());
+    }
+
+    #[test]
+    fn an_encoded_frame_is_the_written_frame_of_the_encoded_message() {
+        use prost::Message;
+        let req = crate::v1::TransferRequest {
+            session_id: 3,
+            block_ids: (0..300).collect(),
+            keys: vec![7; 300 * crate::KEY_BYTES],
+            transfer_id: 9,
+            ..Default::default()
+        };
+        let mut written = Vec::new();
+        write_frame(&mut written, &req.encode_to_vec()).unwrap();
+        assert_eq!(encode_frame(&req), written);
+        let back = read_frame(&mut written.as_slice(), 1 << 20)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            crate::v1::TransferRequest::decode(back.as_slice()).unwrap(),
+            req
+        );
     }
 }

@@ -404,7 +404,7 @@ fn poll_readable(stream: &UnixStream, until_ns: u64) -> bool {
         if e != Some(libc::EAGAIN) && e != Some(libc::EWOULDBLOCK) && e != Some(libc::EINTR) {
             return true; // the read reports it
         }
-        if spins % 16 == 0 && monotonic_ns() >= until_ns {
+        if spins.is_multiple_of(16) && monotonic_ns() >= until_ns {
             return false;
         }
         spins = spins.wrapping_add(1);
