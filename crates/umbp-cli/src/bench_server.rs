@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use umbp_client::{host_share, ClientOptions, KeyStatus, StandaloneClient};
 use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, LayerSpec, PoolConfig, RankTopology};
 use umbp_cuda::{Device, DeviceBuffer, Stream};
+use umbp_proto::completion::monotonic_ns;
 use umbp_proto::Endpoint;
 use umbp_store::{EmbeddedStore, KeyResult, Session, StoreConfig};
 
@@ -125,17 +126,6 @@ fn parse_list(s: &str, flag: &str) -> Result<Vec<u64>> {
         .collect::<Result<_>>()?;
     ensure!(!v.is_empty(), "{flag}: give at least one value, e.g. 1,2,4");
     Ok(v)
-}
-
-/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host.
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// The shape of one KV cache: `2 × blocks` blocks of `layers` pieces, layer-first; blocks
@@ -446,7 +436,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
             "quit" => break,
             c => bail!("unknown command {c:?} from the parent"),
         };
-        let t0 = mono_ns();
+        let t0 = monotonic_ns();
         // Every key set's transfer is submitted before the first is waited for. Loads of
         // several sets land on the same blocks; every set holds the same bytes.
         let trs = sets
@@ -468,7 +458,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
                 );
             }
         }
-        let t1 = mono_ns();
+        let t1 = monotonic_ns();
         let tm = trs[0]
             .timing()
             .context("an answered transfer has its timing")?;
