@@ -9,9 +9,15 @@
 # copies beside a bf16 matmul loop that fills every SM, for 8, 32 and 64 KiB pieces), server
 # (one CUDA client through the standalone server against embedded mode, 64 and 8 KiB pieces,
 # answered through the completion page and then by replies only) or none;
-# TESTS=0 skips pytest.
+# ttft (time to first token on a real vLLM CUDA engine, embedded and standalone: needs VLLM=1)
+# or none; TESTS=0 skips pytest.
+# VLLM=1: vLLM's CUDA build is unpacked in $VLLM_SITE (default /tmp/vsite: the offline bundle of
+# ../shared/tools/vllm-cuda/, `assemble.sh` run once per chunk before this); the real-engine
+# tests (tests/gpu_vllm/) run too, filtered by VLLM_TESTS (a pytest -k expression, default all).
+# TESTS_DIR: where tests/ is (default <folder>/tests).
 set -u
 C="${1:?folder with umbp, the wheel and tests/}"
+T="${TESTS_DIR:-$C/tests}"
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
@@ -19,6 +25,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.l
 echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
 python3 -m pip install -q --no-deps --no-index --target /tmp/umbp "$C"/umbp-*.whl
 export PYTHONPATH=/tmp/umbp PYTHONUNBUFFERED=1
+if [ "${VLLM:-0}" = 1 ]; then
+  VLLM_SITE="${VLLM_SITE:-/tmp/vsite}"
+  [ -f "$VLLM_SITE/.complete" ] || { echo "VLLM=1: no vLLM bundle unpacked in $VLLM_SITE"; exit 2; }
+  export PYTHONPATH="/tmp/umbp:$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0
+fi
 chmod +x "$C/umbp"
 # cuBLAS for the matmul load, from PyTorch's NVIDIA wheels.
 NV_LIBS="$(python3 -c 'import glob, os, site; print(":".join(sorted({os.path.dirname(f) for d in site.getsitepackages() for f in glob.glob(os.path.join(d, "nvidia", "**", "lib*.so*"), recursive=True)})))' 2>/dev/null)"
@@ -49,6 +60,11 @@ case "${BENCH:-shapes}" in
         --server-bin "$C/umbp_standalone_server" $answered --json >>"$OUT/bench.txt" 2>>"$OUT/bench.err"
     done
     ;;
+  ttft)
+    timeout "${BENCH_TIMEOUT:-420}" python3 "$T/gpu_vllm/bench_ttft.py" --out "$OUT/ttft.json" \
+      --lengths "${LENGTHS:-1024,4096,16384,32768}" --repeats "${ROUNDS:-3}" \
+      >"$OUT/bench.txt" 2>"$OUT/bench.err"
+    ;;
   none) : >"$OUT/bench.txt" ;;
 esac
 echo "bench rc=$?"
@@ -56,5 +72,11 @@ grep -v '^{' "$OUT/bench.txt" | tail -60
 grep -E "error|panic|warn" "$OUT/bench.err" | tail -5
 if [ "${TESTS:-1}" = 1 ]; then
   UMBP_GPU_RESULTS="$OUT/gpu_results.json" timeout "${TEST_TIMEOUT:-300}" \
-    python3 -m pytest -q -rfE -p no:cacheprovider "$C/tests/gpu" 2>&1 | tee "$OUT/pytest.txt" | tail -30
+    python3 -m pytest -q -rfE -p no:cacheprovider "$T/gpu" 2>&1 | tee "$OUT/pytest.txt" | tail -30
+fi
+if [ "${VLLM:-0}" = 1 ] && [ "${VLLM_TESTS:-all}" != none ]; then
+  K=(); [ "${VLLM_TESTS:-all}" != all ] && K=(-k "$VLLM_TESTS")
+  UMBP_GPU_RESULTS="$OUT/gpu_vllm_results.json" timeout "${VLLM_TEST_TIMEOUT:-900}" \
+    python3 -m pytest -q -s -rfE -p no:cacheprovider "${K[@]}" "$T/gpu_vllm" 2>&1 \
+    | tee "$OUT/pytest_vllm.txt" | grep -E "^(standalone|embedded)|passed|failed|FAILED|ERROR|skipped" | tail -40
 fi

@@ -118,6 +118,13 @@ def test_namespace_covers_the_model_config():
     dp1.parallel_config.data_parallel_rank = 1
     assert a == derive_namespace(dp1, None), "the DP rank is not part of the namespace"
     assert socket_tag(a, "x") != socket_tag(a, "y")
+    # Random weights (load_format="dummy", benchmarks) never share objects with real ones.
+    dummy = cfg()
+    dummy.load_config = types.SimpleNamespace(load_format="dummy")
+    assert a != derive_namespace(dummy, None)
+    real = cfg()
+    real.load_config = types.SimpleNamespace(load_format="safetensors")
+    assert a == derive_namespace(real, None), "real weights keep the namespace they had"
 
 
 def test_plugin_registration_is_idempotent_and_takes_over_an_in_tree_name(caplog):

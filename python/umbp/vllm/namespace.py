@@ -2,8 +2,15 @@
 
 The namespace covers everything that makes two engines' KV bytes differ for the same block
 hash: the model and revision, the effective model config (dtype, quantization, the HF config
-with overrides applied), the KV layout and cache groups, the TP/PCP/DCP topology and the draft
-model. The data-parallel rank is deliberately left out so DP ranks share objects.
+with overrides applied), the KV layout and cache groups, the TP/PCP/DCP topology, the draft
+model, and random weights (`load_format="dummy"`: its KV is not the checkpoint's). The
+data-parallel rank is deliberately left out so DP ranks share objects.
+
+What it leaves out on purpose: settings that change only the rounding of the same computation
+(torch.compile or eager, CUDA graphs, batch sizes, attention backends). Engines that differ
+only there share objects, as vLLM's own prefix cache shares blocks computed in different
+batches; a block restored from another such engine can differ from this engine's own result
+in its last bits (see docs/vllm.md, "Exactness").
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         groups.append(
             {"layers": list(g.layer_names), "spec": repr(scheduler_spec(g.kv_cache_spec))}
         )
-    return {
+    fields = {
         "format": "umbp-kv-v1",
         "model": mc.model,
         "revision": getattr(mc, "revision", None),
@@ -72,6 +79,13 @@ def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         "dcp": getattr(pc, "decode_context_parallel_size", 1),
         "draft_model": draft,
     }
+    load = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
+    if str(getattr(load, "value", load)) == "dummy":
+        # Random weights: their KV must never be served to (or taken from) an engine of the
+        # same model with its real weights. Only added here, so real engines' namespaces are
+        # as before.
+        fields["weights"] = "dummy"
+    return fields
 
 
 def derive_namespace(vllm_config: Any, kv_cache_config: Any) -> str:

@@ -1,0 +1,292 @@
+"""Observers of the connector inside a real engine, for the real-engine tests and the TTFT
+benchmark (installed by `verified_connector.py` in whatever process vLLM builds the connector
+in: the engine core process too, with vLLM's multiprocessing on).
+
+- `Verifier` fingerprints KV blocks in the worker around UMBP's stores and loads and compares
+  them; every check rewrites its summary to `$UMBP_VERIFY_OUT`.
+- `Tracer` timestamps the connector's calls (CLOCK_MONOTONIC, comparable across processes) to
+  `$UMBP_TRACE_OUT`: where a restore's time goes between the request and its first token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def _write(path: str, obj) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+class Verifier:
+    """Fingerprints KV blocks inside the worker (this process) around UMBP's stores and loads.
+
+    A block's fingerprint is one int64 per (layer, dim 1 of the layer's view, dim 2): a
+    position-weighted sum of its 16-bit words, so a moved, missing or foreign piece shows up
+    with where it is. Stored blocks are fingerprinted once the engine's stream has finished the
+    forward pass that wrote them (what UMBP should copy); restored blocks when their load is
+    done (a synchronous load: when it returns; an async one: when the worker reports it
+    finished, before vLLM schedules the request), and again after the next forward pass
+    (writes that landed late show there).
+    """
+
+    def __init__(self) -> None:
+        self.stored: dict = {}
+        self.loaded_blocks = 0
+        self.checked = 0
+        self.mismatched = 0
+        self.late = 0
+        self.unknown = 0
+        self.failed_loads = 0
+        self.details: list = []
+        self.pending_recheck: list = []
+        self.async_pending: list = []
+        self.groups: list | None = None
+        self.seed: dict = {}  # another engine's stored fingerprints ($UMBP_VERIFY_SEED)
+        self.recomputed_differently = 0
+
+    def install(self) -> None:
+        from umbp.vllm import worker as W
+
+        v = self
+        reg, save = W.WorkerSide.register_kv_caches, W.WorkerSide.wait_for_save
+        load, finished = W.WorkerSide.start_load_kv, W.WorkerSide.get_finished
+
+        def register_kv_caches(self, kv_caches):
+            reg(self, kv_caches)
+            v.attach(self, kv_caches)
+
+        def wait_for_save(self, meta):
+            v.recheck()
+            v.before_save(meta)
+            save(self, meta)
+            v.save()
+
+        def start_load_kv(self, meta, *a, **k):
+            load(self, meta, *a, **k)
+            v.after_load(meta)
+            v.save()
+
+        def get_finished(self):
+            v.recheck()  # called after each step's forward pass was queued
+            sending, recving = finished(self)
+            if recving:
+                v.after_async_loads(recving, set(self.failed_recving))
+                v.save()
+            return sending, recving
+
+        W.WorkerSide.register_kv_caches = register_kv_caches
+        W.WorkerSide.wait_for_save = wait_for_save
+        W.WorkerSide.start_load_kv = start_load_kv
+        W.WorkerSide.get_finished = get_finished
+
+    def attach(self, ws, kv_caches) -> None:
+        import torch
+
+        self.torch = torch
+        self.groups = []
+        for g in ws.kv_cache_config.kv_cache_groups:
+            seen, layers = set(), []
+            for name in g.layer_names:
+                t = kv_caches[name]
+                key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+                if key not in seen:
+                    seen.add(key)
+                    layers.append(t)
+            self.groups.append(layers)
+        self.device = self.groups[0][0].device
+        seed = os.environ.get("UMBP_VERIFY_SEED")
+        if seed and os.path.exists(seed):
+            self.seed = {k: v.to(self.device) for k, v in torch.load(seed).items()}
+
+    def dump(self, path: str) -> None:
+        """Saves the stored blocks' fingerprints for another engine's `UMBP_VERIFY_SEED`."""
+        self.torch.save({k: v.cpu() for k, v in self.stored.items()}, path)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.current_stream(self.device).synchronize()
+
+    def fingerprint(self, group: int, ids: list[int]):
+        torch = self.torch
+        idx = torch.tensor(ids, device=self.device, dtype=torch.long)
+        rows = []
+        for t in self.groups[group]:
+            x = t.index_select(0, idx)  # [n, d1, d2, ...]: a contiguous copy
+            x = x.reshape(x.shape[0], x.shape[1], x.shape[2] if x.dim() > 2 else 1, -1)
+            words = x.contiguous().view(torch.int16).to(torch.int64)
+            w = torch.arange(1, words.shape[-1] + 1, device=self.device, dtype=torch.int64)
+            rows.append((words * (w * 2654435761 + 7)).sum(-1))  # [n, d1, d2]
+        return torch.stack(rows, 1)  # [n, layers, d1, d2]
+
+    @staticmethod
+    def hashes(t) -> list[bytes]:
+        return [t.hashes[i : i + t.hash_len] for i in range(0, len(t.hashes), t.hash_len)]
+
+    def before_save(self, meta) -> None:
+        if not meta.stores or self.groups is None:
+            return
+        self.sync()
+        for t in meta.stores:
+            fp = self.fingerprint(t.group, t.block_ids)
+            for j, h in enumerate(self.hashes(t)):
+                # A block recomputed in another batch shape (vLLM recomputes the last block of
+                # a fully cached prompt) or by another engine can differ in its last bits: the
+                # first store wins, in the pool and here.
+                key = (t.group, h)
+                first = self.seed.get(key, self.stored.get(key))
+                if first is not None and not self.torch.equal(first, fp[j]):
+                    self.recomputed_differently += 1
+                self.stored.setdefault(key, fp[j])
+
+    def after_load(self, meta) -> None:
+        self.async_pending.extend(t for t in meta.loads if t.load_async)
+        self.check_loaded([t for t in meta.loads if not t.load_async], "when the load returned")
+
+    def after_async_loads(self, finished: set, failed: set) -> None:
+        """Async loads just reported finished (a failed one is recomputed: not checked)."""
+        self.failed_loads += sum(1 for t in self.async_pending if t.req_id in finished & failed)
+        done = [t for t in self.async_pending if t.req_id in finished - failed]
+        self.async_pending = [t for t in self.async_pending if t.req_id not in finished]
+        self.check_loaded(done, "when the async load was reported finished")
+
+    def check_loaded(self, loads: list, when: str) -> None:
+        if not loads or self.groups is None:
+            return
+        self.sync()
+        for t in loads:
+            self.loaded_blocks += len(t.block_ids)
+            fp = self.fingerprint(t.group, t.block_ids)
+            self.compare(t, fp, when)
+            self.pending_recheck.append((t, fp))
+
+    def recheck(self) -> None:
+        """After the next forward pass: are restored blocks still as they were loaded?"""
+        if not self.pending_recheck:
+            return
+        self.sync()
+        for t, before in self.pending_recheck:
+            now = self.fingerprint(t.group, t.block_ids)
+            changed = (now != before).flatten(1).any(1)
+            if bool(changed.any()):
+                self.late += int(changed.sum())
+                first = int(changed.nonzero()[0])
+                self.details.append(
+                    {
+                        "what": "a restored block changed after its load was done",
+                        "block_index": first,
+                        "of": len(t.block_ids),
+                        "block_id": t.block_ids[first],
+                    }
+                )
+        self.pending_recheck = []
+
+    def compare(self, t, fp, when: str) -> None:
+        for j, h in enumerate(self.hashes(t)):
+            # What the pool holds: the first store, this engine's or the seeding engine's.
+            want = self.seed.get((t.group, h), self.stored.get((t.group, h)))
+            if want is None:
+                self.unknown += 1
+                continue
+            self.checked += 1
+            if self.torch.equal(want, fp[j]):
+                continue
+            self.mismatched += 1
+            if len(self.details) < 12:
+                diff = (want != fp[j]).nonzero().tolist()
+                self.details.append(
+                    {
+                        "what": f"restored bytes differ from the stored ones ({when})",
+                        "group": t.group,
+                        "block_index": j,
+                        "of": len(t.block_ids),
+                        "block_id": t.block_ids[j],
+                        "layers": sorted({d[0] for d in diff})[:40],
+                        "cells": len(diff),
+                        "of_cells": want.numel(),
+                        "first_cells": diff[:6],
+                        "all_zero": bool((fp[j] == 0).all()),
+                    }
+                )
+
+    def summary(self) -> dict:
+        return {
+            "stored_blocks": len(self.stored),
+            "loaded_blocks": self.loaded_blocks,
+            "checked": self.checked,
+            "mismatched": self.mismatched,
+            "changed_late": self.late,
+            "unknown": self.unknown,
+            "failed_loads": self.failed_loads,
+            "seeded_blocks": len(self.seed),
+            "recomputed_differently": self.recomputed_differently,
+            "details": self.details,
+        }
+
+    def save(self) -> None:
+        path = os.environ.get("UMBP_VERIFY_OUT")
+        if path and self.groups is not None:  # only the worker's process has blocks
+            _write(path, self.summary())
+
+
+class Tracer:
+    """Timestamps of the connector's calls to `$UMBP_TRACE_OUT.<pid>`, written by a thread of
+    its own once a second (never on the engine's path). A worker's `get_finished` is noted
+    only while it has async loads pending or reports some finished."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.written = 0
+
+    def note(self, role: str, what: str, t0: float, **info) -> None:
+        ms = round((time.monotonic() - t0) * 1e3, 3)
+        self.events.append({"role": role, "what": what, "t": t0, "ms": ms, **info})
+        del self.events[:-20000]
+
+    def flush_forever(self, path: str) -> None:
+        while True:
+            time.sleep(1.0)
+            if len(self.events) != self.written:
+                self.written = len(self.events)
+                _write(f"{path}.{os.getpid()}", list(self.events))
+
+    def install(self) -> None:
+        path = os.environ.get("UMBP_TRACE_OUT")
+        if not path:
+            return
+        import threading
+
+        threading.Thread(target=self.flush_forever, args=(path,), daemon=True).start()
+        from umbp.vllm import scheduler as S
+        from umbp.vllm import worker as W
+
+        tr = self
+
+        def wrap(cls, name, role, info=lambda self, a, r: {}, when=lambda self, r: True):
+            orig = getattr(cls, name)
+
+            def timed(self, *a, **k):
+                t0 = time.monotonic()
+                busy = when(self, None)
+                r = orig(self, *a, **k)
+                if busy or when(self, r):
+                    tr.note(role, name, t0, **info(self, a, r))
+                return r
+
+            setattr(cls, name, timed)
+
+        wrap(S.SchedulerSide, "get_num_new_matched_tokens", "scheduler",
+             lambda s, a, r: {"req": a[0].request_id, "tokens": r[0], "async": r[1]})  # fmt: skip
+        wrap(S.SchedulerSide, "update_state_after_alloc", "scheduler",
+             lambda s, a, r: {"req": a[0].request_id, "external": a[2]})  # fmt: skip
+        wrap(S.SchedulerSide, "build_connector_meta", "scheduler",
+             lambda s, a, r: {"loads": len(r.loads), "stores": len(r.stores)})  # fmt: skip
+        wrap(W.WorkerSide, "start_load_kv", "worker",
+             lambda s, a, r: {"blocks": sum(len(t.block_ids) for t in a[0].loads)})  # fmt: skip
+        wrap(W.WorkerSide, "get_finished", "worker",
+             lambda s, a, r: {"recving": sorted(r[1] or [])},
+             lambda s, r: bool(s.async_loads) if r is None else bool(r[1]))  # fmt: skip
