@@ -151,6 +151,8 @@ def main() -> None:
             f"{mode}: engine up in {r['startup_s']} s, done in {time.time() - t:.0f} s", flush=True
         )
         results[mode] = r
+        if args.out:  # what ran so far survives a later timeout
+            Path(args.out).with_suffix(f".{mode}.json").write_text(json.dumps(r))
     link = link_gbps()
     print(
         f"link: pinned host -> device {link['h2d']:.1f} GB/s, device -> host {link['d2h']:.1f} GB/s"
@@ -186,6 +188,13 @@ def main() -> None:
             }
         rows.append(row)
     print_table(rows, link)
+    for row in rows:
+        for mode in ("embedded", "standalone"):
+            if mode in row and not row[mode]["tokens_match"]:
+                print(
+                    f"WRONG: {mode}, {row['tokens']} tokens: restored outputs differ from the "
+                    "same engine's cold ones (restored KV is not the KV stored)"
+                )
     if args.out:
         Path(args.out).write_text(json.dumps({"link": link, "rows": rows}, indent=1))
 

@@ -9,6 +9,7 @@ Needs vLLM's CUDA build importable (the offline bundle: `scripts/gpu-device-run.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -17,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -181,6 +183,8 @@ def engine_env(log: Path, sc: dict) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p),
     )
     env["UMBP_VERIFY"] = "1" if sc.get("verify", True) else "0"
+    if sc.get("corrupt_loads"):
+        env["UMBP_VERIFY_CORRUPT"] = "1"
     if sc.get("verify_seed"):
         env["UMBP_VERIFY_SEED"] = sc["verify_seed"]
     if sc.get("trace"):
@@ -190,6 +194,28 @@ def engine_env(log: Path, sc: dict) -> dict[str, str]:
     return env
 
 
+_LIVE: set[subprocess.Popen] = set()
+
+
+def _kill_live(*_args) -> None:
+    """Kills every engine process group still running (a caller killed by a timeout must not
+    leave an engine holding the GPU for the next one)."""
+    for p in list(_LIVE):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    _LIVE.clear()
+
+
+def _on_term(signum, _frame) -> None:
+    _kill_live()
+    raise SystemExit(128 + signum)
+
+
+atexit.register(_kill_live)
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _on_term)
+
+
 def start_engine(scenario: dict, log: Path) -> subprocess.Popen:
     """Starts gpu_engine.py on `scenario` in its own process session."""
     sc = dict(scenario)
@@ -197,7 +223,7 @@ def start_engine(scenario: dict, log: Path) -> subprocess.Popen:
     scenario_file = log.with_suffix(".scenario.json")  # prompts are too long for argv
     scenario_file.write_text(json.dumps(sc))
     with open(log, "w") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(
+        p = subprocess.Popen(
             [sys.executable, str(HERE / "gpu_engine.py"), str(scenario_file)],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -205,6 +231,8 @@ def start_engine(scenario: dict, log: Path) -> subprocess.Popen:
             start_new_session=True,
             text=True,
         )
+    _LIVE.add(p)
+    return p
 
 
 def finish_engine(proc: subprocess.Popen, log: Path, timeout: float = 600) -> dict:
@@ -223,6 +251,7 @@ def finish_engine(proc: subprocess.Popen, log: Path, timeout: float = 600) -> di
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        _LIVE.discard(proc)
     for line in text.splitlines():
         if line.startswith("UMBP_RESULT "):
             return json.loads(line[len("UMBP_RESULT ") :])

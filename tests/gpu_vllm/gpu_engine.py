@@ -20,6 +20,8 @@ Scenario keys:
 - `observe` (default true): use `verified_connector.VerifiedUMBPStoreConnector`, the product's
   connector with the test observers of verifier.py (the byte verifier unless the caller sets
   UMBP_VERIFY=0; the call tracer with UMBP_TRACE_OUT). tp must be 1;
+- `corrupt_loads`: change one restored byte of each load before it is checked (the verifier's
+  own test: it must report it);
 - `dump_fingerprints`: a file to save the stored blocks' fingerprints to at the end (needs
   `multiprocessing: false`), which another engine's `verify_seed` reads: its restored blocks
   are then checked against the first engine's stores.

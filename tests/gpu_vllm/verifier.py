@@ -23,18 +23,29 @@ def _write(path: str, obj) -> None:
 
 
 class Verifier:
-    """Fingerprints KV blocks inside the worker (this process) around UMBP's stores and loads.
+    """Fingerprints KV blocks inside the worker around UMBP's stores and loads, without ever
+    making the engine wait.
+
+    An earlier version synchronized the engine's stream before each store and after each
+    load: that hid a standalone-mode race the same engines show without it (docs/vllm.md,
+    "Exactness"). Now every fingerprint is a few kernels queued on the engine's own stream at
+    the point the engine would read or the store should copy, and every comparison runs there
+    too; its few result bytes come back by a non-blocking copy that a thread of the verifier
+    reads once their event is done. The engine's timing stays the product's.
 
     A block's fingerprint is one int64 per (layer, dim 1 of the layer's view, dim 2): a
     position-weighted sum of its 16-bit words, so a moved, missing or foreign piece shows up
-    with where it is. Stored blocks are fingerprinted once the engine's stream has finished the
-    forward pass that wrote them (what UMBP should copy); restored blocks when their load is
-    done (a synchronous load: when it returns; an async one: when the worker reports it
+    with where it is. Stored blocks are fingerprinted after the forward pass that wrote them
+    (queued right after the connector submitted the store); restored blocks when their load is
+    done (a synchronous load: when it returned; an async one: when the worker reports it
     finished, before vLLM schedules the request), and again after the next forward pass
     (writes that landed late show there).
     """
 
     def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
         self.stored: dict = {}
         self.loaded_blocks = 0
         self.checked = 0
@@ -42,12 +53,13 @@ class Verifier:
         self.late = 0
         self.unknown = 0
         self.failed_loads = 0
+        self.recomputed_differently = 0
         self.details: list = []
         self.pending_recheck: list = []
         self.async_pending: list = []
+        self.later_results: list = []  # (event, host tensor, what to do with it)
         self.groups: list | None = None
         self.seed: dict = {}  # another engine's stored fingerprints ($UMBP_VERIFY_SEED)
-        self.recomputed_differently = 0
 
     def install(self) -> None:
         from umbp.vllm import worker as W
@@ -61,22 +73,19 @@ class Verifier:
             v.attach(self, kv_caches)
 
         def wait_for_save(self, meta):
+            save(self, meta)  # the product first, exactly as it runs without the verifier
             v.recheck()
-            v.before_save(meta)
-            save(self, meta)
-            v.save()
+            v.after_save(meta)
 
         def start_load_kv(self, meta, *a, **k):
             load(self, meta, *a, **k)
             v.after_load(meta)
-            v.save()
 
         def get_finished(self):
             v.recheck()  # called after each step's forward pass was queued
             sending, recving = finished(self)
             if recving:
                 v.after_async_loads(recving, set(self.failed_recving))
-                v.save()
             return sending, recving
 
         W.WorkerSide.register_kv_caches = register_kv_caches
@@ -85,6 +94,8 @@ class Verifier:
         W.WorkerSide.get_finished = get_finished
 
     def attach(self, ws, kv_caches) -> None:
+        import threading
+
         import torch
 
         self.torch = torch
@@ -102,46 +113,91 @@ class Verifier:
         seed = os.environ.get("UMBP_VERIFY_SEED")
         if seed and os.path.exists(seed):
             self.seed = {k: v.to(self.device) for k, v in torch.load(seed).items()}
+        if self.device.type == "cuda":
+            threading.Thread(target=self.collect_forever, daemon=True).start()
 
     def dump(self, path: str) -> None:
         """Saves the stored blocks' fingerprints for another engine's `UMBP_VERIFY_SEED`."""
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
         self.torch.save({k: v.cpu() for k, v in self.stored.items()}, path)
 
-    def sync(self) -> None:
+    # -- device work, queued on the engine's stream, never waited for here ---------------
+
+    def on_device(self, values: list[int]):
+        """`values` as a device tensor, by a non-blocking copy from pinned memory (a pageable
+        host-to-device copy first waits for everything queued on the stream)."""
+        x = self.torch.tensor(values, dtype=self.torch.long)
         if self.device.type == "cuda":
-            self.torch.cuda.current_stream(self.device).synchronize()
+            x = x.pin_memory().to(self.device, non_blocking=True)
+        return x
 
     def fingerprint(self, group: int, ids: list[int]):
         torch = self.torch
-        idx = torch.tensor(ids, device=self.device, dtype=torch.long)
+        idx = self.on_device(ids)
         rows = []
         for t in self.groups[group]:
             x = t.index_select(0, idx)  # [n, d1, d2, ...]: a contiguous copy
             x = x.reshape(x.shape[0], x.shape[1], x.shape[2] if x.dim() > 2 else 1, -1)
-            words = x.contiguous().view(torch.int16).to(torch.int64)
-            w = torch.arange(1, words.shape[-1] + 1, device=self.device, dtype=torch.int64)
-            rows.append((words * (w * 2654435761 + 7)).sum(-1))  # [n, d1, d2]
+            words = x.contiguous().view(torch.int16).to(torch.int32)
+            # Weights 1..C keep each product and row sum inside int32 (C <= 2^15).
+            w = torch.arange(1, words.shape[-1] + 1, device=self.device, dtype=torch.int32)
+            rows.append((words * w).sum(-1, dtype=torch.int64))  # [n, d1, d2]
         return torch.stack(rows, 1)  # [n, layers, d1, d2]
+
+    def later(self, flags, handle) -> None:
+        """`flags` (a small device tensor) is read once the stream has computed it, then
+        `handle(host_tensor)` runs (on the verifier's thread for CUDA)."""
+        if self.device.type != "cuda":
+            with self.lock:
+                handle(flags)
+            self.save()
+            return
+        host = self.torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        ev = self.torch.cuda.Event()
+        ev.record()
+        with self.lock:
+            self.later_results.append((ev, host, handle))
+
+    def collect_forever(self) -> None:
+        while True:
+            time.sleep(0.2)
+            with self.lock:
+                ready = [r for r in self.later_results if r[0].query()]
+                self.later_results = [r for r in self.later_results if r not in ready]
+                for _, host, handle in ready:
+                    handle(host)
+            if ready:
+                self.save()
+
+    # -- the connector's calls ------------------------------------------------------------
 
     @staticmethod
     def hashes(t) -> list[bytes]:
         return [t.hashes[i : i + t.hash_len] for i in range(0, len(t.hashes), t.hash_len)]
 
-    def before_save(self, meta) -> None:
+    def after_save(self, meta) -> None:
         if not meta.stores or self.groups is None:
             return
-        self.sync()
         for t in meta.stores:
             fp = self.fingerprint(t.group, t.block_ids)
+            again = []
             for j, h in enumerate(self.hashes(t)):
                 # A block recomputed in another batch shape (vLLM recomputes the last block of
                 # a fully cached prompt) or by another engine can differ in its last bits: the
                 # first store wins, in the pool and here.
                 key = (t.group, h)
                 first = self.seed.get(key, self.stored.get(key))
-                if first is not None and not self.torch.equal(first, fp[j]):
-                    self.recomputed_differently += 1
+                if first is not None:
+                    again.append((first != fp[j]).any())
                 self.stored.setdefault(key, fp[j])
+            if again:
+
+                def count(host):
+                    self.recomputed_differently += int(host.sum())
+
+                self.later(self.torch.stack(again).to(self.torch.int64), count)
 
     def after_load(self, meta) -> None:
         self.async_pending.extend(t for t in meta.loads if t.load_async)
@@ -157,47 +213,38 @@ class Verifier:
     def check_loaded(self, loads: list, when: str) -> None:
         if not loads or self.groups is None:
             return
-        self.sync()
+        if os.environ.get("UMBP_VERIFY_CORRUPT") == "1":
+            # The verifier's own test: a wrong restored byte must be reported.
+            self.groups[loads[0].group][0][loads[0].block_ids[0]].view(-1)[0] += 1
         for t in loads:
             self.loaded_blocks += len(t.block_ids)
             fp = self.fingerprint(t.group, t.block_ids)
             self.compare(t, fp, when)
             self.pending_recheck.append((t, fp))
 
-    def recheck(self) -> None:
-        """After the next forward pass: are restored blocks still as they were loaded?"""
-        if not self.pending_recheck:
-            return
-        self.sync()
-        for t, before in self.pending_recheck:
-            now = self.fingerprint(t.group, t.block_ids)
-            changed = (now != before).flatten(1).any(1)
-            if bool(changed.any()):
-                self.late += int(changed.sum())
-                first = int(changed.nonzero()[0])
-                self.details.append(
-                    {
-                        "what": "a restored block changed after its load was done",
-                        "block_index": first,
-                        "of": len(t.block_ids),
-                        "block_id": t.block_ids[first],
-                    }
-                )
-        self.pending_recheck = []
-
     def compare(self, t, fp, when: str) -> None:
+        """Queues the comparison of restored fingerprints with what the pool should hold."""
+        rows, wants = [], []
         for j, h in enumerate(self.hashes(t)):
             # What the pool holds: the first store, this engine's or the seeding engine's.
             want = self.seed.get((t.group, h), self.stored.get((t.group, h)))
             if want is None:
                 self.unknown += 1
                 continue
-            self.checked += 1
-            if self.torch.equal(want, fp[j]):
-                continue
-            self.mismatched += 1
-            if len(self.details) < 12:
-                diff = (want != fp[j]).nonzero().tolist()
+            rows.append(j)
+            wants.append(want)
+        if not rows:
+            return
+        self.checked += len(rows)
+        idx = self.on_device(rows)
+        # Per block and layer: any cell different.
+        diff = (self.torch.stack(wants) != fp.index_select(0, idx)).flatten(2).any(2)
+
+        def tally(host):
+            bad = host.any(1).nonzero().flatten().tolist()
+            self.mismatched += len(bad)
+            for b in bad[: max(0, 12 - len(self.details))]:
+                j = rows[b]
                 self.details.append(
                     {
                         "what": f"restored bytes differ from the stored ones ({when})",
@@ -205,13 +252,32 @@ class Verifier:
                         "block_index": j,
                         "of": len(t.block_ids),
                         "block_id": t.block_ids[j],
-                        "layers": sorted({d[0] for d in diff})[:40],
-                        "cells": len(diff),
-                        "of_cells": want.numel(),
-                        "first_cells": diff[:6],
-                        "all_zero": bool((fp[j] == 0).all()),
+                        "layers": host[b].nonzero().flatten().tolist()[:40],
                     }
                 )
+
+        self.later(diff.to(self.torch.int64), tally)
+
+    def recheck(self) -> None:
+        """After the next forward pass: are restored blocks still as they were loaded?"""
+        pending, self.pending_recheck = self.pending_recheck, []
+        for t, before in pending:
+            now = self.fingerprint(t.group, t.block_ids)
+
+            def tally(host, t=t):
+                changed = host.nonzero().flatten().tolist()
+                self.late += len(changed)
+                if changed and len(self.details) < 12:
+                    self.details.append(
+                        {
+                            "what": "a restored block changed after its load was reported done",
+                            "block_index": changed[0],
+                            "of": len(t.block_ids),
+                            "block_id": t.block_ids[changed[0]],
+                        }
+                    )
+
+            self.later((now != before).flatten(1).any(1).to(self.torch.int64), tally)
 
     def summary(self) -> dict:
         return {
@@ -224,6 +290,7 @@ class Verifier:
             "failed_loads": self.failed_loads,
             "seeded_blocks": len(self.seed),
             "recomputed_differently": self.recomputed_differently,
+            "results_pending": len(self.later_results),
             "details": self.details,
         }
 

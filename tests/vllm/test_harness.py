@@ -17,8 +17,11 @@ from common import Server, model_dir, passes_of, prompts, run_engine, server_bin
 BLOCK = 32  # vLLM CPU's attention takes multiples of 32
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["as-is", "one-byte-changed"])
 @pytest.mark.parametrize("mode", ["embedded", "standalone"])
-def test_restored_blocks_are_the_stored_bytes(tmp_path, mode, monkeypatch):
+def test_restored_blocks_are_the_stored_bytes(tmp_path, mode, corrupt, monkeypatch):
+    """With `corrupt`, the harness changes one byte of each restored load before checking it:
+    the verifier must report exactly those, so a passing run means something."""
     if mode == "standalone" and not server_bin():
         pytest.skip("needs umbp_standalone_server (scripts/venv.sh builds it into .venv/bin)")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -40,6 +43,7 @@ def test_restored_blocks_are_the_stored_bytes(tmp_path, mode, monkeypatch):
                 connector=conn,
                 prompts=ps,
                 passes=["cold", "own", "reset", "restored"],
+                corrupt_loads=corrupt,
             ),
             tmp_path / "engine.log",
             timeout=400,
@@ -48,10 +52,14 @@ def test_restored_blocks_are_the_stored_bytes(tmp_path, mode, monkeypatch):
         if server is not None:
             server.stop()
     assert "error" not in r and "startup_error" not in r, r
+    v = r["verify"]
+    if corrupt:
+        assert v["mismatched"] == len(ps), v  # one block of each prompt's load
+        assert v["details"][0]["layers"] == [0], v
+        return
     cold, back = passes_of(r, "cold"), passes_of(r, "restored")
     for i, p in enumerate(ps):
         assert back[i]["cached"] == (len(p) - 1) // BLOCK * BLOCK, back[i]
         assert back[i]["tokens"] == cold[i]["tokens"]
-    v = r["verify"]
     assert v["checked"] > 0 and v["mismatched"] == 0 and v["changed_late"] == 0, v
     assert v["unknown"] == 0 and v["failed_loads"] == 0, v
