@@ -61,7 +61,7 @@ case "${BENCH:-shapes}" in
     done
     ;;
   ttft)
-    timeout "${BENCH_TIMEOUT:-420}" python3 "$T/gpu_vllm/bench_ttft.py" --out "$OUT/ttft.json" \
+    timeout "${BENCH_TIMEOUT:-420}" python3 "$T/gpu_vllm/bench_ttft.py" --out "$OUT/ttft.json" --keep /tmp/umbp-ttft \
       --lengths "${LENGTHS:-1024,4096,16384,32768}" --repeats "${ROUNDS:-3}" \
       >"$OUT/bench.txt" 2>"$OUT/bench.err"
     ;;
@@ -77,6 +77,9 @@ fi
 if [ "${VLLM:-0}" = 1 ] && [ "${VLLM_TESTS:-all}" != none ]; then
   K=(); [ "${VLLM_TESTS:-all}" != all ] && K=(-k "$VLLM_TESTS")
   UMBP_GPU_RESULTS="$OUT/gpu_vllm_results.json" timeout "${VLLM_TEST_TIMEOUT:-900}" \
-    python3 -m pytest -q -s -rfE -p no:cacheprovider "${K[@]}" "$T/gpu_vllm" 2>&1 \
+    python3 -m pytest -q -s -rfE -p no:cacheprovider --basetemp=/tmp/umbp-gpu-vllm "${K[@]}" "$T/gpu_vllm" 2>&1 \
     | tee "$OUT/pytest_vllm.txt" | grep -E "^(standalone|embedded)|passed|failed|FAILED|ERROR|skipped" | tail -40
 fi
+# Engine and server logs, traces and verifier summaries of both, in one file.
+(cd /tmp && find umbp-ttft umbp-gpu-vllm \( -name '*.log' -o -name '*.verify.json' -o -name 'trace-*' \) \
+  -size -20M 2>/dev/null | tar -cJf "$OUT/vllm-logs.tar.xz" -T - 2>/dev/null) || true

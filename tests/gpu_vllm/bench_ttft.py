@@ -130,9 +130,13 @@ def main() -> None:
     ap.add_argument("--pool", default="32GiB", help="pool size (GiB) of each mode")
     ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--keep", default=None, help="folder for the logs and traces (default: a temporary one)"
+    )
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    root = Path(tempfile.mkdtemp(prefix="umbp-ttft-"))
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="umbp-ttft-"))
+    root.mkdir(parents=True, exist_ok=True)
     model = model_dir(root, args.shape, max_len=max(lengths) + 1024)
     ps, index = [], {}
     for li, n in enumerate(lengths):

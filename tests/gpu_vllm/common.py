@@ -131,6 +131,8 @@ class Server:
         self.log = folder / "server.log"
         self.args = [server_bin() or "umbp_standalone_server", "--address", str(self.sock)]
         self.args += ["--capacity", capacity] + (extra or [])
+        if os.environ.get("UMBP_TEST_SERVER_LOG"):  # e.g. "info,umbp_copy=debug"
+            self.args += ["--log", os.environ["UMBP_TEST_SERVER_LOG"]]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Server:

@@ -124,6 +124,39 @@ def test_restored_outputs_match_cold(tmp_path, models, mode, block_size, graphs)
     check(result, len(ps), block_size)
 
 
+@pytest.mark.parametrize("mode", ["embedded", "standalone"])
+def test_one_token_requests_restore_exactly(tmp_path, models, mode):
+    """The time-to-first-token run's shape, where standalone mode restored wrong KV on the
+    H200 (issue 28): one output token per request, so each request ends in the step that
+    prefilled it and the next pass follows at once; 4K- and 16K-token prompts, CUDA graphs.
+    With the verifier's details: bytes wrong at the load check and unchanged after the next
+    forward pass mean the pool holds wrong bytes (a store copied too early); wrong at the load
+    check and changed after it (`changed_late`) mean a load landed after it was reported
+    done."""
+    need_server(mode)
+    server = Server(tmp_path, capacity="24GiB").start() if mode == "standalone" else None
+    ps = prompts(3, 4096, seed=11) + prompts(3, 16384, seed=12)
+    try:
+        result = run_engine(
+            dict(
+                model=model_dir(models, "llama8b-8l"),
+                block_size=16,
+                eager=False,
+                kv_cache_bytes=16 << 30,
+                connector=connector(mode, server),
+                prompts=ps,
+                passes=PASSES,
+                max_tokens=1,
+            ),
+            tmp_path / "engine.log",
+        )
+    finally:
+        if server is not None:
+            server.stop()
+    record(f"{mode}-one-token", result)
+    check(result, len(ps), 16)
+
+
 def test_server_killed_and_restarted_mid_run(tmp_path, models):
     """The server is killed between passes: the engine misses (recomputes: the same outputs)
     and carries on; a new server on the same socket is attached again by itself and restores
