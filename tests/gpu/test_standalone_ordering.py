@@ -1,0 +1,126 @@
+"""Standalone mode's ordering against a busy engine stream, without vLLM: the smallest
+reproduction beside the real-engine tests of issue 28 (tests/gpu_vllm/).
+
+The connector's worker hands the server its transfers through `umbp.vllm.standalone.ServerStore`
+with the engine's current CUDA stream, and never waits for that stream itself: a store must
+copy what the work queued before it wrote, and a load reported done must be in place for the
+work queued after that. Here the "forward pass" is a GPU spin of tens of milliseconds followed
+by the writes of every block, queued right before the store, as vLLM does; and what reads a
+load's blocks is queued the moment the load reads as done, as vLLM schedules a request once
+the worker reports its async load finished. A KV cache shaped like vLLM's (one allocation,
+layer-first, 32 layers, 2 MiB blocks as Llama-3-8B with 16-token blocks has) and reused block
+ids with stale contents, so a copy at the wrong time shows as the wrong fill value.
+
+Skipped without PyTorch, a CUDA device or the server binary ($UMBP_SERVER_BIN, or on PATH).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+SERVER = os.environ.get("UMBP_SERVER_BIN") or shutil.which("umbp_standalone_server")
+if not SERVER:
+    pytest.skip("needs umbp_standalone_server ($UMBP_SERVER_BIN or PATH)", allow_module_level=True)
+
+from test_standalone_gpu import start_server, stop_server  # noqa: E402
+
+import umbp  # noqa: E402
+from umbp.kv_layout import describe_tensor, register_tensor_layout  # noqa: E402
+from umbp.vllm.standalone import ServerStore  # noqa: E402
+
+LAYERS, BLOCKS, PAGE = 32, 1024, 64 << 10  # 64 KiB per layer and block, 2 MiB per block
+SPIN_CYCLES = 200_000_000  # ~0.1 s of one GPU thread spinning: the "forward pass"
+
+
+class Engine:
+    """One allocation viewed per layer as [blocks, page] bytes, registered through the
+    connector's standalone store as the worker does."""
+
+    def __init__(self, sock) -> None:
+        self.buf = torch.zeros(LAYERS * BLOCKS * PAGE, dtype=torch.uint8, device="cuda")
+        n = BLOCKS * PAGE
+        self.layers = [self.buf[i * n : (i + 1) * n].view(BLOCKS, PAGE) for i in range(LAYERS)]
+        self.store = ServerStore(umbp.StandaloneClient(f"unix://{sock}", client_name="ordering"))
+        self.store.register_cuda_memory(self.buf.data_ptr(), self.buf.numel(), 0)
+        groups = [[describe_tensor(f"layer{i}", t, BLOCKS) for i, t in enumerate(self.layers)]]
+        self.layout = register_tensor_layout(self.store, groups, [BLOCKS])
+        self.keys = umbp.KeyBuilder("ordering")
+        # Like vLLM's: the engine computes on a stream of its own, not the default one.
+        self.stream = torch.cuda.Stream()
+
+    def fill(self, ids: list[int], value: int) -> None:
+        idx = torch.tensor(ids, device="cuda")
+        for t in self.layers:
+            t.index_fill_(0, idx, value)
+
+    def values(self, ids: list[int]) -> list[int]:
+        """Per block, its byte value if every byte of it in every layer is that value, else -1."""
+        idx = torch.tensor(ids, device="cuda")
+        rows = torch.stack([t.index_select(0, idx) for t in self.layers], 1)  # [n, L, page]
+        first = rows[:, 0, :1]
+        same = (rows == first.unsqueeze(1)).flatten(1).all(1)
+        return torch.where(same, first.flatten().to(torch.int64), -1).tolist()
+
+
+def keys(e: Engine, tag: int, n: int):
+    return e.keys.keys(0, [(tag << 32 | i).to_bytes(8, "little") for i in range(n)])
+
+
+@pytest.mark.parametrize("blocks", [64, 256, 1000])
+def test_store_copies_what_the_stream_wrote_and_load_is_in_place_when_done(tmp_path, blocks):
+    p, sock = start_server(tmp_path, "8GiB")
+    try:
+        e = Engine(sock)
+        ids = list(range(blocks))
+        targets = list(range(BLOCKS - blocks, BLOCKS))  # other blocks for the loads
+        stale_store = stale_load = 0
+        for r in range(1, 5):
+            value = 16 * r
+            with torch.cuda.stream(e.stream):
+                e.fill(ids, 1)  # what the blocks held before
+                torch.cuda.synchronize()
+                # The "forward pass": long GPU work, then the writes of the step's blocks,
+                # all queued; the store is submitted at once, as wait_for_save does.
+                torch.cuda._sleep(SPIN_CYCLES)
+                e.fill(ids, value)
+                stream = e.stream.cuda_stream
+                st = e.store.store(e.layout, 0, ids, keys(e, r, blocks), stream=stream)
+                statuses = st.wait(60_000)
+                assert all(s == "done" for s in statuses), statuses
+                # The load, into blocks holding something else; read them the moment the
+                # load reads as done (the worker's get_finished polls `done`).
+                e.fill(targets, 2)
+                ld = e.store.load(e.layout, 0, targets, keys(e, r, blocks), stream=stream)
+                deadline = time.monotonic() + 60
+                while not ld.done:
+                    assert time.monotonic() < deadline
+                tidx = torch.tensor(targets, device="cuda")
+                snapshot = [torch.unique(t.index_select(0, tidx)) for t in e.layers]
+                assert all(s == "done" for s in ld.poll()), ld.poll()
+                got = sorted(set(torch.cat(snapshot).tolist()))  # synchronizes
+                stale_load += got != [value]
+                # What the pool holds (read after everything settled).
+                e.fill(targets, 3)
+                again = e.store.load(e.layout, 0, targets, keys(e, r, blocks), stream=stream)
+                assert all(s == "done" for s in again.wait(60_000))
+                torch.cuda.synchronize()
+                held = set(e.values(targets))
+                stale_store += held != {value}
+                print(f"round {r}: pool holds {sorted(held)}, the load read {got} (want {value})")
+        assert stale_store == 0, (
+            f"{stale_store} of 4 stores copied before the stream wrote the blocks"
+        )
+        assert stale_load == 0, (
+            f"{stale_load} of 4 loads read as done before their bytes were in place"
+        )
+        e.store.close()
+    finally:
+        stop_server(p)
