@@ -209,6 +209,15 @@ def test_connector_store_through_the_server_is_ordered_after_the_engine_stream(t
         src, dst = list(range(0, 200)), list(range(300, 500))
         kb = umbp.KeyBuilder("order-server")
         cur = torch.cuda.current_stream()
+        # The engine's default stream, as vLLM 0.33's engine thread had in issue 28: handle 0,
+        # which `torch.cuda.ExternalStream` took for "no stream".
+        assert cur.cuda_stream == 0
+        # First let the server page-lock its pool (in the background, at the first CUDA
+        # registration): a copy that waits on it is late enough to look ordered, and this
+        # test passed with issue 28's bug.
+        warm = kb.keys(0, [f"warm-{b}".encode() for b in src])
+        assert store.store(lid, 0, src, warm).wait() == ["done"] * len(src)
+        time.sleep(3)
         outcome = {}
         for ordered in (True, False):
             keys = kb.keys(0, [f"{ordered}-{b}".encode() for b in src])

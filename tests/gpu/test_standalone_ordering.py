@@ -40,6 +40,60 @@ LAYERS, BLOCKS, PAGE = 32, 1024, 64 << 10  # 64 KiB per layer and block, 2 MiB p
 SPIN_CYCLES = 200_000_000  # ~0.1 s of one GPU thread spinning: the "forward pass"
 
 
+class FakeClient:
+    """Stands in for `umbp.StandaloneClient` where only the moment of submission matters: it
+    notes whether the engine's stream had finished its queued work when the transfer came."""
+
+    endpoint = "fake"
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.seen: list[bool] = []
+
+    def _transfer(self, layout, group, block_ids, keys):
+        self.seen.append(self.stream.query())
+        return Done(len(block_ids))
+
+    store = load = _transfer
+
+    def close(self) -> None:
+        pass
+
+
+class Done:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    done = True
+
+    def poll(self):
+        return ["done"] * self.n
+
+    def wait(self, timeout_ms=None):
+        return self.poll()
+
+
+@pytest.mark.parametrize("on", ["default-stream", "own-stream"])
+def test_transfers_are_submitted_after_the_engine_stream_is_done(on):
+    """No server: ServerStore must hand a transfer to its client only once the work queued on
+    the engine's stream before it has finished. Failed for CUDA's default stream (handle 0)
+    before issue 28's fix: the event went to an idle stream and the store was submitted while
+    the engine was still computing."""
+    stream = torch.cuda.default_stream() if on == "default-stream" else torch.cuda.Stream()
+    client = FakeClient(stream)
+    store = ServerStore(client)
+    store.cuda_device = torch.device("cuda", 0)
+    with torch.cuda.stream(stream):
+        handle = torch.cuda.current_stream().cuda_stream
+        assert (handle == 0) == (on == "default-stream")
+        for direction in (store.store, store.load):
+            torch.cuda._sleep(SPIN_CYCLES)  # the "forward pass", still running at submission
+            t = direction(0, 0, [0], None, stream=handle)
+            assert t.wait(60_000) == ["done"]
+    store.close()
+    assert client.seen == [True, True], client.seen
+
+
 class Engine:
     """One allocation viewed per layer as [blocks, page] bytes, registered through the
     connector's standalone store as the worker does."""
@@ -75,10 +129,17 @@ def keys(e: Engine, tag: int, n: int):
 
 
 @pytest.mark.parametrize("blocks", [64, 256, 1000])
-def test_store_copies_what_the_stream_wrote_and_load_is_in_place_when_done(tmp_path, blocks):
+@pytest.mark.parametrize("on", ["default-stream", "own-stream"])
+def test_store_copies_what_the_stream_wrote_and_load_is_in_place_when_done(tmp_path, on, blocks):
+    """`default-stream`: the engine computes on CUDA's default stream (handle 0), as vLLM 0.33's
+    engine thread did in the run that restored wrong KV (issue 28); `own-stream`: on a stream
+    of its own."""
     p, sock = start_server(tmp_path, "8GiB")
     try:
         e = Engine(sock)
+        if on == "default-stream":
+            e.stream = torch.cuda.default_stream()
+        assert (e.stream.cuda_stream == 0) == (on == "default-stream")
         ids = list(range(blocks))
         targets = list(range(BLOCKS - blocks, BLOCKS))  # other blocks for the loads
         stale_store = stale_load = 0

@@ -195,3 +195,31 @@ def test_closing_never_waits_on_a_stopped_server(server, stalled):  # noqa: F811
     while server.stats()["sessions"] != 0:
         assert time.monotonic() < deadline, server.stats()
         time.sleep(0.05)
+
+
+def test_engine_stream_handle_0_is_the_default_stream_not_a_pool_stream(monkeypatch):
+    """Issue 28's cause, without a GPU: `torch.cuda.ExternalStream(0)` is a fresh pool stream
+    (PyTorch reads a null pointer as "none given"), so the event ServerStore orders a
+    transfer after must be recorded on `torch.cuda.default_stream()` for handle 0, and on the
+    external stream itself for any other handle; a stream that is not the handle is refused."""
+    torch = pytest.importorskip("torch")
+    from umbp.vllm.standalone import engine_stream
+
+    class FakeStream:
+        def __init__(self, handle: int, made_by: str) -> None:
+            self.cuda_stream, self.made_by = handle, made_by
+
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: FakeStream(0, "default"))
+    monkeypatch.setattr(
+        torch.cuda,
+        "ExternalStream",
+        lambda handle, device=None: FakeStream(handle or 0x5EED, "external"),  # 0: a pool stream
+    )
+    assert engine_stream(0, "cuda:0").made_by == "default"
+    s = engine_stream(0x7F00_1234, "cuda:0")
+    assert (s.made_by, s.cuda_stream) == ("external", 0x7F00_1234)
+    monkeypatch.setattr(
+        torch.cuda, "default_stream", lambda device=None: FakeStream(0x5EED, "pool")
+    )
+    with pytest.raises(RuntimeError, match="cannot be ordered"):
+        engine_stream(0, "cuda:0")

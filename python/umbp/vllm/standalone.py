@@ -135,6 +135,32 @@ class _AfterStream:
         return inner.wait(left)
 
 
+def engine_stream(handle: int, device: Any):
+    """The engine's CUDA stream `handle` (`torch.cuda.current_stream().cuda_stream`) as a
+    torch stream, to record an event on.
+
+    Handle 0 is CUDA's default stream, the one vLLM's engine thread computes on unless it set
+    a stream of its own. `torch.cuda.ExternalStream(0)` is not that stream: PyTorch reads a
+    null pointer as "no external stream" and hands out a fresh stream of its pool, which does
+    not wait for the default stream. An event recorded there is done at once, and the server
+    copied a store's blocks before the forward pass had written them (issue 28: restored KV
+    held what those blocks held before, silently).
+    """
+    import torch
+
+    s = (
+        torch.cuda.default_stream(device)
+        if handle == 0
+        else torch.cuda.ExternalStream(handle, device=device)
+    )
+    if s.cuda_stream != handle:
+        raise RuntimeError(
+            f"UMBP: CUDA stream {handle:#x} of the engine came back as stream "
+            f"{s.cuda_stream:#x}; transfers cannot be ordered after the engine's work"
+        )
+    return s
+
+
 class ServerStore:
     """A worker's store in standalone mode: the `EmbeddedStore` calls the worker side makes,
     served by the node's server through `client`."""
@@ -187,7 +213,7 @@ class ServerStore:
         import torch
 
         ev = torch.cuda.Event()
-        ev.record(torch.cuda.ExternalStream(stream, device=self.cuda_device))
+        ev.record(engine_stream(stream, self.cuda_device))
         if self.submitter is None:  # made on first use, in the worker, never at import
             self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="umbp-submit")
 
