@@ -16,21 +16,13 @@ Skipped without PyTorch, a CUDA device or the server binary ($UMBP_SERVER_BIN, o
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
-SERVER = os.environ.get("UMBP_SERVER_BIN") or shutil.which("umbp_standalone_server")
-if not SERVER:
-    pytest.skip("needs umbp_standalone_server ($UMBP_SERVER_BIN or PATH)", allow_module_level=True)
-
-from test_standalone_gpu import start_server, stop_server  # noqa: E402
+pytest.importorskip("torch")
+import torch  # noqa: E402
+from test_standalone_gpu import start_server, stop_server  # noqa: E402  (skips without CUDA or the server)
 
 import umbp  # noqa: E402
 from umbp.kv_layout import describe_tensor, register_tensor_layout  # noqa: E402
