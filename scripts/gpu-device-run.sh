@@ -8,9 +8,8 @@
 # piece-size sweep: auto, dma and staged for 4-256 KiB pieces), load (idle rounds, then the same
 # copies beside a bf16 matmul loop that fills every SM, for 8, 32 and 64 KiB pieces), server
 # (one CUDA client through the standalone server against embedded mode, 64 and 8 KiB pieces,
-# answered through the completion page and then by replies only) or none;
-# ttft (time to first token on a real vLLM CUDA engine, embedded and standalone: needs VLLM=1)
-# or none; TESTS=0 skips pytest.
+# answered through the completion page and then by replies only), ttft (time to first token on
+# a real vLLM CUDA engine, embedded and standalone: needs VLLM=1) or none; TESTS=0 skips pytest.
 # VLLM=1: vLLM's CUDA build is unpacked in $VLLM_SITE (default /tmp/vsite: the offline bundle of
 # ../shared/tools/vllm-cuda/, `assemble.sh` run once per chunk before this); the real-engine
 # tests (tests/gpu_vllm/) run too, filtered by VLLM_TESTS (a pytest -k expression, default all).
