@@ -102,8 +102,9 @@ class Engine:
         # Like vLLM's: the engine computes on a stream of its own, not the default one.
         self.stream = torch.cuda.Stream()
 
-    def fill(self, ids: list[int], value: int) -> None:
-        idx = torch.tensor(ids, device="cuda")
+    def fill(self, idx, value: int) -> None:
+        """Sets blocks `idx` (a device tensor: made before any queued work, since a host-to-
+        device copy of ids from pageable memory would first wait for the stream) to `value`."""
         for t in self.layers:
             t.index_fill_(0, idx, value)
 
@@ -134,34 +135,36 @@ def test_store_copies_what_the_stream_wrote_and_load_is_in_place_when_done(tmp_p
         assert (e.stream.cuda_stream == 0) == (on == "default-stream")
         ids = list(range(blocks))
         targets = list(range(BLOCKS - blocks, BLOCKS))  # other blocks for the loads
+        ids_t = torch.tensor(ids, device="cuda")
+        targets_t = torch.tensor(targets, device="cuda")
         stale_store = stale_load = 0
         for r in range(1, 5):
             value = 16 * r
             with torch.cuda.stream(e.stream):
-                e.fill(ids, 1)  # what the blocks held before
+                e.fill(ids_t, 1)  # what the blocks held before
                 torch.cuda.synchronize()
                 # The "forward pass": long GPU work, then the writes of the step's blocks,
                 # all queued; the store is submitted at once, as wait_for_save does.
                 torch.cuda._sleep(SPIN_CYCLES)
-                e.fill(ids, value)
+                e.fill(ids_t, value)
                 stream = e.stream.cuda_stream
                 st = e.store.store(e.layout, 0, ids, keys(e, r, blocks), stream=stream)
                 statuses = st.wait(60_000)
                 assert all(s == "done" for s in statuses), statuses
                 # The load, into blocks holding something else; read them the moment the
                 # load reads as done (the worker's get_finished polls `done`).
-                e.fill(targets, 2)
+                e.fill(targets_t, 2)
                 ld = e.store.load(e.layout, 0, targets, keys(e, r, blocks), stream=stream)
                 deadline = time.monotonic() + 60
                 while not ld.done:
                     assert time.monotonic() < deadline
-                tidx = torch.tensor(targets, device="cuda")
-                snapshot = [torch.unique(t.index_select(0, tidx)) for t in e.layers]
+                # Every layer's blocks copied by kernels queued now, before any wait.
+                snapshot = [t.index_select(0, targets_t) for t in e.layers]
                 assert all(s == "done" for s in ld.poll()), ld.poll()
-                got = sorted(set(torch.cat(snapshot).tolist()))  # synchronizes
+                got = sorted(set(torch.cat([x.unique() for x in snapshot]).tolist()))
                 stale_load += got != [value]
                 # What the pool holds (read after everything settled).
-                e.fill(targets, 3)
+                e.fill(targets_t, 3)
                 again = e.store.load(e.layout, 0, targets, keys(e, r, blocks), stream=stream)
                 assert all(s == "done" for s in again.wait(60_000))
                 torch.cuda.synchronize()
