@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import finish, prompts, run_engine
+from conftest import COMPUTED, finish, prompts, run_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_cluster import redis_cluster  # noqa: E402
@@ -53,7 +53,7 @@ def cluster():
 def baseline(model):
     names = list(PROMPTS)
     r = run_engine(
-        {"model": model, "connector": None, "steps": [{"generate": PROMPTS[n]} for n in names]}
+        {"model": model, "connector": COMPUTED, "steps": [{"generate": PROMPTS[n]} for n in names]}
     )
     return {n: tokens(run) for n, run in zip(names, r["steps"])}
 

@@ -15,7 +15,7 @@ import pytest
 from test_connector import connector
 
 import umbp
-from conftest import finish, prompts, run_engine, wait_for
+from conftest import COMPUTED, finish, prompts, run_engine, wait_for
 
 SQUATTER = Path(__file__).parents[1] / "python" / "squatter.py"
 SQUATTER_UID = 12345
@@ -40,7 +40,7 @@ def test_a_squatter_of_another_uid_gets_nothing_and_vllm_keeps_serving(model):
     directory to 0777: the first line of defence (the 0700 directory) is taken away on purpose,
     so that this test shows the second one (the client's SO_PEERCRED check)."""
     ps = prompts(2, seed=5)
-    base = run_engine({"model": model, "connector": None, "steps": [{"generate": ps}]})
+    base = run_engine({"model": model, "connector": COMPUTED, "steps": [{"generate": ps}]})
     expected = [o["tokens"] for o in base["steps"][0]]
 
     # lookup_dir like /tmp: shared, sticky; pytest's tmp_path is private to root.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import finish, prompts, run_engine, wait_for
+from conftest import COMPUTED, finish, prompts, run_engine, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from standalone_server import Server, running, short_dir  # noqa: E402
@@ -50,10 +50,10 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    """Each prompt set's outputs without the connector (one engine run for all of them)."""
+    """Each prompt set's computed outputs (one engine run for all of them; see `COMPUTED`)."""
     names = list(PROMPTS)
     r = run_engine(
-        {"model": model, "connector": None, "steps": [{"generate": PROMPTS[n]} for n in names]}
+        {"model": model, "connector": COMPUTED, "steps": [{"generate": PROMPTS[n]} for n in names]}
     )
     return {n: tokens(run) for n, run in zip(names, r["steps"])}
 
