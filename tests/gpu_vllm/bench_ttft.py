@@ -57,30 +57,42 @@ def link_gbps() -> dict[str, float]:
 
 
 def trace_of(trace_prefix: Path, t0: float, t1: float) -> dict:
-    """The connector's calls between a request's submission (t0) and its output (t1)."""
-    events = []
+    """The connector's calls between a request's submission (t0) and its output (t1): when
+    the lookup, the load's start, its hand-over to the server (standalone) and its reported
+    end came, in ms after t0, and the whole timeline."""
+    events, files = [], 0
     for f in trace_prefix.parent.glob(trace_prefix.name + ".*"):
         if f.suffix == ".tmp":
             continue
         try:
             events += json.loads(f.read_text())
+            files += 1
         except (OSError, ValueError):
             continue
     ev = sorted((e for e in events if t0 <= e["t"] <= t1), key=lambda e: e["t"])
     ms = lambda t: round((t - t0) * 1e3, 2)  # noqa: E731
-    out: dict = {"total_ms": ms(t1)}
+    out: dict = {"total_ms": ms(t1), "trace_files": files, "events_traced": len(events)}
     look = [e for e in ev if e["what"] == "get_num_new_matched_tokens" and e.get("tokens")]
     if look:
         out["lookup_at_ms"], out["lookup_ms"] = ms(look[0]["t"]), look[0]["ms"]
     load = [e for e in ev if e["what"] == "start_load_kv" and e.get("blocks")]
     if load:
         out["load_started_at_ms"], out["load_call_ms"] = ms(load[0]["t"]), load[0]["ms"]
+    sub = [e for e in ev if e["what"] == "_submit_now" and not e.get("store")]
+    if sub:
+        out["load_submitted_at_ms"] = ms(sub[0]["t"] + sub[0]["ms"] / 1e3)
     done = [e for e in ev if e["what"] == "get_finished" and e.get("recving")]
     if done:
         out["load_reported_done_at_ms"] = ms(done[0]["t"] + done[0]["ms"] / 1e3)
     polls = [e for e in ev if e["what"] == "get_finished"]
     out["worker_steps_polled"] = len(polls)
     out["scheduler_steps"] = sum(1 for e in ev if e["what"] == "build_connector_meta")
+    skip = ("role", "what", "t", "ms")
+    out["timeline"] = [
+        f"{ms(e['t'])} +{e['ms']} {e['role']} {e['what']} "
+        + " ".join(f"{k}={v}" for k, v in e.items() if k not in skip)
+        for e in ev[:80]
+    ]
     return out
 
 
@@ -227,7 +239,11 @@ def print_table(rows: list[dict], link: dict) -> None:
     for row in rows:
         for mode in ("embedded", "standalone"):
             if mode in row:
-                print(f"trace {row['tokens']} {mode}: {json.dumps(row[mode]['trace'])}")
+                tr = {k: v for k, v in row[mode]["trace"].items() if k != "timeline"}
+                print(f"trace {row['tokens']} {mode}: {json.dumps(tr)}")
+                if row["tokens"] == 4096:  # one restore in full: where its time goes
+                    for line in row[mode]["trace"]["timeline"]:
+                        print(f"  {line}")
         if "embedded" in row and "standalone" in row:
             e, s = row["embedded"]["restored_ms"], row["standalone"]["restored_ms"]
             print(f"{row['tokens']}: standalone / embedded restored TTFT = {s / e:.3f}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 
@@ -43,8 +44,6 @@ class Verifier:
     """
 
     def __init__(self) -> None:
-        import threading
-
         self.lock = threading.Lock()
         self.stored: dict = {}
         self.loaded_blocks = 0
@@ -94,8 +93,6 @@ class Verifier:
         W.WorkerSide.get_finished = get_finished
 
     def attach(self, ws, kv_caches) -> None:
-        import threading
-
         import torch
 
         self.torch = torch
@@ -303,32 +300,43 @@ class Verifier:
 class Tracer:
     """Timestamps of the connector's calls to `$UMBP_TRACE_OUT.<pid>`, written by a thread of
     its own once a second (never on the engine's path). A worker's `get_finished` is noted
-    only while it has async loads pending or reports some finished."""
+    only while it has async loads pending or reports some finished.
+
+    The writer thread starts in the process that records the first call: vLLM may import
+    this module in its front-end process and then fork the engine core, and a thread started
+    before a fork does not run in the child."""
 
     def __init__(self) -> None:
         self.events: list = []
         self.written = 0
+        self.path = ""
+        self.writer_pid = 0
+        self.lock = threading.Lock()
 
     def note(self, role: str, what: str, t0: float, **info) -> None:
         ms = round((time.monotonic() - t0) * 1e3, 3)
+        if self.writer_pid != os.getpid():
+            with self.lock:  # the engine's thread and standalone's submitter both note
+                if self.writer_pid != os.getpid():
+                    self.writer_pid = os.getpid()
+                    self.events, self.written = [], 0  # a forked child's copy is the parent's
+                    threading.Thread(target=self.flush_forever, daemon=True).start()
         self.events.append({"role": role, "what": what, "t": t0, "ms": ms, **info})
         del self.events[:-20000]
 
-    def flush_forever(self, path: str) -> None:
+    def flush_forever(self) -> None:
         while True:
             time.sleep(1.0)
             if len(self.events) != self.written:
                 self.written = len(self.events)
-                _write(f"{path}.{os.getpid()}", list(self.events))
+                _write(f"{self.path}.{os.getpid()}", list(self.events))
 
     def install(self) -> None:
-        path = os.environ.get("UMBP_TRACE_OUT")
-        if not path:
+        self.path = os.environ.get("UMBP_TRACE_OUT", "")
+        if not self.path:
             return
-        import threading
-
-        threading.Thread(target=self.flush_forever, args=(path,), daemon=True).start()
         from umbp.vllm import scheduler as S
+        from umbp.vllm import standalone as SA
         from umbp.vllm import worker as W
 
         tr = self
@@ -357,3 +365,7 @@ class Tracer:
         wrap(W.WorkerSide, "get_finished", "worker",
              lambda s, a, r: {"recving": sorted(r[1] or [])},
              lambda s, r: bool(s.async_loads) if r is None else bool(r[1]))  # fmt: skip
+        # Standalone mode: when the helper thread hands a transfer to the server (after the
+        # engine's stream has reached the point the transfer was queued at).
+        wrap(SA.ServerStore, "_submit_now", "worker",
+             lambda s, a, r: {"store": a[0], "blocks": len(a[3])})  # fmt: skip
