@@ -5,6 +5,7 @@ that every block restored through the real connector is byte for byte the one st
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def test_restored_blocks_are_the_stored_bytes(tmp_path, mode, corrupt, monkeypat
     if mode == "standalone" and not server_bin():
         pytest.skip("needs umbp_standalone_server (scripts/venv.sh builds it into .venv/bin)")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # UMBP's INFO lines must show (below)
     server = Server(tmp_path, capacity="1GiB").start() if mode == "standalone" else None
     conn = (
         {"mode": "standalone", "endpoint": server.endpoint}
@@ -63,3 +65,6 @@ def test_restored_blocks_are_the_stored_bytes(tmp_path, mode, corrupt, monkeypat
         assert back[i]["tokens"] == cold[i]["tokens"]
     assert v["checked"] > 0 and v["mismatched"] == 0 and v["changed_late"] == 0, v
     assert v["unknown"] == 0 and v["failed_loads"] == 0, v
+    # UMBP's INFO lines reach the engine's log through vLLM's handlers (vLLM's format).
+    log = (tmp_path / "engine.log").read_text()
+    assert re.search(r"INFO .*umbp: worker \d+: ", log), "UMBP's start-up line is not logged"

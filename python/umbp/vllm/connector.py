@@ -17,6 +17,7 @@ Keys, lookups, range planning and copies happen in Rust (`umbp._native`).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,6 +69,20 @@ if TYPE_CHECKING:
 __all__ = ["UMBPStoreConnector", "UMBPConnectorMetadata", "UMBPWorkerMetadata"]
 
 
+def log_through_vllm() -> None:
+    """Sends the `umbp` logger's records through vLLM's own handlers, at vLLM's level, so
+    UMBP's start-up lines and warnings sit in the engine's log in its format. Python gives a
+    library's logger no handler, and vLLM configures only `vllm`: without this, UMBP's INFO
+    lines are dropped. An application that configured `umbp` itself is left alone."""
+    ours, theirs = logging.getLogger("umbp"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = theirs.propagate
+
+
 class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
     """Offloads prefix KV blocks to UMBP host-DRAM pools and restores them."""
 
@@ -93,6 +108,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_through_vllm()
         ktc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.parse(ktc.kv_connector_extra_config, ktc.kv_role)
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):

@@ -102,13 +102,22 @@ class WorkerSide:
         self.unplanned_loads: set[str] = set()  # async loads the scheduler could not plan
         self.stores: dict[int, umbp.Job] = {}
         self.cuda_device: torch.device | None = None
+        self.logged_stream: int | None = None
 
     def _stream(self) -> int | None:
         """The engine's current CUDA stream: copies are ordered after the work queued on it
         (stores copy what the forward pass wrote; loads wait for readers of their blocks)."""
         if self.cuda_device is None:
             return None
-        return torch.cuda.current_stream(self.cuda_device).cuda_stream
+        handle = torch.cuda.current_stream(self.cuda_device).cuda_stream
+        if handle != self.logged_stream:
+            self.logged_stream = handle
+            logger.info(
+                "umbp: transfers ordered after the engine's CUDA stream %#x%s",
+                handle,
+                " (the legacy default stream)" if handle == 0 else "",
+            )
+        return handle
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.store = self.runtime.open_store()
