@@ -212,7 +212,10 @@ class ServerStore:
         recorded there and one helper thread waits for it, then submits (in order)."""
         import torch
 
-        ev = torch.cuda.Event()
+        # A blocking-sync event: the helper thread sleeps until the engine's stream gets there.
+        # A default event's wait spins in the driver, a whole core, for as long as the forward
+        # pass runs, beside the engine thread's own driver calls (docs/benchmarks.md, TTFT).
+        ev = torch.cuda.Event(blocking=True)
         ev.record(engine_stream(stream, self.cuda_device))
         if self.submitter is None:  # made on first use, in the worker, never at import
             self.submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="umbp-submit")
