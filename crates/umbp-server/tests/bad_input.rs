@@ -326,6 +326,57 @@ fn other_users_are_refused_with_a_message() {
     assert!(server.stop().success());
 }
 
+/// Issue 29, item 2: one `Exists` request of 1M one-byte hashes × 100 ranks (1.1 MB on the
+/// wire) used to make the server build 1e8 keys (6.4 GB) before looking anything up. Now it is
+/// refused with the limit named, a request at the limits is answered one rank at a time, and
+/// the server, limited to 2 GiB of address space here, stays up throughout.
+#[test]
+fn an_exists_request_cannot_make_the_server_build_unbounded_keys() {
+    let dir = tmpdir("exists-bound");
+    let server = Server::start_limited(&dir.join("s.sock"), &[], Some(2 << 30));
+    let (rt, mut g) = raw(&server.endpoint);
+    let lookup = |blocks: usize, ranks: usize| v1::ExistsRequest {
+        keys: Some(v1::KeySet {
+            namespace: "hostile".into(),
+            hash_bytes: 1,
+            hashes: vec![7; blocks],
+            ..Default::default()
+        }),
+        ranks: (0..ranks as u32)
+            .map(|tp| v1::Ranks {
+                tp,
+                ..Default::default()
+            })
+            .collect(),
+        prefix_only: true,
+        ..Default::default()
+    };
+    let (c, m) = code_and_message(rt.block_on(g.exists(lookup(1 << 20, 100))));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    assert!(m.contains("4194304 keys") && m.contains("in parts"), "{m}");
+    let (c, m) = code_and_message(rt.block_on(g.exists(lookup((1 << 20) + 1, 1))));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    assert!(m.contains("1048576"), "{m}");
+    // At the limits: answered (nothing stored), the keys built one rank at a time.
+    for prefix_only in [true, false] {
+        let r = rt
+            .block_on(g.exists(v1::ExistsRequest {
+                prefix_only,
+                ..lookup(1 << 20, 2)
+            }))
+            .expect("a lookup at the limits is answered")
+            .into_inner();
+        assert_eq!(r.prefix, 0);
+    }
+    stats(&server.endpoint);
+    assert!(server.stop().success(), "{}", server_log_tail(&dir));
+}
+
+fn server_log_tail(dir: &std::path::Path) -> String {
+    let t = std::fs::read_to_string(dir.join("s.log")).unwrap_or_default();
+    t[t.len().saturating_sub(2000)..].to_string()
+}
+
 /// A valid message of each request type, encoded (the fuzzer mutates these).
 fn valid_bodies(sid: u64) -> Vec<(&'static str, Vec<u8>)> {
     let key = keys("fuzz", 2);

@@ -47,13 +47,35 @@ pub struct Server {
 
 impl Server {
     pub fn start(sock: &Path, extra: &[&str]) -> Server {
+        Self::start_limited(sock, extra, None)
+    }
+
+    /// With `address_space` bytes of virtual memory at most (`RLIMIT_AS`): an allocation past
+    /// it fails, and the server aborts instead of taking the machine's memory.
+    pub fn start_limited(sock: &Path, extra: &[&str], address_space: Option<u64>) -> Server {
         let log = sock.with_extension("log");
         let f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
             .unwrap();
-        let child = Command::new(server_bin())
+        let mut cmd = Command::new(server_bin());
+        if let Some(limit) = address_space {
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    let r = libc::rlimit {
+                        rlim_cur: limit,
+                        rlim_max: limit,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd
             .args([
                 "--address",
                 sock.to_str().unwrap(),
