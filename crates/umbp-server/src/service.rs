@@ -248,6 +248,35 @@ fn check_lookup_size(blocks: usize, ranks: usize) -> Result<(), Status> {
     }
 }
 
+/// A client's name as the logs and `stats` show it: control characters escaped (a newline
+/// in a name must not forge a log line), at most 128 characters.
+fn printable_name(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out.chars().take(128).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_keep_their_text_and_lose_their_control_characters() {
+        assert_eq!(printable_name("vllm-engine é"), "vllm-engine é");
+        assert_eq!(
+            printable_name("x\nINFO forged\r\u{1b}[31m"),
+            "x\\nINFO forged\\r\\u{1b}[31m"
+        );
+        assert_eq!(printable_name(&"a".repeat(500)).len(), 128);
+    }
+}
+
 fn key_status(r: &KeyResult, timed_out: bool) -> v1::KeyStatus {
     use v1::KeyStatus as S;
     match r {
@@ -678,7 +707,7 @@ impl Store for Service {
         if self.state.draining.load(Ordering::Acquire) {
             return Err(Status::unavailable("the server is shutting down"));
         }
-        let name: String = r.client_name.chars().take(128).collect();
+        let name = printable_name(&r.client_name);
         let cs = self
             .state
             .sessions

@@ -377,6 +377,36 @@ fn server_log_tail(dir: &std::path::Path) -> String {
     t[t.len().saturating_sub(2000)..].to_string()
 }
 
+/// Issue 29, item 11: a newline in `client_name` wrote a line of the client's choosing into
+/// the server's log. The name is logged with its control characters escaped.
+#[test]
+fn a_client_name_cannot_forge_a_log_line() {
+    let dir = tmpdir("name");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = rt
+        .block_on(g.attach(v1::AttachRequest {
+            client_name: "evil\n2026-01-01T00:00:00Z ERROR umbp_server: forged".into(),
+            protocol: umbp_proto::PROTOCOL,
+        }))
+        .unwrap()
+        .into_inner();
+    rt.block_on(g.detach(v1::DetachRequest {
+        session_id: me.session_id,
+    }))
+    .unwrap();
+    assert!(server.stop().success());
+    let log = std::fs::read_to_string(dir.join("s.log")).unwrap();
+    assert!(
+        log.contains("evil\\n2026"),
+        "the name is not in the log:\n{log}"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("2026-01-01T00:00:00Z")),
+        "a forged line:\n{log}"
+    );
+}
+
 /// A valid message of each request type, encoded (the fuzzer mutates these).
 fn valid_bodies(sid: u64) -> Vec<(&'static str, Vec<u8>)> {
     let key = keys("fuzz", 2);
