@@ -9,9 +9,23 @@
 //! [`GroupLayout::plan`] turns block ids into the scatter/gather ranges that move those bytes,
 //! merging runs that are adjacent on both sides (a block-first layout becomes one range per block).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::CoreError;
+
+/// The most runs one layout may have, over all its groups: 65,536 (vLLM's largest layouts have
+/// a few hundred: two per layer, or one per layer and head where heads are scattered).
+pub const MAX_LAYOUT_RUNS: usize = 1 << 16;
+/// The most blocks one run may have: 1,073,741,824 (more than any KV cache holds).
+pub const MAX_RUN_BLOCKS: u64 = 1 << 30;
+/// The most different block strides one group's runs may use: 64 (a group's layers share
+/// their page size, so real layouts have one or two).
+pub const MAX_GROUP_STRIDES: usize = 64;
+/// How much work the check of runs of *different* strides may do in one group before it
+/// refuses the layout: 16,777,216 blocks compared or runs looked up (runs of different strides
+/// that interleave are not a layout any engine makes; runs of one stride cost none of it).
+const MAX_MIXED_STRIDE_WORK: u64 = 1 << 24;
 
 /// One run of the KV cache: where block 0's run starts, how far apart blocks are, and how many
 /// bytes the run holds in each block (a whole layer's block where that is contiguous).
@@ -61,6 +75,79 @@ fn runs_overlap(a: &LayerSpec, b: &LayerSpec) -> bool {
             .div_ceil(y.block_stride);
         first < nb && y.base_addr + first * y.block_stride < hi
     })
+}
+
+/// Two runs of `layers` (indices of runs of one stride, `class`) that share a byte, if any.
+///
+/// With stride `s`, byte `x` lies in row `x / s` at phase `x % s`. A run whose block 0 starts
+/// at row `q`, phase `p`, covers phases `[p, min(p + len, s))` of rows `q .. q + nb` and, when
+/// its blocks cross a row's end, phases `[0, p + len - s)` of rows `q + 1 ..= q + nb`: one or
+/// two rectangles in (row, phase). Two runs share a byte exactly when two of their rectangles
+/// meet. A sweep over rows keeps the phase intervals of the rectangles that cover the current
+/// row, which are disjoint as long as nothing clashed, so each new one is compared with its two
+/// neighbours only: O(n log n). With one block per run (`nb == 1`) all runs lie in row 0.
+fn same_stride_clash(layers: &[LayerSpec], class: &[usize]) -> Option<(usize, usize)> {
+    let nb = layers[class[0]].num_blocks;
+    // (row, 0 = leaves / 1 = enters, phase start, phase end, run); rows as u128: no overflow.
+    let mut events: Vec<(u128, u8, u64, u64, usize)> = Vec::with_capacity(class.len() * 4);
+    for &i in class {
+        let l = &layers[i];
+        let (q, p, s) = if nb == 1 {
+            (0, l.base_addr, u64::MAX)
+        } else {
+            (
+                l.base_addr / l.block_stride,
+                l.base_addr % l.block_stride,
+                l.block_stride,
+            )
+        };
+        let (q, rows) = (u128::from(q), u128::from(nb));
+        // block_bytes <= stride (checked before), so p + len <= 2s - 1 and at most one spill.
+        let first_end = p.saturating_add(l.block_bytes).min(s);
+        events.push((q, 1, p, first_end, i));
+        events.push((q + rows, 0, p, first_end, i));
+        let spill = (u128::from(p) + u128::from(l.block_bytes)).saturating_sub(u128::from(s));
+        if spill > 0 {
+            let spill = spill as u64;
+            events.push((q + 1, 1, 0, spill, i));
+            events.push((q + 1 + rows, 0, 0, spill, i));
+        }
+    }
+    events.sort_unstable();
+    let mut active: BTreeMap<u64, (u64, usize)> = BTreeMap::new();
+    for (_, enters, start, end, i) in events {
+        if enters == 0 {
+            active.remove(&start);
+            continue;
+        }
+        if let Some((_, &(e, j))) = active.range(..=start).next_back() {
+            if e > start {
+                return Some((j, i));
+            }
+        }
+        if let Some((&st, &(_, j))) = active.range(start..).next() {
+            if st < end {
+                return Some((j, i));
+            }
+        }
+        active.insert(start, (end, i));
+    }
+    None
+}
+
+/// The error for runs `i` and `j` sharing bytes.
+fn clash(layers: &[LayerSpec], i: usize, j: usize) -> CoreError {
+    let (i, j) = (i.min(j), i.max(j));
+    CoreError::InvalidLayout(format!(
+        "runs {i} and {j} of one cache group share bytes (run {i}: {:#x}, stride {}, {} bytes; \
+         run {j}: {:#x}, stride {}, {} bytes); each byte of a block must belong to exactly one run",
+        layers[i].base_addr,
+        layers[i].block_stride,
+        layers[i].block_bytes,
+        layers[j].base_addr,
+        layers[j].block_stride,
+        layers[j].block_bytes
+    ))
 }
 
 impl LayerSpec {
@@ -252,6 +339,17 @@ impl GroupLayout {
             ));
         };
         let num_blocks = first.num_blocks;
+        if layers.len() > MAX_LAYOUT_RUNS {
+            return Err(CoreError::InvalidLayout(format!(
+                "a cache group of {} runs; a layout may have at most {MAX_LAYOUT_RUNS}",
+                layers.len()
+            )));
+        }
+        if num_blocks > MAX_RUN_BLOCKS {
+            return Err(CoreError::InvalidLayout(format!(
+                "runs of {num_blocks} blocks; a run may have at most {MAX_RUN_BLOCKS}"
+            )));
+        }
         let mut object_offsets = Vec::with_capacity(layers.len());
         let mut object_bytes: u64 = 0;
         for (i, l) in layers.iter().enumerate() {
@@ -293,30 +391,69 @@ impl GroupLayout {
     }
 
     /// Fails when two runs share a byte in some blocks (an object would hold the same bytes
-    /// twice and a load would write them twice, or a run was planned wrongly). Only runs whose
-    /// spans meet are compared.
+    /// twice and a load would write them twice, or a run was planned wrongly).
+    ///
+    /// Runs of one stride are checked together in O(n log n) ([`same_stride_clash`]), so an
+    /// interleaved (block-first) layout of many runs costs no pairwise comparisons. Runs of
+    /// different strides are compared pairwise where their spans meet, block by block, within
+    /// a budget ([`MAX_MIXED_STRIDE_WORK`]).
     fn check_disjoint(layers: &[LayerSpec]) -> Result<(), CoreError> {
-        let mut order: Vec<usize> = (0..layers.len()).collect();
-        order.sort_by_key(|&i| layers[i].base_addr);
+        let nb = layers[0].num_blocks;
+        // With one block the stride means nothing: every run is one interval.
+        let stride = |i: usize| if nb == 1 { 0 } else { layers[i].block_stride };
+        let mut classes: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        for i in 0..layers.len() {
+            classes.entry(stride(i)).or_default().push(i);
+        }
+        if classes.len() > MAX_GROUP_STRIDES {
+            return Err(CoreError::InvalidLayout(format!(
+                "the group's runs use {} different block strides, more than the {MAX_GROUP_STRIDES} a layout may have",
+                classes.len()
+            )));
+        }
+        for class in classes.values() {
+            if let Some((i, j)) = same_stride_clash(layers, class) {
+                return Err(clash(layers, i, j));
+            }
+        }
+        // Runs of different strides, sorted by base within each stride.
+        let sorted: Vec<Vec<usize>> = classes
+            .into_values()
+            .map(|mut c| {
+                c.sort_by_key(|&i| layers[i].base_addr);
+                c
+            })
+            .collect();
         let end = |i: usize| layers[i].end().expect("checked before");
-        for (k, &i) in order.iter().enumerate() {
-            for &j in &order[k + 1..] {
-                if layers[j].base_addr >= end(i) {
-                    break;
+        let mut work: u64 = 0;
+        let mut spend = |w: u64| {
+            work += w;
+            if work > MAX_MIXED_STRIDE_WORK {
+                return Err(CoreError::InvalidLayout(format!(
+                    "runs of different block strides interleave too much to be checked (more than {MAX_MIXED_STRIDE_WORK} blocks compared or runs looked up); give the group's runs one stride, or register the interleaved ones as separate groups"
+                )));
+            }
+            Ok(())
+        };
+        for (a, ca) in sorted.iter().enumerate() {
+            for (b, cb) in sorted.iter().enumerate() {
+                if a == b {
+                    continue;
                 }
-                if runs_overlap(&layers[i], &layers[j]) {
-                    let (i, j) = (i.min(j), i.max(j));
-                    return Err(CoreError::InvalidLayout(format!(
-                        "runs {i} and {j} of one cache group share bytes (run {i}: {:#x}, \
-                         stride {}, {} bytes; run {j}: {:#x}, stride {}, {} bytes); each byte \
-                         of a block must belong to exactly one run",
-                        layers[i].base_addr,
-                        layers[i].block_stride,
-                        layers[i].block_bytes,
-                        layers[j].base_addr,
-                        layers[j].block_stride,
-                        layers[j].block_bytes
-                    )));
+                // Every pair whose spans meet has one run's base inside the other's span:
+                // here, `j`'s base inside `i`'s span (the other way round when a and b swap).
+                for &i in ca {
+                    spend(1)?;
+                    let from = cb.partition_point(|&j| layers[j].base_addr < layers[i].base_addr);
+                    let meeting = cb[from..]
+                        .iter()
+                        .take_while(|&&j| layers[j].base_addr < end(i));
+                    for &j in meeting {
+                        spend(nb)?;
+                        if runs_overlap(&layers[i], &layers[j]) {
+                            return Err(clash(layers, i, j));
+                        }
+                    }
                 }
             }
         }
@@ -414,6 +551,12 @@ impl KvLayout {
             return Err(CoreError::InvalidLayout(
                 "a KV layout needs at least one cache group".into(),
             ));
+        }
+        let runs: usize = groups.iter().map(|g| g.layers.len()).sum();
+        if runs > MAX_LAYOUT_RUNS {
+            return Err(CoreError::InvalidLayout(format!(
+                "a layout of {runs} runs; a layout may have at most {MAX_LAYOUT_RUNS}"
+            )));
         }
         Ok(KvLayout { groups })
     }
@@ -601,9 +744,87 @@ mod tests {
         assert!(GroupLayout::new(vec![run(0, 64, 32), run(128, 64, 32)]).is_err());
         // The same layer registered twice.
         assert!(GroupLayout::new(vec![run(0, 32, 32), run(0, 32, 32)]).is_err());
+        // A run whose blocks cross into the next stride's first bytes (stride 64: bytes 60..68
+        // reach bytes 0..4 of the next 64, where the other run starts at 2, or at 4: fine).
+        let e = GroupLayout::new(vec![run(60, 64, 8), run(66, 64, 4)]).unwrap_err();
+        assert!(e.to_string().contains("runs 0 and 1"), "{e}");
+        assert!(GroupLayout::new(vec![run(60, 64, 8), run(68, 64, 4)]).is_ok());
         // Different strides that meet in block 3 only.
         assert!(GroupLayout::new(vec![run(0, 100, 10), run(305, 1, 1)]).is_err());
         assert!(GroupLayout::new(vec![run(0, 100, 10), run(400, 1, 1)]).is_ok());
+    }
+
+    /// Issue 29, item 5: the check used to compare every pair of runs whose spans meet (all of
+    /// them in a block-first layout: 40,000 runs took 5 s) and runs of different strides block
+    /// by block (two runs of 2^32 blocks: 10 s). Both are bounded now.
+    #[test]
+    fn the_disjointness_check_is_bounded() {
+        // 65,536 one-byte runs interleaved in every block: the sweep, no pairs.
+        let runs: Vec<LayerSpec> = (0..MAX_LAYOUT_RUNS as u64)
+            .map(|i| LayerSpec {
+                base_addr: 1 << 20 | i,
+                num_blocks: 1000,
+                block_stride: MAX_LAYOUT_RUNS as u64,
+                block_bytes: 1,
+            })
+            .collect();
+        let mut clash = runs.clone();
+        assert!(GroupLayout::new(runs).is_ok());
+        clash[40_000].block_bytes = 2; // reaches into run 40,001
+        let e = GroupLayout::new(clash).unwrap_err().to_string();
+        assert!(e.contains("runs 40000 and 40001"), "{e}");
+
+        let run = |base_addr, num_blocks, block_stride| LayerSpec {
+            base_addr,
+            num_blocks,
+            block_stride,
+            block_bytes: 1,
+        };
+        let e = GroupLayout::new(vec![run(0, 1 << 32, 2), run(1, 1 << 32, 3)]).unwrap_err();
+        assert!(e.to_string().contains("at most 1073741824"), "{e}");
+        // Different strides interleaved over many blocks: refused within the budget.
+        let e = GroupLayout::new(vec![run(0, 1 << 25, 2), run(1, 1 << 25, 4)]).unwrap_err();
+        assert!(e.to_string().contains("interleave too much"), "{e}");
+        // One run too many; too many strides.
+        let many = vec![run(0, 1, 1); MAX_LAYOUT_RUNS + 1];
+        assert!(GroupLayout::new(many)
+            .unwrap_err()
+            .to_string()
+            .contains("at most 65536"));
+        let strides: Vec<LayerSpec> = (0..=MAX_GROUP_STRIDES as u64)
+            .map(|i| run(i * 1_000_000, 2, 1 + i))
+            .collect();
+        let e = GroupLayout::new(strides).unwrap_err();
+        assert!(e.to_string().contains("different block strides"), "{e}");
+    }
+
+    proptest! {
+        // Clashes that only a run's spill into the next block shows are rare: many cases.
+        #![proptest_config(ProptestConfig::with_cases(8192))]
+
+        /// The same with many runs of a few shared strides: the sweep over rows (runs of one
+        /// stride, spilling into the next block or not) and the budgeted check across strides.
+        #[test]
+        fn disjointness_of_shared_strides_matches_a_byte_model(
+            runs in proptest::collection::vec((0u64..400, 0usize..4, 1u64..24), 1..12),
+            nb in 1u64..6,
+        ) {
+            const STRIDES: [u64; 4] = [8, 16, 24, 64];
+            let specs: Vec<LayerSpec> = runs.iter().map(|&(base, k, len)| LayerSpec {
+                base_addr: base, num_blocks: nb, block_stride: STRIDES[k],
+                block_bytes: len.min(STRIDES[k]),
+            }).collect();
+            let mut seen = std::collections::HashSet::new();
+            let mut clash = false;
+            for s in &specs {
+                for b in 0..nb {
+                    for j in 0..s.block_bytes {
+                        clash |= !seen.insert(s.base_addr + b * s.block_stride + j);
+                    }
+                }
+            }
+            prop_assert_eq!(GroupLayout::new(specs).is_err(), clash);
+        }
     }
 
     proptest! {

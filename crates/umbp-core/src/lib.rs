@@ -21,6 +21,9 @@ pub mod strided;
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};
 pub use error::CoreError;
 pub use key::{BlockKey, KeyBuilder, RankTopology};
-pub use layout::{CopyRange, GroupLayout, KvLayout, LayerSpec, LayoutSummary, RangePlan};
+pub use layout::{
+    CopyRange, GroupLayout, KvLayout, LayerSpec, LayoutSummary, RangePlan, MAX_GROUP_STRIDES,
+    MAX_LAYOUT_RUNS, MAX_RUN_BLOCKS,
+};
 pub use options::ConnectorOptions;
 pub use strided::TensorView;

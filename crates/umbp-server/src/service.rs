@@ -262,21 +262,6 @@ fn printable_name(name: &str) -> String {
     out.chars().take(128).collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_keep_their_text_and_lose_their_control_characters() {
-        assert_eq!(printable_name("vllm-engine é"), "vllm-engine é");
-        assert_eq!(
-            printable_name("x\nINFO forged\r\u{1b}[31m"),
-            "x\\nINFO forged\\r\\u{1b}[31m"
-        );
-        assert_eq!(printable_name(&"a".repeat(500)).len(), 128);
-    }
-}
-
 fn key_status(r: &KeyResult, timed_out: bool) -> v1::KeyStatus {
     use v1::KeyStatus as S;
     match r {
@@ -890,14 +875,30 @@ impl Store for Service {
                     .collect()
             })
             .collect();
-        let id = cs
-            .session
-            .register_relative_layout(groups)
-            .map_err(|e| self.store_err(e))?;
-        let layout = cs.session.layout(id).map_err(|e| self.store_err(e))?;
+        let runs: usize = groups.iter().map(Vec::len).sum();
+        if runs > umbp_core::MAX_LAYOUT_RUNS {
+            return Err(self.refuse(invalid(format!(
+                "a layout of {runs} runs; a layout may have at most {}",
+                umbp_core::MAX_LAYOUT_RUNS
+            ))));
+        }
+        // Checking a layout of many runs takes milliseconds: off the runtime's threads, which
+        // serve every client (and the shutdown signal).
+        let session = Arc::clone(&cs);
+        let checked = tokio::task::spawn_blocking(move || {
+            let id = session.session.register_relative_layout(groups)?;
+            let layout = session.session.layout(id)?;
+            Ok::<_, StoreError>((
+                id,
+                layout.groups().iter().map(|g| g.object_bytes()).collect(),
+            ))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the layout check failed: {e}")))?;
+        let (id, object_bytes) = checked.map_err(|e| self.store_err(e))?;
         Ok(Response::new(v1::RegisterLayoutReply {
             layout_id: id,
-            object_bytes: layout.groups().iter().map(|g| g.object_bytes()).collect(),
+            object_bytes,
         }))
     }
 
@@ -966,5 +967,20 @@ impl Store for Service {
 impl From<CoreError> for crate::ServerError {
     fn from(e: CoreError) -> Self {
         crate::ServerError::Config(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_keep_their_text_and_lose_their_control_characters() {
+        assert_eq!(printable_name("vllm-engine é"), "vllm-engine é");
+        assert_eq!(
+            printable_name("x\nINFO forged\r\u{1b}[31m"),
+            "x\\nINFO forged\\r\\u{1b}[31m"
+        );
+        assert_eq!(printable_name(&"a".repeat(500)).len(), 128);
     }
 }

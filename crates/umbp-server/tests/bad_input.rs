@@ -407,6 +407,57 @@ fn a_client_name_cannot_forge_a_log_line() {
     );
 }
 
+/// Issue 29, item 5: RegisterLayout compared every pair of runs whose spans meet, on a
+/// runtime thread (40,000 interleaved runs: 5 s; several such requests stopped every client),
+/// and runs of different strides block by block (two runs of 2^32 blocks in a 34-byte request:
+/// 10 s). Now 65,536 interleaved runs register at once and the second layout is refused.
+#[test]
+fn register_layout_is_bounded() {
+    use umbp_core::LayerSpec;
+    const MAX_LAYOUT_RUNS: usize = 65_536; // umbp_core::MAX_LAYOUT_RUNS
+    let dir = tmpdir("layout-bound");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let c = client(&server.endpoint);
+    // Sparse: pages come only when touched (nothing touches them here).
+    let len: u64 = 17 << 30;
+    let shm = umbp_client::host_share::alloc_shared_host(len).unwrap();
+    let base = shm.span_addr();
+    c.register_shared_host(shm).unwrap();
+    let n = MAX_LAYOUT_RUNS as u64;
+    let interleaved: Vec<LayerSpec> = (0..n)
+        .map(|i| LayerSpec {
+            base_addr: base + i,
+            num_blocks: 64,
+            block_stride: n,
+            block_bytes: 1,
+        })
+        .collect();
+    let info = c
+        .register_layout(vec![interleaved])
+        .expect("65,536 interleaved runs");
+    assert_eq!(info.object_bytes, vec![n]);
+    let run = |offset: u64, block_stride: u64| LayerSpec {
+        base_addr: base + offset,
+        num_blocks: 1 << 32,
+        block_stride,
+        block_bytes: 1,
+    };
+    let e = c
+        .register_layout(vec![vec![run(0, 2), run(1, 4)]]) // even bytes, odd bytes: disjoint
+        .expect_err("two runs of 2^32 blocks")
+        .to_string();
+    assert!(e.contains("at most 1073741824"), "{e}");
+    let one_too_many = vec![run(0, 1); MAX_LAYOUT_RUNS + 1];
+    let e = c
+        .register_layout(vec![one_too_many])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at most 65536"), "{e}");
+    stats(&server.endpoint);
+    drop(c);
+    assert!(server.stop().success());
+}
+
 /// A valid message of each request type, encoded (the fuzzer mutates these).
 fn valid_bodies(sid: u64) -> Vec<(&'static str, Vec<u8>)> {
     let key = keys("fuzz", 2);
