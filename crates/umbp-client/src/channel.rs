@@ -69,6 +69,7 @@ impl TransferChannel {
     ) -> Result<Option<Arc<Self>>, ClientError> {
         let io = |what| move |source| ClientError::Io { what, source };
         let mut s = UnixStream::connect(path).map_err(io("connecting the transfer channel"))?;
+        crate::peer::check_server(std::os::fd::AsFd::as_fd(&s), path)?;
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .map_err(io("transfer channel"))?;
         let header = FdHeader {

@@ -58,6 +58,18 @@ pub enum ClientError {
     /// Bad input, found before anything was sent.
     #[error("{0}")]
     Invalid(String),
+    /// The process at the server's socket runs as another user: nothing was sent to it.
+    #[error("the UMBP server socket {path} is served by uid {uid} (pid {pid}), not by this user (uid {me}), root or a uid in UMBP_SERVER_UIDS: refused without sending anything. Another user may have bound the path while no server ran: remove it and start the server at a path only trusted users can create, or list the server's uid in UMBP_SERVER_UIDS")]
+    UntrustedServer {
+        /// The socket.
+        path: String,
+        /// The uid serving it.
+        uid: u32,
+        /// The process serving it.
+        pid: i32,
+        /// This process's effective uid.
+        me: u32,
+    },
     /// The client was created in another process (before a fork).
     #[error("this StandaloneClient was created in process {created}, not in this one ({now}); a forked process must create its own client")]
     Forked {

@@ -32,6 +32,7 @@ fn send_batch(
 ) -> Result<Vec<u64>, ClientError> {
     let io = |what| move |source| ClientError::Io { what, source };
     let s = UnixStream::connect(path).map_err(io("connecting to the descriptor side channel"))?;
+    crate::peer::check_server(std::os::fd::AsFd::as_fd(&s), path)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(io("side channel"))?;
     let header = FdHeader {

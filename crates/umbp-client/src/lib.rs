@@ -40,6 +40,9 @@ mod error;
 mod eta;
 mod fdsend;
 pub mod host_share;
+mod peer;
+
+pub use peer::SERVER_UIDS_ENV;
 
 pub use error::ClientError;
 pub use host_share::SharedHostMemory;
@@ -301,7 +304,11 @@ fn channel_with(endpoint: &Endpoint, current: CurrentSocket) -> Channel {
         .connect_with_connector_lazy(tower::service_fn(move |_| {
             let (path, current) = (path.clone(), Arc::clone(&current));
             async move {
-                let s = tokio::net::UnixStream::connect(path).await?;
+                let s = tokio::net::UnixStream::connect(&path).await?;
+                // Nothing goes to a process of another user (a reconnection too).
+                peer::check_server(s.as_fd(), &path).map_err(|e| {
+                    std::io::Error::new(std::io::ErrorKind::PermissionDenied, e.to_string())
+                })?;
                 // The channel makes one connection at a time: a new one replaces the last.
                 *current.lock() = Some(s.as_fd().try_clone_to_owned()?);
                 Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
@@ -391,6 +398,10 @@ impl StandaloneClient {
         let start = Instant::now();
         let mut last;
         loop {
+            // A socket served by another user is final, and said at once.
+            if let Ok(s) = std::os::unix::net::UnixStream::connect(o.endpoint.path()) {
+                peer::check_server(s.as_fd(), o.endpoint.path())?;
+            }
             // Neither a ping nor the pause after it runs past the deadline.
             let left = o.startup_timeout.saturating_sub(start.elapsed());
             match self.ping_once(

@@ -319,7 +319,9 @@ fn cuda_class(c: &CudaError) -> Class {
 ///   access; the client's runtime could not start).
 fn client_class(e: &ClientError) -> Class {
     match e {
-        ClientError::Endpoint(_) | ClientError::Invalid(_) => Class::Config,
+        ClientError::Endpoint(_)
+        | ClientError::Invalid(_)
+        | ClientError::UntrustedServer { .. } => Class::Config,
         ClientError::Unreachable { .. }
         | ClientError::Disconnected { .. }
         | ClientError::Stalled { .. } => Class::ServerUnavailable,

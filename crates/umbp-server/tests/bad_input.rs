@@ -326,6 +326,90 @@ fn other_users_are_refused_with_a_message() {
     assert!(server.stop().success());
 }
 
+/// Issue 29, item 9: a client trusted whoever listened at its socket path. Another user who
+/// bound the path first (a shared directory, no server running) got the client's memory
+/// descriptors. Now the client checks the listener's uid before it sends anything.
+#[test]
+fn a_client_sends_nothing_to_a_socket_of_another_user() {
+    use std::io::{BufRead, Read};
+    if std::env::var(ROLE).as_deref() == Ok("squatter") {
+        let path = role_endpoint().path().to_path_buf();
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        l.set_nonblocking(true).unwrap();
+        println!("listening");
+        let done = path.with_extension("done");
+        let (mut open, mut received) = (Vec::new(), 0usize);
+        while !done.exists() {
+            if let Ok((c, _)) = l.accept() {
+                c.set_nonblocking(true).unwrap();
+                open.push(c);
+            }
+            for c in &mut open {
+                let mut b = [0u8; 4096];
+                while let Ok(n @ 1..) = c.read(&mut b) {
+                    received += n;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        println!("received {received} bytes on {} connections", open.len());
+        return;
+    }
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        println!("SKIP: needs root to listen as another uid");
+        return;
+    }
+    let dir = tmpdir("squat");
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let sock = dir.join("s.sock");
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args([
+        "--exact",
+        "a_client_sends_nothing_to_a_socket_of_another_user",
+        "--nocapture",
+    ])
+    .env(ROLE, "squatter")
+    .env("UMBP_TEST_ENDPOINT", &sock)
+    .stdout(std::process::Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut squatter = c.spawn().unwrap();
+    let mut out = std::io::BufReader::new(squatter.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("listening") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the squatter did not start"
+        );
+    }
+    let mut opts = umbp_client::ClientOptions::new(
+        umbp_proto::Endpoint::parse(sock.to_str().unwrap()).unwrap(),
+    );
+    opts.startup_timeout = Duration::from_secs(5);
+    let Err(e) = umbp_client::StandaloneClient::connect(opts) else {
+        panic!("a client connected to another user's socket");
+    };
+    let e = e.to_string();
+    assert!(
+        e.contains("uid 65534") && e.contains("UMBP_SERVER_UIDS"),
+        "{e}"
+    );
+    std::fs::write(sock.with_extension("done"), b"").unwrap();
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    assert!(squatter.wait().unwrap().success());
+    assert!(rest.contains("received 0 bytes"), "{rest}");
+}
+
 /// Issue 29, item 2: one `Exists` request of 1M one-byte hashes × 100 ranks (1.1 MB on the
 /// wire) used to make the server build 1e8 keys (6.4 GB) before looking anything up. Now it is
 /// refused with the limit named, a request at the limits is answered one rank at a time, and
