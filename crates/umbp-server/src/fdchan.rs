@@ -3,7 +3,7 @@
 //! (`<socket>.fds`) with `SCM_RIGHTS`, proving their session with its secret, and get one
 //! ticket per descriptor to name in the registration request.
 
-use std::io::{IoSliceMut, Read, Write};
+use std::io::{IoSliceMut, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +11,7 @@ use std::time::Duration;
 use umbp_proto::{FdHeader, FD_REFUSED, MAX_FDS_PER_MESSAGE};
 
 use crate::listen::{peer_of, PeerInfo};
+use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
 use crate::service::{Service, State};
 
 /// Accepts side-channel connections until `stop` changes.
@@ -23,25 +24,77 @@ pub(crate) async fn serve(
         tokio::select! {
             _ = stop.changed() => return,
             accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let Ok(std_stream) = stream.into_std() else { continue };
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        ACCEPT_FAILED.log(|skipped| {
+                            tracing::warn!(skipped, "descriptor side channel: accept failed: {e}; retrying in 100 ms");
+                        });
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                        continue;
+                    }
+                };
                 let state = Arc::clone(&state);
                 let rt = tokio::runtime::Handle::current();
-                tokio::task::spawn_blocking(move || handle(std_stream, state, rt));
+                tokio::spawn(handshake(stream, state, rt));
             }
         }
     }
 }
 
+static ACCEPT_FAILED: RateLimited = RateLimited::new();
+static REFUSED: RateLimited = RateLimited::new();
+
 pub(crate) fn refuse(mut s: &std::os::unix::net::UnixStream, why: &str) {
-    tracing::warn!("descriptor side channel: refused: {why}");
+    REFUSED.log(|skipped| tracing::warn!(skipped, "descriptor side channel: refused: {why}"));
     let mut msg = FD_REFUSED.to_le_bytes().to_vec();
     msg.extend_from_slice(why.as_bytes());
     let _ = s.write_all(&msg);
 }
 
-/// Receives one header with its descriptors, closing every descriptor on any error.
-fn receive(stream: &std::os::unix::net::UnixStream) -> Result<(Vec<u8>, Vec<OwnedFd>), String> {
+/// How long a connection to the side channel may take to send its header: 2 s (a client
+/// sends it at once after connecting).
+const HEADER_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections of one uid that may wait for their header at once: 64. Past it new ones are
+/// refused at once, so idle connections cannot pile up.
+const MAX_WAITING_PER_UID: usize = 64;
+
+/// Connections waiting for their header, per uid.
+static WAITING: parking_lot::Mutex<Vec<(u32, usize)>> = parking_lot::Mutex::new(Vec::new());
+
+/// One connection of `uid` counted in [`WAITING`] while it lives.
+struct Waiting(u32);
+
+impl Waiting {
+    fn enter(uid: u32) -> Option<Waiting> {
+        let mut w = WAITING.lock();
+        match w.iter_mut().find(|(u, _)| *u == uid) {
+            Some((_, n)) if *n >= MAX_WAITING_PER_UID => return None,
+            Some((_, n)) => *n += 1,
+            None => w.push((uid, 1)),
+        }
+        Some(Waiting(uid))
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let mut w = WAITING.lock();
+        if let Some(i) = w.iter().position(|(u, _)| *u == self.0) {
+            w[i].1 -= 1;
+            if w[i].1 == 0 {
+                w.swap_remove(i);
+            }
+        }
+    }
+}
+
+/// A header's bytes and the descriptors that came with it.
+type Received = (Vec<u8>, Vec<OwnedFd>);
+
+/// Receives one header with its descriptors without blocking (`WouldBlock` when nothing has
+/// come yet), closing every descriptor on any error.
+fn receive(stream: &impl AsRawFd) -> std::io::Result<Result<Received, String>> {
     let mut data = vec![0u8; FdHeader::BYTES + 1];
     // Room for MAX_FDS_PER_MESSAGE descriptors in one control message.
     let space = {
@@ -57,9 +110,19 @@ fn receive(stream: &std::os::unix::net::UnixStream) -> Result<(Vec<u8>, Vec<Owne
     msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
     msg.msg_controllen = space as _;
     // SAFETY: the msghdr points at live buffers of the sizes it states.
-    let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let n = unsafe {
+        libc::recvmsg(
+            stream.as_raw_fd(),
+            &mut msg,
+            libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
+        )
+    };
     if n < 0 {
-        return Err(format!("recvmsg: {}", std::io::Error::last_os_error()));
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::WouldBlock {
+            return Err(e);
+        }
+        return Ok(Err(format!("recvmsg: {e}")));
     }
     let mut fds = Vec::new();
     // SAFETY: walking the control messages recvmsg filled in, within msg_controllen.
@@ -78,22 +141,23 @@ fn receive(stream: &std::os::unix::net::UnixStream) -> Result<(Vec<u8>, Vec<Owne
         }
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(format!(
+        return Ok(Err(format!(
             "more than {MAX_FDS_PER_MESSAGE} descriptors in one message"
-        ));
+        )));
     }
     data.truncate(n as usize);
-    Ok((data, fds))
+    Ok(Ok((data, fds)))
 }
 
-fn handle(stream: std::os::unix::net::UnixStream, state: Arc<State>, rt: tokio::runtime::Handle) {
-    let (sessions, access) = (&state.sessions, &state.access);
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = stream.set_write_timeout(Some(Duration::from_secs(5)));
-    let (uid, gid, pid) = match peer_of(&stream) {
+/// Waits (on the runtime, holding no thread) for a connection's header, at most
+/// [`HEADER_DEADLINE`], then hands it to [`handle`].
+async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio::runtime::Handle) {
+    let Ok(std_stream) = stream.into_std() else {
+        return;
+    };
+    let (uid, gid, pid) = match peer_of(&std_stream) {
         Ok(c) => c,
-        Err(e) => return refuse(&stream, &format!("no peer credentials: {e}")),
+        Err(e) => return refuse(&std_stream, &format!("no peer credentials: {e}")),
     };
     let peer = PeerInfo {
         conn: 0,
@@ -101,13 +165,69 @@ fn handle(stream: std::os::unix::net::UnixStream, state: Arc<State>, rt: tokio::
         gid,
         pid,
     };
-    if let Err(m) = access.check(&peer) {
-        return refuse(&stream, &m);
+    if let Err(m) = state.access.check(&peer) {
+        return refuse(&std_stream, &m);
     }
-    let (data, fds) = match receive(&stream) {
-        Ok(x) => x,
-        Err(m) => return refuse(&stream, &m),
+    let Some(waiting) = Waiting::enter(uid) else {
+        return refuse(
+            &std_stream,
+            &format!(
+                "uid {uid} has {MAX_WAITING_PER_UID} side-channel connections waiting to send their header; send it at once after connecting"
+            ),
+        );
     };
+    let Ok(stream) = tokio::net::UnixStream::from_std(std_stream) else {
+        return;
+    };
+    let deadline = tokio::time::Instant::now() + HEADER_DEADLINE;
+    let received = loop {
+        if tokio::time::timeout_at(deadline, stream.readable())
+            .await
+            .is_err()
+        {
+            let Ok(s) = stream.into_std() else { return };
+            return refuse(
+                &s,
+                &format!(
+                    "no header within {} s of connecting",
+                    HEADER_DEADLINE.as_secs()
+                ),
+            );
+        }
+        match stream.try_io(tokio::io::Interest::READABLE, || receive(&stream)) {
+            Ok(r) => break r,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                let Ok(s) = stream.into_std() else { return };
+                return refuse(&s, &format!("recvmsg: {e}"));
+            }
+        }
+    };
+    drop(waiting);
+    let Ok(std_stream) = stream.into_std() else {
+        return;
+    };
+    let _ = std_stream.set_nonblocking(false);
+    let _ = std_stream.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = std_stream.set_write_timeout(Some(Duration::from_secs(5)));
+    match received {
+        Ok((data, fds)) => handle(std_stream, peer, data, fds, state, rt),
+        Err(m) => refuse(&std_stream, &m),
+    }
+}
+
+/// Checks a received header against its session and answers: tickets for its descriptors, or
+/// a transfer channel for a header of none. Nothing here waits on the client.
+fn handle(
+    stream: std::os::unix::net::UnixStream,
+    peer: PeerInfo,
+    data: Vec<u8>,
+    fds: Vec<OwnedFd>,
+    state: Arc<State>,
+    rt: tokio::runtime::Handle,
+) {
+    let sessions = &state.sessions;
+    let PeerInfo { uid, pid, .. } = peer;
     let header = match FdHeader::decode(&data) {
         Ok(h) => h,
         Err(e) => return refuse(&stream, &e.to_string()),
@@ -156,15 +276,17 @@ fn handle(stream: std::os::unix::net::UnixStream, state: Arc<State>, rt: tokio::
         }
         return;
     }
-    let tickets = cs.add_tickets(fds);
+    let tickets = match cs.add_tickets(fds) {
+        Ok(t) => t,
+        Err(m) => return refuse(&stream, &m),
+    };
     let mut reply = Vec::with_capacity(tickets.len() * 8);
     for t in tickets {
         reply.extend_from_slice(&t.to_le_bytes());
     }
+    // The reply fits the socket's buffer; the client reads it after this end has closed.
     let mut s = &stream;
     if let Err(e) = s.write_all(&reply) {
         tracing::warn!("descriptor side channel: reply failed: {e}");
     }
-    // Wait for the client to close (so it has read the reply) or time out.
-    let _ = s.read(&mut [0u8; 1]);
 }

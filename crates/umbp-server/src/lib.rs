@@ -29,6 +29,7 @@ mod listen;
 mod memory;
 mod metrics;
 mod pidwatch;
+mod ratelog;
 mod service;
 mod sessions;
 
@@ -269,15 +270,22 @@ pub async fn serve(
         let s = Arc::clone(&sessions);
         Arc::new(move |conn| s.end_connection(conn))
     };
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener).filter_map(move |r| {
-        match r.and_then(|s| listen::accept(s, Arc::clone(&on_close))) {
-            Ok(c) => Some(Ok::<_, std::io::Error>(c)),
-            Err(e) => {
-                tracing::warn!("accept failed: {e}");
-                None
+    static ACCEPT_FAILED: ratelog::RateLimited = ratelog::RateLimited::new();
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
+        .then(move |r| {
+            let accepted = r.and_then(|s| listen::accept(s, Arc::clone(&on_close)));
+            async move {
+                if let Err(e) = &accepted {
+                    ACCEPT_FAILED.log(|skipped| {
+                        tracing::warn!(skipped, "accept failed: {e}; retrying in 100 ms");
+                    });
+                    // Out of descriptors, say: wait for some to close rather than spin.
+                    tokio::time::sleep(ratelog::ACCEPT_BACKOFF).await;
+                }
+                accepted
             }
-        }
-    });
+        })
+        .filter_map(|r| r.ok().map(Ok::<_, std::io::Error>));
     let svc = umbp_proto::v1::store_server::StoreServer::new(service::Service {
         state: Arc::clone(&state),
     })

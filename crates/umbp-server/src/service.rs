@@ -692,6 +692,13 @@ impl Store for Service {
         if self.state.draining.load(Ordering::Acquire) {
             return Err(Status::unavailable("the server is shutting down"));
         }
+        let on_conn = self.state.sessions.count_on(peer.conn);
+        if on_conn >= crate::sessions::MAX_SESSIONS_PER_CONNECTION {
+            return Err(self.refuse(Status::resource_exhausted(format!(
+                "this connection has {on_conn} sessions attached, the most one may have; detach \
+                 one (or use a connection per client) before attaching another"
+            ))));
+        }
         let name = printable_name(&r.client_name);
         let cs = self
             .state

@@ -26,6 +26,13 @@ use crate::memory::CudaBacking;
 use crate::metrics::Metrics;
 use umbp_pool::ServerMapping;
 
+/// Descriptors one session may have sent over the side channel and not yet named in a
+/// registration: 1,024 (a client sends one per registration, right before it).
+pub(crate) const MAX_PENDING_DESCRIPTORS: usize = 1024;
+/// Sessions one connection may have attached at once: 64 (a client attaches one; each holds a
+/// pidfd and a pool session).
+pub(crate) const MAX_SESSIONS_PER_CONNECTION: usize = 64;
+
 /// What a registration of a session is backed by in the server (held for its `Drop`, which
 /// unmaps it once the registration is gone).
 #[derive(Debug)]
@@ -110,16 +117,26 @@ pub(crate) struct ClientSession {
 }
 
 impl ClientSession {
-    /// Keeps descriptors from the side channel and returns their tickets.
-    pub(crate) fn add_tickets(&self, fds: Vec<OwnedFd>) -> Vec<u64> {
+    /// Keeps descriptors from the side channel and returns their tickets; refuses (and closes
+    /// them) when the session would hold more than [`MAX_PENDING_DESCRIPTORS`] unused.
+    pub(crate) fn add_tickets(&self, fds: Vec<OwnedFd>) -> Result<Vec<u64>, String> {
         let mut res = self.res.lock();
-        fds.into_iter()
+        if res.tickets.len() + fds.len() > MAX_PENDING_DESCRIPTORS {
+            return Err(format!(
+                "session {} holds {} descriptors not yet named in a registration; at most \
+                 {MAX_PENDING_DESCRIPTORS} may wait: register the ones sent before sending more",
+                self.id,
+                res.tickets.len()
+            ));
+        }
+        Ok(fds
+            .into_iter()
             .map(|fd| {
                 let t = self.next_ticket.fetch_add(1, Ordering::Relaxed);
                 res.tickets.insert(t, fd);
                 t
             })
-            .collect()
+            .collect())
     }
 
     /// A new token naming one of the session's transfer channels.
@@ -185,6 +202,15 @@ impl Sessions {
             metrics,
             by_id: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Sessions attached on connection `conn`.
+    pub(crate) fn count_on(&self, conn: u64) -> usize {
+        self.by_id
+            .lock()
+            .values()
+            .filter(|s| s.peer.conn == conn)
+            .count()
     }
 
     /// Opens a session for the client at `peer`.

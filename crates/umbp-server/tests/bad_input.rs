@@ -410,6 +410,126 @@ fn a_client_sends_nothing_to_a_socket_of_another_user() {
     assert!(rest.contains("received 0 bytes"), "{rest}");
 }
 
+/// Sends `count` duplicates of `/dev/null` to the side channel as session `sid` (one message)
+/// and returns the server's answer.
+fn send_descriptors(server: &Server, sid: u64, secret: &[u8], count: u32) -> Vec<u8> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let s = std::os::unix::net::UnixStream::connect(server.endpoint.fd_socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let fds = vec![null.as_raw_fd(); count as usize];
+    let mut header = umbp_proto::FdHeader {
+        session_id: sid,
+        secret: secret.try_into().unwrap(),
+        count,
+    }
+    .encode();
+    let payload = std::mem::size_of_val(fds.as_slice());
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: header.as_mut_ptr().cast(),
+        iov_len: header.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid; its pointers are set to live buffers below, and the
+    // control message is written within `space` bytes of `cbuf`.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(payload as u32) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast(), fds.len());
+        assert!(libc::sendmsg(s.as_raw_fd(), &msg, 0) >= 0);
+    }
+    let mut r = Vec::new();
+    let _ = (&s).read_to_end(&mut r);
+    r
+}
+
+/// Issue 29, item 7: 30,000 Attach calls on one connection (a pidfd each) reached the
+/// server's descriptor limit, and descriptors sent over the side channel could be left unused
+/// without end. Both are capped, with a message, and the server goes on.
+#[test]
+fn sessions_per_connection_and_unused_descriptors_are_capped() {
+    let dir = tmpdir("caps");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let (rt, mut g) = raw(&server.endpoint);
+    let mut sessions = Vec::new();
+    for _ in 0..64 {
+        sessions.push(attach(&rt, &mut g));
+    }
+    let (c, m) = code_and_message(rt.block_on(g.attach(v1::AttachRequest {
+        client_name: "one more".into(),
+        protocol: umbp_proto::PROTOCOL,
+    })));
+    assert_eq!(c, Code::ResourceExhausted, "{m}");
+    assert!(m.contains("64 sessions"), "{m}");
+    // Another connection still attaches.
+    let other = client(&server.endpoint);
+
+    let me = &sessions[0];
+    for _ in 0..16 {
+        let r = send_descriptors(&server, me.session_id, &me.secret, 64);
+        assert_eq!(r.len(), 64 * 8, "tickets for 64 descriptors: {r:?}");
+    }
+    let r = send_descriptors(&server, me.session_id, &me.secret, 1);
+    assert_eq!(r[..8], umbp_proto::FD_REFUSED.to_le_bytes(), "{r:?}");
+    let m = String::from_utf8_lossy(&r[8..]);
+    assert!(m.contains("1024 descriptors not yet named"), "{m}");
+    assert_eq!(stats(&server.endpoint).pending_descriptors, 1024);
+    drop(other);
+    assert!(server.stop().success());
+}
+
+/// Issue 29, item 6: every connection to the descriptor socket held a server thread for up to
+/// 5 s while it waited for the header (700 idle ones made registrations take 3-5 s, 3,000 made
+/// them fail). Now headers are awaited on the runtime, holding no thread, for 2 s at most, and
+/// a uid may have 64 connections waiting at once: the next is refused at once.
+#[test]
+fn idle_side_channel_connections_hold_no_threads_and_are_capped() {
+    use std::io::Read;
+    let dir = tmpdir("idle");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    // 100 connections that send nothing: 64 wait (then are told they sent no header), the
+    // rest are refused at once.
+    let idle: Vec<_> = (0..100)
+        .map(|_| std::os::unix::net::UnixStream::connect(server.endpoint.fd_socket()).unwrap())
+        .collect();
+    let answers: Vec<String> = idle
+        .into_iter()
+        .map(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut r = Vec::new();
+            s.read_to_end(&mut r).unwrap();
+            String::from_utf8_lossy(r.get(8..).unwrap_or_default()).into_owned()
+        })
+        .collect();
+    let capped = answers
+        .iter()
+        .filter(|m| m.contains("64 side-channel connections waiting"))
+        .count();
+    let timed_out = answers
+        .iter()
+        .filter(|m| m.contains("no header within 2 s"))
+        .count();
+    assert!(capped >= 1 && capped + timed_out == 100, "{answers:?}");
+    // Then a client of the same uid registers its memory and stores.
+    let c = client(&server.endpoint);
+    let mut cc = cache(&c);
+    cc.fill(1);
+    let ids: Vec<u64> = (0..BLOCKS).collect();
+    assert!(cc.stores_all(&c, &ids, "idle"));
+    drop(c);
+    assert!(server.stop().success());
+}
+
 /// Issue 29, item 2: one `Exists` request of 1M one-byte hashes × 100 ranks (1.1 MB on the
 /// wire) used to make the server build 1e8 keys (6.4 GB) before looking anything up. Now it is
 /// refused with the limit named, a request at the limits is answered one rank at a time, and
