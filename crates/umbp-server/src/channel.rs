@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use prost::Message;
 use tonic::{Code, Status};
-use umbp_proto::channel::{read_frame, write_frame, CHANNEL_OPENED};
+use umbp_proto::channel::{write_frame, CHANNEL_OPENED};
 use umbp_proto::completion::monotonic_ns;
 use umbp_proto::v1;
 
@@ -28,6 +28,96 @@ const WRITER_BACKLOG: usize = 4096;
 
 /// Live transfer channels one session may have (a client opens one per attach).
 pub(crate) const MAX_CHANNELS_PER_SESSION: usize = 4;
+
+/// How long the rest of a request may take once its length has come: 5 s. A client writes a
+/// request in one call, so its bytes come together; a frame announced and never finished ends
+/// the channel instead of holding its buffer for ever.
+pub(crate) const FRAME_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Reads one length-prefixed request from the channel: waits for its length as long as it
+/// takes (an idle channel), then for the rest at most [`FRAME_DEADLINE`], holding only the
+/// bytes that came (not the length announced). None when the client closed between frames.
+fn read_request(
+    stream: &UnixStream,
+    max: usize,
+    scratch: &mut [u8],
+) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::{Error, ErrorKind, Read};
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match (&mut &*stream).read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => {
+                return Err(Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the stream ended inside a frame's length",
+                ))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > max {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("a frame of {len} bytes, over the limit of {max}"),
+        ));
+    }
+    let mut frame = Vec::new();
+    let deadline = Instant::now() + FRAME_DEADLINE;
+    while frame.len() < len {
+        let want = scratch.len().min(len - frame.len());
+        // SAFETY: recv writes at most `want` bytes into `scratch`, which holds at least that
+        // many; the socket is this channel's own, open for the call.
+        let n = unsafe {
+            libc::recv(
+                stream.as_raw_fd(),
+                scratch.as_mut_ptr().cast(),
+                want,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n > 0 {
+            frame.extend_from_slice(&scratch[..n as usize]);
+            continue;
+        }
+        if n == 0 {
+            return Err(Error::new(
+                ErrorKind::UnexpectedEof,
+                "the stream ended inside a frame",
+            ));
+        }
+        let e = Error::last_os_error();
+        match e.kind() {
+            ErrorKind::Interrupted => {}
+            ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "{} of a {len}-byte frame came within {} s",
+                            frame.len(),
+                            FRAME_DEADLINE.as_secs()
+                        ),
+                    ));
+                }
+                let mut p = libc::pollfd {
+                    fd: stream.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd; the result is only a wake-up (recv decides).
+                unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 60_000) as i32) };
+            }
+            _ => return Err(e),
+        }
+    }
+    Ok(Some(frame))
+}
 
 /// What a channel's replies go through: the writer's queue, and the socket to shut down when
 /// the queue overruns (which ends the channel on both sides, so no reply is lost silently).
@@ -164,7 +254,7 @@ pub(crate) fn serve(
         },
     };
     let busy_poll_ns = svc.state.busy_poll.as_nanos() as u64;
-    let mut reader = &stream;
+    let mut scratch = vec![0u8; 64 << 10];
     let mut last_request_ns = 0u64;
     loop {
         if let Some(w) = &replies.wake {
@@ -176,9 +266,13 @@ pub(crate) fn serve(
                 &replies.last_reply_ns,
             );
         }
-        let frame = match read_frame(&mut reader, max) {
+        let frame = match read_request(&stream, max, &mut scratch) {
             Ok(Some(f)) => f,
             Ok(None) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                tracing::warn!(session = sid, "transfer channel closed: {e}");
+                break;
+            }
             Err(e) => {
                 tracing::debug!(session = sid, "transfer channel closed: {e}");
                 break;

@@ -530,6 +530,35 @@ fn idle_side_channel_connections_hold_no_threads_and_are_capped() {
     assert!(server.stop().success());
 }
 
+/// Issue 29, item 8: a transfer-channel frame announced (16 MiB) and never finished held its
+/// whole buffer and its channel for ever (48 such frames: 135 MiB). Now the rest of a frame
+/// must come within 5 s of its length, and only the bytes that came are held.
+#[test]
+fn a_half_sent_channel_frame_ends_its_channel() {
+    use std::io::{Read, Write};
+    let dir = tmpdir("half-frame");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    let (mut s, ack) = open_channel(&server, me.session_id, &me.secret);
+    assert_eq!(ack, umbp_proto::channel::CHANNEL_OPENED.to_le_bytes());
+    s.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    s.write_all(&[0u8; 10]).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest)
+        .expect("the server ends the channel (not a read timeout)");
+    assert!(server
+        .log_text()
+        .contains("of a 1048576-byte frame came within 5 s"));
+    // The session and the server go on.
+    rt.block_on(g.detach(v1::DetachRequest {
+        session_id: me.session_id,
+    }))
+    .unwrap();
+    assert!(server.stop().success());
+}
+
 /// Issue 29, item 2: one `Exists` request of 1M one-byte hashes × 100 ranks (1.1 MB on the
 /// wire) used to make the server build 1e8 keys (6.4 GB) before looking anything up. Now it is
 /// refused with the limit named, a request at the limits is answered one rank at a time, and
