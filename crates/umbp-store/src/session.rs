@@ -194,20 +194,37 @@ impl Session {
     /// Removes registration `id` of this session, waiting up to the store's timeout for
     /// transfers that use it; the session's layouts that lie in it are dropped with it. Another
     /// session's registration is refused ([`StoreError::ForeignRegion`]).
+    ///
+    /// The region and its layouts leave the session first (under the write lock that every
+    /// submission holds while it plans and checks its job), and only then the registry, which
+    /// waits for the jobs that hold the region. So a job either was checked against this
+    /// region and holds it until it ends, or finds its layout gone: it can never be checked
+    /// against a registration another session makes later at the same addresses.
     pub fn deregister_memory(&self, id: RegionId) -> Result<(), StoreError> {
-        if !self.owned.read().regions.contains_key(&id) {
-            return Err(self.not_own(id));
+        let (region, layouts) = {
+            let mut owned = self.owned.write();
+            let Some(region) = owned.regions.remove(&id) else {
+                drop(owned);
+                return Err(self.not_own(id));
+            };
+            let (gone, kept): (HashMap<_, _>, HashMap<_, _>) = std::mem::take(&mut owned.layouts)
+                .into_iter()
+                .partition(|(_, l)| l.regions.contains(&id));
+            owned.layouts = kept;
+            (region, gone)
+        };
+        if let Err(e) = self.registry().deregister(id, self.shared.timeout) {
+            // Still registered (jobs in flight past the timeout): the session keeps it.
+            let mut owned = self.owned.write();
+            owned.regions.insert(id, region);
+            owned.layouts.extend(layouts);
+            return Err(e.into());
         }
-        self.registry().deregister(id, self.shared.timeout)?;
-        let mut owned = self.owned.write();
-        owned.regions.remove(&id);
-        let before = owned.layouts.len();
-        owned.layouts.retain(|_, l| !l.regions.contains(&id));
-        let dropped = before - owned.layouts.len();
-        if dropped > 0 {
+        if !layouts.is_empty() {
             log::debug!(
-                "umbp: session {}: deregistering memory region {id} dropped {dropped} layout(s) in it",
-                self.id
+                "umbp: session {}: deregistering memory region {id} dropped {} layout(s) in it",
+                self.id,
+                layouts.len()
             );
         }
         Ok(())
@@ -397,21 +414,23 @@ impl Session {
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
         self.check_live()?;
-        let (layout, cuda) = {
-            let owned = self.owned.read();
-            let l = owned
-                .layouts
-                .get(&layout_id)
-                .ok_or(StoreError::UnknownLayout(layout_id))?;
-            (Arc::clone(&l.layout), l.cuda)
-        };
+        // Held until the job is checked against the registry and holds its regions (see
+        // `deregister_memory`): no deregistration of this session runs in between.
+        let owned = self.owned.read();
+        let l = owned
+            .layouts
+            .get(&layout_id)
+            .ok_or(StoreError::UnknownLayout(layout_id))?;
+        #[cfg(test)]
+        tests::parked_after_planning(self);
         // SAFETY: forwarded contract.
         let job = unsafe {
             self.shared.submit(
-                dir, layout_id, &layout, cuda, group, block_ids, keys, stream,
+                dir, layout_id, &l.layout, l.cuda, group, block_ids, keys, stream,
             )
         }?;
         self.jobs.insert(&job);
+        drop(owned);
         Ok(job)
     }
 
@@ -619,6 +638,87 @@ mod tests {
         (0..n)
             .map(|i| kb.key(0, format!("{tag}{i}").as_bytes()).unwrap())
             .collect()
+    }
+
+    /// Where a test parks a submission between reading its layout and checking its job: the
+    /// next submission of the session named (by address: ids repeat across the stores of
+    /// tests running at once) signals and waits for the go.
+    #[allow(clippy::type_complexity)]
+    static PARK: Mutex<Option<(usize, mpsc::Sender<()>, mpsc::Receiver<()>)>> = Mutex::new(None);
+
+    pub(super) fn parked_after_planning(session: &Session) {
+        let at = session as *const Session as usize;
+        let mut park = PARK.lock();
+        if park.as_ref().is_none_or(|(s, _, _)| *s != at) {
+            return;
+        }
+        let (_, parked, go) = park.take().expect("checked");
+        drop(park);
+        parked.send(()).unwrap();
+        let _ = go.recv_timeout(Duration::from_secs(20));
+    }
+
+    /// Issue 29, item 1: session A deregistered a region while its own load into it was
+    /// between planning and the registry check; session B then registered memory at the same
+    /// address, and A's load passed the check against B's registration and wrote into B's
+    /// memory. Now the deregistration waits for the submission (which then holds the region
+    /// until its copy ends), so B cannot register there until A's job is over.
+    #[test]
+    fn a_job_is_never_checked_against_another_sessions_later_registration() {
+        let st = store(2);
+        let buf = cache(7);
+        let (a, b) = (st.open_session().unwrap(), st.open_session().unwrap());
+        let ra = register(&a, &buf);
+        let la = a.register_relative_layout(relative(ra, 0, BLOCKS)).unwrap();
+        let k = keys("race", 1);
+        assert_eq!(
+            st.wait(&a.store(la, 0, &[0], k.clone()).unwrap()).unwrap(),
+            vec![KeyResult::Done]
+        );
+        let (parked_tx, parked_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel();
+        let a = Arc::new(a);
+        *PARK.lock() = Some((Arc::as_ptr(&a) as usize, parked_tx, go_rx));
+        let loader = {
+            let a = Arc::clone(&a);
+            let k = k.clone();
+            std::thread::spawn(move || a.load(la, 0, &[1], k))
+        };
+        parked_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let (dereg_tx, dereg_rx) = mpsc::channel();
+        let deregistering = {
+            let a = Arc::clone(&a);
+            std::thread::spawn(move || dereg_tx.send(a.deregister_memory(ra)).unwrap())
+        };
+        // The deregistration must wait for the parked submission (the old code finished it
+        // here at once).
+        let early = dereg_rx.recv_timeout(Duration::from_secs(1));
+        assert!(
+            early.is_err(),
+            "the region was deregistered under a job being submitted: {early:?}"
+        );
+        // So B cannot register the same addresses yet.
+        // SAFETY: the buffer outlives the store.
+        let rb = unsafe { b.register_memory(buf.as_ptr() as u64, buf.len() as u64) };
+        assert!(
+            rb.is_err(),
+            "B registered memory A's job is about to copy into"
+        );
+        go_tx.send(()).unwrap();
+        let job = loader.join().unwrap().unwrap();
+        assert_eq!(st.wait(&job).unwrap(), vec![KeyResult::Done]);
+        dereg_rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .unwrap();
+        deregistering.join().unwrap();
+        // Now B may; A's layout went with the region.
+        // SAFETY: as above.
+        unsafe { b.register_memory(buf.as_ptr() as u64, buf.len() as u64) }.unwrap();
+        assert!(matches!(
+            a.load(la, 0, &[1], k),
+            Err(StoreError::UnknownLayout(_))
+        ));
     }
 
     /// Registers `buf` in `s`.
