@@ -221,6 +221,36 @@ pub fn alloc_shared_host(len: u64) -> Result<SharedHostMemory, ClientError> {
     })
 }
 
+/// `MADV_POPULATE_WRITE` (Linux 5.14), not in every libc crate.
+const MADV_POPULATE_WRITE: i32 = 23;
+
+/// Allocates every page of the shared span `[addr, addr + len)` of this process without
+/// changing its contents, so the pages exist (and are charged to this process's memory
+/// cgroup) before the server maps them. Kernels before 5.14 get one byte per page read, which
+/// allocates a shared-memory page just as well.
+pub(crate) fn populate(addr: u64, len: u64) -> Result<(), ClientError> {
+    // SAFETY: the span is a live shared mapping of this process (a SharedHostMemory's);
+    // populating allocates pages and leaves their contents as they are.
+    let rc = unsafe { libc::madvise(addr as *mut libc::c_void, len as usize, MADV_POPULATE_WRITE) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EINVAL) {
+        return Err(ClientError::ShareSystem {
+            len,
+            call: "madvise(MADV_POPULATE_WRITE) of the shared memory",
+            source: e,
+            fix: "free memory, or raise this process's memory limit: every page of the KV cache must exist before the server maps it".into(),
+        });
+    }
+    for at in (addr..addr + len).step_by(page_size() as usize) {
+        // SAFETY: inside the live mapping; a read changes nothing.
+        unsafe { std::ptr::read_volatile(at as *const u8) };
+    }
+    Ok(())
+}
+
 /// One mapping of this process, from `/proc/self/smaps`.
 #[derive(Debug, Clone, Default)]
 struct Vma {

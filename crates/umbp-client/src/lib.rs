@@ -637,6 +637,9 @@ impl StandaloneClient {
         let sid = a.session_id;
         match source {
             Source::Host(shm) => {
+                // Every page allocated, and charged to this process, before the server maps
+                // it (the server refuses memory with holes: its copies would allocate them).
+                host_share::populate(shm.span_addr(), shm.span_len())?;
                 let ticket = self.send_fds(a, &[shm.fd()])?[0];
                 let length = shm.span_len();
                 let r = self.call("register_host_memory", t, |mut g| async move {

@@ -248,6 +248,19 @@ fn check_lookup_size(blocks: usize, ranks: usize) -> Result<(), Status> {
     }
 }
 
+/// How many pages of the server's mapping `[addr, addr + len)` of client memory are not in
+/// memory (`mincore`): pages the client never allocated (or that were swapped out), which the
+/// server's copies would allocate and have charged to the server. None when the kernel cannot
+/// tell.
+fn pages_missing(addr: u64, len: u64) -> Option<usize> {
+    let page = 4096u64;
+    let mut v = vec![0u8; len.div_ceil(page) as usize];
+    // SAFETY: `[addr, addr + len)` is the server's live mapping of the memfd, page-aligned;
+    // mincore writes one byte per page into `v`, which has one per page.
+    let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len as usize, v.as_mut_ptr()) };
+    (rc == 0).then(|| v.iter().filter(|b| **b & 1 == 0).count())
+}
+
 /// A client's name as the logs and `stats` show it: control characters escaped (a newline
 /// in a name must not forge a log line), at most 128 characters.
 fn printable_name(name: &str) -> String {
@@ -763,6 +776,14 @@ impl Store for Service {
                     "the shared memory is a huge-page (hugetlbfs) memfd, which the server does not map: a hole punched in it could fault the server; share memory on normal or transparent huge pages",
                 ));
             }
+            // Pages the client never allocated would be allocated by the server's copies, and
+            // charged to the server's memory: refused.
+            if let Some(missing @ 1..) = pages_missing(mapping.addr(), mapping.len()) {
+                return Err(Status::invalid_argument(format!(
+                    "the shared memory is not populated: {missing} of its {} pages do not exist (never allocated, or swapped out); allocate every page before registering (UMBP clients do: upgrade the client)",
+                    mapping.len().div_ceil(4096)
+                )));
+            }
             // SAFETY: the mapping stays in place until this registration is gone: it is kept
             // with the session's backings and dropped only after deregistration.
             let id = unsafe { cs2.session.register_memory(mapping.addr(), mapping.len()) }
@@ -882,6 +903,18 @@ impl Store for Service {
                     .collect()
             })
             .collect();
+        if let Some(run) = r
+            .groups
+            .iter()
+            .flat_map(|g| &g.runs)
+            .find(|run| run.num_blocks > umbp_core::MAX_RUN_BLOCKS)
+        {
+            return Err(self.refuse(invalid(format!(
+                "runs of {} blocks; a run may have at most {}",
+                run.num_blocks,
+                umbp_core::MAX_RUN_BLOCKS
+            ))));
+        }
         let runs: usize = groups.iter().map(Vec::len).sum();
         if runs > umbp_core::MAX_LAYOUT_RUNS {
             return Err(self.refuse(invalid(format!(

@@ -413,19 +413,25 @@ fn a_client_sends_nothing_to_a_socket_of_another_user() {
 /// Sends `count` duplicates of `/dev/null` to the side channel as session `sid` (one message)
 /// and returns the server's answer.
 fn send_descriptors(server: &Server, sid: u64, secret: &[u8], count: u32) -> Vec<u8> {
+    use std::os::fd::AsRawFd;
+    let null = std::fs::File::open("/dev/null").unwrap();
+    send_fds(server, sid, secret, &vec![null.as_raw_fd(); count as usize])
+}
+
+/// Sends `fds` to the side channel as session `sid` (one message); the server's answer.
+fn send_fds(server: &Server, sid: u64, secret: &[u8], fds: &[i32]) -> Vec<u8> {
     use std::io::Read;
     use std::os::fd::AsRawFd;
     let s = std::os::unix::net::UnixStream::connect(server.endpoint.fd_socket()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let null = std::fs::File::open("/dev/null").unwrap();
-    let fds = vec![null.as_raw_fd(); count as usize];
+    let count = fds.len() as u32;
     let mut header = umbp_proto::FdHeader {
         session_id: sid,
         secret: secret.try_into().unwrap(),
         count,
     }
     .encode();
-    let payload = std::mem::size_of_val(fds.as_slice());
+    let payload = std::mem::size_of_val(fds);
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
     let mut cbuf = vec![0u64; space.div_ceil(8)];
@@ -640,6 +646,88 @@ fn a_client_name_cannot_forge_a_log_line() {
     );
 }
 
+/// A memfd of `len` bytes sealed against shrinking, as clients share memory; `populated`: every
+/// page allocated, else all holes.
+fn sealed_memfd(len: u64, populated: bool) -> std::os::fd::OwnedFd {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: plain system calls on a descriptor made here, checked one by one.
+    unsafe {
+        let fd = libc::memfd_create(
+            c"bad-input".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        );
+        assert!(fd >= 0);
+        let fd = OwnedFd::from_raw_fd(fd);
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as i64), 0);
+        if populated {
+            // Written, as a client's KV cache is (fallocate alone leaves pages the kernel
+            // reports as holes until they are written).
+            let zeros = vec![0u8; 1 << 20];
+            for at in (0..len).step_by(zeros.len()) {
+                let n = zeros.len().min((len - at) as usize);
+                let w = libc::pwrite(fd.as_raw_fd(), zeros.as_ptr().cast(), n, at as i64);
+                assert_eq!(w, n as isize);
+            }
+        }
+        assert_eq!(
+            libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK),
+            0
+        );
+        fd
+    }
+}
+
+/// Registers `fd` (`len` bytes) for raw session `me`; the server's answer.
+fn register_raw_memfd(
+    server: &Server,
+    rt: &tokio::runtime::Runtime,
+    g: &mut v1::store_client::StoreClient<tonic::transport::Channel>,
+    me: &v1::AttachReply,
+    fd: &std::os::fd::OwnedFd,
+    len: u64,
+) -> Result<tonic::Response<v1::RegisterMemoryReply>, tonic::Status> {
+    use std::os::fd::AsRawFd;
+    let r = send_fds(server, me.session_id, &me.secret, &[fd.as_raw_fd()]);
+    assert_eq!(r.len(), 8, "a ticket: {r:?}");
+    let ticket = u64::from_le_bytes(r[..8].try_into().unwrap());
+    rt.block_on(g.register_host_memory(v1::RegisterHostMemoryRequest {
+        session_id: me.session_id,
+        ticket,
+        length: len,
+    }))
+}
+
+/// Issue 29, item 3: a client registered a sparse memfd and loaded one object into 1,024 of
+/// its blocks; the server's copies allocated the pages, charged to the server's memory cgroup,
+/// and the server was OOM-killed. Memory with holes is now refused at registration (UMBP's
+/// clients allocate every page first, charged to themselves).
+#[test]
+fn memory_the_client_never_allocated_is_refused() {
+    let dir = tmpdir("sparse");
+    let server = Server::start(&dir.join("s.sock"), &[]);
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    let len = 64 << 20;
+    let (c, m) = code_and_message(register_raw_memfd(
+        &server,
+        &rt,
+        &mut g,
+        &me,
+        &sealed_memfd(len, false),
+        len,
+    ));
+    assert_eq!(c, Code::InvalidArgument, "{m}");
+    assert!(m.contains("not populated"), "{m}");
+    register_raw_memfd(&server, &rt, &mut g, &me, &sealed_memfd(len, true), len)
+        .expect("populated memory is accepted");
+    // The client library populates what it shares (alloc_shared_host starts sparse).
+    let c = client(&server.endpoint);
+    let shm = umbp_client::host_share::alloc_shared_host(len).unwrap();
+    c.register_shared_host(shm).unwrap();
+    drop(c);
+    assert!(server.stop().success());
+}
+
 /// Issue 29, item 5: RegisterLayout compared every pair of runs whose spans meet, on a
 /// runtime thread (40,000 interleaved runs: 5 s; several such requests stopped every client),
 /// and runs of different strides block by block (two runs of 2^32 blocks in a 34-byte request:
@@ -651,8 +739,7 @@ fn register_layout_is_bounded() {
     let dir = tmpdir("layout-bound");
     let server = Server::start(&dir.join("s.sock"), &[]);
     let c = client(&server.endpoint);
-    // Sparse: pages come only when touched (nothing touches them here).
-    let len: u64 = 17 << 30;
+    let len: u64 = 8 << 20;
     let shm = umbp_client::host_share::alloc_shared_host(len).unwrap();
     let base = shm.span_addr();
     c.register_shared_host(shm).unwrap();
@@ -669,23 +756,38 @@ fn register_layout_is_bounded() {
         .register_layout(vec![interleaved])
         .expect("65,536 interleaved runs");
     assert_eq!(info.object_bytes, vec![n]);
-    let run = |offset: u64, block_stride: u64| LayerSpec {
-        base_addr: base + offset,
+    // Refused on sight: a raw request, since the client library checks each run's fit itself.
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    let fd = sealed_memfd(len, true);
+    let region = register_raw_memfd(&server, &rt, &mut g, &me, &fd, len)
+        .unwrap()
+        .into_inner()
+        .region_id;
+    let run = |offset: u64, block_stride: u64| v1::LayoutRun {
+        region_id: region,
+        offset,
         num_blocks: 1 << 32,
         block_stride,
         block_bytes: 1,
     };
-    let e = c
-        .register_layout(vec![vec![run(0, 2), run(1, 4)]]) // even bytes, odd bytes: disjoint
-        .expect_err("two runs of 2^32 blocks")
-        .to_string();
-    assert!(e.contains("at most 1073741824"), "{e}");
-    let one_too_many = vec![run(0, 1); MAX_LAYOUT_RUNS + 1];
-    let e = c
-        .register_layout(vec![one_too_many])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("at most 65536"), "{e}");
+    let layout = |runs: Vec<v1::LayoutRun>| v1::RegisterLayoutRequest {
+        session_id: me.session_id,
+        groups: vec![v1::LayoutGroup { runs }],
+    };
+    // Even bytes and odd bytes: disjoint, and the old check compared them block by block.
+    let (code, m) =
+        code_and_message(rt.block_on(g.register_layout(layout(vec![run(0, 2), run(1, 4)]))));
+    assert_eq!(code, Code::InvalidArgument, "{m}");
+    assert!(m.contains("at most 1073741824"), "{m}");
+    let small = v1::LayoutRun {
+        num_blocks: 1,
+        ..run(0, 1)
+    };
+    let (code, m) =
+        code_and_message(rt.block_on(g.register_layout(layout(vec![small; MAX_LAYOUT_RUNS + 1]))));
+    assert_eq!(code, Code::InvalidArgument, "{m}");
+    assert!(m.contains("at most 65536"), "{m}");
     stats(&server.endpoint);
     drop(c);
     assert!(server.stop().success());
