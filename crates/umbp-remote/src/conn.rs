@@ -3,7 +3,7 @@
 //! Everything here is synchronous and bounded by timeouts: the tier's own threads call it,
 //! never the engine's.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterClientBuilder, ClusterConnection};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
@@ -251,6 +251,11 @@ pub(crate) enum Conn {
     Cluster(Box<ClusterConnection>),
 }
 
+/// Whether `e` (or one of a pipeline's errors) is a `WRONGTYPE` answer.
+pub(crate) fn is_wrong_type(e: &redis::RedisError) -> bool {
+    e.to_string().contains("WRONGTYPE")
+}
+
 impl Conn {
     /// `GET` of every key, pipelined (per node on a cluster); `None` for absent keys.
     pub(crate) fn get_many(&mut self, keys: &[String]) -> RedisResult<Vec<Option<Vec<u8>>>> {
@@ -275,6 +280,26 @@ impl Conn {
         }
     }
 
+    /// `GET` of each key on its own: for a chunk whose pipeline failed because some key holds
+    /// another type than a string (`WRONGTYPE`, which fails the whole pipeline). Such a key
+    /// reads as an empty value, which the caller rejects (a bad object), and the others are
+    /// read as usual.
+    pub(crate) fn get_each(&mut self, keys: &[String]) -> RedisResult<Vec<Option<Vec<u8>>>> {
+        keys.iter()
+            .map(|k| {
+                let cmd = redis::cmd("GET").arg(k).clone();
+                let r: RedisResult<Option<Vec<u8>>> = match self {
+                    Conn::Single(c) => cmd.query(c),
+                    Conn::Cluster(c) => cmd.query(c.as_mut()),
+                };
+                match r {
+                    Err(e) if is_wrong_type(&e) => Ok(Some(Vec::new())),
+                    r => r,
+                }
+            })
+            .collect()
+    }
+
     /// Runs a batch of `SET`s made by [`Backend::prepare_sets`].
     pub(crate) fn run_sets(&mut self, batch: &SetBatch) -> RedisResult<()> {
         match (self, batch) {
@@ -288,13 +313,24 @@ impl Conn {
     }
 
     /// Deletes every key matching `pattern` (`SCAN MATCH` on every primary of a cluster, then
-    /// `UNLINK`); returns how many.
-    pub(crate) fn delete_matching(&mut self, pattern: &str) -> RedisResult<u64> {
+    /// `UNLINK`); returns how many. Gives up at `deadline` (a server whose `SCAN` never ends,
+    /// say) with an error that says how many were deleted.
+    pub(crate) fn delete_matching(&mut self, pattern: &str, deadline: Instant) -> RedisResult<u64> {
+        let late = |n: u64| {
+            redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "the SCAN did not finish in time",
+                format!("{n} keys deleted before the deadline"),
+            ))
+        };
         match self {
             Conn::Single(c) => {
                 let mut n = 0u64;
                 let mut cursor = 0u64;
                 loop {
+                    if Instant::now() >= deadline {
+                        return Err(late(n));
+                    }
                     let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
                         .arg(cursor)
                         .arg("MATCH")
@@ -325,6 +361,9 @@ impl Conn {
                 for (host, port) in primaries(&nodes) {
                     let mut cursor = 0u64;
                     loop {
+                        if Instant::now() >= deadline {
+                            return Err(late(n));
+                        }
                         let v = c.route_command(
                             redis::cmd("SCAN")
                                 .arg(cursor)

@@ -164,6 +164,8 @@ const FETCH_THREADS: usize = 2;
 const EVENT_QUEUE: usize = 1 << 16;
 /// How long the remote is left alone after a failure.
 const BACKOFF: Duration = Duration::from_secs(1);
+/// How long clearing a namespace may take in all (a `SCAN` that never ends stops there).
+const CLEAR_DEADLINE: Duration = Duration::from_secs(60);
 /// Bounds of the writer's bookkeeping sets (cleared when full: at worst an object is written
 /// twice or once too few).
 const MAX_TRACKED: usize = 1 << 20;
@@ -275,6 +277,8 @@ struct Inner {
     closed: AtomicBool,
     /// No request before this instant (after a failure).
     down_until: Mutex<Option<Instant>>,
+    /// Whether the remote's being down was logged as a warning (cleared on success).
+    reported_down: AtomicBool,
     /// Keys the fetchers put in the pool: their commits are not written back.
     from_remote: Mutex<HashSet<BlockKey>>,
     /// On-reuse policy: committed keys not written yet, and how often lookups hit them.
@@ -330,7 +334,10 @@ impl Inner {
         add(&self.c.errors, 1);
         let was = self.c.connected.swap(false, Ordering::Relaxed);
         *self.down_until.lock() = Some(Instant::now() + BACKOFF);
-        if was {
+        // The first failure of a remote that never answered (a wrong password, a TLS
+        // mismatch) is a warning too, not only the loss of a connected one.
+        let first = !self.reported_down.swap(true, Ordering::Relaxed);
+        if was || first {
             log::warn!(
                 "remote tier {}: {what} failed ({e}); lookups miss and writes are dropped for {} s, then it retries",
                 redact(&self.cfg.url),
@@ -355,6 +362,7 @@ impl Inner {
     }
 
     fn succeeded(&self) {
+        self.reported_down.store(false, Ordering::Relaxed);
         if !self.c.connected.swap(true, Ordering::Relaxed) {
             log::info!("remote tier {}: connected", redact(&self.cfg.url));
         }
@@ -408,6 +416,7 @@ impl RemoteTier {
             c: Counters::default(),
             closed: AtomicBool::new(false),
             down_until: Mutex::new(None),
+            reported_down: AtomicBool::new(false),
             from_remote: Mutex::new(HashSet::new()),
             candidates: Mutex::new(Tracked::default()),
             to_writer: Mutex::new(None),
@@ -642,7 +651,9 @@ impl RemoteTier {
                 return None;
             }
         };
-        match con.delete_matching(&pattern) {
+        // Each request is bounded by the timeout; the whole sweep by a minute.
+        let deadline = Instant::now() + CLEAR_DEADLINE;
+        match con.delete_matching(&pattern, deadline) {
             Ok(n) => {
                 log::info!("remote tier: deleted {n} objects of the namespace ({pattern})");
                 Some(n)
@@ -769,6 +780,14 @@ fn get_chunk(inner: &Inner, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> Opti
         *slot = None;
         res = match inner.conn(slot) {
             Some(con) => con.get_many(&names),
+            None => return None,
+        };
+    }
+    if res.as_ref().is_err_and(conn::is_wrong_type) {
+        // A key of the chunk holds a list or a hash (someone else's, or planted): that key
+        // is a bad object, the others are read one by one.
+        res = match inner.conn(slot) {
+            Some(con) => con.get_each(&names),
             None => return None,
         };
     }

@@ -346,6 +346,37 @@ fn a_corrupted_remote_object_is_a_miss() -> Result<()> {
     Ok(())
 }
 
+/// Issue 29, item 10: one key of another type (a list planted under an object's name) failed
+/// the whole pipelined chunk: the 31 other keys of its chunk missed too. Now only it misses.
+#[test]
+fn a_key_of_another_type_misses_alone() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    for cluster in [false, true] {
+        let r = Redis::start(if cluster { 3 } else { 1 }, cluster)?;
+        let ns = format!("remote-it-wrongtype-{cluster}");
+        let ks = keys(&ns, 8);
+        let len = 4 << 10;
+        let (_pa, _ta) = node_a_stores(&r.url(), &ks, len)?;
+        let name = object::remote_key(&ks[3]);
+        let port = r.nodes[if cluster { r.owner(&name)? } else { 0 }].port;
+        r.cli(port, &["del", &name])?;
+        let out = r.cli(port, &["rpush", &name, "not", "a", "string"])?;
+        assert_eq!(out.trim(), "3", "rpush: {out}");
+        let pb = pool();
+        let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+        assert_eq!(
+            tb.fetch_present(&ks),
+            [true, true, true, false, true, true, true, true],
+            "cluster {cluster}"
+        );
+        assert_eq!(tb.fetch_prefix(&ks), 3);
+        check_restored(&pb, &ks[..3], len);
+    }
+    Ok(())
+}
+
 #[test]
 fn a_stopped_cluster_node_makes_lookups_miss_within_the_timeout() -> Result<()> {
     if !have_redis() {

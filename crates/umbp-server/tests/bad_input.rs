@@ -565,6 +565,26 @@ fn a_half_sent_channel_frame_ends_its_channel() {
     assert!(server.stop().success());
 }
 
+/// Issue 29, item 10: `--remote-url` put the remote's password in every local user's `ps`.
+/// `--remote-url-file` keeps it out of the command line (and the log shows the URL redacted).
+#[test]
+fn the_remote_password_can_stay_out_of_the_command_line() {
+    let dir = tmpdir("remote-url");
+    let url_file = dir.join("remote-url");
+    // Nothing listens on port 1: the tier is down, which is fine here.
+    std::fs::write(&url_file, "redis://umbp:hunter2-secret@127.0.0.1:1\n").unwrap();
+    let server = Server::start(
+        &dir.join("s.sock"),
+        &["--remote-url-file", url_file.to_str().unwrap()],
+    );
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", server.child.id())).unwrap();
+    assert!(!String::from_utf8_lossy(&cmdline).contains("hunter2"));
+    let log = server.log_text();
+    assert!(log.contains("remote tier"), "{log}");
+    assert!(!log.contains("hunter2"), "{log}");
+    assert!(server.stop().success());
+}
+
 /// Issue 29, item 2: one `Exists` request of 1M one-byte hashes × 100 ranks (1.1 MB on the
 /// wire) used to make the server build 1e8 keys (6.4 GB) before looking anything up. Now it is
 /// refused with the limit named, a request at the limits is answered one rank at a time, and

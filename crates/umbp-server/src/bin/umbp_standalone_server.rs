@@ -99,8 +99,18 @@ struct Args {
     /// A shared remote tier behind the pool, on an existing Redis / Valkey: redis://host:port
     /// (one server) or redis+cluster://host:port,host:port (a cluster; user:password@ before
     /// the hosts; rediss:// and rediss+cluster:// for TLS). Off when unset. See docs/remote.md.
+    /// A password in it shows in `ps` to every local user: give it in UMBP_REMOTE_URL or
+    /// --remote-url-file instead.
     #[arg(long = "remote-url", env = "UMBP_REMOTE_URL")]
     remote_url: Option<String>,
+    /// A file holding the remote tier's URL (first line), e.g. readable only by the server's
+    /// user: the password stays out of the command line.
+    #[arg(
+        long = "remote-url-file",
+        env = "UMBP_REMOTE_URL_FILE",
+        conflicts_with = "remote_url"
+    )]
+    remote_url_file: Option<std::path::PathBuf>,
     /// Expiry of objects written to the remote tier, in seconds (0: none; the remote's
     /// maxmemory-policy evicts).
     #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=315_360_000))]
@@ -216,6 +226,20 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
     if allow_gid.is_some() && socket_mode == 0o600 {
         socket_mode = 0o660;
     }
+    let remote_url = match (&a.remote_url, &a.remote_url_file) {
+        (_, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--remote-url-file {}: cannot read it", path.display()))?;
+            let url = text.lines().next().unwrap_or("").trim().to_string();
+            anyhow::ensure!(
+                !url.is_empty(),
+                "--remote-url-file {}: the file is empty; write the URL on its first line",
+                path.display()
+            );
+            Some(url)
+        }
+        (url, None) => url.clone(),
+    };
     let mut cfg = ServerConfig::new(endpoint, a.capacity);
     cfg.store = StoreConfig {
         pool: PoolConfig {
@@ -230,8 +254,8 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
         },
         num_workers: a.workers,
         timeout: Duration::from_millis(a.timeout_ms),
-        remote: a.remote_url.as_ref().map(|url| RemoteConfig {
-            url: url.clone(),
+        remote: remote_url.map(|url| RemoteConfig {
+            url,
             ttl: (a.remote_ttl_s > 0).then(|| Duration::from_secs(a.remote_ttl_s)),
             write: if a.remote_write == "on_reuse" {
                 WritePolicy::OnReuse
