@@ -65,8 +65,8 @@ pub enum ClientError {
         path: String,
         /// The uid serving it.
         uid: u32,
-        /// The process serving it.
-        pid: i32,
+        /// The process serving it (0: in another pid namespace).
+        pid: u32,
         /// This process's effective uid.
         me: u32,
     },

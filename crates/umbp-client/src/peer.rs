@@ -4,7 +4,7 @@
 //! any local user while no server runs; without this check that user would receive the
 //! client's KV memory descriptors.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -34,37 +34,14 @@ fn parse_uids(s: &str) -> Result<Vec<u32>, String> {
         .collect()
 }
 
-/// The uid and pid of the process at the other end of Unix socket `fd`.
-fn peer_of(fd: BorrowedFd<'_>) -> std::io::Result<(u32, i32)> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: u32::MAX,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes one `ucred` into `cred`, whose size we pass in `len`.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok((cred.uid, cred.pid))
-}
-
 /// Fails unless the process serving the connected Unix socket `fd` (at `path`) runs as this
 /// user, root or a uid of `UMBP_SERVER_UIDS`.
 pub(crate) fn check_server(fd: BorrowedFd<'_>, path: &Path) -> Result<(), ClientError> {
-    let (uid, pid) = peer_of(fd).map_err(|source| ClientError::Io {
-        what: "reading the server socket's peer credentials",
-        source,
-    })?;
+    let umbp_proto::peer::PeerCredentials { uid, pid, .. } = umbp_proto::peer::peer_credentials(fd)
+        .map_err(|source| ClientError::Io {
+            what: "reading the server socket's peer credentials",
+            source,
+        })?;
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     if uid == me || uid == 0 || listed_uids()?.contains(&uid) {

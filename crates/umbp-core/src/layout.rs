@@ -589,6 +589,20 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The model of the disjointness check: whether two runs share a byte, byte by byte.
+    fn bytes_clash(specs: &[LayerSpec]) -> bool {
+        let mut seen = std::collections::HashSet::new();
+        let mut clash = false;
+        for s in specs {
+            for b in 0..s.num_blocks {
+                for j in 0..s.block_bytes {
+                    clash |= !seen.insert(s.base_addr + b * s.block_stride + j);
+                }
+            }
+        }
+        clash
+    }
+
     /// A layer-first cache: `layers` layers, each `num_blocks * stride` bytes, back to back.
     fn layer_first(layers: u64, num_blocks: u64, block_bytes: u64) -> GroupLayout {
         let layer_bytes = num_blocks * block_bytes;
@@ -814,15 +828,7 @@ mod tests {
                 base_addr: base, num_blocks: nb, block_stride: STRIDES[k],
                 block_bytes: len.min(STRIDES[k]),
             }).collect();
-            let mut seen = std::collections::HashSet::new();
-            let mut clash = false;
-            for s in &specs {
-                for b in 0..nb {
-                    for j in 0..s.block_bytes {
-                        clash |= !seen.insert(s.base_addr + b * s.block_stride + j);
-                    }
-                }
-            }
+            let clash = bytes_clash(&specs);
             prop_assert_eq!(GroupLayout::new(specs).is_err(), clash);
         }
     }
@@ -837,15 +843,7 @@ mod tests {
             let specs: Vec<LayerSpec> = runs.iter().map(|&(base, stride, len)| LayerSpec {
                 base_addr: base, num_blocks: nb, block_stride: stride.max(len), block_bytes: len,
             }).collect();
-            let mut seen = std::collections::HashSet::new();
-            let mut clash = false;
-            for s in &specs {
-                for b in 0..nb {
-                    for j in 0..s.block_bytes {
-                        clash |= !seen.insert(s.base_addr + b * s.block_stride + j);
-                    }
-                }
-            }
+            let clash = bytes_clash(&specs);
             prop_assert_eq!(GroupLayout::new(specs).is_err(), clash);
         }
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 pub mod channel;
 pub mod completion;
+pub mod peer;
 
 use thiserror::Error;
 

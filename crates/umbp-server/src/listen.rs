@@ -119,29 +119,10 @@ pub(crate) fn accept(stream: UnixStream, on_close: OnClose) -> io::Result<PeerCo
     })
 }
 
-/// The credentials of a std Unix stream's peer (`SO_PEERCRED`).
+/// The credentials of a std Unix stream's peer (`SO_PEERCRED`): uid, gid, pid.
 pub(crate) fn peer_of(stream: &std::os::unix::net::UnixStream) -> io::Result<(u32, u32, u32)> {
-    use std::os::fd::AsRawFd;
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: a valid socket descriptor and an out-buffer of the size passed.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut libc::ucred as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok((cred.uid, cred.gid, cred.pid.max(0) as u32))
+    let c = umbp_proto::peer::peer_credentials(std::os::fd::AsFd::as_fd(stream))?;
+    Ok((c.uid, c.gid, c.pid))
 }
 
 /// Binds a Unix socket at `path` with permissions `mode`.
