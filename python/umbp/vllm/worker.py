@@ -111,8 +111,10 @@ class WorkerSide:
             return None
         handle = torch.cuda.current_stream(self.cuda_device).cuda_stream
         if handle != self.logged_stream:
+            # Once at INFO; a later change of stream (an engine that alternates) at DEBUG.
+            log = logger.info if self.logged_stream is None else logger.debug
             self.logged_stream = handle
-            logger.info(
+            log(
                 "umbp: transfers ordered after the engine's CUDA stream %#x%s",
                 handle,
                 " (the legacy default stream)" if handle == 0 else "",
