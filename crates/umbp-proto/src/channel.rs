@@ -33,8 +33,9 @@ pub fn encode_frame(msg: &impl prost::Message) -> Vec<u8> {
     buf
 }
 
-/// Reads one frame of at most `max` bytes; None at a clean end of the stream (before a frame).
-pub fn read_frame(r: &mut impl Read, max: usize) -> std::io::Result<Option<Vec<u8>>> {
+/// Reads a frame's 4-byte length and checks it against `max`; None at a clean end of the
+/// stream (before a frame).
+pub fn read_frame_len(r: &mut impl Read, max: usize) -> std::io::Result<Option<usize>> {
     let mut len = [0u8; 4];
     let mut got = 0;
     while got < 4 {
@@ -58,8 +59,23 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> std::io::Result<Option<Vec<u
             format!("a frame of {len} bytes, over the limit of {max}"),
         ));
     }
-    let mut msg = vec![0u8; len];
-    r.read_exact(&mut msg)?;
+    Ok(Some(len))
+}
+
+/// Reads one frame of at most `max` bytes; None at a clean end of the stream (before a frame).
+/// The buffer grows with the bytes that come, never to the announced length up front.
+pub fn read_frame(r: &mut impl Read, max: usize) -> std::io::Result<Option<Vec<u8>>> {
+    let Some(len) = read_frame_len(r, max)? else {
+        return Ok(None);
+    };
+    let mut msg = Vec::new();
+    r.take(len as u64).read_to_end(&mut msg)?;
+    if msg.len() < len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the stream ended inside a frame",
+        ));
+    }
     Ok(Some(msg))
 }
 

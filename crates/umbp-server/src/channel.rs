@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use prost::Message;
 use tonic::{Code, Status};
-use umbp_proto::channel::{write_frame, CHANNEL_OPENED};
+use umbp_proto::channel::{read_frame_len, write_frame, CHANNEL_OPENED};
 use umbp_proto::completion::monotonic_ns;
 use umbp_proto::v1;
 
@@ -42,30 +42,10 @@ fn read_request(
     max: usize,
     scratch: &mut [u8],
 ) -> std::io::Result<Option<Vec<u8>>> {
-    use std::io::{Error, ErrorKind, Read};
-    let mut len = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        match (&mut &*stream).read(&mut len[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => {
-                return Err(Error::new(
-                    ErrorKind::UnexpectedEof,
-                    "the stream ended inside a frame's length",
-                ))
-            }
-            Ok(n) => got += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > max {
-        return Err(Error::new(
-            ErrorKind::InvalidData,
-            format!("a frame of {len} bytes, over the limit of {max}"),
-        ));
-    }
+    use std::io::{Error, ErrorKind};
+    let Some(len) = read_frame_len(&mut &*stream, max)? else {
+        return Ok(None);
+    };
     let mut frame = Vec::new();
     let deadline = Instant::now() + FRAME_DEADLINE;
     while frame.len() < len {
