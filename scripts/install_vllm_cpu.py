@@ -25,7 +25,7 @@ TORCH = "torch==2.13.0"
 def pip(*args: str) -> None:
     t0 = time.time()
     print(f"    pip install {' '.join(args)}", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", *args], check=True)
     print(f"    ... {time.time() - t0:.0f}s", flush=True)
 
 

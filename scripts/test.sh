@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Runs every check and test: formatting, lints, Rust unit/property/stress/integration tests,
 # and the Python tests against the built package. Creates .venv/ if needed.
+# A first run needs about 10 GB free (vLLM CPU and torch ~6.5 GB in .venv/, Rust builds ~3 GB).
+FREE_KB="$(df -Pk "$(dirname "$0")/.." | awk 'NR == 2 { print $4 }')"
+printf '==> %s GB free on the disk that holds this checkout\n' "$((FREE_KB / 1024 / 1024))"
+if [ "$FREE_KB" -lt $((10 * 1024 * 1024)) ]; then
+  printf 'warning: under 10 GB free; a first run may stop with "No space left on device"\n' >&2
+fi
 source "$(dirname "$0")/venv.sh"
 export CARGO_TERM_COLOR=never
+# One-shot builds gain nothing from incremental caches (3 GB of target/debug here).
+export CARGO_INCREMENTAL=0
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
