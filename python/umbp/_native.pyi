@@ -217,9 +217,12 @@ class StandaloneClient:
     def endpoint(self) -> str: ...
     def register_memory(self, addr: int, length: int) -> int:
         """Host memory, shared with the server by moving its pages in place onto a sealed
-        memfd (pointers stay valid). Private anonymous memory (numpy, torch CPU tensors) not
-        written by another thread during the call and not pinned for a device; it must stay
-        allocated until deregistered or the client is closed."""
+        memfd (pointers stay valid). Private anonymous memory, page-aligned at both ends (e.g.
+        numpy over mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)) or exactly one allocation of 32
+        MiB or more (torch CPU tensors, numpy arrays): smaller heap buffers share pages with
+        other objects and are refused. Not written by another thread during the call, not
+        pinned for a device; it must stay allocated until deregistered or the client is
+        closed."""
     def register_cuda_memory(self, addr: int, length: int) -> int:
         """CUDA device memory (a tensor's data_ptr() and byte size), shared by IPC; it must
         stay allocated until deregistered or the client is closed."""

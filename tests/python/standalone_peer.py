@@ -11,6 +11,7 @@ seed S is what `pattern(S)` gives, so any process can check another's bytes.
   close, and "completed N" (N rounds).
 """
 
+import mmap
 import os
 import sys
 
@@ -38,6 +39,14 @@ def keys(seed, tp=0):
     return umbp.KeyBuilder(NAMESPACE, tp=tp).keys(0, hashes(seed))
 
 
+def own_buffer():
+    """A zeroed KV cache in a private anonymous mapping of its own: page-aligned, as the
+    standalone client moves only whole pages that hold nothing else (a heap buffer shares
+    its first and last page with other objects and is refused)."""
+    m = mmap.mmap(-1, LAYERS * BLOCKS * PIECE, flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(m, dtype=np.uint8).reshape(LAYERS, BLOCKS, PIECE)
+
+
 def layout(buf):
     s = buf.strides
     base = buf.ctypes.data
@@ -55,7 +64,7 @@ def main():
     ids = list(range(BLOCKS))
     k = keys(seed)
     if mode == "load":
-        buf = np.zeros((LAYERS, BLOCKS, PIECE), dtype=np.uint8)
+        buf = own_buffer()
         c, lid = attach(endpoint, buf, "peer-load")
         assert c.exists(k) == [True] * BLOCKS, c.exists(k)
         assert c.load(lid, 0, ids[::-1], k).wait() == ["done"] * BLOCKS
@@ -63,7 +72,8 @@ def main():
         print("verified", flush=True)
         c.close()
         return
-    buf = pattern(seed)
+    buf = own_buffer()
+    buf[:] = pattern(seed)
     c, lid = attach(endpoint, buf, f"peer-{mode}")
     first = c.store(lid, 0, ids, k).wait()
     assert set(first) <= {"done", "already_present"}, first

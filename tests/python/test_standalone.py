@@ -56,7 +56,7 @@ def start_peer(*args):
 
 def own_client(server):
     """A client of the test process with one region and one layout of its own buffer."""
-    buf = np.zeros((peer.LAYERS, peer.BLOCKS, peer.PIECE), dtype=np.uint8)
+    buf = peer.own_buffer()
     c = umbp.StandaloneClient(server.endpoint, startup_timeout_ms=5000, client_name="pytest")
     c.register_memory(buf.ctypes.data, buf.nbytes)
     return c, c.register_layout(peer.layout(buf)), buf
@@ -183,6 +183,11 @@ def test_bad_input_raises_clear_errors(server, tmp_path):
         c.deregister_memory(12345)
     with pytest.raises(umbp.RegistrationError):
         c.register_memory(4096, 4096)  # nothing mapped there
+    # A small heap buffer shares its pages with other objects, which moving them would race.
+    small = np.ones(1000, dtype=np.uint8)
+    with pytest.raises(umbp.RegistrationError, match="heap neighbours"):
+        c.register_memory(small.ctypes.data, small.nbytes)
+    assert small.sum() == 1000
     # The server checks block ids against the layout: the transfer fails as a whole.
     t = c.store(lid, 0, [peer.BLOCKS + 1], k[:1])
     with pytest.raises(umbp.ConfigError, match="block id 33 is out of range"):
@@ -246,7 +251,8 @@ import logging, sys, time, umbp
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
 sys.path.insert(0, sys.argv[3])
 import standalone_peer as peer
-buf = peer.pattern(4)
+buf = peer.own_buffer()
+buf[:] = peer.pattern(4)
 c = umbp.StandaloneClient(sys.argv[1])
 c.register_memory(buf.ctypes.data, buf.nbytes)
 lid = c.register_layout(peer.layout(buf))

@@ -476,11 +476,18 @@ fn find_open_fd(dev: (u32, u32), inode: u64) -> Option<OwnedFd> {
 /// hugetlb mapping), is copied into a new sealed memfd which is then mapped over the same
 /// addresses (`MAP_SHARED | MAP_FIXED`). Pointers into it stay valid and see the same bytes.
 ///
-/// The range must be private anonymous memory (malloc, `mmap(MAP_ANONYMOUS)`, a torch CPU
-/// tensor; huge pages of `MAP_HUGETLB` too), or already lie in a shared mapping of a memfd
+/// The range must be private anonymous memory (`mmap(MAP_ANONYMOUS)`, a large malloc, a torch
+/// CPU tensor; huge pages of `MAP_HUGETLB` too), or already lie in a shared mapping of a memfd
 /// whose descriptor this process still holds (memory from [`alloc_shared_host`], or a range
 /// shared before): then nothing moves and the result names that memfd, its whole size as the
 /// span.
+///
+/// Rounding out to pages must not take in anyone else's bytes: a write to them between the
+/// copy and the remap would be lost (heap neighbours are written by any thread's malloc and
+/// free). So the range must start and end on page boundaries, or be exactly one glibc
+/// allocation with a mapping of its own (malloc / posix_memalign above the mmap threshold,
+/// which is at most 32 MiB), whose header the move carries along. Anything else is refused
+/// with [`ClientError::ShareUnsupported`].
 ///
 /// The range is moved 64 MiB at a time, so at most that much memory is held twice. On an
 /// error the bytes are unchanged (part of the range may already be backed by a memfd that
@@ -488,9 +495,8 @@ fn find_open_fd(dev: (u32, u32), inode: u64) -> Option<OwnedFd> {
 ///
 /// # Safety
 ///
-/// * No other thread may write the rounded span during the call: that includes the bytes of
-///   other objects that share the range's first and last page (heap neighbours). A write made
-///   while the span is being copied would be lost. Reads are fine.
+/// * No other thread may write the range during the call: a write made while it is being
+///   copied would be lost. Reads are fine.
 /// * No device or kernel object may hold the span's physical pages: memory registered with a
 ///   GPU (`cudaHostRegister`, pinned allocations), with RDMA (`ibv_reg_mr`), as io_uring fixed
 ///   buffers or in a `vmsplice`d pipe keeps being used there at its old pages, silently apart
@@ -601,6 +607,22 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
         .checked_next_multiple_of(page)
         .ok_or_else(|| bad("the range runs past the end of the address space"))?;
     let span = span_end - span_start;
+    // Bytes of the first and last page outside the range move too; a write to them by any
+    // thread (the allocator's own, for a heap neighbour) between the copy and the remap would
+    // be lost. Move them only where they provably belong to the range's own allocation.
+    if !padding_is_own(addr, end, span_start, span_end) {
+        let v = vmas.first().expect("a covered range has a mapping");
+        return Err(unsupported(
+            v,
+            &format!(
+                "a range that starts or ends inside a page ({page} bytes) it may share with other \
+                 objects (heap neighbours, whose writes during the move would be lost)"
+            ),
+            "share page-aligned memory (alloc_shared_host, an mmap), or an allocation of its \
+             own mapping (glibc malloc / posix_memalign of 32 MiB or more, e.g. a torch CPU \
+             tensor or numpy array that large) from its first byte to its last",
+        ));
+    }
     let fd = sealed_memfd(span, huge)?;
     let chunk = CHUNK.next_multiple_of(page);
     let huge_fix = |call| {
@@ -647,6 +669,8 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
         // cover (readable); `tmp` is our own new mapping of `n` bytes; they cannot overlap. By
         // the caller's contract nothing writes the span meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(target.cast::<u8>(), tmp.cast::<u8>(), n) };
+        #[cfg(test)]
+        tests::after_copy(span_start, span);
         // SAFETY: unmapping our own temporary mapping.
         unsafe { libc::munmap(tmp, n) };
         // SAFETY: replaces `[target, target + n)`, part of the caller's memory, with the memfd
@@ -723,6 +747,69 @@ pub unsafe fn share_host_range(addr: u64, len: u64) -> Result<SharedHostMemory, 
         len: span,
         offset: addr - span_start,
     })
+}
+
+/// Whether the bytes that rounding `[addr, end)` out to whole pages adds,
+/// `[span_start, addr)` and `[end, span_end)`, belong to the range's own allocation, so that
+/// no other object lives there. True when there are none (a page-aligned range), or when the
+/// range is exactly a glibc allocation served by its own mapping (`malloc` / `posix_memalign`
+/// above the mmap threshold: torch CPU tensors, numpy arrays): then the added bytes are that
+/// allocation's header and the slack after it, which nothing writes while the memory is live.
+///
+/// The proof reads the chunk header glibc keeps in the 16 bytes before the pointer: the offset
+/// of the chunk in its mapping, and the chunk's size with the `IS_MMAPPED` bit. Both must
+/// describe a page-aligned mapping that holds the whole span. A heap (brk or arena) chunk lacks
+/// the bit; other allocators keep no such header, and their unaligned ranges are refused.
+fn padding_is_own(addr: u64, end: u64, span_start: u64, span_end: u64) -> bool {
+    if addr == span_start && end == span_end {
+        return true;
+    }
+    // glibc returns 16-byte-aligned pointers at least 16 bytes into a chunk's mapping. The
+    // header lies in the range's first page, or (a page-aligned pointer of posix_memalign)
+    // at the end of the page before it, which must then be mapped readable.
+    if !addr.is_multiple_of(16) || addr < 16 {
+        return false;
+    }
+    if addr - span_start < 16 {
+        let readable = vmas_overlapping(addr - 16, addr)
+            .is_ok_and(|v| v.len() == 1 && v[0].start <= addr - 16 && v[0].perms.starts_with('r'));
+        if !readable {
+            return false;
+        }
+    }
+    const IS_MMAPPED: u64 = 0x2;
+    const FLAG_BITS: u64 = 0x7;
+    // SAFETY: `[addr - 16, addr)` lies in the page of `addr`, the span's first page, which the
+    // caller found mapped readable, or in a page just checked to be. Volatile, since another
+    // thread may write those bytes (if they are not a header); any value read is only
+    // compared.
+    let (prev_size, head) = unsafe {
+        (
+            std::ptr::read_volatile((addr - 16) as *const u64),
+            std::ptr::read_volatile((addr - 8) as *const u64),
+        )
+    };
+    if head & IS_MMAPPED == 0 {
+        return false;
+    }
+    let chunk = addr - 16;
+    let size = head & !FLAG_BITS;
+    let (Some(map_start), Some(map_len)) =
+        (chunk.checked_sub(prev_size), prev_size.checked_add(size))
+    else {
+        return false;
+    };
+    let Some(map_end) = map_start.checked_add(map_len) else {
+        return false;
+    };
+    let base = page_size();
+    map_start.is_multiple_of(base)
+        && map_len.is_multiple_of(base)
+        && chunk
+            .checked_add(size)
+            .is_some_and(|c| c >= end && c <= map_end)
+        && map_start <= span_start
+        && span_end <= map_end
 }
 
 /// The result for a range that already lies in a shared mapping of a memfd.
@@ -941,26 +1028,116 @@ mod tests {
         unsafe { std::alloc::dealloc(p, layout) };
     }
 
-    #[test]
-    fn shares_a_small_unaligned_range_and_keeps_its_neighbours() {
-        let mut v: Vec<u8> = (0..256 << 10).map(pattern).collect();
-        let base = v.as_mut_ptr();
-        // 6000..13000 is well inside the vector: the rounded span holds only its bytes.
-        let (addr, len) = (base as u64 + 6000, 7000);
-        // SAFETY: the span lies inside `v`, which only this thread uses.
-        let s = unsafe { share_host_range(addr, len) }.unwrap();
-        assert!(s.offset_in_span() > 0 || addr % PAGE as u64 == 0);
-        assert!(s.span_len() <= 4 * PAGE as u64);
-        check_share(&s, base, v.len(), addr, len);
-        v[6000] = 1;
-        v[12_999] = 2;
-        let m = ServerMapping::map(s.fd(), s.span_len()).unwrap();
-        // SAFETY: both bytes lie in the span, mapped `s.span_len()` bytes long.
-        unsafe {
-            assert_eq!(*m.as_ptr().add(s.offset_in_span() as usize), 1);
-            assert_eq!(*m.as_ptr().add(s.offset_in_span() as usize + 6999), 2);
+    /// A byte to write at an address between the copy and the remap of the span holding it
+    /// (`after_copy`): another thread's write landing in the move's window.
+    static AFTER_COPY: std::sync::Mutex<Option<(u64, u8)>> = std::sync::Mutex::new(None);
+
+    /// Called by `share_host_range` after copying a chunk of `[span_start, span_start + span)`
+    /// and before mapping the memfd over it.
+    pub(super) fn after_copy(span_start: u64, span: u64) {
+        if let Some((at, value)) = *AFTER_COPY.lock().unwrap() {
+            if (span_start..span_start + span).contains(&at) {
+                // SAFETY: the test that set the hook owns `at`, a byte of its own mapping.
+                unsafe { (at as *mut u8).write_volatile(value) };
+            }
         }
-        drop(v);
+    }
+
+    #[test]
+    fn refuses_a_range_whose_pages_it_shares_with_other_objects() {
+        // Heap memory as the allocator hands it out: a range 64 bytes into a page, a live
+        // neighbour object before it, whose owner (any thread) writes it during the move.
+        // SAFETY: a new mapping at an address of the kernel's choosing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                2 * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let base = p as u64;
+        let neighbour = base + 8;
+        *AFTER_COPY.lock().unwrap() = Some((neighbour, 0xAB));
+        // SAFETY: this test's own mapping; the range is refused before anything moves.
+        let r = unsafe { share_host_range(base + 64, 1000) };
+        *AFTER_COPY.lock().unwrap() = None;
+        // SAFETY: a byte of this test's mapping.
+        let seen = unsafe { (neighbour as *const u8).read_volatile() };
+        if r.is_ok() {
+            assert_eq!(seen, 0xAB, "the neighbour's write during the move was lost");
+        }
+        let e = r.unwrap_err().to_string();
+        assert!(
+            e.contains("heap neighbours") && e.contains("page-aligned"),
+            "{e}"
+        );
+        // The same range, page-aligned at both ends, moves; the neighbour stays the caller's
+        // to coordinate (it lies in the range).
+        // SAFETY: as above; no other thread writes the mapping.
+        let s = unsafe { share_host_range(base, 2 * PAGE as u64) }.unwrap();
+        assert_eq!((s.span_addr(), s.span_len()), (base, 2 * PAGE as u64));
+        drop(s);
+        // SAFETY: unmapping this test's own mapping.
+        unsafe { libc::munmap(p, 2 * PAGE) };
+    }
+
+    #[test]
+    fn shares_a_glibc_allocation_of_its_own_mapping_whole() {
+        // Above glibc's largest mmap threshold (32 MiB), so each has a mapping of its own:
+        // malloc's pointer lies 16 bytes into it, posix_memalign's (as torch's CPU allocator
+        // calls it) further.
+        // Not a whole number of pages: the last page's slack moves too.
+        let len = (40 << 20) + 100;
+        for align in [0usize, 64, 2 << 20] {
+            let mut p: *mut libc::c_void = std::ptr::null_mut();
+            if align == 0 {
+                // SAFETY: a plain allocation, checked for null below.
+                p = unsafe { libc::malloc(len) };
+            } else {
+                // SAFETY: `align` is a power of two and a multiple of the pointer size.
+                assert_eq!(unsafe { libc::posix_memalign(&mut p, align, len) }, 0);
+            }
+            assert!(!p.is_null());
+            let b = p.cast::<u8>();
+            for i in 0..len {
+                // SAFETY: `i < len`, inside the allocation.
+                unsafe { b.add(i).write(pattern(i)) };
+            }
+            // A part of it that does not start at the allocation is refused: nothing proves
+            // whose the bytes before it are.
+            // SAFETY: this test's own allocation; refused before anything moves.
+            let e = unsafe { share_host_range(p as u64 + 4096 + 32, 100) }.unwrap_err();
+            assert!(e.to_string().contains("heap neighbours"), "{e}");
+            // The whole of it moves, with the allocator's header before the pointer, which
+            // only malloc and free use.
+            // SAFETY: this test's own allocation; no other thread touches it.
+            let s = unsafe { share_host_range(p as u64, len as u64) }.unwrap();
+            // Page-aligned for 2 MiB (glibc gives the pages before it back).
+            let off = s.offset_in_span();
+            assert!(off >= 16 || align >= PAGE, "align {align}: {off}");
+            check_share(&s, b, len, p as u64, len as u64);
+            // Once shared, any part of it names the memfd (nothing moves).
+            // SAFETY: as above.
+            let inner = unsafe { share_host_range(p as u64 + 4096 + 32, 100) }.unwrap();
+            assert!(same_file(s.fd(), inner.fd()));
+            drop((s, inner));
+            // free() reads the header the move carried over, and unmaps the chunk.
+            // SAFETY: allocated above by malloc / posix_memalign.
+            unsafe { libc::free(p) };
+        }
+        // A small heap allocation shares its pages with other objects: refused.
+        // SAFETY: a plain allocation.
+        let small = unsafe { libc::malloc(1000) };
+        assert!(!small.is_null());
+        // SAFETY: refused before anything moves.
+        let e = unsafe { share_host_range(small as u64, 1000) }.unwrap_err();
+        assert!(e.to_string().contains("heap neighbours"), "{e}");
+        // SAFETY: allocated above.
+        unsafe { libc::free(small) };
     }
 
     #[test]
@@ -988,9 +1165,9 @@ mod tests {
             unsafe { p.add(i).write(pattern(i)) };
         }
         // SAFETY: this test's own mapping.
-        let s = unsafe { share_host_range(p as u64 + 1000, len as u64 - 2000) }.unwrap();
+        let s = unsafe { share_host_range(p as u64, len as u64) }.unwrap();
         assert_eq!((s.span_addr(), s.span_len()), (p as u64, len as u64));
-        check_share(&s, p, len, p as u64 + 1000, len as u64 - 2000);
+        check_share(&s, p, len, p as u64, len as u64);
         // SAFETY: unmapping this test's own mapping.
         unsafe { libc::munmap(r, len + (2 << 20)) };
     }
@@ -1023,7 +1200,7 @@ mod tests {
         // named any more: the range is moved again, onto a new memfd.
         drop(first);
         // SAFETY: as above.
-        let moved = unsafe { share_host_range(p as u64 + 10_000, 5000) }.unwrap();
+        let moved = unsafe { share_host_range(p as u64 + 8192, 8192) }.unwrap();
         assert_ne!(inode(moved.fd()), old);
         assert_eq!(moved.span_addr(), p as u64 + 8192);
         assert_eq!(moved.span_len(), 8192);

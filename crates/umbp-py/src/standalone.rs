@@ -219,12 +219,13 @@ impl StandaloneClient {
     }
 
     /// Shares host memory (e.g. a KV cache tensor's `data_ptr()` and byte size) with the
-    /// server and registers it: the pages of the range, rounded out to whole pages, are moved
-    /// in place onto a sealed memfd the server maps (pointers into it stay valid). The range
-    /// must be private anonymous memory (numpy, torch CPU tensors, malloc) or memory shared
-    /// before; no other thread may write it (or its first and last page) during the call; it
-    /// must not be pinned by a device (`cudaHostRegister`, RDMA); and it must stay allocated
-    /// until `deregister_memory` returns or the client is closed. Returns the region id.
+    /// server and registers it: the pages of the range are moved in place onto a sealed
+    /// memfd the server maps (pointers into it stay valid). The range must be private
+    /// anonymous memory or memory shared before, page-aligned at both ends or exactly one
+    /// large allocation (a torch CPU tensor or numpy array of 32 MiB or more); no other
+    /// thread may write it during the call; it must not be pinned by a device
+    /// (`cudaHostRegister`, RDMA); and it must stay allocated until `deregister_memory`
+    /// returns or the client is closed. Returns the region id.
     fn register_memory(&self, py: Python<'_>, addr: u64, length: u64) -> Result<u64> {
         let c = self.live()?;
         // SAFETY: the Python-facing contract, documented above and in the stubs: the caller

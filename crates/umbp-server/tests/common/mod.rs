@@ -211,14 +211,62 @@ pub fn pattern(seed: u64, b: u64, i: u64) -> u8 {
         % 251) as u8
 }
 
+/// Zeroed memory of a private anonymous mapping of its own, as an engine's KV cache is: the
+/// client moves only whole pages that hold nothing else (a heap buffer's first and last page
+/// hold other objects, and it refuses those). Unmapped on drop.
+pub struct PageBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl PageBuf {
+    pub fn zeroed(len: usize) -> PageBuf {
+        // SAFETY: a new mapping at an address of the kernel's choosing; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED, "mmap of {len} bytes");
+        PageBuf { ptr: p.cast(), len }
+    }
+}
+
+impl std::ops::Deref for PageBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `len` bytes mapped readable for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for PageBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and writable; `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PageBuf {
+    fn drop(&mut self) {
+        // SAFETY: unmapping this buffer's own mapping; no slice of it outlives `self`.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
 /// A KV-cache-like buffer registered with `client`, with one layout of `BLOCKS` blocks.
 pub struct Cache {
-    pub buf: Vec<u8>,
+    pub buf: PageBuf,
     pub layout: u32,
 }
 
 pub fn cache(client: &umbp_client::StandaloneClient) -> Cache {
-    let buf = vec![0u8; (BLOCK * BLOCKS) as usize];
+    let buf = PageBuf::zeroed((BLOCK * BLOCKS) as usize);
     let addr = buf.as_ptr() as u64;
     // SAFETY: the buffer lives as long as the Cache (and no other thread touches it now).
     unsafe { client.register_host_memory(addr, buf.len() as u64) }.unwrap();
