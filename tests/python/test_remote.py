@@ -2,7 +2,6 @@
 `umbp_standalone_server` processes standing in for two nodes, against a real three-node Redis
 cluster started from the distribution's `redis-server` (tests/redis_cluster.py)."""
 
-import mmap
 import socket
 import sys
 import time
@@ -103,6 +102,7 @@ def test_a_corrupted_object_is_a_miss_and_the_rest_restores(cluster):
     assert cluster.cli(cluster.ports[0], "set", k4, "overwritten by redis-cli").strip() == "OK"
     b = node(cluster)
     try:
+        attach(b, KvCache())  # fetches read values as far as a layout's object size
         assert b.prefix_hits(keys) == 4
         assert b.exists(keys) == [True] * 4 + [False] + [True] * 3
         s = b.remote_stats()
@@ -139,6 +139,8 @@ def test_a_stopped_cluster_node_makes_lookups_miss_within_the_timeout(cluster):
     kb = umbp.KeyBuilder("remote-py-stopped", tp=0)
     keys = stored_by_a_closed_node(cluster, "remote-py-stopped", 32, seed=4)
     b = node(cluster, remote_timeout_ms=300)
+    dst = KvCache(fill_seed=1)
+    lb = attach(b, dst)
     victim = cluster.owner("umbp:v1:" + keys.to_bytes()[0:64].hex())
     try:
         cluster.stop_node(victim)
@@ -148,8 +150,6 @@ def test_a_stopped_cluster_node_makes_lookups_miss_within_the_timeout(cluster):
         assert got == 0, "block 0 lives on the stopped node"
         assert took < 0.3 + 0.2, f"the lookup took {took:.3f} s with remote_timeout_ms=300"
         # The pool keeps working.
-        dst = KvCache(fill_seed=1)
-        lb = attach(b, dst)
         local = kb.keys(0, hashes(range(100, 104)))
         assert b.store(lb, 0, [0, 1, 2, 3], local).wait() == ["done"] * 4
         assert b.exists(local) == [True] * 4
@@ -159,12 +159,6 @@ def test_a_stopped_cluster_node_makes_lookups_miss_within_the_timeout(cluster):
     finally:
         cluster.resume_node(victim)
         b.close()
-
-
-def own_buffer():
-    """A KV cache in a mapping of its own (standalone mode shares whole mappings)."""
-    m = mmap.mmap(-1, peer.LAYERS * peer.BLOCKS * peer.PIECE, flags=mmap.MAP_PRIVATE)
-    return np.frombuffer(m, dtype=np.uint8).reshape(peer.LAYERS, peer.BLOCKS, peer.PIECE)
 
 
 def test_two_standalone_servers_share_objects_through_the_cluster(cluster, tmp_path):
@@ -178,7 +172,7 @@ def test_two_standalone_servers_share_objects_through_the_cluster(cluster, tmp_p
         running(tmp_path.name + "a", extra_args=args) as sa,
         running(tmp_path.name + "b", extra_args=[*args, "--metrics-address", metrics]) as sb,
     ):
-        src, dst = own_buffer(), own_buffer()
+        src, dst = peer.own_buffer(), peer.own_buffer()
         src[:] = peer.pattern(11)
         ca = umbp.StandaloneClient(sa.endpoint, startup_timeout_ms=5000, client_name="node-a")
         with ca:
@@ -238,7 +232,7 @@ def test_an_engine_reset_clears_its_namespace_in_the_remote_tier(cluster, tmp_pa
 def test_umbp_clear_namespace_reaches_the_servers_remote_tier(cluster, tmp_path):
     args = ["--remote-url", cluster.url, "--remote-timeout-ms", "2000"]
     with running(tmp_path.name, extra_args=args) as s:
-        src = own_buffer()
+        src = peer.own_buffer()
         src[:] = peer.pattern(12)
         c = umbp.StandaloneClient(s.endpoint, startup_timeout_ms=5000, client_name="clear")
         with c:

@@ -319,6 +319,8 @@ fn tier_round(url: &str, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
         st.errors
     );
     let tb = umbp_remote::RemoteTier::start(tier_config(url, bytes), Arc::clone(&f.pb))?;
+    // As a registered layout of this object size would allow.
+    tb.allow_object_bytes(f.size as u64);
     let s = Instant::now();
     let present = tb.fetch_present(&keys);
     t.tier_get.push(s.elapsed().as_secs_f64());

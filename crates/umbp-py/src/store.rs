@@ -269,6 +269,7 @@ impl EmbeddedStore {
                     timeout: Duration::from_millis(remote_timeout_ms),
                     write_backlog_bytes: remote_write_backlog,
                     write_bytes_per_s: remote_write_mb_per_s.saturating_mul(1_000_000),
+                    secret_file: umbp_store::remote_secret_file_from_env(),
                 }),
             },
         };

@@ -257,44 +257,59 @@ pub(crate) fn is_wrong_type(e: &redis::RedisError) -> bool {
 }
 
 impl Conn {
-    /// `GET` of every key, pipelined (per node on a cluster); `None` for absent keys.
-    pub(crate) fn get_many(&mut self, keys: &[String]) -> RedisResult<Vec<Option<Vec<u8>>>> {
+    /// The first `limit + 1` bytes of every key's value (`GETRANGE`, pipelined, per node on a
+    /// cluster), so a value longer than `limit` shows as such without being read whole;
+    /// `None` for absent keys (an absent key reads as empty, which no value is).
+    pub(crate) fn get_many(
+        &mut self,
+        keys: &[String],
+        limit: u64,
+    ) -> RedisResult<Vec<Option<Vec<u8>>>> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        match self {
+        let got: Vec<Vec<u8>> = match self {
             Conn::Single(c) => {
                 let mut p = redis::pipe();
                 for k in keys {
-                    p.cmd("GET").arg(k);
+                    p.cmd("GETRANGE").arg(k).arg(0).arg(limit);
                 }
-                p.query(c)
+                p.query(c)?
             }
             Conn::Cluster(c) => {
                 let mut p = cluster_pipe();
                 for k in keys {
-                    p.cmd("GET").arg(k);
+                    p.cmd("GETRANGE").arg(k).arg(0).arg(limit);
                 }
-                p.query(c)
+                p.query(c)?
             }
-        }
+        };
+        Ok(got
+            .into_iter()
+            .map(|v| (!v.is_empty()).then_some(v))
+            .collect())
     }
 
-    /// `GET` of each key on its own: for a chunk whose pipeline failed because some key holds
-    /// another type than a string (`WRONGTYPE`, which fails the whole pipeline). Such a key
-    /// reads as an empty value, which the caller rejects (a bad object), and the others are
-    /// read as usual.
-    pub(crate) fn get_each(&mut self, keys: &[String]) -> RedisResult<Vec<Option<Vec<u8>>>> {
+    /// [`get_many`](Self::get_many) one key at a time: for a chunk whose pipeline failed
+    /// because some key holds another type than a string (`WRONGTYPE`, which fails the whole
+    /// pipeline). Such a key reads as a one-byte value, which the caller rejects (not an
+    /// object), and the others are read as usual.
+    pub(crate) fn get_each(
+        &mut self,
+        keys: &[String],
+        limit: u64,
+    ) -> RedisResult<Vec<Option<Vec<u8>>>> {
         keys.iter()
             .map(|k| {
-                let cmd = redis::cmd("GET").arg(k).clone();
-                let r: RedisResult<Option<Vec<u8>>> = match self {
+                let cmd = redis::cmd("GETRANGE").arg(k).arg(0).arg(limit).clone();
+                let r: RedisResult<Vec<u8>> = match self {
                     Conn::Single(c) => cmd.query(c),
                     Conn::Cluster(c) => cmd.query(c.as_mut()),
                 };
                 match r {
-                    Err(e) if is_wrong_type(&e) => Ok(Some(Vec::new())),
-                    r => r,
+                    Err(e) if is_wrong_type(&e) => Ok(Some(vec![0])),
+                    Ok(v) => Ok((!v.is_empty()).then_some(v)),
+                    Err(e) => Err(e),
                 }
             })
             .collect()

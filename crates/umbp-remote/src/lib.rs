@@ -22,6 +22,7 @@
 //! allkeys-lru` there, and/or give objects a TTL ([`RemoteConfig::ttl`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -121,6 +122,52 @@ pub struct RemoteConfig {
     pub write_backlog_bytes: u64,
     /// Write rate limit in bytes per second (0: none).
     pub write_bytes_per_s: u64,
+    /// A file holding a secret the nodes share (at least 16 bytes; a final newline is not
+    /// part of it): values are then sealed with a keyed MAC (HMAC-SHA256) instead of a
+    /// checksum, and only values sealed with the same secret are taken ([`object`]).
+    /// [`RemoteConfig::new`] takes it from `UMBP_REMOTE_SECRET_FILE`.
+    pub secret_file: Option<PathBuf>,
+}
+
+/// The environment variable naming the remote tier's secret file.
+pub const SECRET_FILE_ENV: &str = "UMBP_REMOTE_SECRET_FILE";
+
+/// The secret file `UMBP_REMOTE_SECRET_FILE` names, if set and not empty.
+pub fn secret_file_from_env() -> Option<PathBuf> {
+    std::env::var_os(SECRET_FILE_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Reads the secret of `path` into a MAC key; errors name the file and what to change. Warns
+/// when other users may read the file.
+fn read_secret(path: &Path) -> Result<object::MacKey, RemoteError> {
+    use std::os::unix::fs::PermissionsExt;
+    let bad = |why: String| RemoteError::Setting {
+        name: "remote secret file",
+        why: format!("{}: {why}", path.display()),
+    };
+    let bytes = std::fs::read(path).map_err(|e| {
+        bad(format!(
+            "cannot read it ({e}); name a file this user can read"
+        ))
+    })?;
+    let secret = bytes
+        .strip_suffix(b"\r\n")
+        .or_else(|| bytes.strip_suffix(b"\n"))
+        .unwrap_or(&bytes);
+    let key = object::MacKey::new(secret).map_err(bad)?;
+    if let Ok(m) = std::fs::metadata(path) {
+        if m.permissions().mode() & 0o077 != 0 {
+            log::warn!(
+                "remote tier: the secret file {} is readable by other users (mode {:o}); \
+                 chmod 600 it",
+                path.display(),
+                m.permissions().mode() & 0o777
+            );
+        }
+    }
+    Ok(key)
 }
 
 impl RemoteConfig {
@@ -133,6 +180,7 @@ impl RemoteConfig {
             timeout: Duration::from_millis(options::REMOTE_TIMEOUT_MS.default_u64()),
             write_backlog_bytes: options::REMOTE_WRITE_BACKLOG.default_u64(),
             write_bytes_per_s: 0,
+            secret_file: secret_file_from_env(),
         }
     }
 
@@ -271,6 +319,11 @@ struct FetchJob {
 #[derive(Debug)]
 struct Inner {
     cfg: RemoteConfig,
+    /// How values are sealed (from the secret file, if any).
+    seal: object::Seal,
+    /// The largest object this node's layouts make ([`RemoteTier::allow_object_bytes`]):
+    /// a fetched value is read only that far (0: none registered, nothing is fetched).
+    max_object_bytes: AtomicU64,
     backend: Backend,
     pool: Arc<Pool>,
     c: Counters,
@@ -318,6 +371,11 @@ impl Inner {
 }
 
 impl Inner {
+    /// The longest value a fetch reads: the largest allowed object and its header.
+    fn value_limit(&self) -> u64 {
+        self.max_object_bytes.load(Ordering::Relaxed) + self.seal.header_bytes() as u64
+    }
+
     fn is_down(&self) -> bool {
         let mut d = self.down_until.lock();
         match *d {
@@ -403,6 +461,10 @@ impl RemoteTier {
     /// starts the writer and fetch threads.
     pub fn start(cfg: RemoteConfig, pool: Arc<Pool>) -> Result<RemoteTier, RemoteError> {
         let target = cfg.validate()?;
+        let seal = match &cfg.secret_file {
+            Some(path) => object::Seal::Keyed(Box::new(read_secret(path)?)),
+            None => object::Seal::Checksum,
+        };
         let backend = Backend::new(&target, cfg.timeout)?;
         let events = pool.subscribe(EVENT_QUEUE);
         // After subscribing: a commit racing with this line is counted here and also seen as
@@ -411,6 +473,8 @@ impl RemoteTier {
         let puts_before = pool.stats().puts;
         let inner = Arc::new(Inner {
             cfg,
+            seal,
+            max_object_bytes: AtomicU64::new(0),
             backend,
             pool,
             c: Counters::default(),
@@ -470,8 +534,12 @@ impl RemoteTier {
             tier.threads.lock().push(h);
         }
         log::info!(
-            "remote tier {}: writes {}{}, timeout {} ms, backlog {} MiB",
+            "remote tier {}: values {}; writes {}{}, timeout {} ms, backlog {} MiB",
             redact(&inner.cfg.url),
+            match inner.seal {
+                object::Seal::Checksum => "checksummed (XXH3: catches accidents, not forgeries)",
+                object::Seal::Keyed(_) => "sealed with the secret file's key (HMAC-SHA256)",
+            },
             inner.cfg.write.name(),
             inner
                 .cfg
@@ -486,6 +554,15 @@ impl RemoteTier {
     /// The configuration it runs with.
     pub fn config(&self) -> &RemoteConfig {
         &self.inner.cfg
+    }
+
+    /// Lets fetches read objects of up to `bytes` (a registered layout's object size): a
+    /// remote value is read only as far as the largest size allowed, so a planted huge value
+    /// costs no more memory than a real one. Until a size is allowed, nothing is fetched.
+    pub fn allow_object_bytes(&self, bytes: u64) {
+        self.inner
+            .max_object_bytes
+            .fetch_max(bytes, Ordering::Relaxed);
     }
 
     /// Fetches `keys` (those the pool missed, in prefix order) into the pool, stopping at the
@@ -521,6 +598,11 @@ impl RemoteTier {
         let c = &self.inner.c;
         if self.inner.is_down() {
             add(&c.skipped_lookups, 1);
+            return got;
+        }
+        if self.inner.max_object_bytes.load(Ordering::Relaxed) == 0 {
+            // No layout registered: nothing here could load what it fetched.
+            log::debug!("remote tier: no object size allowed yet; the lookup misses");
             return got;
         }
         if Instant::now() >= deadline {
@@ -766,7 +848,7 @@ fn fetcher(inner: &Inner, jobs: &std::sync::Mutex<Receiver<FetchJob>>) {
 
 type Values = Vec<Option<Vec<u8>>>;
 
-/// One pipelined `GET` of `chunk` on `slot`'s connection; `None` when it failed (counted,
+/// One pipelined `GETRANGE` of `chunk` on `slot`'s connection; `None` when it failed (counted,
 /// the connection dropped: a timed-out pipeline may still answer later).
 fn get_chunk(inner: &Inner, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> Option<Values> {
     let Some(con) = inner.conn(slot) else {
@@ -774,12 +856,13 @@ fn get_chunk(inner: &Inner, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> Opti
         return None;
     };
     let names: Vec<String> = chunk.iter().map(object::remote_key).collect();
-    let mut res = con.get_many(&names);
+    let limit = inner.value_limit();
+    let mut res = con.get_many(&names, limit);
     if res.as_ref().is_err_and(is_redirect) {
         // The cluster moved slots: a new connection reads the new slot map; once.
         *slot = None;
         res = match inner.conn(slot) {
-            Some(con) => con.get_many(&names),
+            Some(con) => con.get_many(&names, limit),
             None => return None,
         };
     }
@@ -787,7 +870,7 @@ fn get_chunk(inner: &Inner, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> Opti
         // A key of the chunk holds a list or a hash (someone else's, or planted): that key
         // is a bad object, the others are read one by one.
         res = match inner.conn(slot) {
-            Some(con) => con.get_each(&names),
+            Some(con) => con.get_each(&names, limit),
             None => return None,
         };
     }
@@ -834,6 +917,7 @@ fn take_chunk(
     prefix: bool,
 ) -> (Vec<bool>, bool) {
     let c = &inner.c;
+    let limit = inner.value_limit();
     let mut present = Vec::with_capacity(chunk.len());
     let mut stop = false;
     for (key, v) in chunk.iter().zip(values) {
@@ -846,8 +930,15 @@ fn take_chunk(
                 add(&c.misses, 1);
                 false
             }
-            Some(v) => match object::parse(key, &v)
-                .and_then(|(payload, sum)| put_fetched(inner, *key, payload, sum))
+            Some(v) => match Ok(&v)
+                .and_then(|v| {
+                    if v.len() as u64 > limit {
+                        Err(object::Reject::TooLarge)
+                    } else {
+                        object::parse(&inner.seal, key, v)
+                    }
+                })
+                .and_then(|(payload, check)| put_fetched(inner, *key, payload, check))
             {
                 Ok(stored) => stored,
                 Err(why) => {
@@ -916,13 +1007,14 @@ fn serve_fetch(inner: &Inner, slots: &mut [Option<Conn>; 2], job: FetchJob) {
     }
 }
 
-/// Puts a fetched object in the pool, its checksum checked while it is copied in: `Ok(true)`
-/// stored (or already there), `Ok(false)` no room, `Err` a bad checksum (nothing stored).
+/// Puts a fetched object in the pool, its checksum or MAC checked while it is copied in:
+/// `Ok(true)` stored (or already there), `Ok(false)` no room, `Err` a bad checksum or MAC
+/// (nothing stored).
 fn put_fetched(
     inner: &Inner,
     key: BlockKey,
     payload: &[u8],
-    sum: u64,
+    check: object::Check<'_>,
 ) -> Result<bool, object::Reject> {
     if inner.pool.contains(&key) {
         return Ok(true);
@@ -936,10 +1028,8 @@ fn put_fetched(
             return Ok(false);
         }
     };
-    if !object::copy_checked(r.as_mut_slice(), payload, sum) {
-        // Dropping the reservation frees it; nothing was visible.
-        return Err(object::Reject::BadChecksum);
-    }
+    // On an error, dropping the reservation frees it; nothing was visible.
+    object::copy_checked(r.as_mut_slice(), payload, check)?;
     {
         let mut fr = inner.from_remote.lock();
         if fr.len() >= MAX_TRACKED {
@@ -1049,6 +1139,7 @@ fn writer(inner: &Inner, rx: Receiver<WriterMsg>) {
                 (
                     name.clone(),
                     object::Encoded {
+                        seal: &inner.seal,
                         key,
                         payload: obj.as_slice(),
                     },

@@ -22,7 +22,10 @@ pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_cuda::{CudaMover, Device, PoolPinner};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
 use umbp_remote::RemoteTier;
-pub use umbp_remote::{RemoteConfig, RemoteError, RemoteStats, WritePolicy};
+pub use umbp_remote::{
+    secret_file_from_env as remote_secret_file_from_env, RemoteConfig, RemoteError, RemoteStats,
+    WritePolicy,
+};
 
 pub use umbp_copy::{JobFinished, JobSet, KeyFailure, KeyResult, MoveError};
 

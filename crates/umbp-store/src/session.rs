@@ -360,6 +360,12 @@ impl Session {
         let mut regions: Vec<RegionId> = found.into_iter().map(|(id, _)| id).collect();
         regions.sort_unstable();
         regions.dedup();
+        if let Some(r) = &self.shared.remote {
+            // Fetched values are read as far as the largest object a layout makes.
+            for g in layout.groups() {
+                r.allow_object_bytes(g.object_bytes());
+            }
+        }
         let id = self.shared.new_layout_id();
         owned.layouts.insert(
             id,

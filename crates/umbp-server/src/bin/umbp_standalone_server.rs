@@ -111,6 +111,11 @@ struct Args {
         conflicts_with = "remote_url"
     )]
     remote_url_file: Option<std::path::PathBuf>,
+    /// A file holding a secret every node of the remote tier shares (16 bytes or more;
+    /// readable by the server's user only): values are then sealed with HMAC-SHA256 instead
+    /// of an XXH3 checksum, and values written without the secret are misses.
+    #[arg(long = "remote-secret-file", env = "UMBP_REMOTE_SECRET_FILE")]
+    remote_secret_file: Option<std::path::PathBuf>,
     /// Expiry of objects written to the remote tier, in seconds (0: none; the remote's
     /// maxmemory-policy evicts).
     #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=315_360_000))]
@@ -265,6 +270,7 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
             timeout: Duration::from_millis(a.remote_timeout_ms),
             write_backlog_bytes: a.remote_write_backlog,
             write_bytes_per_s: a.remote_write_mb_per_s.saturating_mul(1_000_000),
+            secret_file: a.remote_secret_file.clone(),
         }),
         cuda: CudaOptions {
             staging_bytes: a.cuda_staging_bytes,
