@@ -529,6 +529,30 @@ def test_sleep_mode_is_refused_by_name(model_config, tmp_path):
         vc.model_config.enable_sleep_mode = False
 
 
+def test_mamba_state_groups_are_refused_by_name(model_config, tmp_path):
+    """A hybrid model in vLLM's `align` prefix-caching mode has MambaSpec groups whose blocks
+    hold the state at one boundary each (vLLM nulls and reuses the others): storing them by
+    position would file wrong bytes under valid hashes. Refused at start-up, by group."""
+    vc = vllm_config(model_config, tmp_path)
+    state = kvi.MambaSpec(
+        block_size=BS, shapes=((4, 8), (2, 8)), dtypes=(BF16, BF16), mamba_cache_mode="align"
+    )
+    cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)})
+    for kc in (
+        kv_config((["attn.0"], full()), (["mamba.1"], state)),
+        kv_config(
+            (
+                ["mamba.1", "mamba.2"],
+                kvi.UniformTypeKVCacheSpecs(BS, {"mamba.1": state, "mamba.2": state}),
+            ),
+        ),
+    ):
+        with pytest.raises(ConfigError, match=r"group \d \(MambaSpec, layers mamba\.1"):
+            engine_topology(cfg, vc, kc)
+        with pytest.raises(ConfigError, match="without the connector"):
+            UMBPStoreConnector(vc, KVConnectorRole.SCHEDULER, kc)
+
+
 def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path):
     from vllm.config import SpeculativeConfig
 

@@ -110,6 +110,17 @@ def engine_topology(
             "UMBPStoreConnector: no KV cache group of this model takes part in prefix caching, "
             "so there is nothing to offload; run without the connector"
         )
+    for i in load_groups:
+        state = state_spec_name(groups[i].kv_cache_spec)
+        if state is not None:
+            layers = list(getattr(groups[i], "layer_names", []))
+            raise ConfigError(
+                f"UMBPStoreConnector: KV cache group {i} ({state}, layers "
+                f"{', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) holds "
+                "Mamba / linear-attention state, whose blocks hold the state at one boundary "
+                "each rather than the KV of their tokens; UMBP cannot store or restore them "
+                "exactly yet. Run hybrid Mamba / linear-attention models without the connector"
+            )
     namespace = cfg.key_namespace or derive_namespace(vllm_config, kv_cache_config)
     return Topology(
         namespace=namespace,
@@ -125,6 +136,18 @@ def engine_topology(
         per_request_failures=len(groups) > 1,
         nnodes=int(getattr(pc, "nnodes", 1) or 1),
     )
+
+
+def state_spec_name(spec: Any) -> str | None:
+    """The class name of `spec` (or of a layer spec grouped in it) when it describes recurrent
+    state (vLLM's `MambaSpec`: Mamba, gated delta nets, short convolutions), else None."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    specs = list(inner.values()) if isinstance(inner, dict) and inner else [spec]
+    for s in specs:
+        for cls in type(s).__mro__:
+            if cls.__name__ == "MambaSpec":
+                return type(s).__name__
+    return None
 
 
 def dp_index(pc: Any) -> int:

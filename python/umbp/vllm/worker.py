@@ -177,8 +177,9 @@ class WorkerSide:
                 if getattr(spec, "has_layer_views", True) is False:
                     raise ConfigError(
                         f"UMBPStoreConnector: KV cache group {gi} ({type(spec).__name__}) has "
-                        "no per-layer KV views (e.g. Mamba state); models with such layers "
-                        "are not supported yet"
+                        "no per-layer KV views (an engine-internal buffer such as a "
+                        "sparse-attention hot cache); models with such layers are not "
+                        "supported yet"
                     )
                 expected = getattr(spec, "unpadded_page_size_bytes", None)
                 layers.append(
