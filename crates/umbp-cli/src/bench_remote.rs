@@ -48,6 +48,10 @@ pub struct Args {
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// Also time a tier with a secret (HMAC-SHA256 values, as with UMBP_REMOTE_SECRET_FILE)
+    /// in the same rounds, and print keyed / checksummed.
+    #[arg(long)]
+    keyed: bool,
 }
 
 /// A private `redis-server`, killed on drop.
@@ -210,14 +214,45 @@ struct Times {
     raw_get: Vec<f64>,
     tier_put: Vec<f64>,
     tier_get: Vec<f64>,
+    keyed_put: Vec<f64>,
+    keyed_get: Vec<f64>,
 }
 
-fn tier_config(url: &str, bytes: u64) -> RemoteConfig {
+/// The tier's configuration; sealed with the secret in `secret_file` when given, else
+/// checksummed (whatever UMBP_REMOTE_SECRET_FILE says).
+fn tier_config(url: &str, bytes: u64, secret_file: Option<&std::path::Path>) -> RemoteConfig {
     RemoteConfig {
         write: WritePolicy::Eager,
         timeout: Duration::from_secs(60),
         write_backlog_bytes: bytes * 2,
+        secret_file: secret_file.map(std::path::Path::to_path_buf),
         ..RemoteConfig::new(url)
+    }
+}
+
+/// A secret file of 32 bytes (mode 600) for the keyed rounds; removed on drop.
+struct SecretFile(std::path::PathBuf);
+
+impl SecretFile {
+    fn new() -> Result<SecretFile> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = std::env::temp_dir().join(format!("umbp-bench-secret-{}", std::process::id()));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        let secret: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(73) ^ 0x5A).collect();
+        f.write_all(&secret)?;
+        Ok(SecretFile(path))
+    }
+}
+
+impl Drop for SecretFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 
@@ -259,12 +294,25 @@ impl Fixture {
 /// One round of one size: raw SET and GET, and the tier's put and get, raw first in even
 /// rounds and the tier first in odd ones (the machine's state after one must not favour the
 /// other).
-fn round(url: &str, raw: &mut Raw, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
+fn round(
+    url: &str,
+    raw: &mut Raw,
+    f: &Fixture,
+    round: u32,
+    t: &mut Times,
+    secret: Option<&SecretFile>,
+) -> Result<()> {
+    let keyed = |t: &mut Times| match secret {
+        Some(s) => tier_round(url, f, round, t, Some(&s.0)),
+        None => Ok(()),
+    };
     if round.is_multiple_of(2) {
         raw_round(raw, f, round, t)?;
-        tier_round(url, f, round, t)
+        tier_round(url, f, round, t, None)?;
+        keyed(t)
     } else {
-        tier_round(url, f, round, t)?;
+        keyed(t)?;
+        tier_round(url, f, round, t, None)?;
         raw_round(raw, f, round, t)
     }
 }
@@ -286,10 +334,22 @@ fn raw_round(raw: &mut Raw, f: &Fixture, round: u32, t: &mut Times) -> Result<()
     raw.del(&raw_keys)
 }
 
-fn tier_round(url: &str, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
+/// One put and get of every object through two tiers (node A writes, node B fetches);
+/// keyed (with `secret`) or checksummed.
+fn tier_round(
+    url: &str,
+    f: &Fixture,
+    round: u32,
+    t: &mut Times,
+    secret: Option<&std::path::Path>,
+) -> Result<()> {
     let (n, bytes) = (f.n, (f.size * f.n) as u64);
     let kb = KeyBuilder::new(
-        &format!("umbp-bench-remote-{}-{round}", std::process::id()),
+        &format!(
+            "umbp-bench-remote-{}-{round}-{}",
+            std::process::id(),
+            secret.is_some()
+        ),
         RankTopology::default(),
     )?;
     let keys: Vec<BlockKey> = (0..n)
@@ -302,14 +362,18 @@ fn tier_round(url: &str, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
     for (k, p) in keys.iter().zip(&f.payloads) {
         f.pa.put(*k, p)?;
     }
-    let ta = umbp_remote::RemoteTier::start(tier_config(url, bytes), Arc::clone(&f.pa))?;
+    let (put_times, get_times) = match secret {
+        Some(_) => (&mut t.keyed_put, &mut t.keyed_get),
+        None => (&mut t.tier_put, &mut t.tier_get),
+    };
+    let ta = umbp_remote::RemoteTier::start(tier_config(url, bytes, secret), Arc::clone(&f.pa))?;
     let s = Instant::now();
     ta.write_keys(&keys);
     ensure!(
         ta.flush(Duration::from_secs(120)),
         "the tier's writer did not drain in 120 s"
     );
-    t.tier_put.push(s.elapsed().as_secs_f64());
+    put_times.push(s.elapsed().as_secs_f64());
     let st = ta.stats();
     ensure!(
         st.writes == n as u64 && st.writes_dropped == 0,
@@ -318,12 +382,12 @@ fn tier_round(url: &str, f: &Fixture, round: u32, t: &mut Times) -> Result<()> {
         st.writes_dropped,
         st.errors
     );
-    let tb = umbp_remote::RemoteTier::start(tier_config(url, bytes), Arc::clone(&f.pb))?;
+    let tb = umbp_remote::RemoteTier::start(tier_config(url, bytes, secret), Arc::clone(&f.pb))?;
     // As a registered layout of this object size would allow.
     tb.allow_object_bytes(f.size as u64);
     let s = Instant::now();
     let present = tb.fetch_present(&keys);
-    t.tier_get.push(s.elapsed().as_secs_f64());
+    get_times.push(s.elapsed().as_secs_f64());
     let missing = present.iter().filter(|p| !**p).count();
     ensure!(
         missing == 0,
@@ -387,6 +451,11 @@ pub fn run(a: &Args) -> Result<()> {
         a.mib,
         a.rounds
     );
+    let secret = if a.keyed {
+        Some(SecretFile::new()?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     for &size in &sizes {
         let n = ((a.mib << 20) as usize / size).max(1);
@@ -395,7 +464,7 @@ pub fn run(a: &Args) -> Result<()> {
         let fixture = Fixture::new(size, n)?;
         for r in 0..=a.rounds {
             let mut one = Times::default();
-            round(&url, &mut raw, &fixture, r, &mut one)?;
+            round(&url, &mut raw, &fixture, r, &mut one, secret.as_ref())?;
             let g = |v: &[f64]| bytes / v[0] / GB;
             progress!(
                 "  {} KiB round {r}{}: raw SET {:.2} GET {:.2}, tier put {:.2} get {:.2} GB/s",
@@ -406,11 +475,21 @@ pub fn run(a: &Args) -> Result<()> {
                 g(&one.tier_put),
                 g(&one.tier_get)
             );
+            if secret.is_some() {
+                progress!(
+                    "  {} KiB round {r}: keyed put {:.2} get {:.2} GB/s",
+                    size >> 10,
+                    g(&one.keyed_put),
+                    g(&one.keyed_get)
+                );
+            }
             if r > 0 {
                 t.raw_set.extend(one.raw_set);
                 t.raw_get.extend(one.raw_get);
                 t.tier_put.extend(one.tier_put);
                 t.tier_get.extend(one.tier_get);
+                t.keyed_put.extend(one.keyed_put);
+                t.keyed_get.extend(one.keyed_get);
             }
         }
         let g = |v: &mut Vec<f64>| bytes / median(v) / GB;
@@ -420,7 +499,7 @@ pub fn run(a: &Args) -> Result<()> {
             g(&mut t.tier_put),
             g(&mut t.tier_get),
         );
-        rows.push(json!({
+        let mut row = json!({
             "object_bytes": size,
             "objects": n,
             "raw_set_gbps": rs,
@@ -429,7 +508,15 @@ pub fn run(a: &Args) -> Result<()> {
             "tier_get_gbps": tg,
             "put_vs_raw": tp / rs,
             "get_vs_raw": tg / rg,
-        }));
+        });
+        if secret.is_some() {
+            let (kp, kg) = (g(&mut t.keyed_put), g(&mut t.keyed_get));
+            row["keyed_put_gbps"] = json!(kp);
+            row["keyed_get_gbps"] = json!(kg);
+            row["keyed_put_vs_checksummed"] = json!(kp / tp);
+            row["keyed_get_vs_checksummed"] = json!(kg / tg);
+        }
+        rows.push(row);
     }
     print_table(&url, a, &rows);
     if a.json {
@@ -481,6 +568,20 @@ fn print_table(url: &str, a: &Args, rows: &[Value]) {
             if x < TARGET_VS_RAW {
                 misses.push(format!("{kib} KiB {d} {x:.2}"));
             }
+        }
+    }
+    if rows.iter().any(|r| r.get("keyed_put_gbps").is_some()) {
+        println!("  keyed (HMAC-SHA256) tier, same rounds:");
+        for r in rows {
+            let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+            println!(
+                "  {:>8} | put {:>5.2} GB/s ({:.2} of checksummed) | get {:>5.2} GB/s ({:.2})",
+                format!("{} KiB", r["object_bytes"].as_u64().unwrap_or(0) >> 10),
+                f("keyed_put_gbps"),
+                f("keyed_put_vs_checksummed"),
+                f("keyed_get_gbps"),
+                f("keyed_get_vs_checksummed")
+            );
         }
     }
     if misses.is_empty() {
