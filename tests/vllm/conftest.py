@@ -53,6 +53,52 @@ def hybrid_model(tmp_path_factory) -> str:
     return build(str(out), sliding_window=SLIDING_WINDOW)
 
 
+@pytest.fixture(scope="session")
+def gdn_model(tmp_path_factory) -> str:
+    """A tiny Qwen3.5-shaped hybrid: three gated-delta-net (linear attention) layers and one
+    full-attention layer, random bf16 weights. vLLM CPU runs it with prefix caching in its
+    `align` mode: one attention group and three state groups (`MambaSpec`), 256-token blocks."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from umbp.demo.tiny_model import _tokenizer
+
+    out = tmp_path_factory.mktemp("model") / "tiny-qwen3.5-gdn"
+    tok = _tokenizer(8192)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        # vLLM CPU's gated-delta-net kernels take head dims of 64 or 128.
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=8192,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    m = Qwen3_5ForCausalLM(cfg)
+    with torch.no_grad():  # wide weights: greedy outputs depend visibly on the whole prompt
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    m.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    c = json.loads((out / "config.json").read_text())
+    c["torch_dtype"] = "bfloat16"  # vLLM CPU's gated-delta-net kernels need bf16
+    (out / "config.json").write_text(json.dumps(c, indent=2))
+    return str(out)
+
+
 def prompts(n: int, length: int = 1100, shared: int = 600, seed: int = 0) -> list[str]:
     """`n` prompts of `length` byte-tokens sharing their first `shared` characters."""
     rng = random.Random(seed)

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import struct
+import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import umbp
-from conftest import finish, prompts, run_engine, wait_for
+from conftest import COMPUTED, finish, prompts, run_engine, wait_for
 from umbp.vllm.host import socket_dir
 from umbp.vllm.namespace import socket_tag
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from standalone_server import running  # noqa: E402
 
 BLOCK = 128  # vLLM CPU's default block size
 
@@ -383,6 +390,65 @@ def test_hybrid_model_two_groups_restore_and_outputs_stay_identical(hybrid_model
     assert objects == 2 * 14, objects
     for o in restored:
         assert o["cached"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK, restored
+
+
+GDN_BLOCK = 256  # vLLM raises the block size until an attention page holds the GDN state
+
+
+@pytest.mark.parametrize("mode", ["embedded", "standalone"])
+def test_gdn_hybrid_restores_state_at_block_boundaries_with_identical_outputs(
+    gdn_model, tmp_path, mode
+):
+    """Issue 31: a gated-delta-net hybrid (three state groups, one attention group) in vLLM's
+    `align` mode. Attention blocks are stored by position, each state group's state only where
+    vLLM hands it over (the boundaries its chunks ended on); after vLLM's own prefix cache is
+    reset every prompt restores as much as vLLM's own prefix cache hits (the last boundary
+    with state in every group), and the outputs are those of an engine that computes
+    everything."""
+    p1, p2 = prompts(2, seed=21)  # 1100 tokens each, sharing their first 600
+    p1_longer = p1 + prompts(1, length=400, shared=0, seed=22)[0]  # vLLM's own hit on p1 first
+    ps = [p1, p1_longer, p2]
+    # The baseline computes every prompt (no restores), then runs them again: vLLM's own
+    # prefix cache hits in the second pass are what a restore must match.
+    base = run_engine(
+        {
+            "model": gdn_model,
+            "connector": COMPUTED,
+            "steps": [{"generate": ps}, {"generate": ps[::-1]}],
+        },
+        timeout=600,
+    )
+    assert "steps" in base, base
+    with contextlib.ExitStack() as stack:
+        if mode == "standalone":
+            server = stack.enter_context(running(tmp_path.name, capacity="256MiB"))
+            cfg = {"mode": "standalone", "endpoint": f"unix://{server.endpoint}"}
+        else:
+            cfg = connector(tmp_path, key_namespace="gdn-hybrid")
+        r = run_engine(
+            {
+                "model": gdn_model,
+                "connector": cfg,
+                "steps": [
+                    {"generate": ps},
+                    {"reset": False},  # vLLM's own prefix cache only
+                    {"generate": ps[::-1]},
+                ],
+            },
+            timeout=600,
+        )
+    assert "steps" in r, r
+    first, restored = r["steps"][0], r["steps"][2][::-1]
+    expected = [o["tokens"] for o in base["steps"][0]]
+    assert [o["tokens"] for o in first] == expected
+    assert [o["tokens"] for o in restored] == expected
+    own = [o["cached"] for o in base["steps"][1][::-1]]
+    got = [o["cached"] for o in restored]
+    print(
+        f"GDN hybrid: prompt tokens {[o['prompt_tokens'] for o in restored]}, restored {got}, "
+        f"vLLM's own hits {own}"
+    )
+    assert got == own and all(n > 0 and n % GDN_BLOCK == 0 for n in got), (got, own)
 
 
 def test_a_killed_worker_leaves_no_socket_behind(model, tmp_path):

@@ -529,28 +529,106 @@ def test_sleep_mode_is_refused_by_name(model_config, tmp_path):
         vc.model_config.enable_sleep_mode = False
 
 
-def test_mamba_state_groups_are_refused_by_name(model_config, tmp_path):
-    """A hybrid model in vLLM's `align` prefix-caching mode has MambaSpec groups whose blocks
-    hold the state at one boundary each (vLLM nulls and reuses the others): storing them by
-    position would file wrong bytes under valid hashes. Refused at start-up, by group."""
-    vc = vllm_config(model_config, tmp_path)
-    state = kvi.MambaSpec(
-        block_size=BS, shapes=((4, 8), (2, 8)), dtypes=(BF16, BF16), mamba_cache_mode="align"
+def mamba(mode: str = "align", **kw) -> kvi.MambaSpec:
+    return kvi.MambaSpec(
+        block_size=BS, shapes=((4, 8), (2, 8)), dtypes=(BF16, BF16), mamba_cache_mode=mode, **kw
     )
+
+
+def test_mamba_state_groups_outside_align_mode_are_refused_by_name(model_config, tmp_path):
+    """Issue 31: vLLM prefix-caches recurrent state only in its `align` mode; other modes, and
+    speculative state blocks, are refused at start-up by group, with the flag to change."""
+    vc = vllm_config(model_config, tmp_path)
     cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)})
+    none = mamba("none")
     for kc in (
-        kv_config((["attn.0"], full()), (["mamba.1"], state)),
-        kv_config(
-            (
-                ["mamba.1", "mamba.2"],
-                kvi.UniformTypeKVCacheSpecs(BS, {"mamba.1": state, "mamba.2": state}),
-            ),
-        ),
+        kv_config((["attn.0"], full()), (["mamba.1"], none)),
+        kv_config((["mamba.1", "mamba.2"], kvi.UniformTypeKVCacheSpecs(BS, {"mamba.1": none}))),
     ):
-        with pytest.raises(ConfigError, match=r"group \d \(MambaSpec, layers mamba\.1"):
+        with pytest.raises(ConfigError, match=r"group \d \(MambaSpec\).*--mamba-cache-mode align"):
             engine_topology(cfg, vc, kc)
-        with pytest.raises(ConfigError, match="without the connector"):
-            UMBPStoreConnector(vc, KVConnectorRole.SCHEDULER, kc)
+    kc = kv_config((["attn.0"], full()), (["mamba.1"], mamba(num_speculative_blocks=1)))
+    with pytest.raises(ConfigError, match=r"group 1 \(MambaSpec, layers mamba\.1\).*speculative"):
+        engine_topology(cfg, vc, kc)
+    topo = engine_topology(cfg, vc, kv_config((["attn.0"], full()), (["mamba.1"], mamba())))
+    assert (topo.attention_groups, topo.state_groups, topo.force_async_loads) == ((0,), (1,), True)
+
+
+def _state_put(e: Engine, group: int, req: Request, index: int, block_id: int) -> None:
+    """Stores block `block_id` as the state after block `index` of `req` in a state group."""
+    w = e.worker._worker
+    keys = w.keys.keys(group, [req.block_hashes[index]])
+    assert w.store.store(w.layout, group, [block_id], keys).wait(5000) == ["done"]
+
+
+def test_a_state_group_hits_up_to_the_last_boundary_every_group_holds(model_config, tmp_path):
+    """Issue 31: attention groups need every block of a hit, a state group only the state at
+    its end. Missing state at the longest prefix shrinks the hit to the last boundary every
+    group holds, never a hit with missing state; a load writes only the state block."""
+    vc = vllm_config(model_config, tmp_path)
+    e = Engine(vc, kv_config((["attn.0"], full()), (["mamba.1"], mamba())))
+    try:
+        req = e.request("m1", blocks=4, seed=5)
+        e.put(0, req, [1, 2, 3, 4])
+        assert matched(e, req)[0] == 0, "no state anywhere: no hit"
+        _state_put(e, 1, req, 1, 5)  # the state after 2 blocks
+        assert matched(e, req) == (2 * BS, True), "only the state after 2 blocks"
+        e.caches["mamba.1"][6].fill_(7)
+        _state_put(e, 1, req, 3, 6)  # the state after 4 blocks
+        assert matched(e, req) == (4 * BS, True)
+        # vLLM gives the state group nulls and one block, the last.
+        e.sched.update_state_after_alloc(req, blocks_of(e, [7, 8, 9, 10], [0, 0, 0, 11]), 4 * BS)
+        before = {n: t.clone() for n, t in e.caches.items()}
+        out = e.step()
+        while "m1" not in out.finished_recving:
+            out = e.step()
+        assert out.failed_recving == set()
+        assert torch.equal(e.caches["mamba.1"][11], e.caches["mamba.1"][6])
+        changed = [
+            b for b in range(16) if not torch.equal(e.caches["mamba.1"][b], before["mamba.1"][b])
+        ]
+        assert changed == [11], changed
+        # A state allocation other than "only the last block" is a failed load, not a guess.
+        req2 = e.request("m2", blocks=4, seed=5)
+        assert matched(e, req2)[0] == 4 * BS
+        e.sched.update_state_after_alloc(req2, blocks_of(e, [7, 8, 9, 10], [0, 12, 0, 13]), 4 * BS)
+        assert [f[0] for f in e.sched._scheduler.failed_loads] == ["m2"]
+    finally:
+        e.close()
+
+
+def test_state_is_stored_only_from_vllms_boundary_hand_offs(model_config, tmp_path):
+    """Issue 31: a state group's table is not append-only (vLLM nulls, frees and reuses its
+    blocks), so state is stored only from `boundary_state_offloads`, exact (group, block,
+    tokens) triples; attention groups are stored by position as before."""
+    from vllm.v1.core.sched.output import KVConnectorBlockState
+
+    vc = vllm_config(model_config, tmp_path)
+    e = Engine(vc, kv_config((["attn.0"], full()), (["mamba.1"], mamba())))
+    try:
+        req = e.request("m3", blocks=3, seed=9)
+        assert matched(e, req)[0] == 0
+        so = SchedulerOutput.make_empty()
+        so.scheduled_new_reqs = [_new_req(req, ([1, 2, 3], [0, 0, 4]))]
+        so.num_scheduled_tokens = {req.request_id: req.num_tokens}
+        so.kv_connector_block_state = KVConnectorBlockState(
+            req_ids={"m3"},
+            resolve_block_ids=lambda rid: ([1, 2, 3], [0, 0, 4]),
+            # The state after 3 blocks in block 4; a partial tail (not a block boundary) and
+            # another group's entry are not stored.
+            boundary_state_offloads={"m3": [(1, 4, 3 * BS), (1, 4, 3 * BS - 5), (0, 1, BS)]},
+        )
+        meta = e.sched.build_connector_meta(so)
+        stores = sorted((t.group, list(t.block_ids)) for t in meta.stores)
+        assert stores == [(0, [1, 2, 3]), (1, [4])], stores
+        state = next(t for t in meta.stores if t.group == 1)
+        assert state.hashes == bytes(req.block_hashes[2])
+        # Offered again (vLLM re-offers after a restore): not stored twice.
+        so2 = SchedulerOutput.make_empty()
+        so2.kv_connector_block_state = so.kv_connector_block_state
+        assert [t.group for t in e.sched.build_connector_meta(so2).stores] == []
+    finally:
+        e.close()
 
 
 def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path):

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import umbp
@@ -44,6 +44,8 @@ class _RequestState:
     stored_upto: int = 0  # blocks [0, stored_upto) were stored, queued or restored
     load_start: int = 0
     load_blocks: int = 0
+    # State groups: (group, boundary in blocks) stored or restored, not to be stored again.
+    state_done: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -114,14 +116,22 @@ class SchedulerSide:
         return num_computed_tokens // bs, last
 
     def _lookup(self, hashes: list[bytes]) -> int:
-        """Leading blocks every worker holds, in every group a load restores."""
+        """Leading blocks every worker holds, in every group a load restores: every block in
+        attention groups, and in state groups the state at the hit's last block (the longest
+        such prefix, as vLLM's own prefix cache finds it)."""
         packed, hash_len = pack_hashes(hashes)
         hits = len(hashes)
-        for g in self.topo.load_groups:
+        for g in self.topo.attention_groups:
             hits = min(hits, self.client.prefix_hits(g, packed, hash_len))
             if hits <= 0:
                 return 0
-        return hits
+        if not self.topo.state_groups:
+            return hits
+        held = [True] * hits
+        for g in self.topo.state_groups:
+            have = self.client.exists_all(g, packed[: hits * hash_len], hash_len)
+            held = [a and b for a, b in zip(held, have)]
+        return next((k for k in range(hits, 0, -1) if held[k - 1]), 0)
 
     def _lookup_async(self, rid: str, first: int, hashes: list[bytes]) -> int | None:
         """The hits of a finished background lookup of exactly these blocks, or None (asked
@@ -207,6 +217,21 @@ class SchedulerSide:
                 break
             # Null blocks (block 0: e.g. sliding-window blocks outside the window) hold nothing.
             keep = [i for i, b in enumerate(targets) if b != 0]
+            if g in self.topo.state_groups and keep != [n - 1]:
+                # vLLM gives a state group one block, for the state at the hit's end.
+                logger.warning(
+                    "umbp: request %s: state group %d got blocks at %s of %d restored blocks "
+                    "(expected only the last); its load is reported failed and vLLM "
+                    "recomputes it",
+                    rid,
+                    g,
+                    keep,
+                    n,
+                )
+                allocated = [b for ids in ids_by_group for b in ids[first : first + n] if b]
+                self.failed_loads.append((rid, self.load_async, allocated))
+                loads = []
+                break
             if not keep:
                 continue
             hashes, hash_len = pack_hashes([block_hashes[i] for i in keep])
@@ -223,6 +248,7 @@ class SchedulerSide:
         self.pending_loads.extend(loads)
         # Restored blocks are in the pool already: do not store them again.
         state.stored_upto = max(state.stored_upto, first + n)
+        state.state_done.update((g, first + n) for g in self.topo.state_groups)
 
     # -- stores ----------------------------------------------------------------------------
 
@@ -275,7 +301,7 @@ class SchedulerSide:
                 continue
             state.stored_upto = full
             hashes = list(req.block_hashes[first:full])
-            for g in self.topo.load_groups:  # only what a hash-addressed store can serve
+            for g in self.topo.attention_groups:  # what a hash-addressed store can serve
                 if g >= len(state.block_ids):
                     continue
                 block_ids = state.block_ids[g][first:full]
@@ -293,7 +319,39 @@ class SchedulerSide:
                     [hashes[i] for i in keep],
                     rid,
                 )
+        if self.topo.state_groups:
+            self._state_stores(meta, so)
         return meta
+
+    def _state_stores(self, meta: UMBPConnectorMetadata, so: SchedulerOutput) -> None:
+        """Stores the recurrent state vLLM hands over this step: (group, block, tokens) for
+        each block that now holds the state after exactly `tokens` tokens (vLLM's
+        `boundary_state_offloads`, valid only while this step's metadata is built). A state
+        group's other blocks are nulled, reused or speculative: never stored by position."""
+        block_state = getattr(so, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        assert self.block_pool is not None
+        bs = self.topo.block_size
+        for rid, items in offloads.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            req = state.request
+            by_group: dict[int, list[tuple[Any, bytes]]] = {}
+            for g, block_id, tokens in items:
+                if g not in self.topo.state_groups or block_id == 0 or tokens % bs:
+                    continue
+                k = tokens // bs
+                if k <= 0 or k > len(req.block_hashes) or (g, k) in state.state_done:
+                    continue
+                if not self.cfg.save_decode_cache and tokens > req.num_prompt_tokens:
+                    continue
+                by_group.setdefault(g, []).append(
+                    (self.block_pool.blocks[block_id], req.block_hashes[k - 1])
+                )
+                state.state_done.add((g, k))
+            for g, pairs in by_group.items():
+                self._add_store(meta, g, [b for b, _ in pairs], [h for _, h in pairs], rid)
 
     def _add_store(
         self,

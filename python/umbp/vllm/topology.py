@@ -31,12 +31,22 @@ class Topology:
     # Groups stored and restored: the prefix-cacheable groups vLLM transfers (vLLM's own
     # `prefix_cacheable_group_ids`, which is also what it expects a load to restore).
     load_groups: tuple[int, ...] = (0,)
+    # Of those, groups of recurrent state (Mamba, gated delta nets) in vLLM's `align` mode: a
+    # block holds the state after its last token, so only single boundaries are stored and a
+    # hit ends where every such group holds one.
+    state_groups: tuple[int, ...] = ()
     eagle_drop: bool = False  # EAGLE-style drafting: drop the last block of a hit
     per_request_failures: bool = False  # several groups: block ids are ambiguous
 
     @property
     def force_async_loads(self) -> bool:
-        return self.per_request_failures
+        # State groups: layers read restored state before a synchronous load could land.
+        return self.per_request_failures or bool(self.state_groups)
+
+    @property
+    def attention_groups(self) -> tuple[int, ...]:
+        """Load groups whose blocks hold the KV of their own tokens."""
+        return tuple(g for g in self.load_groups if g not in self.state_groups)
 
     nnodes: int = 1  # hosts the engine's workers are spread over
 
@@ -76,6 +86,16 @@ def engine_topology(
     if not groups:
         raise ConfigError("UMBPStoreConnector needs a KV cache with at least one cache group")
     dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
+    for i, g in enumerate(groups):
+        modes = {getattr(s, "mamba_cache_mode", "none") for s in state_specs(g.kv_cache_spec)}
+        if modes - {"align"}:
+            raise ConfigError(
+                f"UMBPStoreConnector: KV cache group {i} ({state_spec_name(g.kv_cache_spec)}) "
+                f"holds Mamba / linear-attention state in mamba_cache_mode="
+                f"{sorted(modes - {'align'})[0]!r}, which vLLM cannot prefix-cache; enable "
+                "prefix caching with --mamba-cache-mode align (the default with prefix "
+                "caching on)"
+            )
     sizes = {tokens_per_block(g.kv_cache_spec, dcp) for g in groups}
     if len(sizes) != 1 or None in sizes:
         raise ConfigError(
@@ -110,17 +130,36 @@ def engine_topology(
             "UMBPStoreConnector: no KV cache group of this model takes part in prefix caching, "
             "so there is nothing to offload; run without the connector"
         )
+    state_groups = []
     for i in load_groups:
-        state = state_spec_name(groups[i].kv_cache_spec)
-        if state is not None:
-            layers = list(getattr(groups[i], "layer_names", []))
+        spec = groups[i].kv_cache_spec
+        state = state_spec_name(spec)
+        if state is None:
+            continue
+        layers = list(getattr(groups[i], "layer_names", []))
+        what = (
+            f"KV cache group {i} ({state}, layers {', '.join(layers[:3])}"
+            f"{', ...' if len(layers) > 3 else ''})"
+        )
+        for s in state_specs(spec):
+            if getattr(s, "num_speculative_blocks", 0):
+                raise ConfigError(
+                    f"UMBPStoreConnector: {what} keeps speculative-decoding state blocks; "
+                    "hybrid Mamba models with speculative decoding are not supported yet: "
+                    "run them without the connector or without speculative decoding"
+                )
+        if dcp > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
             raise ConfigError(
-                f"UMBPStoreConnector: KV cache group {i} ({state}, layers "
-                f"{', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}) holds "
-                "Mamba / linear-attention state, whose blocks hold the state at one boundary "
-                "each rather than the KV of their tokens; UMBP cannot store or restore them "
-                "exactly yet. Run hybrid Mamba / linear-attention models without the connector"
+                f"UMBPStoreConnector: {what} holds Mamba / linear-attention state, which "
+                "context parallelism (DCP/PCP) does not split by block; run without it"
             )
+        state_groups.append(i)
+    if state_groups and eagle_drops_last_block(vllm_config):
+        raise ConfigError(
+            "UMBPStoreConnector: hybrid Mamba / linear-attention models with EAGLE drafting "
+            "are not supported yet (the dropped block would need the state before it); run "
+            "without the connector or without the drafter"
+        )
     namespace = cfg.key_namespace or derive_namespace(vllm_config, kv_cache_config)
     return Topology(
         namespace=namespace,
@@ -132,22 +171,25 @@ def engine_topology(
         block_size=block_size,
         num_groups=len(groups),
         load_groups=tuple(load_groups),
+        state_groups=tuple(state_groups),
         eagle_drop=eagle_drops_last_block(vllm_config),
         per_request_failures=len(groups) > 1,
         nnodes=int(getattr(pc, "nnodes", 1) or 1),
     )
 
 
-def state_spec_name(spec: Any) -> str | None:
-    """The class name of `spec` (or of a layer spec grouped in it) when it describes recurrent
-    state (vLLM's `MambaSpec`: Mamba, gated delta nets, short convolutions), else None."""
+def state_specs(spec: Any) -> list[Any]:
+    """The layer specs of `spec` (or `spec` itself) that describe recurrent state (vLLM's
+    `MambaSpec`: Mamba, gated delta nets, short convolutions)."""
     inner = getattr(spec, "kv_cache_specs", None)
     specs = list(inner.values()) if isinstance(inner, dict) and inner else [spec]
-    for s in specs:
-        for cls in type(s).__mro__:
-            if cls.__name__ == "MambaSpec":
-                return type(s).__name__
-    return None
+    return [s for s in specs if any(c.__name__ == "MambaSpec" for c in type(s).__mro__)]
+
+
+def state_spec_name(spec: Any) -> str | None:
+    """The class name of the state spec in `spec` (see `state_specs`), else None."""
+    found = state_specs(spec)
+    return type(found[0]).__name__ if found else None
 
 
 def dp_index(pc: Any) -> int:
