@@ -58,7 +58,6 @@ def gdn_model(tmp_path_factory) -> str:
     """A tiny Qwen3.5-shaped hybrid: three gated-delta-net (linear attention) layers and one
     full-attention layer, random bf16 weights. vLLM CPU runs it with prefix caching in its
     `align` mode: one attention group and three state groups (`MambaSpec`), 256-token blocks."""
-    import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from umbp.demo.tiny_model import _tokenizer
@@ -85,16 +84,62 @@ def gdn_model(tmp_path_factory) -> str:
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
     )
+    return _save_random(lambda: Qwen3_5ForCausalLM(cfg), tok, out)
+
+
+@pytest.fixture(scope="session")
+def mamba2_model(tmp_path_factory) -> str:
+    """A tiny Granite-4.0-H-shaped hybrid: three Mamba2 layers and one attention layer, random
+    bf16 weights; vLLM CPU gives it 384-token blocks (an attention page holds the state)."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from umbp.demo.tiny_model import _tokenizer
+
+    out = tmp_path_factory.mktemp("model") / "tiny-granite-h"
+    tok = _tokenizer(8192)
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "mamba", "attention"],
+        num_local_experts=0,  # a dense shared MLP
+        num_experts_per_tok=0,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_expand=2,
+        mamba_n_heads=4,
+        mamba_d_head=64,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_chunk_size=256,
+        position_embedding_type="rope",
+        max_position_embeddings=8192,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    return _save_random(lambda: GraniteMoeHybridForCausalLM(cfg), tok, out)
+
+
+def _save_random(make, tok, out) -> str:
+    """The model `make()` builds, seeded, with wide random bf16 weights (greedy outputs depend
+    visibly on the whole prompt), saved with the tokenizer; the config says bf16 (vLLM CPU's
+    state kernels need it)."""
+    import torch
+
     torch.manual_seed(0)
-    m = Qwen3_5ForCausalLM(cfg)
-    with torch.no_grad():  # wide weights: greedy outputs depend visibly on the whole prompt
-        for p in m.parameters():
+    model = make()
+    with torch.no_grad():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
-    m.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     c = json.loads((out / "config.json").read_text())
-    c["torch_dtype"] = "bfloat16"  # vLLM CPU's gated-delta-net kernels need bf16
+    c["torch_dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(c, indent=2))
     return str(out)
 

@@ -38,6 +38,8 @@ def main() -> None:
         enforce_eager=True,
         tensor_parallel_size=sc.get("tp", 1),
     )
+    if sc.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = sc["max_num_batched_tokens"]
     if sc.get("connector") is not None:
         from vllm.config import KVTransferConfig
 
