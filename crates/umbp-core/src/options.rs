@@ -174,7 +174,9 @@ pub const LOAD_ASYNC: OptionSpec = flag(
     "load_async",
     true,
     "Restore in the background while the request waits (vLLM schedules it once the load is \
-     done); false: restore before the step's forward pass.",
+     done); false: restore before the step's forward pass. Models with several KV cache \
+     groups (hybrid models, Mamba / linear-attention state among them) always restore in the \
+     background.",
 );
 /// `lookup_async`.
 pub const LOOKUP_ASYNC: OptionSpec = flag(
