@@ -652,6 +652,91 @@ def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path):
         e.close()
 
 
+def deepseek_v32_specs(mla_cache_dtype: str, layers: int = 3, block_size: int = 64) -> dict:
+    """DeepSeek-V3.2's cache specs as its layers declare them in vLLM 0.32: per layer, the
+    sparse MLA latent cache (`MLAAttention.get_kv_cache_spec`: 576 = 512 latent + 64 RoPE, or
+    the 656-byte fp8_ds_mla blob) and the lightning indexer's key cache
+    (`DeepseekV32IndexerCache`: 128 fp8 values + one fp32 scale = 132 bytes, one head)."""
+    fp8 = mla_cache_dtype == "fp8_ds_mla"
+    specs = {}
+    for i in range(layers):
+        specs[f"model.layers.{i}.self_attn.attn"] = kvi.MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=576,
+            dtype=torch.uint8 if fp8 else BF16,
+            cache_dtype_str=mla_cache_dtype,
+            state_content_bytes=656 if fp8 else None,
+            is_index_group_leader=True,
+        )
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = kvi.MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=132,
+            dtype=torch.uint8,
+            cache_role=kvi.SparseCacheRole.INDEXER,
+        )
+    return specs
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+@pytest.mark.parametrize("mla_cache_dtype", ["auto", "fp8_ds_mla"])
+def test_sparse_mla_with_an_indexer_restores_every_byte(
+    model_config, tmp_path, mla_cache_dtype, layout
+):
+    """Issue 31: DeepSeek-V3.2's sparse-attention indexer keeps a per-token key cache beside
+    the MLA latents (vLLM CPU cannot run the model). vLLM's own `get_kv_cache_configs` and
+    `allocate_kv_cache` build the engine's cache from the real layer specs; the indexer's
+    blocks are stored with their block like any attention cache (every block of a hit), and
+    a restore into other blocks writes exactly the stored bytes of both caches, nothing else."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    bs = 64
+    specs = deepseek_v32_specs(mla_cache_dtype, block_size=bs)
+    vc = vllm_config(model_config, tmp_path)
+    vc.cache_config.block_size = bs
+    vc.cache_config.kv_cache_layout = layout  # what the engine core resolves
+    per_block = sum(s.page_size_bytes for s in specs.values())
+    [kc] = get_kv_cache_configs(vc, [specs], [160 * per_block])  # 8K tokens and more
+    cfg = ConnectorConfig.parse({"lookup_dir": str(tmp_path)})
+    topo = engine_topology(cfg, vc, kc)
+    everything = tuple(range(len(kc.kv_cache_groups)))
+    assert (topo.load_groups, topo.state_groups, topo.block_size) == (everything, (), bs)
+    caches = allocate_kv_cache(kc, torch.device("cpu"), KVCacheLayout[layout])
+    assert set(caches) == set(specs)
+    worker = UMBPStoreConnector(vc, KVConnectorRole.WORKER, kc)
+    try:
+        worker.register_kv_caches(caches)
+        w = worker._worker
+        raws = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in caches.values()}
+        assert len(raws) == 1, "vLLM 0.32 backs every layer with one allocation"
+        storage = next(iter(raws.values()))
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        gen = torch.Generator().manual_seed(31)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+        src, dst = [1, 5, 9], [2, 30, 17]
+        stored = {n: t[src].clone() for n, t in caches.items()}
+        hashes = [bytes([b]) * 32 for b in src]
+        for g in everything:
+            keys = w.keys.keys(g, hashes)
+            assert w.store.store(w.layout, g, src, keys).wait(5000) == ["done"] * 3
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+        expect = {n: t.clone() for n, t in caches.items()}
+        for n in expect:
+            expect[n][dst] = stored[n]
+        for g in everything:
+            keys = w.keys.keys(g, hashes)
+            assert w.store.load(w.layout, g, dst, keys).wait(5000) == ["done"] * 3
+        for n, t in caches.items():  # as bytes: random bf16 bytes hold NaNs
+            assert torch.equal(t.view(torch.uint8), expect[n].view(torch.uint8)), n
+    finally:
+        worker.shutdown()
+
+
 def test_hits_are_labelled_host_memory(model_config, tmp_path):
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
