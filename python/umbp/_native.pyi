@@ -159,6 +159,9 @@ class EmbeddedStore:
         stream: int | None = None,
     ) -> Job:
         """`stream` (CUDA layouts): the copies wait for the work already queued on it."""
+    def evict(self, keys: Keys) -> int:
+        """Drops `keys` from the pool as its eviction would (a remote tier keeps its copies);
+        how many were in the pool."""
     def clear(self) -> int: ...
     def stats(self) -> dict[str, object]: ...
     def close(self) -> None: ...

@@ -5,14 +5,18 @@ session and kills the whole group afterwards (vLLM's helper processes can outliv
 
     python engine.py '<scenario json>'
 
-Scenario keys: model, connector (kv_connector_extra_config, or null for no connector),
+Scenario keys: model, max_num_batched_tokens, mamba_ssm_cache_dtype, connector (kv_connector_extra_config, or null for no connector),
 kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
 kv_events (an ipc:// endpoint to publish KV events to), steps: a list of
 {"generate": [prompt, ...]}, {"reset": bool reset_external}, {"signal": path},
 {"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events},
 {"shutdown": true} (shuts the engine down, connector included, and records the seconds it
 took; with VLLM_ENABLE_V1_MULTIPROCESSING=0 that is the engine's own shutdown, in this
-process). A step that raises (e.g. the engine died) ends the scenario; the result then has
+process), {"evict_state": {"prompt": p, "tokens": n, "state_group": i}} (in every worker,
+evicts from UMBP's pool the state stored after the first n tokens of an already generated
+prompt p in the i-th state group, behind the engine's back; records per worker the token
+counts with state in every state group, before and after; needs
+VLLM_ALLOW_INSECURE_SERIALIZATION=1 and an embedded-mode engine). A step that raises (e.g. the engine died) ends the scenario; the result then has
 "error".
 """
 
@@ -38,8 +42,9 @@ def main() -> None:
         enforce_eager=True,
         tensor_parallel_size=sc.get("tp", 1),
     )
-    if sc.get("max_num_batched_tokens"):
-        kwargs["max_num_batched_tokens"] = sc["max_num_batched_tokens"]
+    for key in ("max_num_batched_tokens", "mamba_ssm_cache_dtype"):
+        if sc.get(key):
+            kwargs[key] = sc[key]
     if sc.get("connector") is not None:
         from vllm.config import KVTransferConfig
 
@@ -81,12 +86,14 @@ def main() -> None:
 def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
     from vllm import SamplingParams
 
+    prompt_ids: dict[str, list[int]] = {}
     for step in sc["steps"]:
         if "generate" in step:
             res = []
             for p in step["generate"]:
                 t = time.time()
                 o = llm.generate([p], sp, use_tqdm=False)[0]
+                prompt_ids[p] = list(o.prompt_token_ids)
                 res.append(
                     {
                         "tokens": list(o.outputs[0].token_ids),
@@ -121,10 +128,45 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
             t = time.time()
             llm.llm_engine.engine_core.shutdown()
             out["steps"].append(time.time() - t)
+        elif "evict_state" in step:
+            e = step["evict_state"]
+            args = (prompt_ids[e["prompt"]], e["tokens"], e["state_group"])
+            out["steps"].append(llm.collective_rpc(evict_state, args=args))
         elif "events" in step:
             llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)  # flush a step
             time.sleep(step["events"])
             out["steps"].append(list(events))
+
+
+def evict_state(worker, token_ids: list[int], tokens: int, nth: int) -> dict:
+    """Runs in a vLLM worker (`collective_rpc`): drops from the connector's pool the state
+    stored after `tokens` tokens of the prompt `token_ids` in the `nth` state group, as pool
+    eviction would. The prompt's block hashes are vLLM's own: its block hasher, from the
+    NONE_HASH the engine derives (from a fixed seed for its default sha256 hashes; worker
+    processes never derive it, so it is derived here the same way)."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.request import Request
+
+    w = get_kv_transfer_group()._worker
+    bs, groups = w.topo.block_size, w.topo.state_groups
+    hash_fn = get_hash_fn_by_name(worker.vllm_config.cache_config.prefix_caching_hash_algo)
+    if not hasattr(kcu, "NONE_HASH"):
+        kcu.init_none_hash(hash_fn)
+    hasher = kcu.get_request_block_hasher(bs, hash_fn)
+    req = Request("umbp-evict", token_ids, SamplingParams(max_tokens=1), None, block_hasher=hasher)
+    hashes = list(req.block_hashes)
+
+    def with_state() -> list[int]:
+        held = [w.store.exists(w.keys.keys(g, hashes)) for g in groups]
+        return [(k + 1) * bs for k in range(len(hashes)) if all(h[k] for h in held)]
+
+    before = with_state()
+    key = w.keys.keys(groups[nth], [hashes[tokens // bs - 1]])
+    evicted = w.store.evict(key)
+    return {"before": before, "evicted": evicted, "after": with_state()}
 
 
 def collect_events(endpoint: str, sink: list) -> None:

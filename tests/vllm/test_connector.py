@@ -393,9 +393,18 @@ def test_hybrid_model_two_groups_restore_and_outputs_stay_identical(hybrid_model
 
 
 #: Hybrid models with recurrent-state groups: (fixture, tokens per block as vLLM CPU sizes it,
-#: max_num_batched_tokens). vLLM CPU 0.32's Mamba2 chunk scan returns no intermediate states,
-#: which align mode reads when one chunk spans several blocks: chunks of one block there.
-HYBRIDS = {"gdn": ("gdn_model", 256, None), "mamba2": ("mamba2_model", 384, 384)}
+#: engine settings). vLLM CPU 0.32's Mamba2 chunk scan returns no intermediate states, which
+#: align mode reads when one step spans several blocks: steps of one block there. The block
+#: size follows from the state's size (an attention page must hold it), so the SSM state's
+#: dtype is set, not left to defaults ("auto" follows the model's: 256-token blocks).
+HYBRIDS = {
+    "gdn": ("gdn_model", 256, {}),
+    "mamba2": (
+        "mamba2_model",
+        384,
+        {"max_num_batched_tokens": 384, "mamba_ssm_cache_dtype": "float32"},
+    ),
+}
 
 
 @pytest.mark.parametrize(
@@ -413,9 +422,9 @@ def test_hybrid_state_models_restore_with_identical_outputs(request, tmp_path, k
     only where vLLM hands it over; after vLLM's own prefix cache is reset every prompt restores
     as much as vLLM's own prefix cache hits (the last boundary with state in every group), and
     the outputs are those of an engine that computes everything."""
-    fixture, block, batched = HYBRIDS[kind]
+    fixture, block, settings = HYBRIDS[kind]
     model = request.getfixturevalue(fixture)
-    engine = {"model": model, "tp": tp, "max_num_batched_tokens": batched}
+    engine = {"model": model, "tp": tp, **settings}
     if tp > 1:
         engine["env"] = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per worker
     p1, p2 = prompts(2, seed=21)  # 1100 tokens each, sharing their first 600
@@ -447,6 +456,7 @@ def test_hybrid_state_models_restore_with_identical_outputs(request, tmp_path, k
             timeout=600,
         )
     assert "steps" in r, r
+    assert len(r["steps"]) == 3, r["output"][-8000:]  # what the engine said when it died
     first, restored = r["steps"][0], r["steps"][2][::-1]
     expected = [o["tokens"] for o in base["steps"][0]]
     assert [o["tokens"] for o in first] == expected
@@ -460,6 +470,51 @@ def test_hybrid_state_models_restore_with_identical_outputs(request, tmp_path, k
         f"{ms(restored)}"
     )
     assert got == own and all(n > 0 and n % block == 0 for n in got), (got, own)
+
+
+def test_state_evicted_behind_the_engines_back_shrinks_the_hit(mamba2_model, tmp_path):
+    """Issue 31: the pool evicts each group's objects on its own, so the state at a prefix's
+    longest boundary can be gone while its attention blocks stay. Here it is evicted in one of
+    the three state groups behind the engine's back: the hit shrinks to the last boundary every
+    group still holds (never a hit with missing state), and the outputs stay those of an
+    engine that computes everything."""
+    _, block, settings = HYBRIDS["mamba2"]
+    engine = {
+        "model": mamba2_model,
+        **settings,
+        "env": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # collective_rpc of a function
+    }
+    # vLLM hands over the state at a prompt's last block boundary: a 500-token prefix of p1
+    # leaves it after 384 tokens, p1 (1100 tokens) after 768.
+    (p1,) = prompts(1, seed=23)
+    head = p1[:500]
+    base = run_engine({**engine, "connector": COMPUTED, "steps": [{"generate": [p1]}]})
+    assert "steps" in base, base
+    evict = {"prompt": p1, "tokens": 2 * block, "state_group": 1}
+    r = run_engine(
+        {
+            **engine,
+            "connector": connector(tmp_path, key_namespace="hybrid-evict"),
+            "steps": [
+                {"generate": [head, p1]},
+                {"evict_state": evict},
+                {"reset": False},  # vLLM's own prefix cache only
+                {"generate": [p1]},
+            ],
+        },
+        timeout=600,
+    )
+    assert "steps" in r and "error" not in r, r.get("output", r)[-6000:]
+    [ev] = r["steps"][1]  # one worker
+    restored = r["steps"][3][0]
+    print(
+        f"state after {2 * block} tokens evicted in one of 3 state groups: {ev}; "
+        f"restored {restored['cached']} of {restored['prompt_tokens']} tokens"
+    )
+    assert ev["before"] == [block, 2 * block], ev
+    assert (ev["evicted"], ev["after"]) == (1, [block]), ev
+    assert restored["cached"] == block, restored
+    assert restored["tokens"] == base["steps"][0][0]["tokens"]
 
 
 def test_a_killed_worker_leaves_no_socket_behind(model, tmp_path):

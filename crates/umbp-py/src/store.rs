@@ -409,6 +409,13 @@ impl EmbeddedStore {
         )
     }
 
+    /// Drops `keys` from the pool as its eviction would (a remote tier keeps its copies);
+    /// returns how many were in the pool.
+    fn evict(&self, py: Python<'_>, keys: &Keys) -> Result<u64> {
+        let s = self.live()?;
+        Ok(without_gil(py, || s.evict(&keys.keys))?)
+    }
+
     /// Removes every object; returns how many.
     fn clear(&self, py: Python<'_>) -> Result<u64> {
         let s = self.live()?;

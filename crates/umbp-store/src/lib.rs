@@ -639,6 +639,15 @@ impl EmbeddedStore {
         Ok(self.shared.pool.clear())
     }
 
+    /// Drops `keys` from the pool as its eviction would: a remote tier keeps its copies (a later
+    /// lookup may fetch them back). Returns how many were in the pool. A pinned object leaves
+    /// lookups at once and its space is freed when the transfer using it ends.
+    /// [`StoreError::Closed`] after `close`.
+    pub fn evict(&self, keys: &[BlockKey]) -> Result<u64, StoreError> {
+        self.check_open()?;
+        Ok(keys.iter().filter(|k| self.shared.pool.remove(k)).count() as u64)
+    }
+
     /// Removes the objects of one key namespace (the string keys were built from) from the
     /// pool, and from the remote tier when there is one; returns how many left the pool. Other
     /// namespaces are untouched.
@@ -728,6 +737,13 @@ mod tests {
             .unwrap();
         assert_eq!(r, vec![KeyResult::Done]);
         assert_eq!(s.prefix_hits(&keys).unwrap(), 1);
+        // Evicting one key of three: only it is gone, and only once.
+        let more = vec![keys[0], kb.key(0, b"x").unwrap(), kb.key(1, b"h").unwrap()];
+        let r = s.wait(&s.store(lid, 0, &[1, 2], more[1..].to_vec()).unwrap());
+        assert_eq!(r.unwrap(), vec![KeyResult::Done; 2]);
+        assert_eq!(s.evict(&more[1..2]).unwrap(), 1);
+        assert_eq!(s.evict(&more[1..2]).unwrap(), 0);
+        assert_eq!(s.exists(&more).unwrap(), vec![true, false, true]);
         assert!(
             s.load(lid, 1, &[3], keys.clone()).is_err(),
             "group 1 does not exist"
@@ -795,6 +811,7 @@ mod tests {
         assert!(matches!(s.exists(&keys), Err(StoreError::Closed)));
         assert!(matches!(s.prefix_hits(&keys), Err(StoreError::Closed)));
         assert!(matches!(s.clear(), Err(StoreError::Closed)));
+        assert!(matches!(s.evict(&keys), Err(StoreError::Closed)));
         assert!(matches!(s.stats(), Err(StoreError::Closed)));
     }
 
