@@ -5,7 +5,8 @@ session and kills the whole group afterwards (vLLM's helper processes can outliv
 
     python engine.py '<scenario json>'
 
-Scenario keys: model, max_num_batched_tokens, mamba_ssm_cache_dtype, connector (kv_connector_extra_config, or null for no connector),
+Scenario keys: model, max_num_batched_tokens, mamba_ssm_cache_dtype, num_gpu_blocks_override
+(vLLM's KV cache size in blocks), connector (kv_connector_extra_config, or null for no connector),
 kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
 kv_events (an ipc:// endpoint to publish KV events to), steps: a list of
 {"generate": [prompt, ...]}, {"reset": bool reset_external}, {"signal": path},
@@ -42,7 +43,7 @@ def main() -> None:
         enforce_eager=True,
         tensor_parallel_size=sc.get("tp", 1),
     )
-    for key in ("max_num_batched_tokens", "mamba_ssm_cache_dtype"):
+    for key in ("max_num_batched_tokens", "mamba_ssm_cache_dtype", "num_gpu_blocks_override"):
         if sc.get(key):
             kwargs[key] = sc[key]
     if sc.get("connector") is not None:

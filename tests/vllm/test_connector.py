@@ -396,9 +396,10 @@ def test_hybrid_model_two_groups_restore_and_outputs_stay_identical(hybrid_model
 #: engine settings). vLLM CPU 0.32's Mamba2 chunk scan returns no intermediate states, which
 #: align mode reads when one step spans several blocks: steps of one block there. The block
 #: size follows from the state's size (an attention page must hold it), so the SSM state's
-#: dtype is set, not left to defaults ("auto" follows the model's: 256-token blocks).
+#: dtype is set, not left to defaults ("auto" follows the model's bf16: blocks of 256 tokens
+#: for Mamba2, 128 for GDN).
 HYBRIDS = {
-    "gdn": ("gdn_model", 256, {}),
+    "gdn": ("gdn_model", 256, {"mamba_ssm_cache_dtype": "float32"}),
     "mamba2": (
         "mamba2_model",
         384,
@@ -515,6 +516,42 @@ def test_state_evicted_behind_the_engines_back_shrinks_the_hit(mamba2_model, tmp
     assert (ev["evicted"], ev["after"]) == (1, [block]), ev
     assert restored["cached"] == block, restored
     assert restored["tokens"] == base["steps"][0][0]["tokens"]
+
+
+def test_lazy_offload_keeps_storing_over_a_long_run(model, tmp_path):
+    """Issue 30 item 7: with `lazy_offload`, blocks are stored as they come up for eviction,
+    not after every step. Twelve distinct prompts run one after another in an engine whose
+    cache holds four of them, each evicting earlier ones; each step scans 16 blocks of vLLM's
+    free queue (the default, twice a step's 1,024 tokens), fewer than the cache's 40. Every
+    prompt's blocks must be stored before vLLM evicts them, so after vLLM's own cache is
+    dropped each of the first eight (evicted by later ones) restores all its full blocks from
+    UMBP, with the outputs of an engine that computes everything. The last four were still in
+    vLLM's cache when it was dropped: lazily, nothing made them due for storing."""
+    ps = prompts(12, shared=0, seed=30)  # 1100 tokens each: 9 blocks of 128, 8 of them full
+    engine = {
+        "model": model,
+        "num_gpu_blocks_override": 40,
+        "max_model_len": 2048,
+        "max_num_batched_tokens": 1024,
+    }
+    base = run_engine({**engine, "connector": COMPUTED, "steps": [{"generate": ps}]})
+    assert "steps" in base, base
+    r = run_engine(
+        {
+            **engine,
+            "connector": connector(tmp_path, lazy_offload=True),
+            "steps": [{"generate": ps}, {"reset": False}, {"generate": ps}],
+        },
+        timeout=600,
+    )
+    assert "steps" in r and "error" not in r, r.get("output", r)[-6000:]
+    first, restored = r["steps"][0], r["steps"][2]
+    cached = [o["cached"] for o in restored]
+    print(f"lazy offload, 12 prompts in a 40-block cache: restored {cached}")
+    assert [o["tokens"] for o in first] == [o["tokens"] for o in base["steps"][0]]
+    assert [o["tokens"] for o in restored] == [o["tokens"] for o in base["steps"][0]]
+    full = [(o["prompt_tokens"] - 1) // BLOCK * BLOCK for o in restored]
+    assert cached[:8] == full[:8], cached
 
 
 def test_a_killed_worker_leaves_no_socket_behind(model, tmp_path):

@@ -652,6 +652,59 @@ def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path):
         e.close()
 
 
+def test_lazy_offload_stores_blocks_freed_while_its_last_pick_was_in_flight(model_config, tmp_path):
+    """Issue 30 item 7: lazy offload scans vLLM's free queue from its head each step. A cursor
+    kept across steps rested on the last block it picked; that block's store ended after other
+    blocks were freed behind it, so it went back to the queue after them and the next scan,
+    starting after it, skipped them: they were evicted without being stored. Stored blocks
+    go back to the eviction head. A scan window below a step's allocation is refused."""
+    vc = vllm_config(model_config, tmp_path, lazy_offload=True)
+    e = Engine(vc, kv_config((["attn.0"], full())))
+    try:
+        pool, w = e.pool, e.worker._worker
+
+        def cached(req: Request) -> list:
+            blocks = pool.get_new_blocks(2)
+            pool.cache_full_blocks(req, blocks, 0, 2, BS, 0)
+            return blocks
+
+        a, b = e.request("a", blocks=2, seed=1), e.request("b", blocks=2, seed=2)
+        blocks_a = cached(a)
+        pool.free_blocks(blocks_a)  # a finished: its blocks are free, cached, not stored
+        so = SchedulerOutput.make_empty()
+        meta = e.sched.build_connector_meta(so)  # lazy offload picks a's blocks
+        assert [list(t.block_ids) for t in meta.stores] == [[b.block_id for b in blocks_a]]
+        blocks_b = cached(b)
+        pool.free_blocks(blocks_b)  # b finishes while a's store is in flight
+        e.worker.bind_connector_metadata(meta)
+        e.worker.start_load_kv(None)
+        e.worker.wait_for_save()
+        for _ in range(500):
+            res = e.worker.get_transfer_results(set())
+            wm = e.worker.build_connector_worker_meta()
+            if wm is not None and wm.finished_stores:
+                break
+            time.sleep(0.01)
+        e.worker.clear_connector_metadata()
+        e.sched.update_connector_output(
+            KVConnectorOutput(finished_recving=res.finished_recving, kv_connector_worker_meta=wm)
+        )
+        head = list(pool.free_block_queue.iter_blocks_after(None))[:2]
+        assert head == blocks_a, "stored blocks go back to the eviction head"
+        e.step()  # the next scan finds b's blocks
+        e.step()
+        keys = w.keys.keys(0, list(a.block_hashes[:2]) + list(b.block_hashes[:2]))
+        assert w.store.exists(keys) == [True] * 4
+    finally:
+        e.close()
+    with pytest.raises(ConfigError, match=r"lazy_offload_max_blocks.*at least 256"):
+        UMBPStoreConnector(
+            vllm_config(model_config, tmp_path, lazy_offload=True, lazy_offload_max_blocks=8),
+            KVConnectorRole.SCHEDULER,
+            generate_scheduler_kv_cache_config([kv_config((["attn.0"], full()))]),
+        )
+
+
 def deepseek_v32_specs(mla_cache_dtype: str, layers: int = 3, block_size: int = 64) -> dict:
     """DeepSeek-V3.2's cache specs as its layers declare them in vLLM 0.32: per layer, the
     sparse MLA latent cache (`MLAAttention.get_kv_cache_spec`: 576 = 512 latent + 64 RoPE, or

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import umbp
+from umbp.errors import ConfigError
 from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata, UMBPWorkerMetadata, pack_hashes
 from umbp.vllm.runtime import Runtime
@@ -62,6 +63,8 @@ class _InFlightStore:
     blocks: list[Any]
     remaining: int
     transfer: Transfer
+    # Lazy stores: the blocks were next in line for eviction; once stored they go back there.
+    evict_first: bool = False
 
 
 class SchedulerSide:
@@ -89,15 +92,22 @@ class SchedulerSide:
         self.last_recheck = time.monotonic()
         self.load_async = cfg.load_async or topo.force_async_loads
         self.failed_loads: list[tuple[str, bool, list[int]]] = []
-        # Lazy offload: a cursor into vLLM's free queue and the hashes already offloaded.
-        self.lazy_cursor: Any = None
+        # Lazy offload: the hashes already offloaded.
         self.lazy_stored: OrderedDict[bytes, None] = OrderedDict()
         batched = getattr(
             getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None
         )
-        self.lazy_max = cfg.lazy_offload_max_blocks or max(
-            1, 2 * -(-(batched or 8192) // topo.block_size)
-        )
+        self.free_blocks_evict_first: bool | None = None  # vLLM's free_blocks takes it (0.34)
+        per_step = max(1, -(-(batched or 8192) // topo.block_size))
+        self.lazy_max = cfg.lazy_offload_max_blocks or 2 * per_step
+        if cfg.lazy_offload and self.lazy_max < per_step:
+            raise ConfigError(
+                f"option `lazy_offload_max_blocks`: {self.lazy_max} is fewer than the "
+                f"{per_step} blocks one step can allocate (max_num_batched_tokens={batched} / "
+                f"{topo.block_size} tokens a block), so vLLM could evict blocks before lazy "
+                f"offload reaches them; set it to at least {per_step}, or leave it unset "
+                f"({2 * per_step})"
+            )
         # lookup_async: one lookup per request at a time, on `lookup_workers` threads.
         self.async_lookups: dict[str, _AsyncLookup] = {}
         self.lookup_pool: ThreadPoolExecutor | None = None
@@ -360,6 +370,7 @@ class SchedulerSide:
         blocks: list[Any],
         hashes: list[bytes],
         rid: str,
+        evict_first: bool = False,
     ) -> None:
         """Pins `blocks` until every worker has stored them, and queues their store."""
         assert self.block_pool is not None
@@ -374,37 +385,72 @@ class SchedulerSide:
             req_id=rid,
             store_id=sid,
         )
-        self.in_flight[sid] = _InFlightStore(blocks=blocks, remaining=self.topo.workers, transfer=t)
+        self.in_flight[sid] = _InFlightStore(
+            blocks=blocks, remaining=self.topo.workers, transfer=t, evict_first=evict_first
+        )
         meta.stores.append(t)
 
     def _lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
-        """Stores cached blocks that are next in line for eviction from vLLM's free queue."""
+        """Stores the cached blocks next in line for eviction: the first `lazy_max` blocks of
+        vLLM's free queue, from its head, that are not stored yet. Each step scans from the head
+        again (a cursor kept across steps skips blocks once the block it rests on moves, e.g.
+        when its own store ends), so every block is stored before eviction reaches it as long
+        as a step allocates fewer than `lazy_max` blocks (the default is twice a step's worth).
+        Stored blocks go back to the head (`_release`), where they were."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         assert self.block_pool is not None
-        queue = self.block_pool.free_block_queue
-        if self.lazy_cursor is not None and self.lazy_cursor.ref_cnt > 0:
-            self.lazy_cursor = None  # the cursor block was reused: start over from the head
         picked: dict[int, list[Any]] = {}
-        last = self.lazy_cursor
-        for n, node in enumerate(queue.iter_blocks_after(self.lazy_cursor)):
+        for n, node in enumerate(self.block_pool.free_block_queue.iter_blocks_after(None)):
             if n >= self.lazy_max:
                 break
-            last = node
             bh = node.block_hash
             if bh is None or node.is_null or bh in self.lazy_stored:
                 continue
             if get_group_id(bh) not in self.topo.load_groups:
                 continue
             picked.setdefault(get_group_id(bh), []).append(node)
-        self.lazy_cursor = last
         cap = 4 * len(self.block_pool.blocks)
         for g, nodes in picked.items():
             for node in nodes:
                 self.lazy_stored[node.block_hash] = None
             while len(self.lazy_stored) > cap:
                 self.lazy_stored.popitem(last=False)
-            self._add_store(meta, g, nodes, [get_block_hash(n.block_hash) for n in nodes], "")
+            hashes = [get_block_hash(n.block_hash) for n in nodes]
+            self._add_store(meta, g, nodes, hashes, "", evict_first=True)
+
+    def _release(self, st: _InFlightStore) -> None:
+        """Unpins a finished store's blocks; lazily stored ones go back to the eviction head
+        (vLLM's `free_blocks(..., evict_first=True)` where it has it), not to the tail, which
+        would keep them over younger blocks vLLM has no copy of."""
+        pool = self.block_pool
+        assert pool is not None
+        if not st.evict_first:
+            pool.free_blocks(st.blocks)
+            return
+        if self.free_blocks_evict_first is None:
+            import inspect
+
+            params = inspect.signature(pool.free_blocks).parameters
+            self.free_blocks_evict_first = "evict_first" in params
+        if self.free_blocks_evict_first:
+            pool.free_blocks(st.blocks, evict_first=True)
+            return
+        pool.free_blocks(st.blocks)  # older vLLM: onto the tail, then moved to the head
+        queue = pool.free_block_queue
+        if not hasattr(queue, "prepend_n"):
+            return
+        back = [
+            b
+            for b in st.blocks
+            if b.ref_cnt == 0
+            and not b.is_null
+            and b.block_hash is not None
+            and getattr(b, "pool", None) in (None, pool)
+        ]
+        for b in back:
+            queue.remove(b)
+        queue.prepend_n(back)
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         wm = getattr(out, "kv_connector_worker_meta", None)
@@ -418,8 +464,7 @@ class SchedulerSide:
             st.remaining -= n
             if st.remaining <= 0:
                 del self.in_flight[sid]
-                assert self.block_pool is not None
-                self.block_pool.free_blocks(st.blocks)
+                self._release(st)
                 finished.append(st.transfer)
         if finished and self.events_enabled:
             self._publish_stored(finished)
