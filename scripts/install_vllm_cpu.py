@@ -129,7 +129,7 @@ def prune() -> None:
             os.remove(path)
     if freed:
         print(
-            f"    deleted CUDA libraries a CPU run never opens: {freed / 2**30:.2f} GB", flush=True
+            f"    deleted CUDA libraries a CPU run never opens: {freed / 2**20:.0f} MB", flush=True
         )
 
 
