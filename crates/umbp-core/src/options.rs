@@ -231,8 +231,10 @@ pub const LAZY_OFFLOAD: OptionSpec = flag(
     "lazy_offload",
     false,
     "Instead of storing every completed block after each step, store cached blocks as they \
-     come up for eviction: each step walks vLLM's free queue (next-to-evict first) and stores \
-     the hashed blocks not stored yet.",
+     come up for eviction: each step walks vLLM's free queue from its head (next to evict \
+     first) and stores the hashed blocks not stored yet; once stored they go back to the head, \
+     where they were (vLLM 0.34's `free_blocks(..., evict_first=True)`, or the same move on \
+     older vLLM).",
 );
 /// `lazy_offload_max_blocks`.
 pub const LAZY_OFFLOAD_MAX_BLOCKS: OptionSpec = OptionSpec {
@@ -242,8 +244,13 @@ pub const LAZY_OFFLOAD_MAX_BLOCKS: OptionSpec = OptionSpec {
     default: DefaultValue::Unset,
     nullable: true,
     default_doc: Some("2 × ⌈max_num_batched_tokens / block_size⌉"),
-    doc: "Most free-queue blocks examined per step in lazy mode.",
-    also_rejected: None,
+    doc: "Most free-queue blocks examined per step in lazy mode, from the head. A step evicts \
+          at most ⌈max_num_batched_tokens / block_size⌉ blocks, so at least that many keeps \
+          every block stored before vLLM evicts it.",
+    also_rejected: Some(
+        "With `lazy_offload`, fewer than ⌈max_num_batched_tokens / block_size⌉ (start-up \
+         `ConfigError` naming the minimum).",
+    ),
 };
 /// `enable_partial_hash_hits`.
 pub const ENABLE_PARTIAL_HASH_HITS: OptionSpec = OptionSpec {
