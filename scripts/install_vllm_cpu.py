@@ -107,12 +107,7 @@ def resolve(reqs: list[str]) -> list[str]:
             f.write(TORCH + "\n")
             with open(CONSTRAINTS) as pinned:
                 f.write(pinned.read())
-        print("    resolving vLLM CPU's requirements (pip --dry-run)", flush=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", "--dry-run"]
-            + ["--report", report, "-r", req_file, "-c", con_file],
-            check=True,
-        )
+        pip("--dry-run", "--report", report, "-r", req_file, "-c", con_file)
         with open(report) as f:
             items = json.load(f)["install"]
     return [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items]

@@ -6,8 +6,8 @@ session and kills the whole group afterwards (vLLM's helper processes can outliv
     python engine.py '<scenario json>'
 
 Scenario keys: model, max_num_batched_tokens, mamba_ssm_cache_dtype, num_gpu_blocks_override
-(vLLM's KV cache size in blocks), connector (kv_connector_extra_config, or null for no connector),
-kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
+(vLLM's KV cache size in blocks), connector (kv_connector_extra_config, or null for no
+connector), kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
 kv_events (an ipc:// endpoint to publish KV events to), steps: a list of
 {"generate": [prompt, ...]}, {"reset": bool reset_external}, {"signal": path},
 {"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events},
@@ -17,8 +17,8 @@ process), {"evict_state": {"prompt": p, "tokens": n, "state_group": i}} (in ever
 evicts from UMBP's pool the state stored after the first n tokens of an already generated
 prompt p in the i-th state group, behind the engine's back; records per worker the token
 counts with state in every state group, before and after; needs
-VLLM_ALLOW_INSECURE_SERIALIZATION=1 and an embedded-mode engine). A step that raises (e.g. the engine died) ends the scenario; the result then has
-"error".
+VLLM_ALLOW_INSECURE_SERIALIZATION=1 and an embedded-mode engine). A step that raises (e.g.
+the engine died) ends the scenario; the result then has "error".
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import logging
 import time
@@ -67,6 +69,12 @@ class _InFlightStore:
     evict_first: bool = False
 
 
+@functools.cache
+def _takes_evict_first(pool_type: type) -> bool:
+    """Whether vLLM's `BlockPool.free_blocks` takes `evict_first` (0.34 and later)."""
+    return "evict_first" in inspect.signature(pool_type.free_blocks).parameters
+
+
 class SchedulerSide:
     """The connector's scheduler role: lookups, load planning, store pinning, KV events."""
 
@@ -97,7 +105,6 @@ class SchedulerSide:
         batched = getattr(
             getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None
         )
-        self.free_blocks_evict_first: bool | None = None  # vLLM's free_blocks takes it (0.34)
         per_step = max(1, -(-(batched or 8192) // topo.block_size))
         self.lazy_max = cfg.lazy_offload_max_blocks or 2 * per_step
         if cfg.lazy_offload and self.lazy_max < per_step:
@@ -428,12 +435,7 @@ class SchedulerSide:
         if not st.evict_first:
             pool.free_blocks(st.blocks)
             return
-        if self.free_blocks_evict_first is None:
-            import inspect
-
-            params = inspect.signature(pool.free_blocks).parameters
-            self.free_blocks_evict_first = "evict_first" in params
-        if self.free_blocks_evict_first:
+        if _takes_evict_first(type(pool)):
             pool.free_blocks(st.blocks, evict_first=True)
             return
         pool.free_blocks(st.blocks)  # older vLLM: onto the tail, then moved to the head
