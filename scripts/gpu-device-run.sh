@@ -9,7 +9,8 @@
 # copies beside a bf16 matmul loop that fills every SM, for 8, 32 and 64 KiB pieces), server
 # (one CUDA client through the standalone server against embedded mode, 64 and 8 KiB pieces,
 # answered through the completion page and then by replies only), ttft (time to first token on
-# a real vLLM CUDA engine, embedded and standalone: needs VLLM=1) or none; TESTS=0 skips pytest.
+# a real vLLM CUDA engine, embedded and standalone, or the modes of MODES, e.g.
+# embedded,standalone,standalone-spin: needs VLLM=1) or none; TESTS=0 skips pytest.
 # VLLM=1: vLLM's CUDA build is unpacked in $VLLM_SITE (default /tmp/vsite: the offline bundle of
 # ../shared/tools/vllm-cuda/, `assemble.sh` run once per chunk before this); the real-engine
 # tests (tests/gpu_vllm/) run too, filtered by VLLM_TESTS (a pytest -k expression, default all).
@@ -62,6 +63,7 @@ case "${BENCH:-shapes}" in
   ttft)
     timeout "${BENCH_TIMEOUT:-420}" python3 "$T/gpu_vllm/bench_ttft.py" --out "$OUT/ttft.json" --keep /tmp/umbp-ttft \
       --lengths "${LENGTHS:-1024,4096,16384,32768}" --repeats "${ROUNDS:-3}" \
+      --modes "${MODES:-embedded,standalone}" \
       >"$OUT/bench.txt" 2>"$OUT/bench.err"
     ;;
   none) : >"$OUT/bench.txt" ;;

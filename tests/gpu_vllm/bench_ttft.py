@@ -3,14 +3,16 @@ restored by UMBP (embedded and standalone mode), per prompt length, with the res
 above the own cache turned into GB/s against the link measured in the same run.
 
     python tests/gpu_vllm/bench_ttft.py [--lengths 1024,4096,16384,32768] [--repeats 3]
-        [--modes embedded,standalone] [--shape llama8b] [--out ttft.json]
+        [--modes embedded,standalone[,standalone-spin]] [--shape llama8b] [--out ttft.json]
 
 One engine per mode (Llama-3-8B's shape, dummy weights, 16-token blocks, CUDA graphs), one
 request at a time. Per length, a warm-up prompt and then `--repeats` distinct prompts each go
 cold -> own -> reset_prefix_cache -> restored, every request with one output token; medians are
 reported. The connector's calls are traced (tests/gpu_vllm/verifier.py, `Tracer`): for the
 first timed restore of each length the table gives where its time went (lookup, the steps
-until the load was started and reported done, the rest). The link ceiling is a 1 GiB pinned
+until the load was started and reported done, the rest). Mode `standalone-spin` is standalone
+mode with the helper thread's wait for the engine's stream spinning in the CUDA driver, as it
+did before it got a blocking-sync event: the difference it made, in the same run. The link ceiling is a 1 GiB pinned
 host -> device copy, timed by CUDA events after the engines are gone.
 """
 
@@ -98,7 +100,7 @@ def trace_of(trace_prefix: Path, t0: float, t1: float) -> dict:
 
 def run_mode(mode: str, args, root: Path, ps: list, plan: list, model: str) -> dict:
     server = None
-    if mode == "standalone":
+    if mode.startswith("standalone"):
         (root / mode).mkdir()
         server = Server(root / mode, capacity=args.pool).start()
         conn = {"mode": "standalone", "endpoint": server.endpoint}
@@ -119,6 +121,7 @@ def run_mode(mode: str, args, root: Path, ps: list, plan: list, model: str) -> d
                 max_tokens=1,
                 verify=False,
                 trace=str(trace),
+                spin_events=mode == "standalone-spin",
             ),
             root / f"engine-{mode}.log",
             timeout=args.timeout,
@@ -203,10 +206,10 @@ def main() -> None:
                 ),
             }
         rows.append(row)
-    print_table(rows, link)
+    print_table(rows, link, list(results))
     for row in rows:
-        for mode in ("embedded", "standalone"):
-            if mode in row and not row[mode]["tokens_match"]:
+        for mode in results:
+            if not row[mode]["tokens_match"]:
                 print(
                     f"WRONG: {mode}, {row['tokens']} tokens: restored outputs differ from the "
                     "same engine's cold ones (restored KV is not the KV stored)"
@@ -220,33 +223,31 @@ def passes_of_len(r: dict, name: str, index: dict, n: int, repeats: int) -> list
     return [by_prompt[index[(n, k)]] for k in range(1, repeats + 1)]
 
 
-def print_table(rows: list[dict], link: dict) -> None:
+def print_table(rows: list[dict], link: dict, modes: list[str]) -> None:
     print(f"\nTTFT, medians (ms); link {link['h2d']:.1f} GB/s host->device")
     print(
         "| tokens | mode | cold | own cache | restored | KV restored | GB/s above own | budget | tokens same |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        for mode in ("embedded", "standalone"):
-            m = row.get(mode)
-            if m is None:
-                continue
+        for mode in modes:
+            m = row[mode]
             print(
                 f"| {row['tokens']} | {mode} | {m['cold_ms']} | {m['own_ms']} | {m['restored_ms']} | "
                 f"{m['kv_bytes'] / 2**30:.2f} GiB | {m['gbps_above_own']} | {m['budget_ms']} | "
                 f"{m['tokens_match']} |"
             )
     for row in rows:
-        for mode in ("embedded", "standalone"):
-            if mode in row:
-                tr = {k: v for k, v in row[mode]["trace"].items() if k != "timeline"}
-                print(f"trace {row['tokens']} {mode}: {json.dumps(tr)}")
-                if row["tokens"] == 4096:  # one restore in full: where its time goes
-                    for line in row[mode]["trace"]["timeline"]:
-                        print(f"  {line}")
-        if "embedded" in row and "standalone" in row:
-            e, s = row["embedded"]["restored_ms"], row["standalone"]["restored_ms"]
-            print(f"{row['tokens']}: standalone / embedded restored TTFT = {s / e:.3f}")
+        for mode in modes:
+            tr = {k: v for k, v in row[mode]["trace"].items() if k != "timeline"}
+            print(f"trace {row['tokens']} {mode}: {json.dumps(tr)}")
+            if row["tokens"] in (4096, 16384):  # one restore in full: where its time goes
+                for line in row[mode]["trace"]["timeline"]:
+                    print(f"  {line}")
+        for mode in modes:
+            if mode != "embedded" and "embedded" in row:
+                e, s = row["embedded"]["restored_ms"], row[mode]["restored_ms"]
+                print(f"{row['tokens']}: {mode} / embedded restored TTFT = {s / e:.3f}")
 
 
 if __name__ == "__main__":

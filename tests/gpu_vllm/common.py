@@ -183,6 +183,8 @@ def engine_env(log: Path, sc: dict) -> dict[str, str]:
         env["UMBP_TRACE_OUT"] = sc["trace"]
     if not sc.get("multiprocessing", True):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if sc.get("spin_events"):
+        env["UMBP_TEST_SPIN_EVENTS"] = "1"
     return env
 
 

@@ -22,6 +22,8 @@ Scenario keys:
   UMBP_VERIFY=0; the call tracer with UMBP_TRACE_OUT). tp must be 1;
 - `corrupt_loads`: change one restored byte of each load before it is checked (the verifier's
   own test: it must report it);
+- `spin_events`: CUDA events without blocking sync in the engine (bench_ttft's
+  `standalone-spin` mode: standalone mode's event waits as they were before);
 - `dump_fingerprints`: a file to save the stored blocks' fingerprints to at the end (needs
   `multiprocessing: false`), which another engine's `verify_seed` reads: its restored blocks
   are then checked against the first engine's stores.
