@@ -260,6 +260,38 @@ def test_copies_while_a_large_pool_is_being_registered():
     store.close()
 
 
+def test_pool_registration_never_breaks_an_engines_graph_capture():
+    """vLLM captures its CUDA graphs at start-up (global capture mode, on its own thread)
+    while the pool's background registration for DMA runs. A driver call that CUDA deems
+    unsafe during capture, made by any thread in the default mode, fails and invalidates the
+    capture: a real vLLM CUDA engine with a 32 GiB pool failed to start that way (issue 28).
+    Graphs are captured back to back for as long as a 16 GiB pool is being registered: every
+    capture must succeed and every chunk be registered."""
+    kv = VllmKv("LBNHC", layers=2, blocks=64, heads=8)
+    store = umbp.EmbeddedStore(16 * GIB, prefault=False, num_workers=2)
+    store.register_cuda_memory(kv.raw.data_ptr(), kv.raw.numel(), 0)
+    kv.register(store)
+    x = torch.zeros(1 << 16, device="cuda")
+    s = torch.cuda.Stream()
+    captures, deadline = 0, time.monotonic() + 120
+    while not store.cuda_stats()["pool_registration_done"] and time.monotonic() < deadline:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):  # capture_error_mode "global", as vLLM's
+            for _ in range(500):  # a capture of several milliseconds
+                x.add_(1)
+        g.replay()
+        captures += 1
+    torch.cuda.synchronize()
+    st = store.cuda_stats()
+    RESULTS["capture_during_registration"] = {"captures": captures, **st}
+    assert st["pool_registration_done"], "registration did not finish in 120 s"
+    assert captures > 0
+    assert st["pool_registration_error"] is None, st["pool_registration_error"]
+    assert st["pool_registered_bytes"] == st["pool_bytes"]
+    assert x[0].item() == 500 * captures
+    store.close()
+
+
 def test_submitting_inside_graph_capture_is_refused():
     kv = VllmKv("LBNHC", layers=2, blocks=64, heads=8)
     store, lid = make_store(kv)

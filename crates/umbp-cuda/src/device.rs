@@ -8,6 +8,11 @@ use crate::driver::{driver, BatchFn, Driver};
 use crate::ffi::*;
 use crate::CudaError;
 
+thread_local! {
+    /// Whether this thread was put in the relaxed stream capture mode ([`Device::bind_thread`]).
+    static RELAXED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// One CUDA device and its retained primary context (the context PyTorch uses too).
 #[derive(Debug)]
 pub struct Device {
@@ -135,12 +140,31 @@ impl Device {
         device_uuid(self.drv, self.dev)
     }
 
-    /// Makes the primary context current on this thread (for UMBP's own threads).
+    /// Makes the primary context current on this thread, for UMBP's own threads only (never
+    /// an engine's): the first call on a thread also puts it in the relaxed stream capture
+    /// mode. In the default (global) mode, a driver call that CUDA deems unsafe during
+    /// capture (`cuMemHostRegister`, `cuMemAlloc`, ...) made by any thread while another
+    /// thread captures a CUDA graph fails and invalidates that capture: the pool's background
+    /// registration broke vLLM's graph capture at start-up and the engine failed to start
+    /// (issue 28). None of UMBP's calls touch a stream being captured, so relaxed is safe.
     pub fn bind_thread(&self) -> Result<(), CudaError> {
         driver()?;
         // SAFETY: a retained primary context.
         self.drv.check("cuCtxSetCurrent", unsafe {
             (self.drv.ctx_set_current)(self.ctx.0)
+        })?;
+        RELAXED.with(|done| {
+            if done.get() {
+                return Ok(());
+            }
+            let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+            // SAFETY: a valid in/out pointer; changes only this thread's capture mode.
+            self.drv
+                .check("cuThreadExchangeStreamCaptureMode", unsafe {
+                    (self.drv.thread_exchange_stream_capture_mode)(&mut mode)
+                })?;
+            done.set(true);
+            Ok(())
         })
     }
 

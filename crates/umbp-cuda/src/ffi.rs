@@ -29,6 +29,9 @@ pub const CUDA_ERROR_STUB_LIBRARY: CUresult = 34;
 pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CUresult = 712;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`: the thread's calls never count as unsafe during another
+/// thread's stream capture (nor fail it).
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
 
 pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
 pub const CU_POINTER_ATTRIBUTE_IS_MANAGED: c_int = 8;
@@ -328,6 +331,8 @@ pub type FnDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, CUdevice) ->
 pub type FnDevicePrimaryCtxRetain = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
 pub type FnDevicePrimaryCtxRelease = unsafe extern "C" fn(CUdevice) -> CUresult;
 pub type FnCtxSetCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
+/// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's mode, returns the old one.
+pub type FnThreadExchangeStreamCaptureMode = unsafe extern "C" fn(*mut c_int) -> CUresult;
 pub type FnCtxPushCurrent = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type FnCtxPopCurrent = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type FnStreamCreate = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUresult;
