@@ -45,6 +45,10 @@ try:  # the hybrid allocator's marker (several KV cache groups)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:  # pragma: no cover - older vLLM
     SupportsHMA = None  # type: ignore[assignment,misc]
+try:  # how the engine's KV cache memory is reached (0.34: the extensible KV cache)
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # pragma: no cover - vLLM before 0.34
+    KVCacheAccess = None  # type: ignore[assignment,misc]
 try:  # cache-hit labels of vLLM's metrics
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older vLLM
@@ -95,6 +99,27 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
         # Sleep mode unmaps the KV cache while copies may still run, and the store cannot drop
         # its registrations yet: vLLM (0.33 and later) refuses the combination at start-up.
         return False
+
+    if KVCacheAccess is not None:
+
+        @classmethod
+        def kv_cache_access(cls, kv_transfer_config: Any) -> KVCacheAccess:
+            """How UMBP reaches the KV cache's memory (vLLM 0.34 and later; vLLM asks in the
+            process that builds the config, then in every worker, before allocating).
+
+            Embedded mode copies in the worker's own process: any allocation works, vLLM's
+            extensible KV cache included. Standalone mode hands the memory to the server,
+            which maps it through CUDA IPC: `LEGACY_IPC` makes vLLM allocate the cache as 0.33
+            did (one `cudaMalloc`, its extensible cache off), which is what standalone mode
+            has been verified with on real CUDA engines. (`EXPORTS_FD`, exportable virtual
+            memory, would keep the extensible cache, but vLLM then refuses every setup that
+            turns it off, `kv_cache_memory_bytes` among them, and it has not run on a GPU
+            with vLLM 0.34 here.) Options that do not parse are left for the connector's
+            own start-up to refuse by name."""
+            extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+            if isinstance(extra, dict) and extra.get("mode") == "standalone":
+                return KVCacheAccess.LEGACY_IPC
+            return KVCacheAccess.IN_PROCESS
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -15,6 +15,8 @@ in its last bits (see docs/vllm.md, "Exactness").
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import re
@@ -48,6 +50,55 @@ def scheduler_spec(spec: Any) -> Any:
     return spec
 
 
+def spec_fields(spec: Any) -> dict[str, Any]:
+    """What decides a cache group's bytes and their meaning: the spec's type and every field
+    of it that is not at its declared default (dtype, heads, head sizes, block size, window,
+    state shapes, ...). A field a newer vLLM adds at its default (0.34's
+    `kv_head_major_slots`, `state_alignment`) leaves the namespace as it was, so engines of
+    two vLLM releases with the same layout share objects; a field set to anything else splits
+    it, as it may change the bytes."""
+    out: dict[str, Any] = {"type": type(spec).__name__}
+    if not dataclasses.is_dataclass(spec):
+        out["repr"] = repr(spec)
+        return out
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name, None)
+        if f.default is not dataclasses.MISSING and _same(value, f.default):
+            continue
+        if f.default_factory is not dataclasses.MISSING and _same(value, f.default_factory()):
+            continue
+        out[f.name] = _canonical(value)
+    return out
+
+
+def _canonical(value: Any) -> Any:
+    """Enum members by class and name (vLLM 0.34 made some enums `StrEnum`s, whose JSON
+    would otherwise be their value where 0.33's was their repr)."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return _jsonable(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # e.g. tensors: never equal to a default
+        return False
+
+
+#: HF config entries that say where and by which transformers the config was read, not what
+#: the model computes (they change with every transformers release).
+_HF_BOOKKEEPING = ("transformers_version",)
+
+
+def hf_fields(hf_dict: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v for k, v in hf_dict.items() if k not in _HF_BOOKKEEPING and not str(k).startswith("_")
+    }
+
+
 def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     """The inputs of the derived namespace."""
     mc = vllm_config.model_config
@@ -60,15 +111,15 @@ def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     groups = []
     for g in getattr(kv_cache_config, "kv_cache_groups", []) or []:
         groups.append(
-            {"layers": list(g.layer_names), "spec": repr(scheduler_spec(g.kv_cache_spec))}
+            {"layers": list(g.layer_names), "spec": spec_fields(scheduler_spec(g.kv_cache_spec))}
         )
     fields = {
-        "format": "umbp-kv-v1",
+        "format": "umbp-kv-v2",
         "model": mc.model,
         "revision": getattr(mc, "revision", None),
         "dtype": str(getattr(mc, "dtype", None)),
         "quantization": getattr(mc, "quantization", None),
-        "hf_config": _jsonable(hf_dict),
+        "hf_config": _jsonable(hf_fields(hf_dict)),
         "hf_overrides": _jsonable(getattr(mc, "hf_overrides", None)),
         "cache_dtype": str(getattr(cc, "cache_dtype", None)),
         "block_size": getattr(cc, "block_size", None),

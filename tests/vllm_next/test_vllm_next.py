@@ -1,0 +1,108 @@
+"""The connector against the next vLLM release's own objects (vLLM 0.34.0), where no engine
+of it can run here: its pure-Python part is unpacked by `scripts/vllm_overlay.py` and put first
+on PYTHONPATH (`./scripts/test.sh` does both), over the venv's torch and vLLM CPU 0.32.
+
+    PYTHONPATH=$(python scripts/vllm_overlay.py) python -m pytest tests/vllm_next
+
+Skipped when another vLLM is first on the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+if vllm.__version__ != "0.34.0":
+    pytest.skip(
+        f"needs vLLM 0.34.0's Python files first on PYTHONPATH (found {vllm.__version__}): "
+        "PYTHONPATH=$(python scripts/vllm_overlay.py)",
+        allow_module_level=True,
+    )
+
+from vllm.config.kv_transfer import KVCacheAccess, KVTransferConfig  # noqa: E402
+
+from umbp.vllm import plugin  # noqa: E402
+from umbp.vllm.connector import UMBPStoreConnector  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hook_signatures import check_overridden_hooks  # noqa: E402
+
+#: The same specs, built with the arguments vLLM 0.32 and 0.34 have in common.
+SPECS = """
+import torch
+from vllm.v1 import kv_cache_interface as k
+from umbp.vllm.namespace import spec_fields
+bf16 = torch.bfloat16
+specs = {
+    "full": k.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=bf16),
+    "window": k.SlidingWindowSpec(
+        block_size=16, num_kv_heads=8, head_size=128, dtype=bf16, sliding_window=256
+    ),
+    "mla": k.MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=bf16, cache_dtype_str="auto"
+    ),
+    "mamba": k.MambaSpec(
+        block_size=256, shapes=((3, 512), (4, 64, 64)), dtypes=(bf16, torch.float32),
+        mamba_cache_mode="align",
+    ),
+}
+print(json.dumps({n: spec_fields(s) for n, s in specs.items()}))
+"""
+
+
+def test_every_overridden_hook_matches_vllm_034():
+    checked = check_overridden_hooks(UMBPStoreConnector)
+    assert "kv_cache_access" in checked  # new in 0.34
+
+
+def ktc(extra: dict) -> KVTransferConfig:
+    return KVTransferConfig(
+        kv_connector="UMBPStoreConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+
+
+def test_kv_cache_access_per_mode(caplog):
+    """vLLM 0.34 asks the connector class how it reaches the KV cache before allocating it:
+    standalone mode hands the memory to the server through CUDA IPC (`LEGACY_IPC`: the cache
+    as 0.33 allocated it), embedded mode copies in the worker (`IN_PROCESS`: vLLM's
+    extensible cache stays on). Neither asks for exportable single-chunk segments, which
+    would make vLLM refuse CPU engines and `kv_cache_memory_bytes`."""
+    plugin.register()  # takes vLLM 0.34's own UMBPStoreConnector name over, with a warning
+    standalone = ktc({"mode": "standalone", "endpoint": "unix:///tmp/umbp.sock"})
+    assert standalone.kv_cache_access() == KVCacheAccess.LEGACY_IPC
+    embedded = ktc({"capacity_bytes": 1 << 30})
+    assert embedded.kv_cache_access() == KVCacheAccess.IN_PROCESS
+    for cfg in (standalone, embedded):
+        assert not cfg.registers_kv_cache_memory()
+
+
+def test_a_cache_shared_by_vllm_032_and_034_engines():
+    """The namespace describes a cache group by the spec fields that are not at their
+    defaults: 0.34's new fields (`kv_head_major_slots`, `is_draft`, `state_alignment`, ...)
+    at their defaults and its `StrEnum`s leave it as 0.32 made it, so engines of both
+    releases with the same layout share objects."""
+    here = subprocess.run(
+        [sys.executable, "-c", "import json\n" + SPECS], capture_output=True, text=True
+    )
+    assert here.returncode == 0, here.stderr[-2000:]
+    env = dict(os.environ)
+    overlay = str(Path(vllm.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and Path(p).resolve() != Path(overlay)
+    )
+    before = subprocess.run(
+        [sys.executable, "-c", "import json, vllm\nassert vllm.__version__ != '0.34.0'\n" + SPECS],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert before.returncode == 0, before.stderr[-2000:]
+    new, old = json.loads(here.stdout.splitlines()[-1]), json.loads(before.stdout.splitlines()[-1])
+    assert new == old
+    assert new["mamba"]["mamba_cache_mode"] == "align" and new["full"]["head_size"] == 128
