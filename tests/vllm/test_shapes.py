@@ -41,6 +41,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
+import umbp
 from umbp.errors import ConfigError
 from umbp.vllm import plugin
 from umbp.vllm.config import ConnectorConfig
@@ -807,6 +808,49 @@ def test_hits_are_labelled_host_memory(model_config, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Compatibility with the installed vLLM's connector API
 # ---------------------------------------------------------------------------------------------
+
+
+def test_released_kv_memory_is_deregistered_and_registered_again(model_config, tmp_path):
+    """vLLM 0.34 releases the KV cache's memory between `unregister_kv_caches` and
+    `restore_kv_caches` (release_kv_cache_memory, discard, weight updates) and maps it again
+    at the same addresses, empty. In between nothing may be copied into it; afterwards the
+    pool's objects restore into it exactly, through the scheduler's lookup and a load."""
+    vc = vllm_config(model_config, tmp_path, load_async=False)
+    e = Engine(vc, kv_config((["full.0", "full.1"], full())))
+    try:
+        w = e.worker._worker
+        g = torch.Generator().manual_seed(5)
+        for t in e.caches.values():
+            t.copy_(torch.randn(t.shape, generator=g).to(BF16))
+        req = e.request("r1", blocks=3)
+        e.put(0, req, [1, 2, 3])
+        want = {n: t[[1, 2, 3]].clone() for n, t in e.caches.items()}
+        layout_before = w.layout
+        e.worker.unregister_kv_caches()
+        e.worker.unregister_kv_caches()  # idempotent
+        assert w.layout == -1 and w.regions == []
+        keys = w.keys.keys(0, list(req.block_hashes[:3]))
+        with pytest.raises(umbp.UmbpError):  # the old layout is gone with its memory
+            w.store.load(layout_before, 0, [4, 5, 6], keys).wait(5000)
+        # A step that would run meanwhile copies nothing: its load fails (recomputed).
+        assert matched(e, req) == (3 * BS, False)
+        e.sched.update_state_after_alloc(req, blocks_of(e, [4, 5, 6]), 3 * BS)
+        out = e.step()
+        assert out.invalid_block_ids == {4, 5, 6}
+        for t in e.caches.values():  # what vLLM maps again holds nothing
+            t.zero_()
+        e.worker.restore_kv_caches()
+        e.worker.restore_kv_caches()  # idempotent
+        assert w.layout >= 0 and len(w.regions) == len(e.caches)
+        req2 = e.request("r2", blocks=3)  # the same tokens: the same hashes
+        assert matched(e, req2) == (3 * BS, False)
+        e.sched.update_state_after_alloc(req2, blocks_of(e, [7, 8, 9]), 3 * BS)
+        out = e.step()
+        assert not out.invalid_block_ids
+        for n, t in e.caches.items():
+            assert torch.equal(t[[7, 8, 9]], want[n]), n
+    finally:
+        e.close()
 
 
 def test_namespace_describes_a_spec_by_its_fields_not_at_their_defaults():

@@ -160,6 +160,16 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33+: before it releases the KV cache's memory (0.34 also outside sleep mode).
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        # vLLM 0.33+: after it mapped the KV cache's memory again, at the same addresses.
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()

@@ -38,6 +38,13 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
     # Loads that could not be planned: (request id, whether async, blocks vLLM allocated).
     failed_loads: list[tuple[str, bool, list[int]]] = field(default_factory=list)
 
+    def with_loads_failed(self) -> UMBPConnectorMetadata:
+        """This step with every load turned into a failed one (nothing to copy into)."""
+        failed = [(t.req_id, t.load_async, list(t.block_ids)) for t in self.loads]
+        return UMBPConnectorMetadata(
+            loads=[], stores=self.stores, failed_loads=self.failed_loads + failed
+        )
+
 
 @dataclass
 class UMBPWorkerMetadata(KVConnectorWorkerMetadata):

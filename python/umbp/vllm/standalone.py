@@ -183,6 +183,9 @@ class ServerStore:
         self.cuda_device = torch.device("cuda", device)
         return self.client.register_cuda_memory(addr, length)
 
+    def deregister_memory(self, region: int) -> None:
+        self.client.deregister_memory(region)
+
     def register_tensor_layout(self, groups: list, num_blocks: list[int]) -> int:
         return self.client.register_tensor_layout(groups, num_blocks)
 

@@ -74,6 +74,15 @@ def local_ranks(topo: Topology) -> Ranks:
     return Ranks(tp=tp, pcp=pcp, dcp=dcp)
 
 
+class _Dropped:
+    """A store not made (the KV memory was released): finished at once."""
+
+    done = True
+
+
+_DROPPED = _Dropped()
+
+
 class WorkerSide:
     """The connector's worker role: this rank's store, its loads and stores, its lookups."""
 
@@ -103,6 +112,11 @@ class WorkerSide:
         self.stores: dict[int, umbp.Job] = {}
         self.cuda_device: torch.device | None = None
         self.logged_stream: int | None = None
+        # The KV cache's tensors and their registrations (region ids), kept so that
+        # released KV memory can be deregistered and registered again (vLLM 0.34).
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.regions: list[int] = []
+        self.released = False
 
     def _stream(self) -> int | None:
         """The engine's current CUDA stream: copies are ordered after the work queued on it
@@ -123,9 +137,23 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.store = self.runtime.open_store()
-        # Register each backing allocation once (all layers are views into one or a few).
-        # CUDA tensors go through the GPU copy path (the CUDA driver is loaded only here, in
-        # the worker, after vLLM has initialised CUDA); CPU tensors through host copies.
+        self.kv_caches = dict(kv_caches)
+        self._register_memory(kv_caches)
+        self.layout = self._register_layout(kv_caches)
+        self.server = self.runtime.serve_lookups(self.store, self.ranks)
+        logger.info(
+            "umbp: worker %d: %s, %d layers registered; %s",
+            self.worker,
+            self.runtime.describe_worker(),
+            sum(len(g.layer_names) for g in self.kv_cache_config.kv_cache_groups),
+            summary_line(self.store.layout_summary(self.layout)),
+        )
+
+    def _register_memory(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Registers each backing allocation once (all layers are views into one or a few).
+        CUDA tensors go through the GPU copy path (the CUDA driver is loaded only here, in the
+        worker, after vLLM has initialised CUDA); CPU tensors through host copies."""
+        assert self.store is not None
         seen: set[int] = set()
         for t in kv_caches.values():
             if t.device.type not in ("cpu", "cuda"):
@@ -138,19 +166,41 @@ class WorkerSide:
             if ptr not in seen:
                 seen.add(ptr)
                 if t.device.type == "cuda":
-                    self.store.register_cuda_memory(ptr, storage.nbytes(), t.device.index or 0)
+                    region = self.store.register_cuda_memory(
+                        ptr, storage.nbytes(), t.device.index or 0
+                    )
                     self.cuda_device = t.device
                 else:
-                    self.store.register_memory(ptr, storage.nbytes())
-        self.layout = self._register_layout(kv_caches)
-        self.server = self.runtime.serve_lookups(self.store, self.ranks)
+                    region = self.store.register_memory(ptr, storage.nbytes())
+                self.regions.append(region)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to release the KV cache's memory (vLLM 0.34: `release_kv_cache_memory`,
+        `discard`, a weight update; sleep mode is refused): waits for every transfer still
+        using it and drops its registrations, so nothing is copied into memory vLLM no longer
+        backs. The pool keeps what was stored. Idempotent."""
+        if self.released or self.store is None:
+            return
+        pending = len(self.stores) + sum(len(j) for j in self.async_loads.values())
+        for region in self.regions:  # each waits for the transfers that use it
+            self.store.deregister_memory(region)
+        self.regions, self.layout, self.released = [], -1, True
         logger.info(
-            "umbp: worker %d: %s, %d layers registered; %s",
+            "umbp: worker %d: KV cache memory deregistered (vLLM releases it; %d transfers "
+            "were in flight); the pool keeps its objects",
             self.worker,
-            self.runtime.describe_worker(),
-            sum(len(g.layer_names) for g in self.kv_cache_config.kv_cache_groups),
-            summary_line(self.store.layout_summary(self.layout)),
+            pending,
         )
+
+    def restore_kv_caches(self) -> None:
+        """vLLM mapped the KV cache's memory again, at the same addresses (its contents are
+        gone): registers it and its layout again. Idempotent."""
+        if not self.released or self.store is None:
+            return
+        self._register_memory(self.kv_caches)
+        self.layout = self._register_layout(self.kv_caches)
+        self.released = False
+        logger.info("umbp: worker %d: KV cache memory registered again", self.worker)
 
     def _register_layout(self, kv_caches: dict[str, torch.Tensor]) -> int:
         """Registers every cache group's layers from their tensor views: the store finds the
@@ -200,6 +250,10 @@ class WorkerSide:
 
     def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
         assert self.store is not None
+        if self.released:
+            # No step should run while vLLM has the KV memory released; if one does, nothing
+            # is copied: every planned load fails and vLLM recomputes those blocks.
+            meta = meta.with_loads_failed()
         for rid, is_async, ids in meta.failed_loads:
             if is_async:
                 self.unplanned_loads.add(rid)  # reported finished (and failed) by get_finished
@@ -239,6 +293,10 @@ class WorkerSide:
 
     def wait_for_save(self, meta: UMBPConnectorMetadata) -> None:
         assert self.store is not None
+        if self.released:  # dropped, as a full pool drops stores: a future miss
+            for t in meta.stores:
+                self.stores[t.store_id] = _DROPPED
+            return
         for t in meta.stores:
             self.stores[t.store_id] = self.store.store(
                 self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
