@@ -853,6 +853,26 @@ def test_released_kv_memory_is_deregistered_and_registered_again(model_config, t
         e.close()
 
 
+@pytest.mark.parametrize("load_async", [True, False])
+def test_may_load_async_answers_without_a_lookup(model_config, tmp_path, load_async):
+    """vLLM 0.34 asks `may_load_async` as each request enters the waiting queue: True only
+    where the load could be asynchronous (async loads, a full block to look up), and it never
+    asks the pool (nothing is stored here, yet a 3-block prompt answers True)."""
+    vc = vllm_config(model_config, tmp_path, load_async=load_async)
+    e = Engine(vc, kv_config((["full.0"], full())))
+    try:
+        assert e.worker.may_load_async(e.request("w", blocks=3)) is False  # the worker role
+        assert e.sched.may_load_async(e.request("r", blocks=3)) is load_async
+        tiny = Request(
+            "t", list(range(1, BS + 1)), SamplingParams(max_tokens=1), None, block_hasher=e.hasher
+        )
+        assert len(tiny.block_hashes) == 1
+        assert e.sched.may_load_async(tiny) is False  # its last token is always computed
+        assert e.worker._worker.store.stats()["hits"] == 0
+    finally:
+        e.close()
+
+
 def test_namespace_describes_a_spec_by_its_fields_not_at_their_defaults():
     """A field at its declared default (one a newer vLLM adds, say) leaves a cache group's
     description as it was; any other value changes it (tests/vllm_next compares 0.32 and

@@ -232,6 +232,10 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request: Request) -> bool:
+        # vLLM 0.34 (`--max-num-inflight-kv-loads`): start likely restores early.
+        return self._scheduler is not None and self._scheduler.may_load_async(request)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:

@@ -175,6 +175,18 @@ class SchedulerSide:
             logger.warning("umbp: lookup of request %s failed: %s", rid, e)
             return 0
 
+    def may_load_async(self, request: Request) -> bool:
+        """Whether this request's load could be asynchronous (vLLM 0.34 asks as a request
+        enters the waiting queue; with `--max-num-inflight-kv-loads` such requests start
+        loading while the running batch is full). No lookup here, it must be cheap: True when
+        restores are on, loads are asynchronous and the prompt has a full block to look up.
+        A request that then misses holds other early loads back until a slot frees, which
+        is how every load waited before this hook."""
+        if not (self.cfg.restores and self.load_async):
+            return False
+        first, last = self._lookup_range(request, request.num_computed_tokens)
+        return last > first
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
