@@ -635,10 +635,17 @@ def test_state_is_stored_only_from_vllms_boundary_hand_offs(model_config, tmp_pa
         e.close()
 
 
-def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path):
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path, lookahead):
+    """Without lookahead block hashes vLLM's prefix cache drops a hit's last block for an
+    EAGLE drafter and so does the connector. With them (vLLM 0.34, which the connector
+    declares) a hash covers the next token too and the last block is kept; the lookahead
+    joins the key namespace (the hashes differ)."""
     from vllm.config import SpeculativeConfig
 
     vc = vllm_config(model_config, tmp_path)
+    plain = UMBPStoreConnector(vc, KVConnectorRole.SCHEDULER, kv_config((["l0"], full())))
+    object.__setattr__(vc, "num_hash_lookahead_tokens", lookahead)
     # vLLM's own rule (SpeculativeConfig.use_eagle_block_drop), on a real object; building a
     # whole EAGLE config needs a draft checkpoint, so only the method is set.
     spec = SpeculativeConfig.__new__(SpeculativeConfig)
@@ -650,10 +657,13 @@ def test_eagle_drops_the_last_block_of_a_hit(model_config, tmp_path):
     try:
         req = e.request("e", blocks=3)
         e.put(0, req, [1, 2, 3])
-        assert matched(e, req)[0] == 2 * BS
+        assert matched(e, req)[0] == (3 if lookahead else 2) * BS
+        ours = e.sched._scheduler.topo.namespace
+        assert (ours != plain._scheduler.topo.namespace) == bool(lookahead)
     finally:
         vc.speculative_config = None
         e.close()
+        plain.shutdown()
 
 
 def test_lazy_offload_stores_blocks_freed_while_its_last_pick_was_in_flight(model_config, tmp_path):

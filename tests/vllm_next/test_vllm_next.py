@@ -59,7 +59,7 @@ print(json.dumps({n: spec_fields(s) for n, s in specs.items()}))
 def test_every_overridden_hook_matches_vllm_034():
     checked = check_overridden_hooks(UMBPStoreConnector)
     # New in 0.34 (the last two exist in 0.33 but are called outside sleep mode from 0.34).
-    assert {"kv_cache_access", "may_load_async"} <= set(checked)
+    assert {"kv_cache_access", "may_load_async", "supports_lookahead_block_hashes"} <= set(checked)
     assert {"unregister_kv_caches", "restore_kv_caches"} <= set(checked)
 
 
@@ -108,3 +108,24 @@ def test_a_cache_shared_by_vllm_032_and_034_engines():
     new, old = json.loads(here.stdout.splitlines()[-1]), json.loads(before.stdout.splitlines()[-1])
     assert new == old
     assert new["mamba"]["mamba_cache_mode"] == "align" and new["full"]["head_size"] == 128
+
+
+def test_vllm_034_turns_lookahead_hashes_on_with_this_connector():
+    """0.34 resolves the hash lookahead from the connector class's answer (0.33 turned it off
+    for every connector): with an EAGLE drafter and this connector, block hashes cover the
+    next token (`num_prefill_lookahead_tokens`)."""
+    import types
+
+    from vllm.config import VllmConfig
+
+    plugin.register()
+    spec = types.SimpleNamespace(
+        use_eagle_block_drop=lambda: True, disable_lookahead_block_hashes=False
+    )
+    fake = types.SimpleNamespace(
+        speculative_config=spec,
+        kv_transfer_config=ktc({"capacity_bytes": 1 << 30}),
+        num_prefill_lookahead_tokens=1,
+    )
+    assert UMBPStoreConnector.supports_lookahead_block_hashes(fake.kv_transfer_config)
+    assert VllmConfig._resolve_num_hash_lookahead_tokens(fake) == 1

@@ -121,6 +121,16 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
                 return KVCacheAccess.LEGACY_IPC
             return KVCacheAccess.IN_PROCESS
 
+    if hasattr(KVConnectorBase_V1, "supports_lookahead_block_hashes"):
+
+        @classmethod
+        def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+            """vLLM 0.34: with EAGLE / MTP drafting, block hashes may cover the tokens after
+            their block. The connector keys everything by the request's block hashes as they
+            are (the lookahead joins the key namespace), never looks up or stores past them,
+            and keeps a hit's last block then, as vLLM's own prefix cache does."""
+            return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         # A cache: a dropped store is only a future miss.

@@ -130,6 +130,11 @@ def namespace_fields(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         "dcp": getattr(pc, "decode_context_parallel_size", 1),
         "draft_model": draft,
     }
+    lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    if lookahead:
+        # Block hashes that also cover the next tokens (vLLM 0.34, EAGLE / MTP): other keys
+        # for the same bytes; only added here, so other engines' namespaces are as before.
+        fields["hash_lookahead_tokens"] = lookahead
     load = getattr(getattr(vllm_config, "load_config", None), "load_format", None)
     if str(getattr(load, "value", load)) == "dummy":
         # Random weights: their KV must never be served to (or taken from) an engine of the

@@ -172,7 +172,9 @@ def engine_topology(
         num_groups=len(groups),
         load_groups=tuple(load_groups),
         state_groups=tuple(state_groups),
-        eagle_drop=eagle_drops_last_block(vllm_config),
+        # With lookahead block hashes (vLLM 0.34, EAGLE / MTP) a hash covers the tokens after
+        # its block too, and vLLM keeps the last block of a hit, as the connector then does.
+        eagle_drop=eagle_drops_last_block(vllm_config) and not hash_lookahead_tokens(vllm_config),
         per_request_failures=len(groups) > 1,
         nnodes=int(getattr(pc, "nnodes", 1) or 1),
     )
@@ -223,3 +225,10 @@ def eagle_drops_last_block(vllm_config: Any) -> bool:
         return False
     check = getattr(spec, "use_eagle_block_drop", None) or getattr(spec, "use_eagle", None)
     return bool(check()) if callable(check) else False
+
+
+def hash_lookahead_tokens(vllm_config: Any) -> int:
+    """How many tokens after a block its hash also covers (vLLM 0.34's lookahead block
+    hashes, on with EAGLE / MTP drafting where the connector declares them; 0 otherwise and
+    before 0.34)."""
+    return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
