@@ -883,6 +883,30 @@ def test_may_load_async_answers_without_a_lookup(model_config, tmp_path, load_as
         e.close()
 
 
+def test_gpu_headroom_advice_gives_the_exact_setting():
+    """vLLM 0.34's extensible KV cache sizes itself with gpu_memory_utilization 1.0 by
+    default; UMBP's staging, allocated afterwards, must then be left out of vLLM's budget."""
+    import types
+
+    from umbp.vllm.worker import gpu_headroom_advice
+
+    h100 = 79 << 30  # about what torch reports for an 80 GB card
+    cc = types.SimpleNamespace(enable_extensible_kv_cache=True, gpu_memory_utilization=None)
+    note = gpu_headroom_advice(cc, 512 << 20, h100)
+    assert note and "gpu_memory_utilization=0.99" in note and "512 MiB" in note
+    assert gpu_headroom_advice(cc, 8 << 30, h100) and "=0.89" in gpu_headroom_advice(
+        cc, 8 << 30, h100
+    )
+    cc.gpu_memory_utilization = 0.99
+    assert gpu_headroom_advice(cc, 512 << 20, h100) is None
+    cc.gpu_memory_utilization = 0.995
+    assert gpu_headroom_advice(cc, 512 << 20, h100)
+    assert gpu_headroom_advice(cc, 0, h100) is None  # no staging
+    # vLLM 0.32 / 0.33 (no extensible cache): 0.9 of the device by default, room enough.
+    old = types.SimpleNamespace(gpu_memory_utilization=0.9)
+    assert gpu_headroom_advice(old, 512 << 20, h100) is None
+
+
 def test_namespace_describes_a_spec_by_its_fields_not_at_their_defaults():
     """A field at its declared default (one a newer vLLM adds, say) leaves a cache group's
     description as it was; any other value changes it (tests/vllm_next compares 0.32 and

@@ -163,6 +163,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
             self._worker = WorkerSide(
                 self.cfg, topo, runtime(self.cfg, topo), kv_cache_config, local_ranks(topo)
             )
+            self._worker.cache_config = vllm_config.cache_config
 
     # -- worker side -----------------------------------------------------------------------
 

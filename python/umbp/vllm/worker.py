@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -74,6 +75,35 @@ def local_ranks(topo: Topology) -> Ranks:
     return Ranks(tp=tp, pcp=pcp, dcp=dcp)
 
 
+#: The standalone server's CUDA staging by default (2 × `--cuda-staging-bytes`).
+SERVER_STAGING_BYTES = 2 * (256 << 20)
+
+
+def gpu_headroom_advice(cache_config: Any, staging_bytes: int, total_bytes: int) -> str | None:
+    """A warning when UMBP's CUDA staging (allocated after vLLM sized its KV cache) would
+    come out of the margin vLLM keeps, else None.
+
+    vLLM 0.34's extensible KV cache (on by default on CUDA) sizes itself from the memory free
+    after warm-up, with `gpu_memory_utilization` defaulting to 1.0, and keeps only its own
+    margin and 0.5 GiB for allocations outside torch free. vLLM 0.32 and 0.33 (utilization
+    0.9 of the whole device by default) leave gigabytes. The exact setting: a utilization of
+    at most 1 - staging / device memory leaves the staging outside vLLM's budget."""
+    if not getattr(cache_config, "enable_extensible_kv_cache", False) or staging_bytes <= 0:
+        return None
+    advice = math.floor(100 * (1 - staging_bytes / total_bytes)) / 100
+    used = getattr(cache_config, "gpu_memory_utilization", None)
+    if used is not None and used <= advice:
+        return None
+    return (
+        f"umbp: UMBP's CUDA staging takes {staging_bytes >> 20} MiB of GPU memory after vLLM's "
+        f"extensible KV cache sized itself (gpu_memory_utilization "
+        f"{'unset, i.e. 1.0' if used is None else used}): that comes out of the margin vLLM "
+        f"keeps for its own allocations. Set gpu_memory_utilization={advice} "
+        "(--gpu-memory-utilization), or lower cuda_staging_bytes (standalone mode: the "
+        "server's --cuda-staging-bytes)"
+    )
+
+
 class _Dropped:
     """A store not made (the KV memory was released): finished at once."""
 
@@ -114,6 +144,8 @@ class WorkerSide:
         self.logged_stream: int | None = None
         # The KV cache's tensors and their registrations (region ids), kept so that
         # released KV memory can be deregistered and registered again (vLLM 0.34).
+        # vLLM's cache config (its GPU memory budget), set by the connector.
+        self.cache_config: Any = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.regions: list[int] = []
         self.released = False
@@ -139,6 +171,16 @@ class WorkerSide:
         self.store = self.runtime.open_store()
         self.kv_caches = dict(kv_caches)
         self._register_memory(kv_caches)
+        if self.cuda_device is not None:
+            staging = (
+                SERVER_STAGING_BYTES
+                if self.cfg.mode == "standalone"
+                else 2 * self.cfg.cuda_staging_bytes
+            )
+            total = torch.cuda.get_device_properties(self.cuda_device).total_memory
+            note = gpu_headroom_advice(self.cache_config, staging, total)
+            if note:
+                logger.warning("%s", note)
         self.layout = self._register_layout(kv_caches)
         self.server = self.runtime.serve_lookups(self.store, self.ranks)
         logger.info(
