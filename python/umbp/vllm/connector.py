@@ -96,8 +96,10 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        # Sleep mode unmaps the KV cache while copies may still run, and the store cannot drop
-        # its registrations yet: vLLM (0.33 and later) refuses the combination at start-up.
+        # Sleep mode unmaps the KV cache (and offloads the weights). `unregister_kv_caches` /
+        # `restore_kv_caches` now drain and drop the registrations around it, but no engine
+        # has slept and woken with this connector yet: vLLM (0.33 and later) refuses the
+        # combination at start-up until one has.
         return False
 
     if KVCacheAccess is not None:

@@ -142,10 +142,10 @@ class WorkerSide:
         self.stores: dict[int, umbp.Job] = {}
         self.cuda_device: torch.device | None = None
         self.logged_stream: int | None = None
-        # The KV cache's tensors and their registrations (region ids), kept so that
-        # released KV memory can be deregistered and registered again (vLLM 0.34).
         # vLLM's cache config (its GPU memory budget), set by the connector.
         self.cache_config: Any = None
+        # The KV cache's tensors and their registrations (region ids), kept so that
+        # released KV memory can be deregistered and registered again (vLLM 0.34).
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.regions: list[int] = []
         self.released = False
