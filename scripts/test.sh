@@ -70,17 +70,19 @@ python -m pytest -q -p no:cacheprovider tests/python
 if [ -z "$VLLM_SKIPPED" ]; then
   step "vLLM tests (real vLLM CPU engines; a few minutes)"
   python -m pytest -q -p no:cacheprovider tests/vllm
-  step "vLLM 0.34's connector API objects (its Python files over this venv; 60 MB)"
-  # The wheel (~320 MB) is downloaded to a temporary folder and deleted once unpacked.
-  if python scripts/vllm_overlay.py --check >/dev/null \
-    || awk -v f="$(free_gb)" 'BEGIN { exit !(f >= 0.6) }'; then
-    OVERLAY="$(python scripts/vllm_overlay.py)"
-    PYTHONPATH="$OVERLAY" python -m pytest -q -p no:cacheprovider tests/vllm_next
-  else
-    VLLM_SKIPPED="$(free_gb) GB free, the vLLM 0.34 overlay needs 0.6 GB"
-    printf '\n!!! NOT TESTING AGAINST vLLM 0.34: %s\n' "$VLLM_SKIPPED" >&2
-    [ "${UMBP_REQUIRE_VLLM:-0}" = 1 ] && exit 1
-  fi
+  for v in 0.33.0 0.34.0; do
+    step "vLLM $v's connector API objects (its Python files over this venv, ~60 MB)"
+    # The wheel (~320 MB) is downloaded to a temporary folder and deleted once unpacked.
+    if python scripts/vllm_overlay.py --version "$v" --check >/dev/null \
+      || awk -v f="$(free_gb)" 'BEGIN { exit !(f >= 0.6) }'; then
+      OVERLAY="$(python scripts/vllm_overlay.py --version "$v")"
+      PYTHONPATH="$OVERLAY" python -m pytest -q -p no:cacheprovider tests/vllm_next
+    else
+      VLLM_SKIPPED="$(free_gb) GB free, the vLLM $v overlay needs 0.6 GB"
+      printf '\n!!! NOT TESTING AGAINST vLLM %s: %s\n' "$v" "$VLLM_SKIPPED" >&2
+      if [ "${UMBP_REQUIRE_VLLM:-0}" = 1 ]; then exit 1; fi
+    fi
+  done
 fi
 if [ -z "$VLLM_SKIPPED" ]; then
   step "all checks passed"

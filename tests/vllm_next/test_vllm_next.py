@@ -1,10 +1,12 @@
-"""The connector against the next vLLM release's own objects (vLLM 0.34.0), where no engine
-of it can run here: its pure-Python part is unpacked by `scripts/vllm_overlay.py` and put first
-on PYTHONPATH (`./scripts/test.sh` does both), over the venv's torch and vLLM CPU 0.32.
+"""The connector against the Python objects of vLLM releases that cannot run here (0.33.0
+and 0.34.0: their GPU builds need other torch versions, and there is no CPU build of them
+here): each release's pure-Python part is unpacked by `scripts/vllm_overlay.py` and put first
+on PYTHONPATH (`./scripts/test.sh` does both, once per release), over the venv's torch and
+vLLM CPU 0.32.
 
-    PYTHONPATH=$(python scripts/vllm_overlay.py) python -m pytest tests/vllm_next
+    PYTHONPATH=$(python scripts/vllm_overlay.py --version 0.34.0) python -m pytest tests/vllm_next
 
-Skipped when another vLLM is first on the path.
+Skipped when another vLLM is first on the path; tests of 0.34's additions skip on 0.33.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from pathlib import Path
 import pytest
 
 vllm = pytest.importorskip("vllm")
-if vllm.__version__ != "0.34.0":
+RELEASES = ("0.33.0", "0.34.0")
+if vllm.__version__ not in RELEASES:
     pytest.skip(
-        f"needs vLLM 0.34.0's Python files first on PYTHONPATH (found {vllm.__version__}): "
-        "PYTHONPATH=$(python scripts/vllm_overlay.py)",
+        f"needs the Python files of vLLM {' or '.join(RELEASES)} first on PYTHONPATH (found "
+        f"{vllm.__version__}): PYTHONPATH=$(python scripts/vllm_overlay.py --version ...)",
         allow_module_level=True,
     )
+V034 = vllm.__version__ == "0.34.0"
+needs_034 = pytest.mark.skipif(not V034, reason="vLLM 0.34's additions")
 
-from vllm.config.kv_transfer import KVCacheAccess, KVTransferConfig  # noqa: E402
+from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 
 from umbp.vllm import plugin  # noqa: E402
 from umbp.vllm.connector import UMBPStoreConnector  # noqa: E402
@@ -33,7 +38,7 @@ from umbp.vllm.connector import UMBPStoreConnector  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hook_signatures import check_overridden_hooks  # noqa: E402
 
-#: The same specs, built with the arguments vLLM 0.32 and 0.34 have in common.
+#: The same specs, built with the arguments vLLM 0.32, 0.33 and 0.34 have in common.
 SPECS = """
 import torch
 from vllm.v1 import kv_cache_interface as k
@@ -56,11 +61,12 @@ print(json.dumps({n: spec_fields(s) for n, s in specs.items()}))
 """
 
 
-def test_every_overridden_hook_matches_vllm_034():
-    checked = check_overridden_hooks(UMBPStoreConnector)
-    # New in 0.34 (the last two exist in 0.33 but are called outside sleep mode from 0.34).
-    assert {"kv_cache_access", "may_load_async", "supports_lookahead_block_hashes"} <= set(checked)
-    assert {"unregister_kv_caches", "restore_kv_caches"} <= set(checked)
+def test_every_overridden_hook_matches_this_release():
+    checked = set(check_overridden_hooks(UMBPStoreConnector))
+    # 0.33's additions (0.34 calls the last two outside sleep mode too), then 0.34's.
+    assert {"supports_sleep_mode", "unregister_kv_caches", "restore_kv_caches"} <= checked
+    new = {"kv_cache_access", "may_load_async", "supports_lookahead_block_hashes"}
+    assert new <= checked if V034 else not new & checked
 
 
 def ktc(extra: dict) -> KVTransferConfig:
@@ -69,12 +75,15 @@ def ktc(extra: dict) -> KVTransferConfig:
     )
 
 
+@needs_034
 def test_kv_cache_access_per_mode(caplog):
     """vLLM 0.34 asks the connector class how it reaches the KV cache before allocating it:
     standalone mode hands the memory to the server through CUDA IPC (`LEGACY_IPC`: the cache
     as 0.33 allocated it), embedded mode copies in the worker (`IN_PROCESS`: vLLM's
     extensible cache stays on). Neither asks for exportable single-chunk segments, which
     would make vLLM refuse CPU engines and `kv_cache_memory_bytes`."""
+    from vllm.config.kv_transfer import KVCacheAccess
+
     plugin.register()  # takes vLLM 0.34's own UMBPStoreConnector name over, with a warning
     standalone = ktc({"mode": "standalone", "endpoint": "unix:///tmp/umbp.sock"})
     assert standalone.kv_cache_access() == KVCacheAccess.LEGACY_IPC
@@ -84,11 +93,11 @@ def test_kv_cache_access_per_mode(caplog):
         assert not cfg.registers_kv_cache_memory()
 
 
-def test_a_cache_shared_by_vllm_032_and_034_engines():
+def test_a_cache_shared_with_vllm_032_engines():
     """The namespace describes a cache group by the spec fields that are not at their
     defaults: 0.34's new fields (`kv_head_major_slots`, `is_draft`, `state_alignment`, ...)
-    at their defaults and its `StrEnum`s leave it as 0.32 made it, so engines of both
-    releases with the same layout share objects."""
+    at their defaults and its `StrEnum`s leave it as 0.32 made it, so engines of 0.32, 0.33
+    and 0.34 with the same layout share objects."""
     here = subprocess.run(
         [sys.executable, "-c", "import json\n" + SPECS], capture_output=True, text=True
     )
@@ -101,7 +110,7 @@ def test_a_cache_shared_by_vllm_032_and_034_engines():
         if p and Path(p).resolve() != Path(overlay)
     )
     before = subprocess.run(
-        [sys.executable, "-c", "import json, vllm\nassert vllm.__version__ != '0.34.0'\n" + SPECS],
+        [sys.executable, "-c", "import json, vllm\nassert vllm.__version__ == '0.32.0'\n" + SPECS],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert before.returncode == 0, before.stderr[-2000:]
@@ -110,6 +119,7 @@ def test_a_cache_shared_by_vllm_032_and_034_engines():
     assert new["mamba"]["mamba_cache_mode"] == "align" and new["full"]["head_size"] == 128
 
 
+@needs_034
 def test_vllm_034_turns_lookahead_hashes_on_with_this_connector():
     """0.34 resolves the hash lookahead from the connector class's answer (0.33 turned it off
     for every connector): with an EAGLE drafter and this connector, block hashes cover the
