@@ -158,11 +158,10 @@ impl Device {
                 return Ok(());
             }
             let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+            let exchange = self.drv.thread_exchange_stream_capture_mode;
             // SAFETY: a valid in/out pointer; changes only this thread's capture mode.
-            self.drv
-                .check("cuThreadExchangeStreamCaptureMode", unsafe {
-                    (self.drv.thread_exchange_stream_capture_mode)(&mut mode)
-                })?;
+            let code = unsafe { exchange(&mut mode) };
+            self.drv.check("cuThreadExchangeStreamCaptureMode", code)?;
             done.set(true);
             Ok(())
         })
