@@ -14,7 +14,8 @@
 # VLLM=1: vLLM's CUDA build is unpacked in $VLLM_SITE (default /tmp/vsite: the offline bundle of
 # ../shared/tools/vllm-cuda/, `assemble.sh` run once per chunk before this); the real-engine
 # tests (tests/gpu_vllm/) run too, filtered by VLLM_TESTS (a pytest -k expression, default all).
-# TESTS_DIR: where tests/ is (default <folder>/tests).
+# TESTS_DIR: where tests/ is (default <folder>/tests). <folder>/vllm-next-utils, when there, holds
+# vLLM 0.34's vllm/utils/{extensible_tensor,vmm_driver}.py (its extensible KV cache's allocator).
 set -u
 C="${1:?folder with umbp, the wheel and tests/}"
 T="${TESTS_DIR:-$C/tests}"
@@ -36,6 +37,9 @@ NV_LIBS="$(python3 -c 'import glob, os, site; print(":".join(sorted({os.path.dir
 export LD_LIBRARY_PATH="${NV_LIBS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ -x "$C/umbp_standalone_server" ] && chmod +x "$C/umbp_standalone_server" \
   && export UMBP_SERVER_BIN="$C/umbp_standalone_server"
+# vLLM 0.34's allocator modules (vllm/utils/{extensible_tensor,vmm_driver}.py of its wheel) for
+# tests/gpu_vllm/test_extensible_cache.py: no vLLM 0.34 engine runs on this machine's torch.
+[ -d "$C/vllm-next-utils" ] && export UMBP_VLLM_NEXT_UTILS="$C/vllm-next-utils"
 case "${BENCH:-shapes}" in
   shapes)
     timeout "${BENCH_TIMEOUT:-240}" "$C/umbp" bench gpu \

@@ -247,13 +247,19 @@ def _subclasses(cls):
 
 
 class Engine:
-    """Both roles of the connector over real vLLM objects; the worker's KV cache is CPU."""
+    """Both roles of the connector over real vLLM objects; the worker's KV cache is CPU unless
+    `caches` gives it (tests/gpu_vllm: views of CUDA memory)."""
 
-    def __init__(self, vc: VllmConfig, kc: kvi.KVCacheConfig) -> None:
+    def __init__(
+        self,
+        vc: VllmConfig,
+        kc: kvi.KVCacheConfig,
+        caches: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         init_none_hash(_sha256)
         self.vc, self.kc = vc, kc
         self.worker = UMBPStoreConnector(vc, KVConnectorRole.WORKER, kc)
-        self.caches = {
+        self.caches = caches or {
             name: torch.zeros((kc.num_blocks, 2, BS, 2, 32), dtype=BF16)
             for g in kc.kv_cache_groups
             for name in g.layer_names
