@@ -32,7 +32,9 @@ needs_034 = pytest.mark.skipif(not V034, reason="vLLM 0.34's additions")
 
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 
+from umbp.errors import ConfigError  # noqa: E402
 from umbp.vllm import plugin  # noqa: E402
+from umbp.vllm.config import ConnectorConfig  # noqa: E402
 from umbp.vllm.connector import UMBPStoreConnector  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,21 +78,48 @@ def ktc(extra: dict) -> KVTransferConfig:
 
 
 @needs_034
-def test_kv_cache_access_per_mode(caplog):
-    """vLLM 0.34 asks the connector class how it reaches the KV cache before allocating it:
-    standalone mode hands the memory to the server through CUDA IPC (`LEGACY_IPC`: the cache
-    as 0.33 allocated it), embedded mode copies in the worker (`IN_PROCESS`: vLLM's
-    extensible cache stays on). Neither asks for exportable single-chunk segments, which
-    would make vLLM refuse CPU engines and `kv_cache_memory_bytes`."""
+def test_kv_cache_access_per_mode_and_option(monkeypatch):
+    """vLLM 0.34 asks the connector class how it reaches the KV cache before allocating it.
+    Embedded mode copies in the worker (`IN_PROCESS`: any allocation, the extensible cache
+    included). Standalone mode follows `kv_cache_export`: `fd` (`auto` on CUDA) asks for
+    exportable memory, which vLLM allocates with POSIX descriptor handles, the handle type
+    tests/gpu_vllm/test_extensible_cache.py gives vLLM 0.34's allocator on the GPU; `ipc` (`auto`
+    elsewhere, where vLLM refuses `EXPORTS_FD`) the cache as 0.33 allocated it."""
     from vllm.config.kv_transfer import KVCacheAccess
+    from vllm.platforms import current_platform
 
     plugin.register()  # takes vLLM 0.34's own UMBPStoreConnector name over, with a warning
-    standalone = ktc({"mode": "standalone", "endpoint": "unix:///tmp/umbp.sock"})
-    assert standalone.kv_cache_access() == KVCacheAccess.LEGACY_IPC
+    ep = {"mode": "standalone", "endpoint": "unix:///tmp/umbp.sock"}
     embedded = ktc({"capacity_bytes": 1 << 30})
     assert embedded.kv_cache_access() == KVCacheAccess.IN_PROCESS
-    for cfg in (standalone, embedded):
-        assert not cfg.registers_kv_cache_memory()
+    assert not embedded.registers_kv_cache_memory()
+    assert ktc(ep).kv_cache_access() == KVCacheAccess.LEGACY_IPC  # auto, off CUDA
+    assert ktc({**ep, "kv_cache_export": "ipc"}).kv_cache_access() == KVCacheAccess.LEGACY_IPC
+    fd = ktc({**ep, "kv_cache_export": "fd"})
+    assert fd.kv_cache_access() == KVCacheAccess.EXPORTS_FD
+    assert fd.registers_kv_cache_memory()  # vLLM maps each layer segment as one allocation
+    # vLLM's own helper turns the declaration into the allocator's handle types.
+    from vllm.utils.vmm_driver import MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR as POSIX_FD
+
+    assert POSIX_FD == 0x1  # what the GPU test passes
+    handle_types = _export_handle_types()
+    assert handle_types(fd) == POSIX_FD and handle_types(embedded) == 0
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert ktc(ep).kv_cache_access() == KVCacheAccess.EXPORTS_FD  # auto, on CUDA
+    assert ktc({**ep, "kv_cache_export": "ipc"}).kv_cache_access() == KVCacheAccess.LEGACY_IPC
+    # An option that does not parse is left for the connector's start-up to refuse by name.
+    assert ktc({**ep, "kv_cache_export": "dmabuf"}).kv_cache_access() == KVCacheAccess.LEGACY_IPC
+    with pytest.raises(ConfigError, match="kv_cache_export"):
+        ConnectorConfig.parse({**ep, "kv_cache_export": "dmabuf"})
+
+
+def _export_handle_types():
+    """vLLM 0.34's `kv_cache_export_handle_types(vllm_config)`, over a bare config."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.extensible_kv_cache import kv_cache_export_handle_types
+
+    return lambda cfg: kv_cache_export_handle_types(SimpleNamespace(kv_transfer_config=cfg))
 
 
 def test_a_cache_shared_with_vllm_032_engines():

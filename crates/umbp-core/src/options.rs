@@ -465,6 +465,27 @@ pub const STARTUP_TIMEOUT_MS: OptionSpec = OptionSpec {
     also_rejected: None,
 };
 
+/// The `kv_cache_export` choices.
+pub const KV_CACHE_EXPORTS: &[&str] = &["auto", "fd", "ipc"];
+
+/// `kv_cache_export`.
+pub const KV_CACHE_EXPORT: OptionSpec = OptionSpec {
+    name: "kv_cache_export",
+    scope: Scope::Standalone,
+    kind: Kind::Choice(KV_CACHE_EXPORTS),
+    default: DefaultValue::Str("auto"),
+    nullable: false,
+    default_doc: None,
+    doc: "How the server reaches a CUDA KV cache, declared to vLLM 0.34 and later \
+          (`kv_cache_access`; earlier versions ignore it): `\"fd\"` exportable memory the \
+          server imports through file descriptors, which keeps vLLM's extensible KV cache (vLLM \
+          then refuses `kv_cache_memory_bytes`, `num_gpu_blocks_override` and \
+          `--no-enable-extensible-kv-cache`); `\"ipc\"` legacy CUDA IPC, for which vLLM \
+          allocates the cache as 0.33 did (its extensible cache off); `\"auto\"` `fd` on CUDA, \
+          `ipc` elsewhere.",
+    also_rejected: None,
+};
+
 /// The `remote_write` policies.
 pub const REMOTE_WRITES: &[&str] = &["eager", "on_reuse"];
 
@@ -607,6 +628,7 @@ pub const SCHEMA: &[OptionSpec] = &[
     CUDA_STAGING_BYTES,
     ENDPOINT,
     STARTUP_TIMEOUT_MS,
+    KV_CACHE_EXPORT,
 ];
 
 /// The spec of option `name`.
@@ -1003,6 +1025,7 @@ pub struct ConnectorOptions {
     /// The socket path (a `unix://` address is resolved to its path).
     pub endpoint: Option<String>,
     pub startup_timeout_ms: u64,
+    pub kv_cache_export: String,
     pub remote_url: Option<String>,
     pub remote_ttl_s: u64,
     pub remote_write: String,

@@ -83,6 +83,7 @@ class ConnectorConfig:
     # standalone
     endpoint: str | None
     startup_timeout_ms: int
+    kv_cache_export: str
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 __all__ = ["UMBPStoreConnector", "UMBPConnectorMetadata", "UMBPWorkerMetadata"]
 
+logger = logging.getLogger("umbp.vllm")
+
 
 def log_through_vllm() -> None:
     """Sends the `umbp` logger's records through vLLM's own handlers, at vLLM's level, so
@@ -103,6 +105,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
         return False
 
     if KVCacheAccess is not None:
+        _export_logged = False  # kv_cache_access's note, once per process
 
         @classmethod
         def kv_cache_access(cls, kv_transfer_config: Any) -> KVCacheAccess:
@@ -110,18 +113,35 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
             process that builds the config, then in every worker, before allocating).
 
             Embedded mode copies in the worker's own process: any allocation works, vLLM's
-            extensible KV cache included. Standalone mode hands the memory to the server,
-            which maps it through CUDA IPC: `LEGACY_IPC` makes vLLM allocate the cache as 0.33
-            did (one `cudaMalloc`, its extensible cache off), which is what standalone mode
-            has been verified with on real CUDA engines. (`EXPORTS_FD`, exportable virtual
-            memory, would keep the extensible cache, but vLLM then refuses every setup that
-            turns it off, `kv_cache_memory_bytes` among them, and it has not run on a GPU
-            with vLLM 0.34 here.) Options that do not parse are left for the connector's
-            own start-up to refuse by name."""
+            extensible KV cache included (`IN_PROCESS`). Standalone mode hands the memory to
+            the server, as option `kv_cache_export` says: `fd` (`auto` on CUDA) declares
+            `EXPORTS_FD`, so vLLM keeps its extensible cache and allocates it exportable, one
+            physical allocation per layer segment, which the server imports through file
+            descriptors; `ipc` (`auto` elsewhere: vLLM refuses `EXPORTS_FD` off CUDA) declares
+            `LEGACY_IPC`, so vLLM allocates the cache as 0.33 did. Options that do not parse
+            are left for the connector's own start-up to refuse by name."""
             extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-            if isinstance(extra, dict) and extra.get("mode") == "standalone":
+            if not isinstance(extra, dict) or extra.get("mode") != "standalone":
+                return KVCacheAccess.IN_PROCESS
+            try:
+                export = ConnectorConfig.parse(extra).kv_cache_export
+            except ConfigError:
                 return KVCacheAccess.LEGACY_IPC
-            return KVCacheAccess.IN_PROCESS
+            if export == "auto":
+                from vllm.platforms import current_platform
+
+                export = "fd" if current_platform.is_cuda() else "ipc"
+                if export == "fd" and not cls._export_logged:
+                    cls._export_logged = True
+                    log_through_vllm()
+                    logger.info(
+                        "umbp: standalone mode declares EXPORTS_FD: vLLM's extensible KV "
+                        "cache stays on and the server imports it through file descriptors. "
+                        "Where vLLM refuses that (kv_cache_memory_bytes, "
+                        "num_gpu_blocks_override, --no-enable-extensible-kv-cache), set "
+                        'kv_connector_extra_config {"kv_cache_export": "ipc"}.'
+                    )
+            return KVCacheAccess.EXPORTS_FD if export == "fd" else KVCacheAccess.LEGACY_IPC
 
     if hasattr(KVConnectorBase_V1, "supports_lookahead_block_hashes"):
 
