@@ -846,7 +846,26 @@ def test_released_kv_memory_is_deregistered_and_registered_again(model_config, t
         e.put(0, req, [1, 2, 3])
         want = {n: t[[1, 2, 3]].clone() for n, t in e.caches.items()}
         layout_before = w.layout
-        e.worker.unregister_kv_caches()
+        real = w.store
+
+        class FailsSecond:  # the store, with a deregistration that fails part-way
+            calls = 0
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def deregister_memory(self, region):
+                FailsSecond.calls += 1
+                if FailsSecond.calls == 2:
+                    raise umbp.UmbpError("injected")
+                real.deregister_memory(region)
+
+        w.store = FailsSecond()
+        with pytest.raises(umbp.UmbpError, match="injected"):
+            e.worker.unregister_kv_caches()
+        assert len(w.regions) == 1 and w.layout == -1  # one left; nothing new starts
+        w.store = real
+        e.worker.unregister_kv_caches()  # deregisters the rest
         e.worker.unregister_kv_caches()  # idempotent
         assert w.layout == -1 and w.regions == []
         keys = w.keys.keys(0, list(req.block_hashes[:3]))

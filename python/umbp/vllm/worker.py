@@ -220,13 +220,15 @@ class WorkerSide:
         """vLLM is about to release the KV cache's memory (vLLM 0.34: `release_kv_cache_memory`,
         `discard`, a weight update; sleep mode is refused): waits for every transfer still
         using it and drops its registrations, so nothing is copied into memory vLLM no longer
-        backs. The pool keeps what was stored. Idempotent."""
-        if self.released or self.store is None:
+        backs. The pool keeps what was stored. Idempotent; a call that failed part-way
+        deregisters the rest when called again."""
+        if self.store is None or (self.released and not self.regions):
             return
         pending = len(self.stores) + sum(len(j) for j in self.async_loads.values())
-        for region in self.regions:  # each waits for the transfers that use it
-            self.store.deregister_memory(region)
-        self.regions, self.layout, self.released = [], -1, True
+        self.layout, self.released = -1, True  # a step from here copies nothing
+        while self.regions:  # each waits for the transfers that use it
+            self.store.deregister_memory(self.regions[-1])
+            self.regions.pop()
         logger.info(
             "umbp: worker %d: KV cache memory deregistered (vLLM releases it; %d transfers "
             "were in flight); the pool keeps its objects",
@@ -239,6 +241,7 @@ class WorkerSide:
         gone): registers it and its layout again. Idempotent."""
         if not self.released or self.store is None:
             return
+        self.unregister_kv_caches()  # what a failed call left registered
         self._register_memory(self.kv_caches)
         self.layout = self._register_layout(self.kv_caches)
         self.released = False
