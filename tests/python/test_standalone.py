@@ -95,6 +95,20 @@ def test_one_process_stores_and_another_loads_the_same_bytes(server):
         assert c.exists(k) == [False] * peer.BLOCKS
 
 
+def test_a_transfer_reports_its_round_trip_and_object_size(server):
+    """What the connector's metrics read off a finished transfer in standalone mode."""
+    c, layout, buf = own_client(server)
+    try:
+        kb = umbp.KeyBuilder("elapsed")
+        keys = kb.keys(0, [i.to_bytes(8, "little") for i in range(4)])
+        t = c.store(layout, 0, [0, 1, 2, 3], keys)
+        assert t.object_bytes == c.object_bytes(layout, 0) > 0
+        assert t.wait() == ["done"] * 4
+        assert t.elapsed_s is not None and 0 < t.elapsed_s < 5
+    finally:
+        c.close()
+
+
 def test_calls_to_the_server_release_the_gil(server):
     c, _, _buf = own_client(server)
     with c, Ticker() as t:

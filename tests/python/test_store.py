@@ -37,6 +37,19 @@ def test_round_trip_is_byte_exact(store, kb):
     assert s["bytes_in"] == 40 * src.layers * src.piece
 
 
+def test_a_job_reports_its_duration_and_object_size(store, kb):
+    """What the connector's metrics read off a finished job (vllm:umbp_*_seconds, _bytes)."""
+    src = KvCache(fill_seed=2)
+    ls = attach(store, src)
+    keys = kb.keys(0, hashes(range(8)))
+    job = store.store(ls, 0, list(range(8)), keys)
+    assert job.object_bytes == src.layers * src.piece
+    t0 = time.perf_counter()
+    assert job.wait() == ["done"] * 8
+    took = time.perf_counter() - t0
+    assert job.elapsed_s is not None and 0 < job.elapsed_s <= took + 0.05
+
+
 def test_per_key_statuses(store, kb):
     src = KvCache(fill_seed=2)
     lid = attach(store, src)

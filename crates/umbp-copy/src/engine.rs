@@ -1,7 +1,7 @@
 //! Asynchronous copy jobs between registered engine memory and pool objects.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -49,6 +49,8 @@ pub(crate) struct JobState {
     /// Whether the job has finished, and who waits for it (threads, futures, callbacks).
     pub(crate) completion: Completion,
     started: Instant,
+    /// Nanoseconds from submission to the last key's end, once finished (0 before).
+    finished_after_ns: AtomicU64,
 }
 
 impl JobState {
@@ -60,11 +62,15 @@ impl JobState {
             on_last();
             self.after.write().take();
             self.regions.lock().clear();
+            let took = self.started.elapsed();
+            // At least 1 ns: 0 means "not finished".
+            let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX).max(1);
+            self.finished_after_ns.store(ns, Ordering::Release);
             log::debug!(
                 "umbp: {:?} job of {} keys finished in {:?}",
                 self.direction,
                 self.keys.len(),
-                self.started.elapsed()
+                took
             );
             self.completion.finish(|| self.results.lock().clone());
         }
@@ -118,6 +124,19 @@ impl JobHandle {
     /// Number of keys.
     pub fn len(&self) -> usize {
         self.state.keys.len()
+    }
+
+    /// From submission to the end of its last key, once the job has finished.
+    pub fn elapsed(&self) -> Option<Duration> {
+        match self.state.finished_after_ns.load(Ordering::Acquire) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    /// Bytes of one key's object (every key of a job has the same size).
+    pub fn object_bytes(&self) -> u64 {
+        self.state.plan.object_bytes()
     }
 
     /// Whether the job has no keys.
@@ -249,6 +268,7 @@ impl CopyEngine {
             results: Mutex::new(vec![KeyResult::Pending; n]),
             completion: Completion::new(n == 0),
             started: Instant::now(),
+            finished_after_ns: AtomicU64::new(0),
         });
         if n > 0 {
             let queue = self.queue.lock();

@@ -37,6 +37,8 @@ pub(crate) struct Transfer {
     /// Holds a handle of the client: dropped with the GIL released, leaked in a forked child.
     inner: ReleaseGilOnDrop<CoreTransfer>,
     keys: usize,
+    /// Bytes of one key's object (0 when the layout is unknown: the transfer then fails).
+    object_bytes: u64,
     /// The outcome once read, so that every read gives the same one (the client hands a
     /// failure's typed error to its first reader only).
     outcome: Mutex<Option<Outcome>>,
@@ -107,6 +109,20 @@ impl Transfer {
     fn cancel(&self, py: Python<'_>) -> Result<()> {
         let t = self.inner.live("transfer")?;
         Ok(without_gil(py, || t.cancel())?)
+    }
+
+    /// Seconds from the call to the server's answer, once answered (else None): the
+    /// client's round trip, the copy included.
+    #[getter]
+    fn elapsed_s(&self) -> Result<Option<f64>> {
+        let t = self.inner.live("transfer")?;
+        Ok(t.timing().map(|t| t.round_trip.as_secs_f64()))
+    }
+
+    /// Bytes of one key's object.
+    #[getter]
+    fn object_bytes(&self) -> u64 {
+        self.object_bytes
     }
 
     /// Messages of keys that ended "failed", by key index (empty until answered).
@@ -549,6 +565,7 @@ impl StandaloneClient {
     ) -> Result<Transfer> {
         let c = self.live()?;
         let n = keys.keys.len();
+        let object_bytes = c.object_bytes(layout_id, group).unwrap_or(0);
         let t = without_gil(py, || -> Result<CoreTransfer> {
             let ids = to_u64s(block_ids, "block ids")?;
             Ok(if store {
@@ -560,6 +577,7 @@ impl StandaloneClient {
         Ok(Transfer {
             inner: ReleaseGilOnDrop::new(t),
             keys: n,
+            object_bytes,
             outcome: Mutex::new(None),
         })
     }

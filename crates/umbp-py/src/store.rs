@@ -80,6 +80,18 @@ impl Job {
         self.handle.cancel();
     }
 
+    /// Seconds from submission to the end of the last key, once finished (else None).
+    #[getter]
+    fn elapsed_s(&self) -> Option<f64> {
+        self.handle.elapsed().map(|d| d.as_secs_f64())
+    }
+
+    /// Bytes of one key's object.
+    #[getter]
+    fn object_bytes(&self) -> u64 {
+        self.handle.object_bytes()
+    }
+
     /// Messages of keys that ended "failed", by key index (empty until finished).
     fn errors(&self) -> Vec<(usize, String)> {
         self.handle

@@ -33,6 +33,7 @@ from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.runtime import runtime_class
 from umbp.vllm.scheduler import SchedulerSide
+from umbp.vllm.stats import UMBPConnectorStats, UMBPPromMetrics
 from umbp.vllm.topology import engine_topology
 from umbp.vllm.worker import WorkerSide, local_ranks
 
@@ -300,6 +301,29 @@ class UMBPStoreConnector(KVConnectorBase_V1, *_HYBRID_BASES):
 
     def take_events(self):
         return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    # -- stats (both roles; vLLM sums them per engine and hands them to its loggers) ----------
+
+    def get_kv_connector_stats(self) -> UMBPConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.take_stats()
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UMBPConnectorStats:
+        return UMBPConnectorStats(data=data) if data else UMBPConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> UMBPPromMetrics:
+        return UMBPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None

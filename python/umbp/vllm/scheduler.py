@@ -27,6 +27,7 @@ from umbp.errors import ConfigError
 from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata, UMBPWorkerMetadata, pack_hashes
 from umbp.vllm.runtime import Runtime
+from umbp.vllm.stats import StatsCollector, UMBPConnectorStats
 from umbp.vllm.topology import Topology
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class SchedulerSide:
         # lookup_async: one lookup per request at a time, on `lookup_workers` threads.
         self.async_lookups: dict[str, _AsyncLookup] = {}
         self.lookup_pool: ThreadPoolExecutor | None = None
+        self.collector = StatsCollector()
 
     def shutdown(self) -> None:
         if self.lookup_pool is not None:
@@ -150,7 +152,17 @@ class SchedulerSide:
             held = [a and b for a, b in zip(held, have)]
         return next((k for k in range(hits, 0, -1) if held[k - 1]), 0)
 
-    def _lookup_async(self, rid: str, first: int, hashes: list[bytes]) -> int | None:
+    def _timed_lookup(self, hashes: list[bytes]) -> tuple[int, float]:
+        """`_lookup` and its duration in seconds."""
+        t0 = time.perf_counter()
+        hits = self._lookup(hashes)
+        return hits, time.perf_counter() - t0
+
+    def take_stats(self) -> UMBPConnectorStats | None:
+        """The lookups' counts since the last call (None when none)."""
+        return self.collector.take()
+
+    def _lookup_async(self, rid: str, first: int, hashes: list[bytes]) -> tuple[int, float] | None:
         """The hits of a finished background lookup of exactly these blocks, or None (asked
         again later). A lookup of another range or other hashes (the request's tokens or its
         local hit changed meanwhile) is dropped and started again."""
@@ -164,7 +176,7 @@ class SchedulerSide:
                 self.lookup_pool = ThreadPoolExecutor(
                     max_workers=self.cfg.lookup_workers, thread_name_prefix="umbp-lookup"
                 )
-            entry = _AsyncLookup(first, key, self.lookup_pool.submit(self._lookup, hashes))
+            entry = _AsyncLookup(first, key, self.lookup_pool.submit(self._timed_lookup, hashes))
             self.async_lookups[rid] = entry
         if not entry.future.done():
             return None
@@ -173,7 +185,7 @@ class SchedulerSide:
             return entry.future.result()
         except Exception as e:  # a failed lookup is a miss
             logger.warning("umbp: lookup of request %s failed: %s", rid, e)
-            return 0
+            return 0, 0.0
 
     def may_load_async(self, request: Request) -> bool:
         """Whether this request's load could be asynchronous (vLLM 0.34 asks as a request
@@ -206,12 +218,16 @@ class SchedulerSide:
             found = self._lookup_async(request.request_id, first, hashes)
             if found is None:
                 return None, False
-            hits = found
+            hits, seconds = found
         else:
-            hits = self._lookup(hashes)
+            hits, seconds = self._timed_lookup(hashes)
         if self.topo.eagle_drop:
             # As vLLM's own prefix cache: the drafter recomputes the last matched block.
             hits -= 1
+        s = self.collector.stats
+        s.observe_seconds("lookup_seconds", seconds)
+        s.count("lookup_hit_tokens", max(hits, 0) * self.topo.block_size)
+        s.count("lookup_miss_tokens", (len(hashes) - max(hits, 0)) * self.topo.block_size)
         if hits <= 0:
             return 0, False
         state.load_start, state.load_blocks = first, hits

@@ -65,6 +65,8 @@ class _Failed:
         self.statuses = ["failed"] * n
 
     done = True
+    elapsed_s = None
+    object_bytes = 0
 
     def poll(self) -> list[str]:
         return list(self.statuses)
@@ -83,6 +85,18 @@ class _Submitted:
     @property
     def done(self) -> bool:
         return self.t.done
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from submission to the server's answer (None before, or on failure)."""
+        try:
+            return self.t.elapsed_s
+        except umbp.UmbpError:
+            return None
+
+    @property
+    def object_bytes(self) -> int:
+        return self.t.object_bytes
 
     def poll(self) -> list[str] | None:
         try:
@@ -122,6 +136,15 @@ class _AfterStream:
     @property
     def done(self) -> bool:
         return self.submitted.done() and self._inner(0).done
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """As the submitted transfer's: the wait for the engine's stream is not counted."""
+        return self._inner(0).elapsed_s if self.submitted.done() else None
+
+    @property
+    def object_bytes(self) -> int:
+        return self._inner(0).object_bytes if self.submitted.done() else 0
 
     def poll(self) -> list[str] | None:
         return self._inner(0).poll() if self.submitted.done() else None

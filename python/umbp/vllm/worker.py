@@ -23,6 +23,7 @@ from umbp.kv_layout import describe_tensor, register_tensor_layout, summary_line
 from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.runtime import Runtime
+from umbp.vllm.stats import StatsCollector, UMBPConnectorStats
 from umbp.vllm.topology import Ranks, Topology
 
 logger = logging.getLogger("umbp.vllm")
@@ -105,12 +106,18 @@ def gpu_headroom_advice(cache_config: Any, staging_bytes: int, total_bytes: int)
 
 
 class _Dropped:
-    """A store not made (the KV memory was released): finished at once."""
+    """A store not made (the KV memory was released): finished at once, every block dropped
+    (as a full pool drops them)."""
 
     done = True
+    elapsed_s = None
+    object_bytes = 0
 
+    def __init__(self, n: int) -> None:
+        self.n = n
 
-_DROPPED = _Dropped()
+    def poll(self) -> list[str]:
+        return ["pool_full"] * self.n
 
 
 class WorkerSide:
@@ -137,6 +144,7 @@ class WorkerSide:
         self.layout = -1
         self.async_loads: dict[str, list[tuple[umbp.Job, list[int]]]] = {}
         self.load_errors: set[int] = set()
+        self.collector = StatsCollector()
         self.failed_recving: set[str] = set()  # async loads that failed (several groups)
         self.unplanned_loads: set[str] = set()  # async loads the scheduler could not plan
         self.stores: dict[int, umbp.Job] = {}
@@ -300,6 +308,7 @@ class WorkerSide:
             # is copied: every planned load fails and vLLM recomputes those blocks.
             meta = meta.with_loads_failed()
         for rid, is_async, ids in meta.failed_loads:
+            self.collector.stats.count("load_failed_blocks", len(ids))
             if is_async:
                 self.unplanned_loads.add(rid)  # reported finished (and failed) by get_finished
             else:
@@ -322,6 +331,7 @@ class WorkerSide:
                     f"UMBP: a synchronous load of {len(ids)} blocks did not finish within "
                     f"timeout_ms={self.cfg.timeout_ms}; failing the step"
                 ) from e
+            self.collector.transfer("load", job, statuses)
             self._note_failures(statuses, ids)
 
     def _note_failures(self, statuses: list[str], ids: list[int]) -> None:
@@ -340,7 +350,7 @@ class WorkerSide:
         assert self.store is not None
         if self.released:  # dropped, as a full pool drops stores: a future miss
             for t in meta.stores:
-                self.stores[t.store_id] = _DROPPED
+                self.stores[t.store_id] = _Dropped(len(t.block_ids))
             return
         for t in meta.stores:
             self.stores[t.store_id] = self.store.store(
@@ -353,6 +363,7 @@ class WorkerSide:
             if all(j.done for j, _ in jobs):
                 for j, ids in jobs:
                     statuses = j.poll() or []
+                    self.collector.transfer("load", j, statuses)
                     if not self.topo.per_request_failures:
                         self._note_failures(statuses, ids)
                     elif any(st != "done" for st in statuses):
@@ -373,8 +384,37 @@ class WorkerSide:
     def worker_meta(self) -> UMBPWorkerMetadata | None:
         finished = {sid: 1 for sid, job in self.stores.items() if job.done}
         for sid in finished:
-            del self.stores[sid]
+            job = self.stores.pop(sid)
+            self.collector.transfer("store", job, job.poll() or [])
         return UMBPWorkerMetadata(finished_stores=finished) if finished else None
+
+    def take_stats(self) -> UMBPConnectorStats | None:
+        """This worker's counts since the last call, with its pool's snapshot when due (at
+        most once a second embedded, every 5 s from the server: never an RPC per step)."""
+        if self.store is not None and self.collector.pool_due(
+            5.0 if self.cfg.mode == "standalone" else 1.0
+        ):
+            try:
+                self.collector.stats.pool(*self._pool_snapshot())
+            except umbp.UmbpError as e:  # the server away: no snapshot this time
+                logger.debug("umbp: no pool snapshot: %s", e)
+        return self.collector.take()
+
+    def _pool_snapshot(self) -> tuple[str, dict[str, int]]:
+        """(pool id, its occupancy and cumulative counts): the server's in standalone mode
+        (one id for every worker of it), else this worker's own pool."""
+        if self.cfg.mode == "standalone":
+            s = self.store.client.stats()
+            pool_id = f"server:{self.cfg.endpoint}"
+            remote = s.get("remote") or {}
+        else:
+            s = self.store.stats()
+            pool_id = f"worker:{self.worker}"
+            remote = self.store.remote_stats() or {}
+        fields = {k: int(s[k]) for k in ("used_bytes", "capacity_bytes", "objects", "evictions")}
+        if "hits" in remote:
+            fields["remote_hits"] = int(remote["hits"])
+        return pool_id, fields
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
