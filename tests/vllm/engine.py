@@ -97,6 +97,7 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
                 prompt_ids[p] = list(o.prompt_token_ids)
                 res.append(
                     {
+                        "prompt_ids": list(o.prompt_token_ids),
                         "tokens": list(o.outputs[0].token_ids),
                         "cached": o.num_cached_tokens or 0,
                         "prompt_tokens": len(o.prompt_token_ids),
@@ -185,7 +186,18 @@ def collect_events(endpoint: str, sink: list) -> None:
         for ev in batch.events:
             name = type(ev).__name__
             if name in ("BlockStored", "BlockRemoved") and getattr(ev, "medium", None) == "CPU":
-                sink.append({"type": name, "n": len(ev.block_hashes)})
+                e = {"type": name, "n": len(ev.block_hashes), "hashes": _hexes(ev.block_hashes)}
+                e["group"] = getattr(ev, "group_idx", None)
+                if name == "BlockStored":
+                    parent = ev.parent_block_hash
+                    e["parent"] = None if parent is None else _hexes([parent])[0]
+                    e["tokens"], e["block_size"] = list(ev.token_ids), ev.block_size
+                sink.append(e)
+
+
+def _hexes(hashes) -> list[str]:
+    """Block hashes as JSON text (vLLM sends bytes, or ints with VLLM_KV_EVENTS_USE_INT_...)."""
+    return [h.hex() if isinstance(h, bytes) else f"{h:x}" for h in hashes]
 
 
 if __name__ == "__main__":

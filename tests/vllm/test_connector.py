@@ -242,6 +242,89 @@ def test_kv_events_report_stores_and_evictions(model, tmp_path):
     assert any(e["type"] == "BlockRemoved" for e in after_all), after_all
 
 
+class PrefixIndex:
+    """What a KV-aware router builds from an engine's KV events: stored blocks by hash, each
+    with its parent and tokens; a prompt's cached prefix is the chain of blocks whose tokens
+    are the prompt's, block by block, each the child of the one before."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+
+    def feed(self, events: list[dict]) -> None:
+        for e in events:
+            if e["type"] == "BlockStored":
+                bs, parent = e["block_size"], e["parent"]
+                assert len(e["tokens"]) == bs * e["n"], e  # every block describes itself
+                for i, h in enumerate(e["hashes"]):
+                    self.blocks[h] = (parent, tuple(e["tokens"][i * bs : (i + 1) * bs]))
+                    parent = h
+            else:
+                for h in e["hashes"]:
+                    self.blocks.pop(h, None)
+
+    def cached_blocks(self, prompt: list[int], bs: int) -> int:
+        children: dict[tuple[str | None, tuple[int, ...]], str] = {
+            v: h for h, v in self.blocks.items()
+        }
+        parent, n = None, 0
+        for k in range(len(prompt) // bs):
+            h = children.get((parent, tuple(prompt[k * bs : (k + 1) * bs])))
+            if h is None:
+                break
+            parent, n = h, n + 1
+        return n
+
+
+def test_self_describing_events_let_a_router_index_umbp_prefixes(model, tmp_path):
+    """`self_describing_kv_events`: a router that indexes the pool's events by tokens and
+    parents finds every prompt's stored prefix, and drops what the pool evicted; with the
+    option off the events are the hash-only ones they were."""
+    ps = prompts(6, shared=400, seed=9)
+    cfg = connector(tmp_path, key_namespace="router", self_describing_kv_events=True)
+    cfg.pop("total_capacity_bytes")
+    cfg["capacity_bytes"] = 1 << 20  # 4 prompts' blocks: the last ones evict the first
+    r = run_engine(
+        {
+            "model": model,
+            "connector": cfg,
+            "kv_events": f"ipc://{tmp_path}/events.sock",
+            "steps": [
+                {"generate": ps[:2]},
+                {"events": 2.0},
+                {"generate": ps[2:]},
+                {"events": 3.0},
+            ],
+        }
+    )
+    first, early, later, final = r["steps"]
+    bs = next(e["block_size"] for e in early if e["type"] == "BlockStored")
+    index = PrefixIndex()
+    index.feed(early)
+    for o in first:  # every full prompt block of both prompts, shared prefix included
+        assert index.cached_blocks(o["prompt_ids"], bs) == len(o["prompt_ids"]) // bs
+    index = PrefixIndex()
+    index.feed(final)  # every event so far, removals included
+    assert any(e["type"] == "BlockRemoved" for e in final), "the small pool evicted nothing"
+    for o in later[-1:]:  # the newest prompt is held
+        assert index.cached_blocks(o["prompt_ids"], bs) == len(o["prompt_ids"]) // bs
+    # What the index holds is what the pool holds: evicted blocks are gone from both.
+    held = sum(1 for e in final if e["type"] == "BlockStored" for _ in e["hashes"])
+    removed = sum(e["n"] for e in final if e["type"] == "BlockRemoved")
+    assert len(index.blocks) == held - removed > 0
+
+    off = connector(tmp_path, key_namespace="router-off", lookup_instance="off")
+    r = run_engine(
+        {
+            "model": model,
+            "connector": off,
+            "kv_events": f"ipc://{tmp_path}/events-off.sock",
+            "steps": [{"generate": ps[:1]}, {"events": 2.0}],
+        }
+    )
+    stored = [e for e in r["steps"][1] if e["type"] == "BlockStored"]
+    assert stored and all(e["tokens"] == [] and e["parent"] is None for e in stored), stored
+
+
 def test_data_parallel_2_engines_get_distinct_sockets_and_both_restore(model, tmp_path):
     """`vllm serve --data-parallel-size 2`: two engines of a dense model on one node. vLLM
     resets their data_parallel_rank to 0; the sockets must still differ (the DP index)."""

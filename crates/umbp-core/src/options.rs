@@ -214,6 +214,16 @@ pub const KV_EVENT_MAX_OBJECTS: OptionSpec = OptionSpec {
           tracked objects leave the pool. Storage and lookups go on.",
     also_rejected: None,
 };
+/// `self_describing_kv_events`.
+pub const SELF_DESCRIBING_KV_EVENTS: OptionSpec = flag(
+    "self_describing_kv_events",
+    false,
+    "With vLLM's KV events on, each `BlockStored` of the pool (medium `CPU`) carries its \
+     blocks' token ids, the parent block hash, the block size, the LoRA adapter and the cache \
+     group, as vLLM's offloading connector sends them, so a KV-aware router can index \
+     UMBP-held prefixes; false: block hashes only. Blocks stored by `lazy_offload` and \
+     recurrent-state blocks stay hash-only.",
+);
 /// `enable_lookup`.
 pub const ENABLE_LOOKUP: OptionSpec = flag(
     "enable_lookup",
@@ -600,6 +610,7 @@ pub const SCHEMA: &[OptionSpec] = &[
     LOOKUP_ASYNC,
     LOOKUP_WORKERS,
     KV_EVENT_MAX_OBJECTS,
+    SELF_DESCRIBING_KV_EVENTS,
     ENABLE_LOOKUP,
     SAVE_DECODE_CACHE,
     LAZY_OFFLOAD,
@@ -1001,6 +1012,7 @@ pub struct ConnectorOptions {
     pub lookup_async: bool,
     pub lookup_workers: u32,
     pub kv_event_max_objects: u64,
+    pub self_describing_kv_events: bool,
     pub enable_lookup: bool,
     pub save_decode_cache: bool,
     pub lazy_offload: bool,

@@ -53,6 +53,7 @@ class ConnectorConfig:
     lookup_async: bool
     lookup_workers: int
     kv_event_max_objects: int
+    self_describing_kv_events: bool
     enable_lookup: bool
     save_decode_cache: bool
     lazy_offload: bool

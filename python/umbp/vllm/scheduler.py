@@ -68,6 +68,9 @@ class _InFlightStore:
     transfer: Transfer
     # Lazy stores: the blocks were next in line for eviction; once stored they go back there.
     evict_first: bool = False
+    # With `self_describing_kv_events`: per block, its token ids and its parent's hash.
+    described: list[tuple[list[int], bytes | None]] | None = None
+    lora: tuple[int | None, str | None] = (None, None)
 
 
 @functools.cache
@@ -357,13 +360,15 @@ class SchedulerSide:
                 keep = [i for i, b in enumerate(block_ids) if b != 0]
                 if not keep:
                     continue
-                self._add_store(
+                st = self._add_store(
                     meta,
                     g,
                     [self.block_pool.blocks[block_ids[i]] for i in keep],
                     [hashes[i] for i in keep],
                     rid,
                 )
+                if self.cfg.self_describing_kv_events and self.events_enabled:
+                    self._describe(st, req, [first + i for i in keep])
         if self.topo.state_groups:
             self._state_stores(meta, so)
         return meta
@@ -406,7 +411,7 @@ class SchedulerSide:
         hashes: list[bytes],
         rid: str,
         evict_first: bool = False,
-    ) -> None:
+    ) -> _InFlightStore:
         """Pins `blocks` until every worker has stored them, and queues their store."""
         assert self.block_pool is not None
         self.block_pool.touch(blocks)
@@ -420,10 +425,22 @@ class SchedulerSide:
             req_id=rid,
             store_id=sid,
         )
-        self.in_flight[sid] = _InFlightStore(
+        st = _InFlightStore(
             blocks=blocks, remaining=self.topo.workers, transfer=t, evict_first=evict_first
         )
+        self.in_flight[sid] = st
         meta.stores.append(t)
+        return st
+
+    def _describe(self, st: _InFlightStore, req: Request, indices: list[int]) -> None:
+        """Keeps what self-describing events say of each block: its tokens, its parent."""
+        bs, tokens, hashes = self.topo.block_size, req.all_token_ids, req.block_hashes
+        st.described = [
+            (list(tokens[k * bs : (k + 1) * bs]), hashes[k - 1] if k > 0 else None) for k in indices
+        ]
+        lora = getattr(req, "lora_request", None)
+        if lora is not None:
+            st.lora = (getattr(lora, "adapter_id", None), getattr(lora, "name", None))
 
     def _lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
         """Stores the cached blocks next in line for eviction: the first `lazy_max` blocks of
@@ -486,7 +503,7 @@ class SchedulerSide:
         wm = getattr(out, "kv_connector_worker_meta", None)
         if not isinstance(wm, UMBPWorkerMetadata):
             return
-        finished: list[Transfer] = []
+        finished: list[_InFlightStore] = []
         for sid, n in wm.finished_stores.items():
             st = self.in_flight.get(sid)
             if st is None:
@@ -495,7 +512,7 @@ class SchedulerSide:
             if st.remaining <= 0:
                 del self.in_flight[sid]
                 self._release(st)
-                finished.append(st.transfer)
+                finished.append(st)
         if finished and self.events_enabled:
             self._publish_stored(finished)
 
@@ -504,32 +521,55 @@ class SchedulerSide:
 
     # -- KV events ---------------------------------------------------------------------------
 
-    def _publish_stored(self, transfers: list[Transfer]) -> None:
+    def _publish_stored(self, stores: list[_InFlightStore]) -> None:
+        """A `BlockStored` per run of newly held blocks: hashes only, or with each block's
+        tokens and parent (`self_describing_kv_events`; a run is blocks that follow each
+        other in their request, its parent that of its first block)."""
         from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        for t in transfers:
+        for st in stores:
+            t = st.transfer
             present = self.client.exists_all(t.group, t.hashes, t.hash_len)
             hashes = [t.hashes[i * t.hash_len : (i + 1) * t.hash_len] for i in range(len(present))]
-            new = [h for h, p in zip(hashes, present) if p and h not in self.tracked]
             room = self.cfg.kv_event_max_objects - len(self.tracked)
+            new = [
+                i for i, (h, p) in enumerate(zip(hashes, present)) if p and h not in self.tracked
+            ]
             new = new[: max(room, 0)]
             if not new:
                 continue
-            for h in new:
-                self.tracked[h] = t.group
-            self.events.append(
-                BlockStored(
-                    block_hashes=[maybe_convert_block_hash(h) for h in new],
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=self.topo.block_size,
-                    lora_id=None,
-                    medium="CPU",
-                    lora_name=None,
-                    group_idx=t.group,
+            for i in new:
+                self.tracked[hashes[i]] = t.group
+            described = st.described
+            runs: list[list[int]] = [[new[0]]]
+            for i in new[1:]:
+                prev = runs[-1][-1]
+                if described is None or described[i][1] == hashes[prev]:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+            for run in runs:
+                tokens: list[int] = []
+                parent = None
+                if described is not None:
+                    parent = described[run[0]][1]
+                    for i in run:
+                        tokens.extend(described[i][0])
+                self.events.append(
+                    BlockStored(
+                        block_hashes=[maybe_convert_block_hash(hashes[i]) for i in run],
+                        parent_block_hash=None
+                        if parent is None
+                        else maybe_convert_block_hash(parent),
+                        token_ids=tokens,
+                        block_size=self.topo.block_size,
+                        lora_id=st.lora[0],
+                        medium="CPU",
+                        lora_name=st.lora[1],
+                        group_idx=t.group,
+                    )
                 )
-            )
 
     def _recheck_tracked(self) -> None:
         from vllm.distributed.kv_events import BlockRemoved
