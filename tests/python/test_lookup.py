@@ -1,11 +1,13 @@
 """The embedded lookup service: real stores behind real Unix sockets."""
 
+import json
+import subprocess
 import time
 
 import pytest
 
 import umbp
-from conftest import KvCache, hashes
+from conftest import KvCache, hashes, umbp_command
 
 
 def worker(tmp_path, tp, ns="lk"):
@@ -67,3 +69,41 @@ def test_lookup_bench_runs_against_the_schedulers_socket_paths(monkeypatch, caps
     monkeypatch.setattr("sys.argv", argv)
     assert bench_lookup.main() == 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_umbp_stats_watch_sums_the_engines_workers(tmp_path, kb):
+    """`umbp stats --lookup-dir DIR --watch`: the operator's view of embedded engines, read
+    through their workers' lookup sockets; two workers' pools summed, the second refresh's
+    rates from the traffic in between."""
+    ranks = [worker(tmp_path, tp) for tp in range(2)]
+    keys = kb.keys(0, hashes(range(8)))
+    for store, _, layout, _ in ranks:
+        assert store.store(layout, 0, list(range(8)), keys).wait() == ["done"] * 8
+    cmd = [str(umbp_command()), "stats", "--lookup-dir", str(tmp_path), "--json"]
+    proc = subprocess.Popen(
+        [*cmd, "--watch", "1", "--count", "2"], stdout=subprocess.PIPE, text=True
+    )
+    first = json.loads(proc.stdout.readline())
+    store, _, layout, _ = ranks[0]
+    assert store.load(layout, 0, list(range(8)), keys).wait() == ["done"] * 8
+    store.exists(kb.keys(0, hashes(range(100, 104))))  # four misses
+    second = json.loads(proc.stdout.readline())
+    assert proc.wait(30) == 0
+    piece = ranks[0][1].layers * ranks[0][1].piece
+    assert first["clients"] == 2 and first["objects"] == 16
+    assert first["used_bytes"] >= 16 * piece and first["capacity_bytes"] == 2 * (16 << 20)
+    assert first["bytes_in"] == 16 * piece and first["remote"] == "off"
+    assert second["bytes_out"] - first["bytes_out"] == 8 * piece
+    assert second["gb_s_out"] > 0 and second["lookups_last_minute"] >= 4
+    assert 0 <= second["hit_rate_last_minute"] < 1
+    once = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=30)
+    assert once.returncode == 0 and "occupancy" in once.stdout and "clients     2" in once.stdout
+    empty = subprocess.run(
+        [str(umbp_command()), "stats", "--lookup-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert empty.returncode != 0 and "lookup_dir" in empty.stderr
+    for _, _, _, srv in ranks:
+        srv.shutdown()

@@ -6,6 +6,7 @@ The server is started by tests/standalone_server.py (binary: $UMBP_SERVER_BIN, e
 `umbp_standalone_server` on PATH, else this checkout's release build).
 """
 
+import json
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import standalone_peer as peer
 from test_bindings import Ticker
 
 import umbp
+from conftest import umbp_command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from standalone_server import GRACE_MS, running  # noqa: E402
@@ -105,6 +107,29 @@ def test_a_transfer_reports_its_round_trip_and_object_size(server):
         assert t.object_bytes == c.object_bytes(layout, 0) > 0
         assert t.wait() == ["done"] * 4
         assert t.elapsed_s is not None and 0 < t.elapsed_s < 5
+    finally:
+        c.close()
+
+
+def test_umbp_stats_watch_shows_the_server(server):
+    """`umbp stats --watch --json`: the server's pool and sessions, one line per refresh."""
+    c, layout, buf = own_client(server)
+    try:
+        keys = umbp.KeyBuilder("watch").keys(0, [i.to_bytes(8, "little") for i in range(4)])
+        assert c.store(layout, 0, [0, 1, 2, 3], keys).wait() == ["done"] * 4
+        out = subprocess.run(
+            [str(umbp_command()), "stats", "--endpoint", server.endpoint, "--json"]
+            + ["--watch", "0.2", "--count", "2"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(x) for x in out.stdout.splitlines()]
+        assert len(lines) == 2
+        size = c.object_bytes(layout, 0)
+        assert lines[-1]["objects"] == 4 and lines[-1]["used_bytes"] >= 4 * size
+        assert lines[-1]["clients"] == 1 and lines[-1]["remote"] == "off"
     finally:
         c.close()
 

@@ -16,6 +16,7 @@ mod bench_server;
 mod cublas;
 mod ops;
 mod server_proc;
+mod watch;
 
 /// UMBP: a host-DRAM KV-cache offload store.
 #[derive(Debug, Parser)]
@@ -32,7 +33,8 @@ enum Command {
     Bench(Bench),
     /// Asks a standalone server for its boot id, version and uptime (exit 1 when unreachable).
     Ping(ops::PingArgs),
-    /// Every statistic of a standalone server's pool, sessions and transfers.
+    /// Every statistic of a standalone server's pool, sessions and transfers; --watch: a
+    /// refreshing one-screen summary of the server or (--lookup-dir) of embedded engines.
     Stats(ops::StatsArgs),
     /// Removes the objects of a standalone server's pool (all, or one namespace's).
     Clear(ops::ClearArgs),

@@ -43,9 +43,21 @@ pub struct PingArgs {
 pub struct StatsArgs {
     #[command(flatten)]
     target: Target,
-    /// Print one JSON object (raw numbers) instead of the table.
+    /// Print one JSON object (raw numbers) instead of the table; with --watch, one per refresh.
     #[arg(long)]
     json: bool,
+    /// Refresh a one-screen summary every SECS seconds (default 2): occupancy, hit rate over
+    /// the last minute, GB/s each way, evictions, sessions, remote tier.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+    watch: Option<f64>,
+    /// With --watch: stop after this many refreshes (default: until interrupted).
+    #[arg(long, requires = "watch")]
+    count: Option<u64>,
+    /// Embedded engines instead of the server (--endpoint is then unused): the connector's
+    /// `lookup_dir`, whose workers' lookup sockets are asked what their pools hold (with
+    /// --watch, or once).
+    #[arg(long, value_name = "DIR")]
+    lookup_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -62,7 +74,7 @@ pub struct ClearArgs {
 pub struct Raw {
     rt: tokio::runtime::Runtime,
     grpc: StoreClient<Channel>,
-    endpoint: Endpoint,
+    pub(crate) endpoint: Endpoint,
     timeout: Duration,
 }
 
@@ -193,6 +205,25 @@ pub fn ping(a: &PingArgs) -> Result<()> {
 }
 
 pub fn stats(a: &StatsArgs) -> Result<()> {
+    if a.watch.is_some() || a.lookup_dir.is_some() {
+        let timeout = Duration::from_millis(a.target.timeout_ms.max(1));
+        let source = match &a.lookup_dir {
+            Some(dir) => crate::watch::Source::Engines {
+                dir: dir.clone(),
+                timeout,
+            },
+            None => crate::watch::Source::Server(Box::new(a.target.raw()?)),
+        };
+        let every = a.watch.unwrap_or(0.0);
+        if !(every.is_finite() && every >= 0.0) {
+            return Err(anyhow!(
+                "--watch {every}: give a number of seconds, 0 or more"
+            ));
+        }
+        let count = if a.watch.is_some() { a.count } else { Some(1) };
+        let once = a.watch.is_none();
+        return crate::watch::run(&source, Duration::from_secs_f64(every), count, a.json, once);
+    }
     let raw = a.target.raw()?;
     let s = raw.stats()?;
     let remote = s.remote.as_ref().map(|r| {

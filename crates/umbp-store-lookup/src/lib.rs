@@ -73,9 +73,24 @@ impl LookupTarget for StoreLookup {
         let Ok(s) = self.store.stats() else {
             return format!("{} (store closed)", self.describe);
         };
+        // `key=value` words after the text (`umbp stats --lookup-dir` reads them).
+        let remote = match self.store.remote_stats() {
+            None => "off".to_owned(),
+            Some(r) if r.connected => format!("up remote_hits={}", r.hits),
+            Some(r) => format!("down remote_hits={}", r.hits),
+        };
         format!(
-            "{} objects={} used_bytes={} evictions={}",
-            self.describe, s.objects, s.used_bytes, s.evictions
+            "{} objects={} used_bytes={} capacity_bytes={} evictions={} hits={} misses={} \
+             bytes_in={} bytes_out={} remote={remote}",
+            self.describe,
+            s.objects,
+            s.used_bytes,
+            s.capacity_bytes,
+            s.evictions,
+            s.hits,
+            s.misses,
+            s.bytes_in,
+            s.bytes_out
         )
     }
 }
