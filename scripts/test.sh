@@ -19,8 +19,10 @@ cargo fmt --all -- --check
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets -q -- -D warnings
 step "ruff (lint + format check)"
-ruff check python tests
-ruff format --check python tests
+ruff check python tests scripts
+ruff format --check python tests scripts
+step "charts of docs/results/ reproduce docs/img/ (scripts/plot_results.py --check)"
+python scripts/plot_results.py --check
 step "redis-server for the remote tier's tests (Debian's packages; installed when missing)"
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null ||
   ! command -v openssl >/dev/null; then

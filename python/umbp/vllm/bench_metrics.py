@@ -124,6 +124,9 @@ def main() -> int:
         raise SystemExit(f"a round restored nothing from the pool: {moved}")
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     result = {
+        "kind": "metrics",  # scripts/plot_results.py charts it
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} CPUs",
         "rounds_per_arm": a.rounds,
         "prompts": a.prompts,
         "tokens": a.tokens,
@@ -131,6 +134,7 @@ def main() -> int:
         "median_s_off": round(off, 4),
         "ratio_on_off": round(on / off, 4),
         "restored_blocks_per_round": statistics.median(moved["on"] + moved["off"]),
+        "rounds_ms": {arm: [round(1000 * t, 1) for t in ts] for arm, ts in times.items()},
     }
     if a.json:
         print(json.dumps(result))
