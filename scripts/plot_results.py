@@ -8,6 +8,12 @@ Each results file says its `kind`; one PNG per file, named after it:
   recomputed, and the budget the restore is held to (log scales).
 - `metrics`: `python -m umbp.vllm.bench_metrics --json`: each round's time with the connector's
   metrics on and off.
+- `gpu-sweep`: `umbp bench gpu --sweep --json`: store and load GB/s as a share of the pinned-copy
+  ceiling, by piece size, per copy method.
+- `gpu-under-load`: `umbp bench gpu --under-load --json`: copy GB/s beside a full-GPU matmul and
+  the matmul's slowdown, per shape and method.
+- `server`: `umbp bench server --json` (one object per run): GB/s through the server against
+  embedded mode, per piece size and direction.
 
     python scripts/plot_results.py            # (re)writes docs/img/<name>.png
     python scripts/plot_results.py --check    # exit 1 if a committed PNG differs from a re-run
@@ -124,7 +130,130 @@ def metrics(d: dict, plt):
     return fig
 
 
-KINDS = {"ttft": ttft, "metrics": metrics}
+METHOD_STYLE = {"auto": ("tab:blue", "o"), "staged": ("tab:green", "s"), "dma": ("tab:gray", "^")}
+
+
+def gpu_sweep(d: dict, plt):
+    r = d["result"]
+    rows = r["sweep"]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.8), dpi=120, sharey=True)
+    for ax, direction in zip(axes, ("store", "load")):
+        for method, (color, marker) in METHOD_STYLE.items():
+            pts = sorted(
+                (x["piece_bytes"] >> 10, x[f"{direction}_ratio"])
+                for x in rows
+                if x["method"] == method
+            )
+            if pts:
+                ax.plot(*zip(*pts), color=color, marker=marker, label=method)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="pinned-copy ceiling")
+        ax.set_xscale("log", base=2)
+        kibs = sorted({x["piece_bytes"] >> 10 for x in rows})
+        ax.set_xticks(kibs, [str(k) for k in kibs])
+        ax.set_xlabel("piece size, KiB (one layer's K+V of a block)")
+        ceiling = r["ceiling"]["d2h_gbps" if direction == "store" else "h2d_gbps"]
+        arrow = "GPU → pool" if direction == "store" else "pool → GPU"
+        ax.set_title(f"{direction} ({arrow}); ceiling {ceiling:.1f} GB/s", fontsize=9)
+    axes[0].set_ylabel("GB/s as a share of the ceiling")
+    axes[0].set_ylim(0, 1.08)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{d['device']}: copy bandwidth by piece size, {d['date']}", fontsize=9)
+    return fig
+
+
+def gpu_under_load(d: dict, plt):
+    ul = d["result"]["under_load"]
+    rows = ul["rows"]
+    labels = [f"{x['shape']}\n{x['method']}" for x in rows]
+    xs = range(len(rows))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8.4, 3.8), dpi=120)
+    w = 0.27
+    for k, (direction, color) in enumerate(
+        (("store", "tab:blue"), ("load", "tab:orange"), ("both", "tab:green"))
+    ):
+        a1.bar(
+            [x + (k - 1) * w for x in xs],
+            [x[direction]["ratio_to_idle_ceiling"] for x in rows],
+            w,
+            color=color,
+            label=direction,
+        )
+        a2.bar(
+            [x + (k - 1) * w for x in xs],
+            [x[direction]["slowdown_pct"] for x in rows],
+            w,
+            color=color,
+            label=direction,
+        )
+    a2.errorbar(
+        list(xs),
+        [0] * len(rows),
+        yerr=[max(x[k]["noise_pct"] for k in ("store", "load", "both")) for x in rows],
+        fmt="none",
+        ecolor="k",
+        capsize=3,
+        label="matmul noise (±)",
+    )
+    a1.set_ylim(0, 1.2)
+    a1.set_ylabel("copy GB/s as a share of the idle ceiling")
+    a2.set_ylabel("matmul slowdown, %")
+    for ax in (a1, a2):
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.legend(fontsize=7, ncol=2, loc="upper center")
+    lo, hi = a2.get_ylim()
+    a2.set_ylim(lo, hi + 0.35 * (hi - lo))
+    tflops = ul["matmul_tflops"]
+    fig.suptitle(
+        f"{d['device']}: copies beside a full-GPU bf16 matmul ({tflops:.0f} TFLOP/s alone), "
+        f"medians of {ul['rounds']} rounds, {d['date']}",
+        fontsize=9,
+    )
+    return fig
+
+
+def server(d: dict, plt):
+    runs = d["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.8), dpi=120, sharey=True)
+    axes = axes if len(runs) > 1 else [axes]
+    for ax, run in zip(axes, runs):
+        rows = sorted(run["median_results"], key=lambda m: -m["piece_bytes"])
+        groups = [
+            (f"{m['piece_bytes'] >> 10} KiB\n{direction}", m[f"server_{direction}_gbps"],
+             m[f"embedded_{direction}_gbps"])
+            for m in rows
+            for direction in ("store", "load")
+        ]  # fmt: skip
+        xs = range(len(groups))
+        ax.bar([x - 0.2 for x in xs], [g[2] for g in groups], 0.4, color="tab:blue",
+               label="embedded (in the client's process)")  # fmt: skip
+        ax.bar([x + 0.2 for x in xs], [g[1] for g in groups], 0.4, color="tab:orange",
+               label="through the server")  # fmt: skip
+        for x, g in zip(xs, groups):
+            ax.annotate(f"{g[1] / g[2]:.2f}", (x + 0.2, g[1]), ha="center", va="bottom",
+                        fontsize=7)  # fmt: skip
+        ax.set_xticks(list(xs), [g[0] for g in groups], fontsize=8)
+        answered = "completion page" if run["completion_page"] else "replies only"
+        ax.set_title(f"answered by the {answered}", fontsize=9)
+    top = max(max(m["embedded_store_gbps"], m["embedded_load_gbps"], m["server_store_gbps"],
+                  m["server_load_gbps"]) for run in runs for m in run["median_results"])  # fmt: skip
+    axes[0].set_ylim(0, 1.3 * top)
+    axes[0].set_ylabel("GB/s (median of rounds; label: server / embedded)")
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(
+        f"{d['device']}: one CUDA client, {runs[0]['mode']} memory, server vs embedded, "
+        f"{d['date']}",
+        fontsize=9,
+    )
+    return fig
+
+
+KINDS = {
+    "ttft": ttft,
+    "metrics": metrics,
+    "gpu-sweep": gpu_sweep,
+    "gpu-under-load": gpu_under_load,
+    "server": server,
+}
 
 
 def render(path: Path, plt) -> bytes:
