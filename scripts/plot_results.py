@@ -6,6 +6,8 @@ Each results file says its `kind`; one PNG per file, named after it:
 - `ttft`: time to first token against prompt length on a real vLLM CUDA engine
   (`tests/gpu_vllm/bench_ttft.py`): restored by UMBP in each mode, from vLLM's own GPU cache,
   recomputed, and the budget the restore is held to (log scales).
+- `demo-ttft`: the demo's prompt-length sweep (`./scripts/demo.sh`, `--json`): TTFT restored
+  against recomputed on vLLM CPU.
 - `metrics`: `python -m umbp.vllm.bench_metrics --json`: each round's time with the connector's
   metrics on and off.
 - `gpu-sweep`: `umbp bench gpu --sweep --json`: store and load GB/s as a share of the pinned-copy
@@ -247,8 +249,30 @@ def server(d: dict, plt):
     return fig
 
 
+def demo_ttft(d: dict, plt):
+    rows = d["rows"]
+    tokens = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    ax.plot(tokens, [r["recomputed_ms"] for r in rows], "k--", marker="^", label="recomputed")
+    ax.plot(tokens, [r["restored_ms"] for r in rows], color="tab:blue", marker="o",
+            label="restored by UMBP (embedded)")  # fmt: skip
+    for t, r in zip(tokens, rows):
+        ax.annotate(f"{r['restored_ms'] / r['recomputed_ms']:.2f}", (t, r["restored_ms"]),
+                    textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(tokens, [f"{t // 1024}K" for t in tokens])
+    ax.set_ylim(0.6 * min(r["restored_ms"] for r in rows), None)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token, ms (label: restored / recomputed)")
+    ax.set_title(f"The demo: {d['machine']}, tiny random-weight Llama, {d['date']}", fontsize=9)
+    ax.legend(fontsize=8)
+    return fig
+
+
 KINDS = {
     "ttft": ttft,
+    "demo-ttft": demo_ttft,
     "metrics": metrics,
     "gpu-sweep": gpu_sweep,
     "gpu-under-load": gpu_under_load,

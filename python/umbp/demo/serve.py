@@ -18,8 +18,12 @@ With `--mode standalone` (the second act) it starts `umbp_standalone_server`, th
 is restarted and restores them from the server too; then `reset_external` from A empties the
 server's pool for both and B computes the prefixes again.
 
+Embedded mode then sweeps prompt lengths (`--lengths`, 1K-16K tokens by default): one new
+prompt each, restored vs recomputed TTFT printed and written as JSON (`--json`, default
+<workdir>/demo-sweep.json), which `scripts/plot_results.py` charts.
+
     python -m umbp.demo.serve [--mode embedded|standalone] [--prompts 3] [--tokens 4000]
-                              [--port 8765]
+                              [--port 8765] [--lengths 1024,...,16384] [--json FILE]
 """
 
 from __future__ import annotations
@@ -108,8 +112,8 @@ def reset(port: int, external: bool) -> None:
     raise RuntimeError(f"{path} kept failing")
 
 
-def make_prompts(n: int, tokens: int) -> list[str]:
-    rng = random.Random(7)
+def make_prompts(n: int, tokens: int, seed: int = 7) -> list[str]:
+    rng = random.Random(seed)
     words = [
         "offload",
         "restore",
@@ -138,7 +142,9 @@ def bin_path(name: str) -> str:
 class Engine:
     """One `vllm serve` of the demo model with `connector`, on 127.0.0.1:`port`."""
 
-    def __init__(self, name: str, model: str, port: int, connector: dict, workdir: str) -> None:
+    def __init__(
+        self, name: str, model: str, port: int, connector: dict, workdir: str, max_len: int = 8192
+    ) -> None:
         self.name, self.port = name, port
         self.log_path = os.path.join(workdir, f"vllm-serve-{name}.log")
         env = {
@@ -150,7 +156,7 @@ class Engine:
         cmd = [
             bin_path("vllm"), "serve", model,
             "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
-            "--enable-prefix-caching", "--enforce-eager", "--max-model-len", "8192",
+            "--enable-prefix-caching", "--enforce-eager", "--max-model-len", str(max_len),
             "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(connector),
         ]  # fmt: skip
@@ -205,7 +211,7 @@ class Engine:
 
 
 def embedded(a: argparse.Namespace, model: str) -> int:
-    engine = Engine("A", model, a.port, CONNECTOR, a.workdir)
+    engine = Engine("A", model, a.port, CONNECTOR, a.workdir, a.max_model_len)
     try:
         engine.wait_ready()
         rows = []
@@ -233,9 +239,59 @@ def embedded(a: argparse.Namespace, model: str) -> int:
         print(f"  TTFT recomputed (median)      {recomputed_ms:.0f} ms")
         print(f"  TTFT ratio restored/recomputed {restored_ms / recomputed_ms:.2f}")
         print(f"  greedy outputs identical      {all_same}")
-        return 0 if all_same and all(r[1]["cached"] > 0 for r in rows) else 1
+        ok = all_same and all(r[1]["cached"] > 0 for r in rows)
+        if a.lengths:
+            ok = length_sweep(engine, a) and ok
+        return 0 if ok else 1
     finally:
         engine.stop()
+
+
+def length_sweep(engine: Engine, a: argparse.Namespace) -> bool:
+    """TTFT restored vs recomputed for one new prompt of each length of `--lengths`, printed
+    and written to `--json` (scripts/plot_results.py charts it). True when every restore hit
+    and every output matched."""
+    lengths = [int(x) for x in a.lengths.split(",")]
+    print()
+    say(f"prompt-length sweep: {', '.join(map(str, lengths))} tokens")
+    rows = []
+    for n, p in zip(lengths, make_prompts(len(lengths), max(lengths), seed=11)):
+        p = p[:n]
+        cold = engine.complete(p, a.max_tokens)
+        engine.reset(external=False)
+        restored = engine.complete(p, a.max_tokens)
+        engine.reset(external=True)
+        recomputed = engine.complete(p, a.max_tokens)
+        row = {
+            "tokens": restored["prompt_tokens"],
+            "cold_ms": round(cold["ttft"] * 1000, 1),
+            "restored_ms": round(restored["ttft"] * 1000, 1),
+            "recomputed_ms": round(recomputed["ttft"] * 1000, 1),
+            "restored_tokens": restored["cached"],
+            "outputs_identical": cold["text"] == restored["text"] == recomputed["text"],
+        }
+        rows.append(row)
+    print("   tokens | TTFT restored | recomputed | ratio | from UMBP | outputs identical")
+    for r in rows:
+        print(
+            f"  {r['tokens']:7d} | {r['restored_ms']:10.0f} ms | {r['recomputed_ms']:7.0f} ms "
+            f"| {r['restored_ms'] / r['recomputed_ms']:5.2f} | {r['restored_tokens']:9d} "
+            f"| {r['outputs_identical']}"
+        )
+    if a.json:
+        out = {
+            "kind": "demo-ttft",
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"vLLM CPU, {os.cpu_count()} CPUs",
+            "command": "./scripts/demo.sh (python -m umbp.demo.serve --lengths "
+            f"{a.lengths} --json FILE)",
+            "rows": rows,
+        }
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+        say(f"sweep results: {a.json}")
+    return all(r["outputs_identical"] and r["restored_tokens"] > 0 for r in rows)
 
 
 def start_server(workdir: str) -> tuple[subprocess.Popen, str]:
@@ -347,12 +403,26 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--workdir", default=os.path.join(sys.prefix, "umbp-demo"))
+    ap.add_argument(
+        "--lengths",
+        default="1024,2048,4096,8192,16384",
+        help="embedded mode: after the prompts, one prompt of each length (byte tokens), "
+        "restored vs recomputed; empty to skip",
+    )
+    ap.add_argument("--json", help="write the length sweep's results here (JSON)")
     a = ap.parse_args()
+    if a.json is None:
+        a.json = os.path.join(a.workdir, "demo-sweep.json")
 
     from umbp.demo.tiny_model import build
 
     say("building the demo model (4-layer random-weight Llama, byte tokenizer) ...")
-    model = build(os.path.join(a.workdir, "tiny-llama"))
+    longest = max([a.tokens, *(int(x) for x in a.lengths.split(",") if x)])
+    # The model's context covers the longest prompt (the demo's default folder keeps 8192).
+    max_len = max(8192, 1 << (longest + 256 - 1).bit_length())
+    name = "tiny-llama" if max_len == 8192 else f"tiny-llama-{max_len}"
+    model = build(os.path.join(a.workdir, name), max_len=max_len)
+    a.max_model_len = max_len
     say(f"model at {model}")
     return standalone(a, model) if a.mode == "standalone" else embedded(a, model)
 
