@@ -14,6 +14,8 @@ Each results file says its `kind`; one PNG per file, named after it:
   ceiling, by piece size, per copy method.
 - `gpu-under-load`: `umbp bench gpu --under-load --json`: copy GB/s beside a full-GPU matmul and
   the matmul's slowdown, per shape and method.
+- `remote`: `umbp bench remote --json`: the remote tier's put and get against raw pipelined
+  SET / GET of the same sizes.
 - `server`: `umbp bench server --json` (one object per run): GB/s through the server against
   embedded mode, per piece size and direction.
 
@@ -270,8 +272,38 @@ def demo_ttft(d: dict, plt):
     return fig
 
 
+def remote(d: dict, plt):
+    rows = d["result"]["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.6), dpi=120, sharey=True)
+    for ax, (raw, tier, ratio, title) in zip(
+        axes,
+        (
+            ("raw_set_gbps", "tier_put_gbps", "put_vs_raw", "writes: tier put vs raw SET"),
+            ("raw_get_gbps", "tier_get_gbps", "get_vs_raw", "reads: tier get vs raw GET"),
+        ),
+    ):
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r[raw] for r in rows], 0.4, color="tab:gray",
+               label="raw pipelined Redis")  # fmt: skip
+        ax.bar([x + 0.2 for x in xs], [r[tier] for r in rows], 0.4, color="tab:blue",
+               label="UMBP remote tier")  # fmt: skip
+        for x, r in zip(xs, rows):
+            ax.annotate(f"{r[ratio]:.2f}", (x + 0.2, r[tier]), ha="center", va="bottom",
+                        fontsize=7)  # fmt: skip
+        ax.set_xticks(list(xs), [f"{r['object_bytes'] >> 10} KiB" for r in rows])
+        ax.set_title(title, fontsize=9)
+    top = max(max(r["raw_set_gbps"], r["raw_get_gbps"], r["tier_put_gbps"], r["tier_get_gbps"])
+              for r in rows)  # fmt: skip
+    axes[0].set_ylim(0, 1.3 * top)
+    axes[0].set_ylabel("GB/s, median of rounds (label: tier / raw)")
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"Remote tier, {d['machine']}, {d['date']}", fontsize=9)
+    return fig
+
+
 KINDS = {
     "ttft": ttft,
+    "remote": remote,
     "demo-ttft": demo_ttft,
     "metrics": metrics,
     "gpu-sweep": gpu_sweep,
