@@ -217,7 +217,9 @@ def gpu_under_load(d: dict, plt):
 
 def server(d: dict, plt):
     runs = d["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.8), dpi=120, sharey=True)
+    fig, axes = plt.subplots(
+        1, len(runs), figsize=(max(6.4, 4.2 * len(runs)), 3.8), dpi=120, sharey=True
+    )
     axes = axes if len(runs) > 1 else [axes]
     for ax, run in zip(axes, runs):
         rows = sorted(run["median_results"], key=lambda m: -m["piece_bytes"])
@@ -244,8 +246,8 @@ def server(d: dict, plt):
     axes[0].set_ylabel("GB/s (median of rounds; label: server / embedded)")
     axes[0].legend(fontsize=7, loc="upper right")
     fig.suptitle(
-        f"{d['device']}: one CUDA client, {runs[0]['mode']} memory, server vs embedded, "
-        f"{d['date']}",
+        f"{d['device']}, {d['date']}\none client process, "
+        f"{runs[0]['mode'].replace('cuda', 'CUDA')} memory: through the server vs embedded",
         fontsize=9,
     )
     return fig
