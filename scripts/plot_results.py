@@ -215,6 +215,18 @@ def gpu_under_load(d: dict, plt):
     return fig
 
 
+def _paired_bars(ax, labels, base, other, ratios=None, fontsize=None) -> None:
+    """Bars of `base` and `other` ((values, color, label) each) side by side per label, each
+    `other` bar labelled with its ratio to `base` (or `ratios`)."""
+    xs = range(len(labels))
+    for shift, (values, color, label) in ((-0.2, base), (0.2, other)):
+        ax.bar([x + shift for x in xs], values, 0.4, color=color, label=label)
+    ratios = ratios or [o / b for o, b in zip(other[0], base[0])]
+    for x, v, q in zip(xs, other[0], ratios):
+        ax.annotate(f"{q:.2f}", (x + 0.2, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), labels, fontsize=fontsize)
+
+
 def server(d: dict, plt):
     runs = d["runs"]
     fig, axes = plt.subplots(
@@ -229,15 +241,13 @@ def server(d: dict, plt):
             for m in rows
             for direction in ("store", "load")
         ]  # fmt: skip
-        xs = range(len(groups))
-        ax.bar([x - 0.2 for x in xs], [g[2] for g in groups], 0.4, color="tab:blue",
-               label="embedded (in the client's process)")  # fmt: skip
-        ax.bar([x + 0.2 for x in xs], [g[1] for g in groups], 0.4, color="tab:orange",
-               label="through the server")  # fmt: skip
-        for x, g in zip(xs, groups):
-            ax.annotate(f"{g[1] / g[2]:.2f}", (x + 0.2, g[1]), ha="center", va="bottom",
-                        fontsize=7)  # fmt: skip
-        ax.set_xticks(list(xs), [g[0] for g in groups], fontsize=8)
+        _paired_bars(
+            ax,
+            [g[0] for g in groups],
+            ([g[2] for g in groups], "tab:blue", "embedded (in the client's process)"),
+            ([g[1] for g in groups], "tab:orange", "through the server"),
+            fontsize=8,
+        )
         answered = "completion page" if run["completion_page"] else "replies only"
         ax.set_title(f"answered by the {answered}", fontsize=9)
     top = max(max(m["embedded_store_gbps"], m["embedded_load_gbps"], m["server_store_gbps"],
@@ -284,15 +294,13 @@ def remote(d: dict, plt):
             ("raw_get_gbps", "tier_get_gbps", "get_vs_raw", "reads: tier get vs raw GET"),
         ),
     ):
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r[raw] for r in rows], 0.4, color="tab:gray",
-               label="raw pipelined Redis")  # fmt: skip
-        ax.bar([x + 0.2 for x in xs], [r[tier] for r in rows], 0.4, color="tab:blue",
-               label="UMBP remote tier")  # fmt: skip
-        for x, r in zip(xs, rows):
-            ax.annotate(f"{r[ratio]:.2f}", (x + 0.2, r[tier]), ha="center", va="bottom",
-                        fontsize=7)  # fmt: skip
-        ax.set_xticks(list(xs), [f"{r['object_bytes'] >> 10} KiB" for r in rows])
+        _paired_bars(
+            ax,
+            [f"{r['object_bytes'] >> 10} KiB" for r in rows],
+            ([r[raw] for r in rows], "tab:gray", "raw pipelined Redis"),
+            ([r[tier] for r in rows], "tab:blue", "UMBP remote tier"),
+            ratios=[r[ratio] for r in rows],
+        )
         ax.set_title(title, fontsize=9)
     top = max(max(r["raw_set_gbps"], r["raw_get_gbps"], r["tier_put_gbps"], r["tier_get_gbps"])
               for r in rows)  # fmt: skip

@@ -84,6 +84,14 @@ class Job:
         "size_mismatch", "pool", "device", "device_lost" (the device is unusable until the
         process restarts) or "unsupported"."""
         ...
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from submission to the last key's end, once finished."""
+        ...
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one key's object."""
+        ...
     def __len__(self) -> int: ...
 
 class EmbeddedStore:
@@ -193,6 +201,15 @@ class Transfer:
     def failures(self) -> list[tuple[int, str, str]]:
         """(key index, kind, message) of each failed key; kind is the server's
         ("invalid_range", "size_mismatch", "pool", "move", ...)."""
+        ...
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from the call to the transfer's end (through the completion page: to the
+        server's job end; else to the reply), once answered."""
+        ...
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one key's object."""
         ...
     def __len__(self) -> int: ...
 

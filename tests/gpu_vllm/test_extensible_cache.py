@@ -16,8 +16,9 @@ tests/vllm/test_shapes.py, over per-layer views of it:
 - the same prompt looked up and loaded: every byte equal to what was stored.
 
 Standalone mode allocates the pages exportable (POSIX descriptors, what vLLM does for a
-connector declaring `EXPORTS_FD`) and the server imports them. Without the re-registration the
-server would keep the old pages alive and load into them: the new pages would stay zero.
+connector declaring `EXPORTS_FD`) and the server imports them, again after the restore. With the
+two hooks made no-ops the test fails in both modes at the step that runs while the memory is
+released (its load goes through instead of failing).
 """
 
 from __future__ import annotations

@@ -81,20 +81,22 @@ def test_umbp_stats_watch_sums_the_engines_workers(tmp_path, kb):
         assert store.store(layout, 0, list(range(8)), keys).wait() == ["done"] * 8
     cmd = [str(umbp_command()), "stats", "--lookup-dir", str(tmp_path), "--json"]
     proc = subprocess.Popen(
-        [*cmd, "--watch", "1", "--count", "2"], stdout=subprocess.PIPE, text=True
+        [*cmd, "--watch", "1", "--count", "3"], stdout=subprocess.PIPE, text=True
     )
     first = json.loads(proc.stdout.readline())
     store, _, layout, _ = ranks[0]
     assert store.load(layout, 0, list(range(8)), keys).wait() == ["done"] * 8
     store.exists(kb.keys(0, hashes(range(100, 104))))  # four misses
-    second = json.loads(proc.stdout.readline())
+    later = [json.loads(proc.stdout.readline()) for _ in range(2)]
     assert proc.wait(30) == 0
+    second = later[-1]  # the traffic fell between the first refresh and one of these
+    assert max(x["gb_s_out"] for x in later) > 0
     piece = ranks[0][1].layers * ranks[0][1].piece
-    assert first["clients"] == 2 and first["objects"] == 16
+    assert first["clients"] == first["expected_clients"] == 2 and first["objects"] == 16
     assert first["used_bytes"] >= 16 * piece and first["capacity_bytes"] == 2 * (16 << 20)
     assert first["bytes_in"] == 16 * piece and first["remote"] == "off"
     assert second["bytes_out"] - first["bytes_out"] == 8 * piece
-    assert second["gb_s_out"] > 0 and second["lookups_last_minute"] >= 4
+    assert second["lookups_last_minute"] >= 4
     assert 0 <= second["hit_rate_last_minute"] < 1
     once = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=30)
     assert once.returncode == 0 and "occupancy" in once.stdout and "clients     2" in once.stdout

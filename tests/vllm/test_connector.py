@@ -279,10 +279,13 @@ def test_self_describing_events_let_a_router_index_umbp_prefixes(model, tmp_path
     """`self_describing_kv_events`: a router that indexes the pool's events by tokens and
     parents finds every prompt's stored prefix, and drops what the pool evicted; with the
     option off the events are the hash-only ones they were."""
-    ps = prompts(6, shared=400, seed=9)
+    # Two prompts sharing a prefix, then four of their own (8 blocks of 128 KiB each): a pool
+    # of four 1 MiB segments holds about four prompts' blocks, so the last ones evict the
+    # first, segment by segment, and keep the newest.
+    ps = prompts(2, shared=400, seed=9) + prompts(4, shared=0, seed=10)
     cfg = connector(tmp_path, key_namespace="router", self_describing_kv_events=True)
     cfg.pop("total_capacity_bytes")
-    cfg["capacity_bytes"] = 1 << 20  # 4 prompts' blocks: the last ones evict the first
+    cfg["capacity_bytes"] = 4 << 20
     r = run_engine(
         {
             "model": model,
@@ -307,10 +310,15 @@ def test_self_describing_events_let_a_router_index_umbp_prefixes(model, tmp_path
     assert any(e["type"] == "BlockRemoved" for e in final), "the small pool evicted nothing"
     for o in later[-1:]:  # the newest prompt is held
         assert index.cached_blocks(o["prompt_ids"], bs) == len(o["prompt_ids"]) // bs
-    # What the index holds is what the pool holds: evicted blocks are gone from both.
-    held = sum(1 for e in final if e["type"] == "BlockStored" for _ in e["hashes"])
-    removed = sum(e["n"] for e in final if e["type"] == "BlockRemoved")
-    assert len(index.blocks) == held - removed > 0
+    # Every removal names a block the events stored before it, and the index keeps the rest.
+    stored: set[str] = set()
+    for e in final:
+        if e["type"] == "BlockStored":
+            stored.update(e["hashes"])
+        else:
+            assert set(e["hashes"]) <= stored, e
+            stored -= set(e["hashes"])
+    assert set(index.blocks) == stored and stored
 
     off = connector(tmp_path, key_namespace="router-off", lookup_instance="off")
     r = run_engine(

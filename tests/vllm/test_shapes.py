@@ -912,6 +912,23 @@ def test_may_load_async_answers_without_a_lookup(model_config, tmp_path, load_as
         e.close()
 
 
+def test_a_request_asked_again_counts_its_lookup_once(model_config, tmp_path):
+    """vLLM asks `get_num_new_matched_tokens` again every step it cannot schedule a request:
+    the stats count the request's lookup once."""
+    vc = vllm_config(model_config, tmp_path, load_async=False, lookup_async=False)
+    e = Engine(vc, kv_config((["full.0", "full.1"], full())))
+    try:
+        req = e.request("r1", blocks=3)
+        e.put(0, req, [1, 2])
+        for _ in range(3):
+            assert matched(e, req) == (2 * BS, False)
+        c = e.sched.get_kv_connector_stats().data["c"]
+        assert (c["lookup_hit_tokens"], c["lookup_miss_tokens"]) == (2 * BS, BS)
+        assert e.sched.get_kv_connector_stats() is None  # handed out once
+    finally:
+        e.close()
+
+
 def test_gpu_headroom_advice_gives_the_exact_setting():
     """vLLM 0.34's extensible KV cache sizes itself with gpu_memory_utilization 1.0 by
     default; UMBP's staging, allocated afterwards, must then be left out of vLLM's budget."""

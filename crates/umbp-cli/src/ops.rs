@@ -215,9 +215,9 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
             None => crate::watch::Source::Server(Box::new(a.target.raw()?)),
         };
         let every = a.watch.unwrap_or(0.0);
-        if !(every.is_finite() && every >= 0.0) {
+        if a.watch.is_some() && !(0.1..=86_400.0).contains(&every) {
             return Err(anyhow!(
-                "--watch {every}: give a number of seconds, 0 or more"
+                "--watch {every}: give a number of seconds from 0.1 to 86400"
             ));
         }
         let count = if a.watch.is_some() { a.count } else { Some(1) };

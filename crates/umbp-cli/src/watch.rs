@@ -11,7 +11,7 @@ use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde_json::json;
 use umbp_lookup::LookupClient;
 
@@ -30,6 +30,8 @@ pub struct Snapshot {
     pub bytes_out: u64,
     /// Server sessions, or engine workers answering.
     pub clients: u64,
+    /// Engine workers asked (their lookup sockets); 0 for a server.
+    pub expected_clients: u64,
     /// "off", "up" or "down" (engines: "down" when any worker's remote is down).
     pub remote: String,
     pub remote_hits: u64,
@@ -68,6 +70,7 @@ impl Source {
                     bytes_in: s.bytes_in,
                     bytes_out: s.bytes_out,
                     clients: s.sessions,
+                    expected_clients: 0,
                     remote,
                     remote_hits,
                 })
@@ -81,10 +84,29 @@ impl Source {
                         dir.display()
                     );
                 }
-                let answers = LookupClient::new(sockets, *timeout)
-                    .wait_ready(*timeout)
-                    .context("asking the engines' workers")?;
-                Ok(sum_describes(&answers))
+                // One socket at a time: a killed engine leaves its socket behind, and one
+                // that does not answer must not hide the others.
+                let expected = sockets.len() as u64;
+                let mut answers = Vec::new();
+                let mut first_err = None;
+                for path in sockets {
+                    match LookupClient::new(vec![path], *timeout).wait_ready(*timeout) {
+                        Ok(mut a) => answers.append(&mut a),
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                        }
+                    }
+                }
+                if answers.is_empty() {
+                    let e = first_err.map_or_else(String::new, |e| e.to_string());
+                    bail!(
+                        "none of the {expected} engine workers in {} answered: {e}",
+                        dir.display()
+                    );
+                }
+                let mut s = sum_describes(&answers);
+                s.expected_clients = expected;
+                Ok(s)
             }
         }
     }
@@ -185,6 +207,10 @@ impl Window {
         let (t0, first) = self.samples.front().cloned().expect("just pushed");
         // Counters that went back (a restarted server or engine) start the window again.
         let went_back = now.hits < first.hits || now.bytes_in < first.bytes_in;
+        if went_back {
+            self.samples.clear();
+            self.samples.push_back((at, now.clone()));
+        }
         let (t0, first) = if went_back {
             (at, now.clone())
         } else {
@@ -241,7 +267,14 @@ pub fn render(title: &str, s: &Snapshot, r: &Rates) -> String {
         r.evictions,
         r.window_s,
         s.evictions,
-        s.clients,
+        if s.expected_clients > 0 {
+            format!(
+                "{} of {} engine workers answered",
+                s.clients, s.expected_clients
+            )
+        } else {
+            format!("{} sessions", s.clients)
+        },
         s.remote,
         s.remote_hits,
     )
@@ -278,6 +311,7 @@ pub fn run(
                         "bytes_in": s.bytes_in,
                         "bytes_out": s.bytes_out,
                         "clients": s.clients,
+                        "expected_clients": s.expected_clients,
                         "remote": s.remote,
                         "remote_hits": s.remote_hits,
                         "hit_rate_last_minute": r.hit_rate,
@@ -338,9 +372,13 @@ mod tests {
         assert_eq!((r.lookups, r.evictions), (20, 3));
         assert_eq!(r.hit_rate, Some(0.5));
         assert_eq!(r.gb_s_in, 0.0);
-        // A restarted source: counters back to small numbers start the window again.
+        // A restarted source: counters back to small numbers start the window again, and the
+        // next refresh counts from there.
         let r = w.push(t + Duration::from_secs(100), snap(1, 0, 0, 0));
         assert_eq!((r.lookups, r.window_s), (0, 0.0));
+        let r = w.push(t + Duration::from_secs(110), snap(4, 1, 1_000_000_000, 1));
+        assert_eq!((r.lookups, r.evictions, r.window_s), (4, 1, 10.0));
+        assert_eq!(r.hit_rate, Some(0.75));
     }
 
     #[test]
@@ -365,6 +403,7 @@ mod tests {
                 bytes_in: 40,
                 bytes_out: 60,
                 clients: 2,
+                expected_clients: 0,
                 remote: "down".to_owned(),
                 remote_hits: 7,
             }

@@ -220,9 +220,9 @@ pub const SELF_DESCRIBING_KV_EVENTS: OptionSpec = flag(
     false,
     "With vLLM's KV events on, each `BlockStored` of the pool (medium `CPU`) carries its \
      blocks' token ids, the parent block hash, the block size, the LoRA adapter and the cache \
-     group, as vLLM's offloading connector sends them, so a KV-aware router can index \
-     UMBP-held prefixes; false: block hashes only. Blocks stored by `lazy_offload` and \
-     recurrent-state blocks stay hash-only.",
+     group, as vLLM's offloading connector sends them (without `extra_keys` and \
+     `lookahead_token_ids`), so a KV-aware router can index UMBP-held prefixes; false: block \
+     hashes only. Blocks stored by `lazy_offload` and recurrent-state blocks stay hash-only.",
 );
 /// `enable_lookup`.
 pub const ENABLE_LOOKUP: OptionSpec = flag(

@@ -111,12 +111,16 @@ impl Transfer {
         Ok(without_gil(py, || t.cancel())?)
     }
 
-    /// Seconds from the call to the server's answer, once answered (else None): the
-    /// client's round trip, the copy included.
+    /// Seconds from the call to the end of the transfer, once answered (else None): to the
+    /// server plus the server's part when the completion page answered (its time to the job's
+    /// end: not when this client happened to look), else the round trip to the reply.
     #[getter]
     fn elapsed_s(&self) -> Result<Option<f64>> {
         let t = self.inner.live("transfer")?;
-        Ok(t.timing().map(|t| t.round_trip.as_secs_f64()))
+        Ok(t.timing().map(|t| match t.to_server {
+            Some(to) if t.completion_page => (to + t.server).as_secs_f64(),
+            _ => t.round_trip.as_secs_f64(),
+        }))
     }
 
     /// Bytes of one key's object.
@@ -565,14 +569,16 @@ impl StandaloneClient {
     ) -> Result<Transfer> {
         let c = self.live()?;
         let n = keys.keys.len();
-        let object_bytes = c.object_bytes(layout_id, group).unwrap_or(0);
-        let t = without_gil(py, || -> Result<CoreTransfer> {
+        // Both take the client's record lock, which a re-attach holds across RPCs.
+        let (t, object_bytes) = without_gil(py, || -> Result<(CoreTransfer, u64)> {
+            let object_bytes = c.object_bytes(layout_id, group).unwrap_or(0);
             let ids = to_u64s(block_ids, "block ids")?;
-            Ok(if store {
+            let t = if store {
                 c.store(layout_id, group, &ids, &keys.keys)
             } else {
                 c.load(layout_id, group, &ids, &keys.keys)
-            }?)
+            }?;
+            Ok((t, object_bytes))
         })?;
         Ok(Transfer {
             inner: ReleaseGilOnDrop::new(t),

@@ -251,7 +251,7 @@ def length_sweep(engine: Engine, a: argparse.Namespace) -> bool:
     """TTFT restored vs recomputed for one new prompt of each length of `--lengths`, printed
     and written to `--json` (scripts/plot_results.py charts it). True when every restore hit
     and every output matched."""
-    lengths = [int(x) for x in a.lengths.split(",")]
+    lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
     print()
     say(f"prompt-length sweep: {', '.join(map(str, lengths))} tokens")
     rows = []
@@ -411,6 +411,11 @@ def main() -> int:
     )
     ap.add_argument("--json", help="write the length sweep's results here (JSON)")
     a = ap.parse_args()
+    try:
+        lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
+        assert all(n > 0 for n in lengths)
+    except (ValueError, AssertionError):
+        ap.error(f"--lengths {a.lengths!r}: give prompt lengths in tokens, e.g. 1024,4096")
     if a.json is None:
         a.json = os.path.join(a.workdir, "demo-sweep.json")
 

@@ -80,6 +80,7 @@ def main() -> int:
         dtype="bfloat16",
         seed=0,
         enforce_eager=True,
+        disable_log_stats=False,  # vLLM's stats path on (LLM's default is off), as in serve
         kv_transfer_config=KVTransferConfig(
             kv_connector="UMBPStoreConnector",
             kv_role="kv_both",

@@ -50,6 +50,7 @@ class _RequestState:
     load_blocks: int = 0
     # State groups: (group, boundary in blocks) stored or restored, not to be stored again.
     state_done: set[tuple[int, int]] = field(default_factory=set)
+    lookup_counted: bool = False  # its first lookup's answer is in the stats
 
 
 @dataclass
@@ -188,7 +189,7 @@ class SchedulerSide:
             return entry.future.result()
         except Exception as e:  # a failed lookup is a miss
             logger.warning("umbp: lookup of request %s failed: %s", rid, e)
-            return 0, 0.0
+            return 0, None
 
     def may_load_async(self, request: Request) -> bool:
         """Whether this request's load could be asynchronous (vLLM 0.34 asks as a request
@@ -227,10 +228,13 @@ class SchedulerSide:
         if self.topo.eagle_drop:
             # As vLLM's own prefix cache: the drafter recomputes the last matched block.
             hits -= 1
-        s = self.collector.stats
-        s.observe_seconds("lookup_seconds", seconds)
-        s.count("lookup_hit_tokens", max(hits, 0) * self.topo.block_size)
-        s.count("lookup_miss_tokens", (len(hashes) - max(hits, 0)) * self.topo.block_size)
+        if not state.lookup_counted:  # vLLM asks again while it cannot schedule the request
+            state.lookup_counted = True
+            s = self.collector.stats
+            if seconds is not None:
+                s.observe_seconds("lookup_seconds", seconds)
+            s.count("lookup_hit_tokens", max(hits, 0) * self.topo.block_size)
+            s.count("lookup_miss_tokens", (len(hashes) - max(hits, 0)) * self.topo.block_size)
         if hits <= 0:
             return 0, False
         state.load_start, state.load_blocks = first, hits

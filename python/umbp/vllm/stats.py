@@ -1,13 +1,14 @@
 """What the connector reports to vLLM's stats loggers: `/metrics` of `vllm serve` and the
 periodic "KV Transfer metrics" log line.
 
-Each worker counts its own transfers (blocks, bytes, failures; the copy's duration measured in
-Rust, by the copy engine or the server's answer) and the scheduler its lookups; vLLM collects
-both every step (`get_kv_connector_stats`), sums them over the engine's workers (`aggregate`)
+Each worker counts its own transfers (bytes and the copy's duration, measured in Rust by the
+copy engine or the server; blocks and failures on one worker per engine, since all move the same
+blocks) and the scheduler its lookups, once per request; vLLM collects both every step (`get_kv_connector_stats`), sums them over the engine's workers (`aggregate`)
 and hands the result to `UMBPPromMetrics.observe` in the API server. The pools' occupancy rides
 along as each pool's latest snapshot, read at most once a second in embedded mode (a Rust call,
-no lock on the copy path) and once every 5 s from the server in standalone mode (an RPC, never
-one per step), keyed by pool so that the workers of one server count it once.
+no lock on the copy path) and every 5 s from the server in standalone mode (an RPC on a thread of
+its own, never on the engine's step), keyed by pool so that the workers of one server count it
+once.
 
 The payload is a plain dict (vLLM sends it between processes with msgpack):
 
@@ -159,10 +160,13 @@ class UMBPConnectorStats(KVConnectorStats):
 
 
 class StatsCollector:
-    """One role's counts since vLLM last collected them."""
+    """One role's counts since vLLM last collected them. vLLM sums its workers' stats, and
+    every worker of an engine moves the same blocks (its own share of their bytes): block
+    counts come from one worker (`count_blocks`), bytes and durations from all."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_blocks: bool = True) -> None:
         self.stats = UMBPConnectorStats()
+        self.count_blocks = count_blocks
         self._pool_read_at = 0.0
 
     def pool_due(self, every_s: float) -> bool:
@@ -179,9 +183,13 @@ class StatsCollector:
         s = self.stats
         done = sum(1 for st in statuses if st == "done")
         if kind == "load":
-            s.count("load_blocks", done)
-            s.count("load_failed_blocks", len(statuses) - done)
-        else:
+            # vLLM recomputes from a request's first failed block on: those count as failed.
+            used = next((i for i, st in enumerate(statuses) if st != "done"), len(statuses))
+            if self.count_blocks:
+                s.count("load_blocks", used)
+                s.count("load_failed_blocks", len(statuses) - used)
+            done = used
+        elif self.count_blocks:
             present = sum(1 for st in statuses if st == "already_present")
             dropped = sum(1 for st in statuses if st == "pool_full")
             s.count("store_blocks", done)
@@ -194,6 +202,11 @@ class StatsCollector:
         elapsed = getattr(job, "elapsed_s", None)
         if elapsed is not None:
             s.observe_seconds(f"{kind}_seconds", elapsed)
+
+    def failed_loads(self, blocks: int) -> None:
+        """Counts loads that were planned but could not start (vLLM recomputes them)."""
+        if self.count_blocks:
+            self.stats.count("load_failed_blocks", blocks)
 
     def take(self) -> UMBPConnectorStats | None:
         """What was counted since the last call (None when nothing: vLLM then sends nothing)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any
 
 import torch
@@ -120,6 +121,44 @@ class _Dropped:
         return ["pool_full"] * self.n
 
 
+def _pool_fields(s: dict[str, Any], remote: dict[str, Any]) -> dict[str, int]:
+    """A pool's occupancy and cumulative counts, from its stats (and its remote tier's)."""
+    fields = {k: int(s[k]) for k in ("used_bytes", "capacity_bytes", "objects", "evictions")}
+    if "hits" in remote:
+        fields["remote_hits"] = int(remote["hits"])
+    return fields
+
+
+class _PoolPoller:
+    """Reads the server's pool every 5 s on a thread of its own, so that a stalled server never
+    holds up the engine's step; `take()` hands each new snapshot over once."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, client: Any, pool_id: str) -> None:
+        self.client, self.pool_id = client, pool_id
+        self._latest: tuple[str, dict[str, int]] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="umbp-pool-stats", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                s = self.client.stats()
+                self._latest = (self.pool_id, _pool_fields(s, s.get("remote") or {}))
+            except umbp.UmbpError as e:  # the server away: no snapshot this time
+                logger.debug("umbp: no snapshot of the server's pool: %s", e)
+            self._stop.wait(self.EVERY_S)
+
+    def take(self) -> tuple[str, dict[str, int]] | None:
+        latest, self._latest = self._latest, None
+        return latest
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class WorkerSide:
     """The connector's worker role: this rank's store, its loads and stores, its lookups."""
 
@@ -144,7 +183,8 @@ class WorkerSide:
         self.layout = -1
         self.async_loads: dict[str, list[tuple[umbp.Job, list[int]]]] = {}
         self.load_errors: set[int] = set()
-        self.collector = StatsCollector()
+        self.collector = StatsCollector(count_blocks=self.worker == 0)
+        self._pool_poller: _PoolPoller | None = None  # standalone: the server's pool
         self.failed_recving: set[str] = set()  # async loads that failed (several groups)
         self.unplanned_loads: set[str] = set()  # async loads the scheduler could not plan
         self.stores: dict[int, umbp.Job] = {}
@@ -308,7 +348,7 @@ class WorkerSide:
             # is copied: every planned load fails and vLLM recomputes those blocks.
             meta = meta.with_loads_failed()
         for rid, is_async, ids in meta.failed_loads:
-            self.collector.stats.count("load_failed_blocks", len(ids))
+            self.collector.failed_loads(len(ids))
             if is_async:
                 self.unplanned_loads.add(rid)  # reported finished (and failed) by get_finished
             else:
@@ -391,36 +431,29 @@ class WorkerSide:
     def take_stats(self) -> UMBPConnectorStats | None:
         """This worker's counts since the last call, with its pool's snapshot when due (at
         most once a second embedded, every 5 s from the server: never an RPC per step)."""
-        if self.store is not None and self.collector.pool_due(
-            5.0 if self.cfg.mode == "standalone" else 1.0
-        ):
+        if self.store is None:
+            return self.collector.take()
+        if self.cfg.mode == "standalone":
+            if self._pool_poller is None:  # started on first use, in the worker
+                self._pool_poller = _PoolPoller(self.store.client, f"server:{self.cfg.endpoint}")
+            latest = self._pool_poller.take()
+            if latest is not None:
+                self.collector.stats.pool(*latest)
+        elif self.collector.pool_due(1.0):
             try:
-                self.collector.stats.pool(*self._pool_snapshot())
-            except umbp.UmbpError as e:  # the server away: no snapshot this time
+                s, remote = self.store.stats(), self.store.remote_stats() or {}
+                self.collector.stats.pool(f"worker:{self.worker}", _pool_fields(s, remote))
+            except umbp.UmbpError as e:  # the store closing: no snapshot this time
                 logger.debug("umbp: no pool snapshot: %s", e)
         return self.collector.take()
-
-    def _pool_snapshot(self) -> tuple[str, dict[str, int]]:
-        """(pool id, its occupancy and cumulative counts): the server's in standalone mode
-        (one id for every worker of it), else this worker's own pool."""
-        if self.cfg.mode == "standalone":
-            s = self.store.client.stats()
-            pool_id = f"server:{self.cfg.endpoint}"
-            remote = s.get("remote") or {}
-        else:
-            s = self.store.stats()
-            pool_id = f"worker:{self.worker}"
-            remote = self.store.remote_stats() or {}
-        fields = {k: int(s[k]) for k in ("used_bytes", "capacity_bytes", "objects", "evictions")}
-        if "hits" in remote:
-            fields["remote_hits"] = int(remote["hits"])
-        return pool_id, fields
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._pool_poller is not None:
+            self._pool_poller.stop()
         if self.server is not None:
             self.server.shutdown()
         if self.store is not None:
