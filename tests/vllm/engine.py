@@ -135,8 +135,12 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
             args = (prompt_ids[e["prompt"]], e["tokens"], e["state_group"])
             out["steps"].append(llm.collective_rpc(evict_state, args=args))
         elif "events" in step:
-            llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)  # flush a step
-            time.sleep(step["events"])
+            # Steps hand finished stores to the scheduler, which publishes their events: keep
+            # stepping for the wait (a store still copying at one step lands at a later one).
+            deadline = time.time() + step["events"]
+            while time.time() < deadline:
+                llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
+                time.sleep(0.25)
             out["steps"].append(list(events))
 
 
