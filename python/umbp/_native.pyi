@@ -18,6 +18,9 @@ __version__: str
 class UmbpError(Exception):
     """Base class of every UMBP error."""
 
+    kind: str
+    """What kind of failure (see `umbp.errors`), the same in both modes for the same fault."""
+
 class ConfigError(UmbpError, ValueError):
     """An option, layout, key or argument is invalid."""
 
@@ -199,8 +202,8 @@ class Transfer:
         ...
     def errors(self) -> list[tuple[int, str]]: ...
     def failures(self) -> list[tuple[int, str, str]]:
-        """(key index, kind, message) of each failed key; kind is the server's
-        ("invalid_range", "size_mismatch", "pool", "move", ...)."""
+        """(key index, kind, message) of each failed key; kind as `Job.failures()` names it
+        ("invalid_range", "size_mismatch", "pool", "device", "device_lost", "unsupported")."""
         ...
     @property
     def elapsed_s(self) -> float | None:

@@ -18,6 +18,15 @@ here (their ``__module__`` is ``umbp.errors``)::
     ServerUnavailable(UmbpError)          the standalone server cannot be reached, went away or
                                           restarted, or did not answer in time (a later call
                                           attaches again by itself)
+
+Every exception has a ``kind``, the same in embedded and standalone mode for the same fault
+(the server sends it with each refusal): ``invalid_argument``, ``not_found``, ``pool_full``,
+``registration``, ``session_lost``, ``unavailable``, ``closed``, ``device_lost``, ``device``,
+``timeout``, ``transfer_failed``, ``denied``, ``resource`` or ``internal``. The class follows
+from the kind (``session_lost`` and ``unavailable`` are ``ServerUnavailable``, ...); decide on
+``e.kind`` rather than on the message's words. Per-key failures (``Job.failures()``,
+``Transfer.failures()``) name theirs with one vocabulary too: ``invalid_range``,
+``size_mismatch``, ``pool``, ``device``, ``device_lost``, ``unsupported``.
 """
 
 from umbp._native import (

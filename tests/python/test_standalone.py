@@ -214,11 +214,11 @@ def test_bad_input_raises_clear_errors(server, tmp_path):
     with pytest.raises(umbp.ConfigError, match="no group 3"):
         c.object_bytes(lid, 3)
     other = np.zeros(1 << 20, dtype=np.uint8)
-    with pytest.raises(umbp.ConfigError, match="lies in no memory this client registered"):
+    with pytest.raises(umbp.RegistrationError, match="lies in no memory this client registered"):
         c.register_layout([[(other.ctypes.data, 16, 65536, 65536)]])
     with pytest.raises(umbp.ConfigError, match="layer"):
         c.register_layout([[(other.ctypes.data, 0, 65536, 65536)]])
-    with pytest.raises(umbp.ConfigError, match="not registered"):
+    with pytest.raises(umbp.RegistrationError, match="not registered"):
         c.deregister_memory(12345)
     with pytest.raises(umbp.RegistrationError):
         c.register_memory(4096, 4096)  # nothing mapped there

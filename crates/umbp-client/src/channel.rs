@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use prost::Message;
-use tonic::{Code, Status};
+use umbp_core::ErrorKind;
 use umbp_proto::channel::{encode_frame, read_frame, CHANNEL_OPENED};
 use umbp_proto::completion::REPLIED;
-use umbp_proto::{v1, Endpoint, FdHeader, FD_REFUSED, SECRET_BYTES};
+use umbp_proto::{errors, v1, Endpoint, FdHeader, SECRET_BYTES};
 
 use crate::completions::Lease;
-use crate::{decode_reply, status_error, ClientError, Slot, TransferTiming};
+use crate::{decode_reply, ClientError, Slot, TransferTiming};
 // The last handle of a client may be dropped on the reader thread (with an answered
 // transfer); the client's drop copes: it is no runtime thread, and it closes this channel,
 // which this loop then reads as its end.
@@ -84,12 +84,11 @@ impl TransferChannel {
         s.read_exact(&mut ack)
             .map_err(io("reading the transfer channel's answer"))?;
         if ack != CHANNEL_OPENED.to_le_bytes() {
-            let mut why = Vec::new();
-            let _ = s.read_to_end(&mut why);
-            let why = if ack == FD_REFUSED.to_le_bytes() {
-                String::from_utf8_lossy(&why).into_owned()
-            } else {
-                "an unexpected answer".into()
+            let mut answer = ack.to_vec();
+            let _ = s.read_to_end(&mut answer);
+            let why = match errors::decode_refusal(&answer) {
+                Some((kind, message)) => format!("{message} ({kind})"),
+                None => "an unexpected answer".into(),
             };
             log::info!("umbp: the server at {endpoint} opened no transfer channel ({why}); transfers go over gRPC");
             return Ok(None);
@@ -184,11 +183,7 @@ impl TransferChannel {
                     });
                     decode_reply(reply, p.keys)
                 }
-                _ => Err(status_error(
-                    "transfer",
-                    &self.endpoint,
-                    Status::new(Code::from(r.code), r.message),
-                )),
+                _ => Err(channel_error(&self.endpoint, r)),
             };
             answer(p, out);
         };
@@ -246,5 +241,21 @@ fn answer(p: Pending, out: crate::Result<Vec<crate::KeyStatus>>) {
     p.slot.fill(out);
     if let Some(l) = p.lease {
         l.page().settle(l.slot, l.seq, REPLIED);
+    }
+}
+
+/// The error of a transfer the server failed (or refused) on the channel, by the kind it
+/// sent: the server going away is [`ClientError::Disconnected`], anything else a refusal.
+fn channel_error(endpoint: &Endpoint, r: v1::ChannelReply) -> ClientError {
+    match errors::kind_of_channel_reply(&r) {
+        ErrorKind::Unavailable => ClientError::Disconnected {
+            endpoint: endpoint.to_string(),
+            reason: r.message,
+        },
+        kind => ClientError::Refused {
+            call: "transfer",
+            kind,
+            message: r.message,
+        },
     }
 }

@@ -35,7 +35,7 @@ impl Completions {
         // value) is no longer used.
         let page =
             unsafe { CompletionPage::new(shm.span_addr() as *mut u8, SLOTS as u64 * SLOT_BYTES) }
-                .map_err(|e| ClientError::Invalid(e.to_string()))?;
+                .map_err(|e| ClientError::Internal(e.to_string()))?;
         Ok(Arc::new(Completions {
             page,
             shm,

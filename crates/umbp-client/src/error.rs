@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use thiserror::Error;
+use umbp_core::ErrorKind;
 use umbp_cuda::CudaError;
 use umbp_proto::ProtoError;
 
@@ -30,14 +31,23 @@ pub enum ClientError {
         /// What failed.
         reason: String,
     },
-    /// The server refused the request; the message says why and what to change.
-    #[error("the UMBP server refused {call}: {message} ({code})")]
+    /// The server refused the request; the message says why and what to change, the kind
+    /// (sent by the server) what kind of problem it is.
+    #[error("the UMBP server refused {call}: {message} ({kind})")]
     Refused {
         /// The call.
         call: &'static str,
-        /// The gRPC status code's name.
-        code: String,
+        /// The kind of problem, as the server sent it.
+        kind: ErrorKind,
         /// The server's message.
+        message: String,
+    },
+    /// An error already returned to an earlier waiter of the same transfer, returned again.
+    #[error("{message}")]
+    Repeated {
+        /// The first error's kind.
+        kind: ErrorKind,
+        /// The first error's message.
         message: String,
     },
     /// A call did not finish in time.
@@ -58,6 +68,16 @@ pub enum ClientError {
     /// Bad input, found before anything was sent.
     #[error("{0}")]
     Invalid(String),
+    /// Memory named (by address or region id) that this client has not registered, found
+    /// before anything was sent.
+    #[error("{0}")]
+    Unregistered(String),
+    /// A layout (or group) id this client does not know, found before anything was sent.
+    #[error("{0}")]
+    UnknownLayout(String),
+    /// A failure inside the client (a task that panicked).
+    #[error("{0}")]
+    Internal(String),
     /// The process at the server's socket runs as another user: nothing was sent to it.
     #[error("the UMBP server socket {path} is served by uid {uid} (pid {pid}), not by this user (uid {me}), root or a uid in UMBP_SERVER_UIDS: refused without sending anything. Another user may have bound the path while no server ran: remove it and start the server at a path only trusted users can create, or list the server's uid in UMBP_SERVER_UIDS")]
     UntrustedServer {
@@ -144,7 +164,10 @@ pub enum ClientError {
          /proc mounted (or allocate the cache with alloc_shared_host, which does not)"
     )]
     ShareProc(#[source] std::io::Error),
-    /// Local I/O (runtime, side channel) failed.
+    /// The client's runtime thread could not be started.
+    #[error("cannot start the client's runtime: {0}; the process is at its thread or memory limit (check `ulimit -u` and the container's pids limit)")]
+    Runtime(#[source] std::io::Error),
+    /// Local I/O with the server (its sockets, the side channel) failed.
     #[error("{what}: {source}")]
     Io {
         /// What was being done.
@@ -155,26 +178,34 @@ pub enum ClientError {
 }
 
 impl ClientError {
-    /// Whether host memory could not be shared with the server (`host_share`).
-    pub fn is_host_share(&self) -> bool {
-        matches!(
-            self,
-            ClientError::ShareBadRange { .. }
-                | ClientError::ShareNotMapped { .. }
-                | ClientError::ShareUnsupported { .. }
-                | ClientError::ShareSystem { .. }
-                | ClientError::ShareProc(_)
-        )
-    }
-
-    /// Whether the server (or the connection to it) is what failed, rather than the request.
-    pub fn is_unavailable(&self) -> bool {
-        matches!(
-            self,
+    /// The error's kind: what the bindings choose an exception class by, and what decides
+    /// whether the client attaches again.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ClientError::Endpoint(e) => e.kind(),
+            ClientError::Invalid(_) | ClientError::UntrustedServer { .. } => {
+                ErrorKind::InvalidArgument
+            }
+            ClientError::Unregistered(_) => ErrorKind::Registration,
+            ClientError::UnknownLayout(_) => ErrorKind::NotFound,
+            ClientError::Internal(_) => ErrorKind::Internal,
             ClientError::Unreachable { .. }
-                | ClientError::Disconnected { .. }
-                | ClientError::Timeout { .. }
-                | ClientError::Stalled { .. }
-        )
+            | ClientError::Disconnected { .. }
+            | ClientError::Stalled { .. }
+            | ClientError::Io { .. } => ErrorKind::Unavailable,
+            // A transfer's wait leaves the transfer running; any other call that ran past its
+            // deadline means the server did not answer.
+            ClientError::Timeout { what, .. } if *what == "transfer" => ErrorKind::Timeout,
+            ClientError::Timeout { .. } => ErrorKind::Unavailable,
+            ClientError::Refused { kind, .. } | ClientError::Repeated { kind, .. } => *kind,
+            ClientError::Forked { .. } | ClientError::Closed => ErrorKind::Closed,
+            ClientError::Cuda(e) => e.kind(),
+            ClientError::ShareBadRange { .. }
+            | ClientError::ShareNotMapped { .. }
+            | ClientError::ShareUnsupported { .. }
+            | ClientError::ShareSystem { .. }
+            | ClientError::ShareProc(_) => ErrorKind::Registration,
+            ClientError::Runtime(_) => ErrorKind::Internal,
+        }
     }
 }

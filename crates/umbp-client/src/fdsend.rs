@@ -86,11 +86,11 @@ fn send_batch(
         }
     }
     let _ = (&s).write(&[]);
-    if reply.len() >= 8 && reply[..8] == FD_REFUSED.to_le_bytes() {
+    if let Some((kind, message)) = umbp_proto::errors::decode_refusal(&reply) {
         return Err(ClientError::Refused {
             call: "descriptors",
-            code: "PermissionDenied".into(),
-            message: String::from_utf8_lossy(&reply[8..]).into_owned(),
+            kind,
+            message,
         });
     }
     if reply.len() != want {

@@ -24,12 +24,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
-use tonic::{Code, Status};
-use umbp_core::{BlockKey, LayerSpec, RankTopology};
+use tonic::Status;
+use umbp_core::{BlockKey, ErrorKind, FailureKind, KeyOutcome, LayerSpec, RankTopology};
 use umbp_cuda::DeviceExport;
 use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED, WAIT_SLICE};
 use umbp_proto::v1::{self, store_client::StoreClient};
-use umbp_proto::{Endpoint, PROTOCOL, SECRET_BYTES};
+use umbp_proto::{errors, Endpoint, PROTOCOL, SECRET_BYTES};
 
 use crate::channel::{Pending, TransferChannel};
 use crate::completions::{Completions, Lease};
@@ -111,33 +111,38 @@ pub enum KeyStatus {
     Cancelled,
     /// Not done within the transfer's deadline (cancelled by the server).
     TimedOut,
-    /// Failed: `kind` (invalid_range, size_mismatch, pool, move) and the server's message.
+    /// Failed, for the reason named, with the server's message.
     Failed {
-        /// The kind of failure.
-        kind: String,
+        /// Why, in the vocabulary the embedded store uses too.
+        kind: FailureKind,
         /// The server's message.
         message: String,
     },
 }
 
 impl KeyStatus {
+    /// The key's outcome in the vocabulary shared with the embedded store.
+    pub fn outcome(&self) -> KeyOutcome {
+        match self {
+            KeyStatus::Done => KeyOutcome::Done,
+            KeyStatus::AlreadyPresent => KeyOutcome::AlreadyPresent,
+            KeyStatus::Missing => KeyOutcome::Missing,
+            KeyStatus::PoolFull => KeyOutcome::PoolFull,
+            KeyStatus::Cancelled => KeyOutcome::Cancelled,
+            KeyStatus::TimedOut => KeyOutcome::TimedOut,
+            KeyStatus::Failed { kind, .. } => KeyOutcome::Failed(*kind),
+        }
+    }
+
     /// Whether the key's transfer succeeded (a store of a present key counts).
     pub fn is_ok(&self) -> bool {
-        matches!(self, KeyStatus::Done | KeyStatus::AlreadyPresent)
+        self.outcome().is_ok()
     }
 
     /// The status's name: done, already_present, missing, pool_full, cancelled, timed_out,
     /// failed.
     pub fn name(&self) -> &'static str {
-        match self {
-            KeyStatus::Done => "done",
-            KeyStatus::AlreadyPresent => "already_present",
-            KeyStatus::Missing => "missing",
-            KeyStatus::PoolFull => "pool_full",
-            KeyStatus::Cancelled => "cancelled",
-            KeyStatus::TimedOut => "timed_out",
-            KeyStatus::Failed { .. } => "failed",
-        }
+        self.outcome().name()
     }
 }
 
@@ -268,17 +273,18 @@ pub struct StandaloneClient {
     inner: Arc<Inner>,
 }
 
+/// The error of a call the server (or the connection) failed with `s`, by the kind the
+/// server sent: the server or the connection gone is [`ClientError::Disconnected`], anything
+/// else a refusal of that kind.
 fn status_error(call: &'static str, endpoint: &Endpoint, s: Status) -> ClientError {
-    match s.code() {
-        Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Aborted => {
-            ClientError::Disconnected {
-                endpoint: endpoint.to_string(),
-                reason: s.message().to_string(),
-            }
-        }
-        c => ClientError::Refused {
+    match errors::kind_of_status(&s) {
+        ErrorKind::Unavailable => ClientError::Disconnected {
+            endpoint: endpoint.to_string(),
+            reason: s.message().to_string(),
+        },
+        kind => ClientError::Refused {
             call,
-            code: format!("{c:?}"),
+            kind,
             message: s.message().to_string(),
         },
     }
@@ -324,12 +330,10 @@ fn shut_down(current: &CurrentSocket) {
     }
 }
 
-/// Whether a failed call means the session is gone (the server must be attached again).
+/// Whether a failed call means the session is gone (the server must be attached again): the
+/// server forgot it, or the server or the connection went away.
 fn session_lost(s: &Status) -> bool {
-    matches!(
-        s.code(),
-        Code::Unavailable | Code::Unknown | Code::Cancelled
-    ) || (s.code() == Code::FailedPrecondition && s.message().contains("not attached"))
+    errors::kind_of_status(s).is_disconnect()
 }
 
 impl StandaloneClient {
@@ -345,10 +349,7 @@ impl StandaloneClient {
             .thread_name("umbp-client")
             .enable_all()
             .build()
-            .map_err(|source| ClientError::Io {
-                what: "starting the client's runtime",
-                source,
-            })?;
+            .map_err(ClientError::Runtime)?;
         let socket = CurrentSocket::default();
         let channel = {
             let _g = rt.enter();
@@ -527,7 +528,7 @@ impl StandaloneClient {
                 .try_into()
                 .map_err(|_| ClientError::Refused {
                     call: "attach",
-                    code: "Internal".into(),
+                    kind: ErrorKind::Internal,
                     message: "the server sent a malformed session secret".into(),
                 })?;
         let mut a = Attachment {
@@ -742,18 +743,18 @@ impl StandaloneClient {
                     .values()
                     .find(|r| l.base_addr >= r.addr && l.base_addr.checked_add(span).is_some_and(|e| e <= r.addr + r.len))
                     .ok_or_else(|| {
-                        ClientError::Invalid(format!(
+                        ClientError::Unregistered(format!(
                             "group {g} layer {i}: {:#x}+{span} lies in no memory this client registered; register the KV cache tensor first",
                             l.base_addr
                         ))
                     })?;
                 let (generation, server_region) = region.server.ok_or_else(|| {
-                    ClientError::Invalid(format!(
+                    ClientError::Unregistered(format!(
                         "group {g} layer {i}: its memory is not registered with the server"
                     ))
                 })?;
                 if generation != a.generation {
-                    return Err(ClientError::Invalid(
+                    return Err(ClientError::Unregistered(
                         "memory registrations are from an earlier session".into(),
                     ));
                 }
@@ -841,7 +842,7 @@ impl StandaloneClient {
         let server = {
             let mut rec = self.inner.records.lock();
             let r = rec.regions.remove(&id).ok_or_else(|| {
-                ClientError::Invalid(format!(
+                ClientError::Unregistered(format!(
                     "memory region {id} is not registered by this client"
                 ))
             })?;
@@ -911,13 +912,13 @@ impl StandaloneClient {
         let a = self.attachment()?;
         let rec = self.inner.records.lock();
         let l = rec.layouts.get(&layout).ok_or_else(|| {
-            ClientError::Invalid(format!(
+            ClientError::UnknownLayout(format!(
                 "no KV layout with id {layout} in this client; register the layout first"
             ))
         })?;
         match l.server {
             Some((generation, sid)) if generation == a.generation => Ok((a, sid)),
-            _ => Err(ClientError::Invalid(format!(
+            _ => Err(ClientError::UnknownLayout(format!(
                 "layout {layout} is not registered with the current server session"
             ))),
         }
@@ -1146,7 +1147,7 @@ impl StandaloneClient {
                 what: "lookup",
                 ms: timeout.as_millis() as u64,
             }),
-            Some(Err(e)) => Err(ClientError::Invalid(format!("lookup task failed: {e}"))),
+            Some(Err(e)) => Err(ClientError::Internal(format!("lookup task failed: {e}"))),
             Some(Ok(Ok(r))) => Ok(r.into_inner()),
             Some(Ok(Err(s))) => Err(status_error("exists", &self.inner.opts.endpoint, s)),
         }
@@ -1251,36 +1252,44 @@ fn packed_request(keys: &[BlockKey], ranks: u32, prefix_only: bool) -> v1::Exist
 
 fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyStatus>> {
     use v1::KeyStatus as S;
+    let malformed = |message: String| ClientError::Refused {
+        call: "transfer",
+        kind: ErrorKind::Internal,
+        message,
+    };
     if r.statuses.len() != n {
-        return Err(ClientError::Refused {
-            call: "transfer",
-            code: "Internal".into(),
-            message: format!(
-                "the server answered {} statuses for {n} keys",
-                r.statuses.len()
-            ),
-        });
+        return Err(malformed(format!(
+            "the server answered {} statuses for {n} keys",
+            r.statuses.len()
+        )));
     }
-    let mut out: Vec<KeyStatus> = r
-        .statuses
-        .iter()
-        .map(|b| match S::try_from(*b as i32) {
+    let mut out = Vec::with_capacity(n);
+    for &b in &r.statuses {
+        out.push(match S::try_from(b as i32) {
             Ok(S::Done) => KeyStatus::Done,
             Ok(S::AlreadyPresent) => KeyStatus::AlreadyPresent,
             Ok(S::Missing) => KeyStatus::Missing,
             Ok(S::PoolFull) => KeyStatus::PoolFull,
             Ok(S::Cancelled) => KeyStatus::Cancelled,
             Ok(S::TimedOut) => KeyStatus::TimedOut,
-            _ => KeyStatus::Failed {
-                kind: "unknown".into(),
-                message: format!("status {b} from the server"),
+            // Its kind and message come in `errors`.
+            Ok(S::Failed) => KeyStatus::Failed {
+                kind: FailureKind::Device,
+                message: String::new(),
             },
-        })
-        .collect();
+            _ => return Err(malformed(format!("the server answered key status {b}"))),
+        });
+    }
     for e in r.errors {
+        let kind = FailureKind::from_name(&e.kind).ok_or_else(|| {
+            malformed(format!(
+                "the server named key failure {:?}, which this client does not know",
+                e.kind
+            ))
+        })?;
         if let Some(s) = out.get_mut(e.index as usize) {
             *s = KeyStatus::Failed {
-                kind: e.kind,
+                kind,
                 message: e.message,
             };
         }
@@ -1288,10 +1297,14 @@ fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyStatus>> {
     Ok(out)
 }
 
+/// A transfer's answer as every waiter reads it: the statuses, or the error's kind and
+/// message (the typed error goes to the first waiter).
+type Answer = std::result::Result<Vec<KeyStatus>, (ErrorKind, String)>;
+
 /// Where a transfer's answer lands.
 #[derive(Debug, Default)]
 struct Slot {
-    value: Mutex<Option<std::result::Result<Vec<KeyStatus>, String>>>,
+    value: Mutex<Option<Answer>>,
     /// Set before the value, when the server answered.
     timing: Mutex<Option<TransferTiming>>,
     ready: Condvar,
@@ -1308,9 +1321,9 @@ impl Slot {
         *v = Some(match r {
             Ok(s) => Ok(s),
             Err(e) => {
-                let m = e.to_string();
+                let first = (e.kind(), e.to_string());
                 *self.error.lock() = Some(e);
-                Err(m)
+                Err(first)
             }
         });
         self.ready.notify_all();
@@ -1467,18 +1480,18 @@ impl Transfer {
         }
     }
 
-    fn take(&self, r: &std::result::Result<Vec<KeyStatus>, String>) -> Result<Vec<KeyStatus>> {
+    fn take(&self, r: &Answer) -> Result<Vec<KeyStatus>> {
         match r {
             Ok(s) => Ok(s.clone()),
-            Err(m) => {
+            Err((kind, message)) => {
                 Err(self
                     .slot
                     .error
                     .lock()
                     .take()
-                    .unwrap_or_else(|| ClientError::Disconnected {
-                        endpoint: self.client.inner.opts.endpoint.to_string(),
-                        reason: m.clone(),
+                    .unwrap_or_else(|| ClientError::Repeated {
+                        kind: *kind,
+                        message: message.clone(),
                     }))
             }
         }

@@ -1,5 +1,6 @@
 use thiserror::Error;
 use umbp_core::CoreError;
+use umbp_core::ErrorKind;
 use umbp_pool::PoolError;
 
 /// Errors of the copy engine.
@@ -54,4 +55,25 @@ pub enum CopyError {
     /// Arguments do not fit together.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+}
+
+impl CopyError {
+    /// The error's kind. A pool failure inside a transfer fails the transfer
+    /// ([`ErrorKind::TransferFailed`]) unless the pool was full or closed.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            CopyError::Core(e) => e.kind(),
+            CopyError::Pool(p) => match p.kind() {
+                k @ (ErrorKind::PoolFull | ErrorKind::Closed) => k,
+                _ => ErrorKind::TransferFailed,
+            },
+            CopyError::BadRegistration { .. }
+            | CopyError::UnknownRegion(_)
+            | CopyError::RegionBusy { .. } => ErrorKind::Registration,
+            CopyError::Timeout { .. } => ErrorKind::Timeout,
+            CopyError::Closed => ErrorKind::Closed,
+            CopyError::Spawn { .. } => ErrorKind::Internal,
+            CopyError::InvalidRequest(_) => ErrorKind::InvalidArgument,
+        }
+    }
 }

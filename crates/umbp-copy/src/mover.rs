@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use umbp_core::CopyRange;
+use umbp_core::{CopyRange, FailureKind, KeyOutcome};
 
 use crate::memcpy;
 
@@ -31,6 +31,19 @@ impl KeyResult {
     /// Whether the key's transfer succeeded (a store of a present key counts).
     pub fn is_ok(&self) -> bool {
         matches!(self, KeyResult::Done | KeyResult::AlreadyPresent)
+    }
+
+    /// The key's outcome in the shared vocabulary (what the bindings and the server name).
+    pub fn outcome(&self) -> KeyOutcome {
+        match self {
+            KeyResult::Pending => KeyOutcome::Pending,
+            KeyResult::Done => KeyOutcome::Done,
+            KeyResult::AlreadyPresent => KeyOutcome::AlreadyPresent,
+            KeyResult::Missing => KeyOutcome::Missing,
+            KeyResult::PoolFull => KeyOutcome::PoolFull,
+            KeyResult::Cancelled => KeyOutcome::Cancelled,
+            KeyResult::Failed(f) => KeyOutcome::Failed(f.kind()),
+        }
     }
 }
 
@@ -64,6 +77,20 @@ impl std::fmt::Display for KeyFailure {
                 "stored object has {stored} bytes but the layout expects {expected}; a different layout wrote this key"
             ),
             KeyFailure::Move(e) => e.fmt(f),
+        }
+    }
+}
+
+impl KeyFailure {
+    /// The failure's kind in the shared vocabulary.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            KeyFailure::InvalidRange(_) => FailureKind::InvalidRange,
+            KeyFailure::SizeMismatch { .. } => FailureKind::SizeMismatch,
+            KeyFailure::Pool(_) => FailureKind::Pool,
+            KeyFailure::Move(MoveError::DeviceLost { .. }) => FailureKind::DeviceLost,
+            KeyFailure::Move(MoveError::Device(_)) => FailureKind::Device,
+            KeyFailure::Move(MoveError::Unsupported(_)) => FailureKind::Unsupported,
         }
     }
 }

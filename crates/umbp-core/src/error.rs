@@ -1,5 +1,7 @@
 use thiserror::Error;
 
+use crate::ErrorKind;
+
 /// Errors raised while building keys, layouts or configuration.
 ///
 /// Every variant that a user can cause names the option or value to change.
@@ -49,6 +51,11 @@ pub enum CoreError {
 }
 
 impl CoreError {
+    /// The error's kind: always [`ErrorKind::InvalidArgument`] (the input is what to change).
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidArgument
+    }
+
     /// Shorthand for [`CoreError::InvalidOption`].
     pub fn option(option: impl Into<String>, message: impl Into<String>) -> Self {
         CoreError::InvalidOption {

@@ -6,6 +6,8 @@
 //! * [`strided`]: the runs of one block of a strided tensor view ([`TensorView`]), so a layout
 //!   can be built from what the engine's tensors really look like.
 //! * [`config`]: pool configuration ([`PoolConfig`]) with up-front validation.
+//! * [`outcome`]: the one vocabulary of failures ([`ErrorKind`]) and per-key outcomes
+//!   ([`KeyOutcome`], [`FailureKind`]) every crate and both modes use.
 //! * [`options`]: the vLLM connector's options: one schema ([`options::SCHEMA`]) owning every
 //!   default, range and message, and the validated [`ConnectorOptions`].
 //!
@@ -16,6 +18,7 @@ pub mod error;
 pub mod key;
 pub mod layout;
 pub mod options;
+pub mod outcome;
 pub mod strided;
 
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};
@@ -26,4 +29,5 @@ pub use layout::{
     MAX_LAYOUT_RUNS, MAX_RUN_BLOCKS,
 };
 pub use options::ConnectorOptions;
+pub use outcome::{ErrorKind, FailureKind, KeyOutcome};
 pub use strided::TensorView;

@@ -1,4 +1,5 @@
 use thiserror::Error;
+use umbp_core::ErrorKind;
 
 /// Errors of the CUDA backend. Every message names CUDA and says what to change.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
@@ -137,6 +138,26 @@ impl CudaError {
     /// it every transfer to or from its device) is unusable from now on.
     pub fn is_sticky(&self) -> bool {
         matches!(self, CudaError::Call { code, .. } if STICKY.contains(code))
+    }
+
+    /// The error's kind: a sticky driver failure is [`ErrorKind::DeviceLost`]; memory that is
+    /// not the device's is [`ErrorKind::Registration`]; a bad option
+    /// [`ErrorKind::InvalidArgument`]; the rest [`ErrorKind::Device`].
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            _ if self.is_sticky() => ErrorKind::DeviceLost,
+            CudaError::Option { .. } => ErrorKind::InvalidArgument,
+            CudaError::BadMemory { .. } | CudaError::Device { .. } => ErrorKind::Registration,
+            CudaError::Spawn { .. } => ErrorKind::Internal,
+            CudaError::NoDriver { .. }
+            | CudaError::MissingSymbol { .. }
+            | CudaError::Call { .. }
+            | CudaError::Forked { .. }
+            | CudaError::Export { .. }
+            | CudaError::Import { .. }
+            | CudaError::UnknownDevice { .. }
+            | CudaError::Invalid(_) => ErrorKind::Device,
+        }
     }
 
     /// Whether this is a driver call that failed for want of device memory.

@@ -14,6 +14,7 @@
 use std::io::{Read, Write};
 
 use thiserror::Error;
+use umbp_core::ErrorKind;
 
 pub(crate) const REQ_MAGIC: [u8; 4] = *b"UMBL";
 pub(crate) const REP_MAGIC: [u8; 4] = *b"UMBR";
@@ -101,6 +102,19 @@ pub enum LookupError {
         /// The deadline.
         ms: u64,
     },
+}
+
+impl LookupError {
+    /// The error's kind: a socket path in use (or not a socket) is a setting to change
+    /// ([`ErrorKind::InvalidArgument`]); the rest mean the worker cannot be reached in time
+    /// ([`ErrorKind::Unavailable`]) or broke the protocol ([`ErrorKind::Internal`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            LookupError::InUse(_) | LookupError::NotASocket(_) => ErrorKind::InvalidArgument,
+            LookupError::Io { .. } | LookupError::Timeout { .. } => ErrorKind::Unavailable,
+            LookupError::Protocol { .. } | LookupError::Remote { .. } => ErrorKind::Internal,
+        }
+    }
 }
 
 pub(crate) fn header(magic: [u8; 4], code: u8, body_len: usize) -> [u8; 12] {

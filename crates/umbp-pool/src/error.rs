@@ -1,5 +1,6 @@
 use thiserror::Error;
 use umbp_core::CoreError;
+use umbp_core::ErrorKind;
 
 /// Errors of the host-DRAM pool.
 #[derive(Debug, Error)]
@@ -53,4 +54,19 @@ pub enum PoolError {
     /// The pool was closed.
     #[error("the pool is closed")]
     Closed,
+}
+
+impl PoolError {
+    /// The error's kind.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            PoolError::Config(e) => e.kind(),
+            PoolError::TooLarge { .. } => ErrorKind::InvalidArgument,
+            PoolError::Map { .. } => ErrorKind::Resource,
+            PoolError::Full { .. } => ErrorKind::PoolFull,
+            PoolError::Spawn { .. } => ErrorKind::Internal,
+            PoolError::SharedFd { .. } => ErrorKind::Registration,
+            PoolError::Closed => ErrorKind::Closed,
+        }
+    }
 }

@@ -10,9 +10,11 @@ use std::path::{Path, PathBuf};
 
 pub mod channel;
 pub mod completion;
+pub mod errors;
 pub mod peer;
 
 use thiserror::Error;
+use umbp_core::ErrorKind;
 
 /// The generated messages, client and server of `umbp.v1`.
 #[allow(missing_docs, missing_debug_implementations, clippy::all)]
@@ -21,8 +23,8 @@ pub mod v1 {
 }
 
 /// Version of the protocol (bumped on incompatible changes; the server refuses other versions
-/// at attach).
-pub const PROTOCOL: u32 = 1;
+/// at attach). 2: every refusal carries its [`umbp_core::ErrorKind`] (see [`errors`]).
+pub const PROTOCOL: u32 = 2;
 
 /// Bytes of a block key on the wire.
 pub const KEY_BYTES: usize = 64;
@@ -54,6 +56,14 @@ pub enum ProtoError {
     /// A completion page's memory does not fit the format.
     #[error("completion page: {0}")]
     CompletionPage(String),
+}
+
+impl ProtoError {
+    /// The error's kind: always [`ErrorKind::InvalidArgument`] (a malformed endpoint or
+    /// message).
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidArgument
+    }
 }
 
 /// Where the server listens: a Unix-domain socket, and beside it the descriptor side channel.

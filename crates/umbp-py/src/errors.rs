@@ -4,11 +4,11 @@
 //! it; `umbp.errors` re-exports them. Their `__module__` is `umbp.errors`, so they print and
 //! pickle as they did when that module defined them. Raising one never looks anything up.
 //!
-//! Errors of the standalone client ([`umbp_client::ClientError`]) map onto the same classes
-//! (see [`client_class`]): the server or the connection failing is `ServerUnavailable` (the
-//! client attaches again by itself on a later call), a request it refuses is `ConfigError`,
-//! `RegistrationError`, `PoolFullError` or `TransferError` by its gRPC code, and a closed or
-//! forked client is `StoreClosedError`, as for the embedded store.
+//! Every error has a kind ([`umbp_core::ErrorKind`]), in both modes the same for the same
+//! fault (the standalone server sends it with each refusal); [`class_of`] picks the class from
+//! the kind alone, and the exception carries the kind's name as `kind` (e.g.
+//! `"session_lost"`). The server or the connection failing is `ServerUnavailable` (the client
+//! attaches again by itself on a later call).
 
 use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -16,10 +16,9 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 use umbp_client::ClientError;
 use umbp_copy::CopyError;
-use umbp_core::CoreError;
+use umbp_core::{CoreError, ErrorKind};
 use umbp_lookup::LookupError;
-use umbp_pool::PoolError;
-use umbp_store::{CudaError, RemoteError, StoreError};
+use umbp_store::{CudaError, StoreError};
 
 /// Every error the bindings raise.
 #[derive(Debug)]
@@ -92,19 +91,19 @@ impl From<Raised> for Error {
     }
 }
 
-/// An error's class and message, cloneable: what an outcome read more than once raises each
+/// An error's kind and message, cloneable: what an outcome read more than once raises each
 /// time.
 #[derive(Debug, Clone)]
 pub(crate) struct Raised {
-    class: Class,
+    kind: ErrorKind,
     message: String,
 }
 
 impl Raised {
-    /// The class and message of a client error.
+    /// The kind and message of a client error.
     pub(crate) fn of(e: &ClientError) -> Raised {
         Raised {
-            class: client_class(e),
+            kind: e.kind(),
             message: e.to_string(),
         }
     }
@@ -155,6 +154,19 @@ impl Class {
         Class::Cuda,
         Class::ServerUnavailable,
     ];
+
+    /// The kind an instance made in Python (not raised by the extension) reports: the most
+    /// general kind of the class.
+    fn default_kind(self) -> ErrorKind {
+        match self {
+            Class::Umbp => ErrorKind::Internal,
+            Class::ServerUnavailable | Class::LookupService => ErrorKind::Unavailable,
+            class => ErrorKind::ALL
+                .into_iter()
+                .find(|k| class_of(*k) as usize == class as usize)
+                .unwrap_or(ErrorKind::Internal),
+        }
+    }
 
     /// The class's name, docstring and other base.
     fn spec(self) -> (&'static str, &'static str, Also) {
@@ -242,6 +254,8 @@ fn create(py: Python<'_>) -> PyResult<Vec<Py<PyType>>> {
         let namespace = PyDict::new(py);
         namespace.set_item("__module__", "umbp.errors")?;
         namespace.set_item("__doc__", doc)?;
+        // What an instance raised from Python (without a kind of its own) reports.
+        namespace.set_item("kind", class.default_kind().name())?;
         let created = py
             .get_type::<PyType>()
             .call1((name, PyTuple::new(py, bases)?, namespace))?
@@ -260,129 +274,36 @@ pub(crate) fn add_classes(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The class of a store error.
-fn store_class(e: &StoreError) -> Class {
-    match e {
-        StoreError::Core(_) | StoreError::UnknownLayout(_) => Class::Config,
-        StoreError::Pool(PoolError::Full { .. }) => Class::PoolFull,
-        StoreError::Pool(PoolError::Config(_)) => Class::Config,
-        StoreError::Pool(PoolError::TooLarge { .. }) => Class::Config,
-        StoreError::Pool(PoolError::Closed)
-        | StoreError::Closed
-        | StoreError::SessionReleased(_) => Class::StoreClosed,
-        StoreError::Pool(PoolError::Map { .. }) => Class::Pool,
-        StoreError::Pool(PoolError::SharedFd { .. }) => Class::Registration,
-        StoreError::Pool(PoolError::Spawn { .. }) => Class::Umbp,
-        StoreError::Copy(c) => match c {
-            CopyError::Core(_) | CopyError::InvalidRequest(_) => Class::Config,
-            CopyError::BadRegistration { .. }
-            | CopyError::UnknownRegion(_)
-            | CopyError::RegionBusy { .. } => Class::Registration,
-            CopyError::Timeout { .. } => Class::TransferTimeout,
-            CopyError::Closed => Class::StoreClosed,
-            CopyError::Pool(_) => Class::Transfer,
-            CopyError::Spawn { .. } => Class::Umbp,
-        },
-        StoreError::Unmapped { .. } | StoreError::ForeignRegion(_) => Class::Registration,
-        StoreError::Cuda(c) => cuda_class(c),
-        StoreError::Remote(RemoteError::Thread { .. }) => Class::Umbp,
-        StoreError::Remote(_) => Class::Config,
-    }
-}
-
-/// The class of a CUDA error.
-fn cuda_class(c: &CudaError) -> Class {
-    match c {
-        CudaError::Option { .. } => Class::Config,
-        CudaError::BadMemory { .. } | CudaError::Device { .. } => Class::Registration,
-        _ => Class::Cuda,
-    }
-}
-
-/// The class of a standalone client error:
-///
-/// * `ServerUnavailable`: no server answers at the endpoint, the connection broke or the
-///   server restarted (its session is gone), a call other than a transfer's wait ran past its
-///   deadline, or an earlier call is still unanswered past its deadline (`Stalled`);
-/// * `TransferTimeout`: a transfer's wait ran past its deadline (the transfer still runs);
-/// * `ConfigError`: a bad endpoint, bad input found before sending (a count mismatch, an
-///   unknown layout or region id, a layout outside registered memory), or a request the server
-///   refused as invalid (`InvalidArgument`, `NotFound`, `OutOfRange`, `AlreadyExists`);
-/// * `RegistrationError`: host memory that cannot be shared, CUDA memory that cannot be
-///   exported, or a registration the server refused (`FailedPrecondition`, e.g. a region still
-///   in use; `PermissionDenied`, memory of another session);
-/// * `PoolFullError`: `ResourceExhausted`;
-/// * `TransferError`: a transfer the server failed as a whole (`DeadlineExceeded`: it did
-///   not stop after it was cancelled; `Internal`);
-/// * `StoreClosedError`: the client was closed, or is used in a forked child;
-/// * `UmbpError`: the rest (the server refused to attach this client: protocol version,
-///   access; the client's runtime could not start).
-fn client_class(e: &ClientError) -> Class {
-    match e {
-        ClientError::Endpoint(_)
-        | ClientError::Invalid(_)
-        | ClientError::UntrustedServer { .. } => Class::Config,
-        ClientError::Unreachable { .. }
-        | ClientError::Disconnected { .. }
-        | ClientError::Stalled { .. } => Class::ServerUnavailable,
-        ClientError::Timeout { what, .. } => {
-            if *what == "transfer" {
-                Class::TransferTimeout
-            } else {
-                Class::ServerUnavailable
-            }
-        }
-        ClientError::Refused {
-            call,
-            code,
-            message,
-        } => refused_class(call, code, message),
-        ClientError::Forked { .. } | ClientError::Closed => Class::StoreClosed,
-        ClientError::Cuda(c) => cuda_class(c),
-        ClientError::ShareBadRange { .. }
-        | ClientError::ShareNotMapped { .. }
-        | ClientError::ShareUnsupported { .. }
-        | ClientError::ShareSystem { .. }
-        | ClientError::ShareProc(_) => Class::Registration,
-        ClientError::Io { what, .. } => {
-            if what.contains("runtime") {
-                Class::Umbp
-            } else {
-                // The descriptor side channel: the server went away.
-                Class::ServerUnavailable
-            }
-        }
-    }
-}
-
-/// The class of a request the server refused, by the gRPC code's name (see [`client_class`]).
-fn refused_class(call: &str, code: &str, message: &str) -> Class {
-    let attaching = matches!(call, "attach" | "ping");
-    match code {
-        "InvalidArgument" | "NotFound" | "OutOfRange" | "AlreadyExists" => Class::Config,
-        "ResourceExhausted" => Class::PoolFull,
-        // The server lost this client's session (it restarted, or released it).
-        "FailedPrecondition" if message.contains("not attached") => Class::ServerUnavailable,
-        "FailedPrecondition" | "PermissionDenied" if attaching => Class::Umbp,
-        "FailedPrecondition" | "PermissionDenied" => Class::Registration,
-        "DeadlineExceeded" | "Internal" if call == "transfer" => Class::Transfer,
-        "DeadlineExceeded" => Class::ServerUnavailable,
-        _ => Class::Umbp,
+/// The class of a failure of kind `kind`: the one place a kind becomes a Python class (the
+/// lookup service's errors keep `LookupServiceError`, whatever their kind).
+fn class_of(kind: ErrorKind) -> Class {
+    match kind {
+        ErrorKind::InvalidArgument | ErrorKind::NotFound => Class::Config,
+        ErrorKind::PoolFull => Class::PoolFull,
+        ErrorKind::Registration => Class::Registration,
+        ErrorKind::SessionLost | ErrorKind::Unavailable => Class::ServerUnavailable,
+        ErrorKind::Closed => Class::StoreClosed,
+        ErrorKind::DeviceLost | ErrorKind::Device => Class::Cuda,
+        ErrorKind::Timeout => Class::TransferTimeout,
+        ErrorKind::TransferFailed => Class::Transfer,
+        ErrorKind::Resource => Class::Pool,
+        ErrorKind::Denied | ErrorKind::Internal => Class::Umbp,
     }
 }
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
-        let (class, message) = match e {
+        let (kind, class, message) = match e {
             Error::Python(e) => return e,
-            Error::Config(m) => (Class::Config, m),
-            Error::Core(e) => (Class::Config, e.to_string()),
-            Error::Store(e) => (store_class(&e), e.to_string()),
-            Error::Lookup(e) => (Class::LookupService, e.to_string()),
-            Error::Client(e) => (client_class(&e), e.to_string()),
-            Error::Raised(r) => (r.class, r.message),
+            Error::Config(m) => (ErrorKind::InvalidArgument, None, m),
+            Error::Core(e) => (e.kind(), None, e.to_string()),
+            Error::Store(e) => (e.kind(), None, e.to_string()),
+            Error::Lookup(e) => (e.kind(), Some(Class::LookupService), e.to_string()),
+            Error::Client(e) => (e.kind(), None, e.to_string()),
+            Error::Raised(r) => (r.kind, None, r.message),
             Error::Forked { what, parent } => (
-                Class::StoreClosed,
+                ErrorKind::Closed,
+                None,
                 format!(
                     "this {what} was created in process {parent} and cannot be used in its \
                      forked child (pid {}): its threads exist only in the parent; create a new \
@@ -391,10 +312,22 @@ impl From<Error> for PyErr {
                 ),
             ),
         };
-        Python::attach(|py| match TYPES.get(py) {
-            Some(types) => PyErr::from_type(types[class as usize].bind(py).clone(), message),
-            // Not reached: the classes exist before any object that can fail does.
-            None => pyo3::exceptions::PyRuntimeError::new_err(message),
+        let class = class.unwrap_or_else(|| class_of(kind));
+        Python::attach(|py| {
+            let Some(types) = TYPES.get(py) else {
+                // Not reached: the classes exist before any object that can fail does.
+                return pyo3::exceptions::PyRuntimeError::new_err(message);
+            };
+            // The exception carries its kind (`e.kind`, e.g. "session_lost"): what callers
+            // decide on, the same in both modes.
+            let made = types[class as usize]
+                .bind(py)
+                .call1((message,))
+                .and_then(|exc| {
+                    exc.setattr("kind", kind.name())?;
+                    Ok(PyErr::from_value(exc))
+                });
+            made.unwrap_or_else(|e| e)
         })
     }
 }

@@ -138,10 +138,10 @@ impl Transfer {
             .collect())
     }
 
-    /// Keys that ended "failed", by key index, with why in one word (the server's kind:
-    /// "invalid_range", "size_mismatch", "pool", "move", ...) and in words (empty until
-    /// answered).
-    fn failures(&self) -> Result<Vec<(usize, String, String)>> {
+    /// Keys that ended "failed", by key index, with why in one word (the words of
+    /// `Job.failures`: "invalid_range", "size_mismatch", "pool", "device", "device_lost",
+    /// "unsupported") and in words (empty until answered).
+    fn failures(&self) -> Result<Vec<(usize, &'static str, String)>> {
         let Some(o) = self.outcome()? else {
             return Ok(Vec::new());
         };
@@ -149,7 +149,7 @@ impl Transfer {
             .into_iter()
             .enumerate()
             .filter_map(|(i, s)| match s {
-                KeyStatus::Failed { kind, message } => Some((i, kind, message)),
+                KeyStatus::Failed { kind, message } => Some((i, kind.name(), message)),
                 _ => None,
             })
             .collect())

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use umbp_copy::{Direction, JobHandle, KeyFailure, KeyResult, MoveError};
+use umbp_copy::{Direction, JobHandle, KeyResult};
 use umbp_core::{
     GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary, MemoryBacking, PoolConfig,
     TensorView,
@@ -19,27 +19,9 @@ use crate::errors::{Error, Result};
 use crate::keys::Keys;
 use crate::lifecycle::{bulk, track_store, without_gil, Origin, ReleaseGilOnDrop};
 
+/// The key's outcome's name (the vocabulary both modes share).
 fn status(r: &KeyResult) -> &'static str {
-    match r {
-        KeyResult::Pending => "pending",
-        KeyResult::Done => "done",
-        KeyResult::AlreadyPresent => "already_present",
-        KeyResult::Missing => "missing",
-        KeyResult::PoolFull => "pool_full",
-        KeyResult::Cancelled => "cancelled",
-        KeyResult::Failed(_) => "failed",
-    }
-}
-
-fn failure_kind(f: &KeyFailure) -> &'static str {
-    match f {
-        KeyFailure::InvalidRange(_) => "invalid_range",
-        KeyFailure::SizeMismatch { .. } => "size_mismatch",
-        KeyFailure::Pool(_) => "pool",
-        KeyFailure::Move(MoveError::DeviceLost { .. }) => "device_lost",
-        KeyFailure::Move(MoveError::Device(_)) => "device",
-        KeyFailure::Move(MoveError::Unsupported(_)) => "unsupported",
-    }
+    r.outcome().name()
 }
 
 /// A transfer in flight. Dropping it does not cancel it.
@@ -116,7 +98,7 @@ impl Job {
             .into_iter()
             .enumerate()
             .filter_map(|(i, r)| match r {
-                KeyResult::Failed(f) => Some((i, failure_kind(&f), f.to_string())),
+                KeyResult::Failed(f) => Some((i, f.kind().name(), f.to_string())),
                 _ => None,
             })
             .collect()

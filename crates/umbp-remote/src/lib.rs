@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
-use umbp_core::{options, BlockKey};
+use umbp_core::{options, BlockKey, ErrorKind};
 use umbp_pool::{CommitOutcome, Pool, PoolEvent};
 
 mod conn;
@@ -70,6 +70,19 @@ pub enum RemoteError {
         /// Why.
         source: std::io::Error,
     },
+}
+
+impl RemoteError {
+    /// The error's kind: a thread that cannot start is [`ErrorKind::Internal`]; the rest are
+    /// settings to change ([`ErrorKind::InvalidArgument`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            RemoteError::Thread { .. } => ErrorKind::Internal,
+            RemoteError::Url { .. } | RemoteError::Setting { .. } | RemoteError::Client(_) => {
+                ErrorKind::InvalidArgument
+            }
+        }
+    }
 }
 
 /// When objects are written to the remote store.

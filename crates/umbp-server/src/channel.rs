@@ -15,10 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prost::Message;
-use tonic::{Code, Status};
+use tonic::Status;
+use umbp_core::ErrorKind;
 use umbp_proto::channel::{read_frame_len, write_frame, CHANNEL_OPENED};
 use umbp_proto::completion::monotonic_ns;
-use umbp_proto::v1;
+use umbp_proto::{errors, v1};
 
 use crate::service::{Service, STOP_GRACE};
 use crate::sessions::ClientSession;
@@ -150,6 +151,7 @@ impl Replies {
             reply: Some(reply),
             code: 0,
             message: String::new(),
+            kind: 0,
         }
         .encode_to_vec();
         if frame.len() <= self.max {
@@ -157,11 +159,11 @@ impl Replies {
         }
         error_frame(
             id,
-            &Status::resource_exhausted(format!(
+            ErrorKind::InvalidArgument, format!(
                 "the reply ({} bytes) exceeds the message limit of {} bytes; transfer fewer keys at once or raise --max-message-bytes",
                 frame.len(),
                 self.max
-            )),
+            ),
         )
     }
 }
@@ -174,23 +176,29 @@ pub(crate) fn serve(
     rt: tokio::runtime::Handle,
 ) {
     let sid = cs.id;
-    let refuse = |why: &str| crate::fdchan::refuse(&stream, why);
+    let refuse = |kind, why: &str| crate::fdchan::refuse(&stream, kind, why);
     let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
     let (Ok(writer_stream), Ok(sock), Ok(kept)) = (
         stream.try_clone(),
         stream.try_clone(),
         stream.as_fd().try_clone_to_owned(),
     ) else {
-        return refuse("the server cannot duplicate the socket (descriptor limit?)");
+        return refuse(
+            ErrorKind::Internal,
+            "the server cannot duplicate the socket (descriptor limit?)",
+        );
     };
     // Kept with the session, which shuts it down at its release (ending both threads).
     let token = {
         let mut res = cs.res.lock();
         if res.channels.len() >= MAX_CHANNELS_PER_SESSION {
             drop(res);
-            return refuse(&format!(
-                "session {sid} has {MAX_CHANNELS_PER_SESSION} transfer channels open already"
-            ));
+            return refuse(
+                ErrorKind::Denied,
+                &format!(
+                    "session {sid} has {MAX_CHANNELS_PER_SESSION} transfer channels open already"
+                ),
+            );
         }
         let t = cs.next_channel_token();
         res.channels.push((t, kept));
@@ -199,7 +207,7 @@ pub(crate) fn serve(
     let forget = || cs.res.lock().channels.retain(|(t, _)| *t != token);
     if cs.released.load(Ordering::Acquire) {
         forget();
-        return refuse(&format!("session {sid} has ended"));
+        return refuse(ErrorKind::SessionLost, &format!("session {sid} has ended"));
     }
     let (tx, rx) = sync_channel::<Vec<u8>>(WRITER_BACKLOG);
     let writer = std::thread::Builder::new()
@@ -207,7 +215,10 @@ pub(crate) fn serve(
         .spawn(move || write_replies(writer_stream, rx, sid));
     if let Err(e) = writer {
         forget();
-        return refuse(&format!("the server cannot start a thread: {e}"));
+        return refuse(
+            ErrorKind::Internal,
+            &format!("the server cannot start a thread: {e}"),
+        );
     }
     let _ = stream.set_read_timeout(None);
     {
@@ -268,9 +279,9 @@ pub(crate) fn serve(
                 // The stream cannot be trusted past a frame that is not a request.
                 replies.send(error_frame(
                     0,
-                    &Status::invalid_argument(format!(
+                    ErrorKind::InvalidArgument, format!(
                         "a transfer channel frame is not a TransferRequest ({e}); the channel is closed"
-                    )),
+                    ),
                 ));
                 metrics.refused.fetch_add(1, Ordering::Relaxed);
                 break;
@@ -280,10 +291,11 @@ pub(crate) fn serve(
             metrics.refused.fetch_add(1, Ordering::Relaxed);
             let refused = error_frame(
                 r.transfer_id,
-                &Status::permission_denied(format!(
+                ErrorKind::Denied,
+                format!(
                     "session {} is not this channel's (session {sid})",
                     r.session_id
-                )),
+                ),
             );
             if replies.send(refused) {
                 continue;
@@ -294,10 +306,11 @@ pub(crate) fn serve(
         if cs.released.load(Ordering::Acquire) || svc.state.sessions.get_any(sid).is_none() {
             replies.send(error_frame(
                 r.transfer_id,
-                &Status::failed_precondition(format!(
+                ErrorKind::SessionLost,
+                format!(
                     "session {sid} is not attached (server boot {}); attach again",
                     svc.state.boot_id
-                )),
+                ),
             ));
             break;
         }
@@ -328,7 +341,7 @@ fn start(
     let id = r.transfer_id;
     let started = match svc.start_transfer(cs, &r, t) {
         Ok(s) => s,
-        Err(s) => return replies.send(error_frame(id, &s)),
+        Err(s) => return replies.send(status_frame(id, &s)),
     };
     let st = Arc::clone(&svc.state);
     st.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -376,12 +389,12 @@ fn start(
             if tokio::time::timeout(STOP_GRACE, job.finished()).await.is_err()
                 && !answered.swap(true, Ordering::AcqRel)
             {
-                let s = Status::deadline_exceeded(format!(
+                let why = format!(
                     "the transfer did not finish within {} ms nor stop {} s after it was cancelled; its memory may still be written",
                     timeout.as_millis(),
                     STOP_GRACE.as_secs()
-                ));
-                replies.send(error_frame(id, &s));
+                );
+                replies.send(error_frame(id, ErrorKind::TransferFailed, why));
             }
         });
     }
@@ -486,18 +499,14 @@ fn poll_readable(stream: &UnixStream, until_ns: u64) -> bool {
     }
 }
 
-fn error_frame(transfer_id: u64, s: &Status) -> Vec<u8> {
-    v1::ChannelReply {
-        transfer_id,
-        reply: None,
-        code: if s.code() == Code::Ok {
-            Code::Internal as i32
-        } else {
-            s.code() as i32
-        },
-        message: s.message().to_string(),
-    }
-    .encode_to_vec()
+fn error_frame(transfer_id: u64, kind: ErrorKind, message: impl Into<String>) -> Vec<u8> {
+    errors::channel_error(transfer_id, kind, message).encode_to_vec()
+}
+
+/// The reply frame of a transfer refused with `s` (made by [`crate::service`], kind in its
+/// details).
+fn status_frame(transfer_id: u64, s: &Status) -> Vec<u8> {
+    error_frame(transfer_id, errors::kind_of_status(s), s.message())
 }
 
 fn write_replies(mut s: UnixStream, rx: Receiver<Vec<u8>>, sid: u64) {

@@ -8,7 +8,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_proto::{FdHeader, FD_REFUSED, MAX_FDS_PER_MESSAGE};
+use umbp_core::ErrorKind;
+use umbp_proto::{FdHeader, MAX_FDS_PER_MESSAGE};
 
 use crate::listen::{peer_of, PeerInfo};
 use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
@@ -45,11 +46,9 @@ pub(crate) async fn serve(
 static ACCEPT_FAILED: RateLimited = RateLimited::new();
 static REFUSED: RateLimited = RateLimited::new();
 
-pub(crate) fn refuse(mut s: &std::os::unix::net::UnixStream, why: &str) {
+pub(crate) fn refuse(mut s: &std::os::unix::net::UnixStream, kind: ErrorKind, why: &str) {
     REFUSED.log(|skipped| tracing::warn!(skipped, "descriptor side channel: refused: {why}"));
-    let mut msg = FD_REFUSED.to_le_bytes().to_vec();
-    msg.extend_from_slice(why.as_bytes());
-    let _ = s.write_all(&msg);
+    let _ = s.write_all(&umbp_proto::errors::encode_refusal(kind, why));
 }
 
 /// How long a connection to the side channel may take to send its header: 2 s (a client
@@ -157,7 +156,13 @@ async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio:
     };
     let (uid, gid, pid) = match peer_of(&std_stream) {
         Ok(c) => c,
-        Err(e) => return refuse(&std_stream, &format!("no peer credentials: {e}")),
+        Err(e) => {
+            return refuse(
+                &std_stream,
+                ErrorKind::Internal,
+                &format!("no peer credentials: {e}"),
+            )
+        }
     };
     let peer = PeerInfo {
         conn: 0,
@@ -166,11 +171,12 @@ async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio:
         pid,
     };
     if let Err(m) = state.access.check(&peer) {
-        return refuse(&std_stream, &m);
+        return refuse(&std_stream, ErrorKind::Denied, &m);
     }
     let Some(waiting) = Waiting::enter(uid) else {
         return refuse(
             &std_stream,
+            ErrorKind::Denied,
             &format!(
                 "uid {uid} has {MAX_WAITING_PER_UID} side-channel connections waiting to send their header; send it at once after connecting"
             ),
@@ -188,6 +194,7 @@ async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio:
             let Ok(s) = stream.into_std() else { return };
             return refuse(
                 &s,
+                ErrorKind::InvalidArgument,
                 &format!(
                     "no header within {} s of connecting",
                     HEADER_DEADLINE.as_secs()
@@ -199,7 +206,7 @@ async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio:
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
                 let Ok(s) = stream.into_std() else { return };
-                return refuse(&s, &format!("recvmsg: {e}"));
+                return refuse(&s, ErrorKind::Internal, &format!("recvmsg: {e}"));
             }
         }
     };
@@ -212,7 +219,7 @@ async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio:
     let _ = std_stream.set_write_timeout(Some(Duration::from_secs(5)));
     match received {
         Ok((data, fds)) => handle(std_stream, peer, data, fds, state, rt),
-        Err(m) => refuse(&std_stream, &m),
+        Err(m) => refuse(&std_stream, ErrorKind::InvalidArgument, &m),
     }
 }
 
@@ -230,11 +237,12 @@ fn handle(
     let PeerInfo { uid, pid, .. } = peer;
     let header = match FdHeader::decode(&data) {
         Ok(h) => h,
-        Err(e) => return refuse(&stream, &e.to_string()),
+        Err(e) => return refuse(&stream, ErrorKind::InvalidArgument, &e.to_string()),
     };
     if header.count as usize != fds.len() {
         return refuse(
             &stream,
+            ErrorKind::InvalidArgument,
             &format!(
                 "{} descriptors announced, {} received",
                 header.count,
@@ -245,6 +253,7 @@ fn handle(
     let Some(cs) = sessions.get_any(header.session_id) else {
         return refuse(
             &stream,
+            ErrorKind::SessionLost,
             &format!("session {} is not attached", header.session_id),
         );
     };
@@ -258,6 +267,7 @@ fn handle(
     if !same || cs.peer.uid != uid || (cs.peer.pid != 0 && pid != 0 && cs.peer.pid != pid) {
         return refuse(
             &stream,
+            ErrorKind::Denied,
             &format!("session {} belongs to another client", header.session_id),
         );
     }
@@ -278,7 +288,7 @@ fn handle(
     }
     let tickets = match cs.add_tickets(fds) {
         Ok(t) => t,
-        Err(m) => return refuse(&stream, &m),
+        Err(m) => return refuse(&stream, ErrorKind::Registration, &m),
     };
     let mut reply = Vec::with_capacity(tickets.len() * 8);
     for t in tickets {

@@ -62,6 +62,19 @@ pub enum ServerError {
     Serve(String),
 }
 
+impl ServerError {
+    /// The error's kind.
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        use umbp_core::ErrorKind;
+        match self {
+            ServerError::Config(_) => ErrorKind::InvalidArgument,
+            ServerError::Bind { .. } | ServerError::LiveServer(_) => ErrorKind::InvalidArgument,
+            ServerError::Store(e) => e.kind(),
+            ServerError::Serve(_) => ErrorKind::Internal,
+        }
+    }
+}
+
 /// Who may use the server besides its own user.
 #[derive(Debug, Clone, Default)]
 pub struct Access {

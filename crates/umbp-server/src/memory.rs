@@ -7,7 +7,9 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use tonic::Status;
+use umbp_core::ErrorKind;
 use umbp_cuda::{device_by_uuid, format_uuid, ImportedIpc, ImportedVmm};
+use umbp_proto::errors::status;
 use umbp_proto::v1;
 
 use crate::service::{status_of, State};
@@ -34,9 +36,14 @@ fn device(d: &Option<v1::CudaDevice>) -> Result<i32, Status> {
         .map(|d| d.uuid.as_slice())
         .unwrap_or_default()
         .try_into()
-        .map_err(|_| Status::invalid_argument("device.uuid must be the device's 16-byte UUID"))?;
+        .map_err(|_| {
+            status(
+                ErrorKind::InvalidArgument,
+                "device.uuid must be the device's 16-byte UUID",
+            )
+        })?;
     device_by_uuid(&uuid).map_err(|e| {
-        Status::failed_precondition(format!(
+        status(ErrorKind::Registration, format!(
             "CUDA device {} is not visible to the server ({e}); run the server where it sees every GPU of the node (no CUDA_VISIBLE_DEVICES restriction; in a container, the same GPUs and --ipc=host)",
             format_uuid(&uuid)
         ))
@@ -45,9 +52,10 @@ fn device(d: &Option<v1::CudaDevice>) -> Result<i32, Status> {
 
 fn range_in(offset: u64, length: u64, total: u64) -> Result<(), Status> {
     if length == 0 || offset.checked_add(length).is_none_or(|e| e > total) {
-        return Err(Status::invalid_argument(format!(
-            "range {offset}+{length} does not lie inside the {total} bytes mapped"
-        )));
+        return Err(status(
+            ErrorKind::Registration,
+            format!("range {offset}+{length} does not lie inside the {total} bytes mapped"),
+        ));
     }
     Ok(())
 }
@@ -59,10 +67,13 @@ pub(crate) fn register_ipc(
     r: v1::RegisterCudaIpcRequest,
 ) -> Result<v1::RegisterMemoryReply, Status> {
     let handle: [u8; 64] = r.handle.as_slice().try_into().map_err(|_| {
-        Status::invalid_argument(format!(
-            "handle has {} bytes; a CUDA IPC handle has 64",
-            r.handle.len()
-        ))
+        status(
+            ErrorKind::InvalidArgument,
+            format!(
+                "handle has {} bytes; a CUDA IPC handle has 64",
+                r.handle.len()
+            ),
+        )
     })?;
     range_in(r.offset, r.length, r.allocation_bytes)?;
     let dev = device(&r.device)?;
@@ -71,7 +82,7 @@ pub(crate) fn register_ipc(
         Some(i) if i.0.len() >= r.allocation_bytes => i,
         _ => {
             let opened = ImportedIpc::open(dev, &handle, r.allocation_bytes).map_err(|e| {
-                Status::invalid_argument(format!(
+                status(ErrorKind::Registration, format!(
                     "cannot open the CUDA IPC handle: {e}; the allocation may have been freed, or the handle is not one of this node"
                 ))
             })?;
@@ -109,7 +120,8 @@ pub(crate) fn register_vmm(
     r: v1::RegisterCudaVmmRequest,
 ) -> Result<v1::RegisterMemoryReply, Status> {
     if r.chunks.is_empty() {
-        return Err(Status::invalid_argument(
+        return Err(status(
+            ErrorKind::InvalidArgument,
             "a VMM registration needs at least one chunk",
         ));
     }
@@ -124,14 +136,17 @@ pub(crate) fn register_vmm(
         }
     }
     if let Some(t) = missing {
-        return Err(Status::not_found(format!(
+        return Err(status(ErrorKind::NotFound, format!(
             "descriptor ticket {t} is unknown to session {} (send the descriptors over the side channel first; each ticket is used once)",
             cs.id
         )));
     }
     let borrowed: Vec<_> = fds.iter().map(|(fd, o, s)| (fd.as_fd(), *o, *s)).collect();
     let mapped = ImportedVmm::map(dev, &borrowed).map_err(|e| {
-        Status::invalid_argument(format!("cannot map the exported CUDA allocations: {e}"))
+        status(
+            ErrorKind::Registration,
+            format!("cannot map the exported CUDA allocations: {e}"),
+        )
     })?;
     drop(borrowed);
     drop(fds);

@@ -5,9 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tonic::{Code, Request, Response, Status};
-use umbp_copy::{CopyError, KeyFailure, KeyResult};
-use umbp_core::{BlockKey, CoreError, KeyBuilder, RankTopology};
+use tonic::{Request, Response, Status};
+use umbp_copy::KeyResult;
+use umbp_core::{BlockKey, CoreError, ErrorKind, KeyBuilder, RankTopology};
+use umbp_proto::errors::status;
 use umbp_proto::v1::{self, store_server::Store};
 use umbp_proto::{completion, Endpoint, KEY_BYTES, PROTOCOL};
 use umbp_store::{EmbeddedStore, RegionOffset, RelativeLayer, StoreError};
@@ -67,35 +68,18 @@ pub(crate) struct Service {
     pub(crate) state: Arc<State>,
 }
 
-/// The gRPC status of a store error: the code says what kind of problem, the message what to
-/// change.
+/// The gRPC status of a store error: its kind (in the details, and as the code), and the
+/// message that says what to change. A released session is the client's lost session.
 pub(crate) fn status_of(e: &StoreError) -> Status {
-    let code = match e {
-        StoreError::Core(_) | StoreError::Unmapped { .. } => Code::InvalidArgument,
-        StoreError::UnknownLayout(_) => Code::NotFound,
-        StoreError::ForeignRegion(_) => Code::PermissionDenied,
-        StoreError::Closed => Code::Unavailable,
-        StoreError::SessionReleased(_) => Code::FailedPrecondition,
-        StoreError::Pool(umbp_pool::PoolError::Full { .. }) => Code::ResourceExhausted,
-        StoreError::Pool(_) => Code::Internal,
-        StoreError::Copy(c) => match c {
-            CopyError::Core(_)
-            | CopyError::InvalidRequest(_)
-            | CopyError::BadRegistration { .. } => Code::InvalidArgument,
-            CopyError::UnknownRegion(_) => Code::NotFound,
-            CopyError::RegionBusy { .. } => Code::FailedPrecondition,
-            CopyError::Timeout { .. } => Code::DeadlineExceeded,
-            CopyError::Closed => Code::Unavailable,
-            _ => Code::Internal,
-        },
-        StoreError::Cuda(_) => Code::FailedPrecondition,
-        StoreError::Remote(_) => Code::Internal,
+    let kind = match e {
+        StoreError::SessionReleased(_) => ErrorKind::SessionLost,
+        e => e.kind(),
     };
-    Status::new(code, e.to_string())
+    status(kind, e.to_string())
 }
 
 fn invalid(msg: impl Into<String>) -> Status {
-    Status::invalid_argument(msg)
+    status(ErrorKind::InvalidArgument, msg)
 }
 
 /// Splits packed 64-byte keys.
@@ -289,15 +273,6 @@ fn key_status(r: &KeyResult, timed_out: bool) -> v1::KeyStatus {
     }
 }
 
-fn failure_kind(f: &KeyFailure) -> &'static str {
-    match f {
-        KeyFailure::InvalidRange(_) => "invalid_range",
-        KeyFailure::SizeMismatch { .. } => "size_mismatch",
-        KeyFailure::Pool(_) => "pool",
-        KeyFailure::Move(_) => "move",
-    }
-}
-
 /// Cancels a job when the request is dropped before it finished (the client went away or
 /// cancelled the call).
 struct CancelOnDrop(Option<umbp_copy::JobHandle>);
@@ -343,22 +318,28 @@ impl Service {
     /// The caller, if its uid is allowed.
     fn peer<T>(&self, req: &Request<T>) -> Result<PeerInfo, Status> {
         let Some(p) = req.extensions().get::<PeerInfo>().copied() else {
-            return Err(self.refuse(Status::internal("the connection's peer is unknown")));
+            return Err(self.refuse(status(
+                ErrorKind::Internal,
+                "the connection's peer is unknown",
+            )));
         };
         self.state
             .access
             .check(&p)
-            .map_err(|m| self.refuse(Status::permission_denied(m)))?;
+            .map_err(|m| self.refuse(status(ErrorKind::Denied, m)))?;
         Ok(p)
     }
 
     /// The caller's session `id`, attached on this very connection.
     fn session(&self, peer: &PeerInfo, id: u64) -> Result<Arc<ClientSession>, Status> {
         self.state.sessions.get(id, peer.conn).ok_or_else(|| {
-            self.refuse(Status::failed_precondition(format!(
+            self.refuse(status(
+                ErrorKind::SessionLost,
+                format!(
                 "session {id} is not attached on this connection (server boot {}); attach again",
                 self.state.boot_id
-            )))
+            ),
+            ))
         })
     }
 
@@ -369,7 +350,7 @@ impl Service {
     /// The descriptor session `cs` sent over the side channel under `ticket` (used once).
     fn ticket(&self, cs: &ClientSession, ticket: u64) -> Result<std::os::fd::OwnedFd, Status> {
         cs.take_ticket(ticket).ok_or_else(|| {
-            self.refuse(Status::not_found(format!(
+            self.refuse(status(ErrorKind::NotFound, format!(
                 "descriptor ticket {ticket} is unknown to session {} (send the memfd over the side channel first; each ticket is used once)",
                 cs.id
             )))
@@ -379,7 +360,8 @@ impl Service {
     /// Unavailable once the server is shutting down.
     fn refuse_if_draining(&self) -> Result<(), Status> {
         if self.state.draining.load(Ordering::Acquire) {
-            return Err(Status::unavailable(
+            return Err(status(
+                ErrorKind::Unavailable,
                 "the server is shutting down; transfer refused",
             ));
         }
@@ -508,7 +490,7 @@ impl State {
             if let KeyResult::Failed(f) = res {
                 errors.push(v1::KeyError {
                     index: i as u32,
-                    kind: failure_kind(f).into(),
+                    kind: f.kind().name().into(),
                     message: f.to_string(),
                 });
             }
@@ -623,7 +605,7 @@ impl Store for Service {
         let removed = if self.state.store.has_remote() {
             tokio::task::spawn_blocking(clear)
                 .await
-                .map_err(|e| Status::internal(format!("the clear failed: {e}")))?
+                .map_err(|e| status(ErrorKind::Internal, format!("the clear failed: {e}")))?
         } else {
             clear()
         }
@@ -678,7 +660,7 @@ impl Store for Service {
         let reply = if self.state.store.has_remote() {
             tokio::task::spawn_blocking(answer)
                 .await
-                .map_err(|e| Status::internal(format!("the lookup failed: {e}")))?
+                .map_err(|e| status(ErrorKind::Internal, format!("the lookup failed: {e}")))?
         } else {
             answer()
         }
@@ -697,20 +679,26 @@ impl Store for Service {
         let peer = self.peer(&req)?;
         let r = req.into_inner();
         if r.protocol != PROTOCOL {
-            return Err(self.refuse(Status::failed_precondition(format!(
+            return Err(self.refuse(status(ErrorKind::Denied, format!(
                 "the client speaks protocol {} and this server {PROTOCOL}; install the same UMBP version on both sides",
                 r.protocol
             ))));
         }
         if self.state.draining.load(Ordering::Acquire) {
-            return Err(Status::unavailable("the server is shutting down"));
+            return Err(status(
+                ErrorKind::Unavailable,
+                "the server is shutting down",
+            ));
         }
         let on_conn = self.state.sessions.count_on(peer.conn);
         if on_conn >= crate::sessions::MAX_SESSIONS_PER_CONNECTION {
-            return Err(self.refuse(Status::resource_exhausted(format!(
+            return Err(self.refuse(status(
+                ErrorKind::Denied,
+                format!(
                 "this connection has {on_conn} sessions attached, the most one may have; detach \
                  one (or use a connection per client) before attaching another"
-            ))));
+            ),
+            )));
         }
         let name = printable_name(&r.client_name);
         let cs = self
@@ -745,7 +733,7 @@ impl Store for Service {
                 .map(|cs| sessions.release_logged(&cs, EndReason::Detached))
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|e| status(ErrorKind::Internal, e.to_string()))?
         .unwrap_or_default();
         Ok(Response::new(v1::DetachReply {
             jobs_cancelled: report.jobs_cancelled as u64,
@@ -769,17 +757,17 @@ impl Store for Service {
             // huge-page memfds are refused: a hole punched in one while the host has no free
             // huge pages would fault the server on access.
             let mapping = umbp_pool::ServerMapping::map(fd.as_fd(), len).map_err(|e| {
-                Status::invalid_argument(format!("cannot map the shared memory: {e}"))
+                status(ErrorKind::Registration, format!("cannot map the shared memory: {e}"))
             })?;
             if mapping.is_hugetlb() {
-                return Err(Status::invalid_argument(
+                return Err(status(ErrorKind::Registration,
                     "the shared memory is a huge-page (hugetlbfs) memfd, which the server does not map: a hole punched in it could fault the server; share memory on normal or transparent huge pages",
                 ));
             }
             // Pages the client never allocated would be allocated by the server's copies, and
             // charged to the server's memory: refused.
             if let Some(missing @ 1..) = pages_missing(mapping.addr(), mapping.len()) {
-                return Err(Status::invalid_argument(format!(
+                return Err(status(ErrorKind::Registration, format!(
                     "the shared memory is not populated: {missing} of its {} pages do not exist (never allocated, or swapped out); allocate every page before registering (UMBP clients do: upgrade the client)",
                     mapping.len().div_ceil(umbp_pool::shared_fd::page_size())
                 )));
@@ -792,7 +780,7 @@ impl Store for Service {
             Ok(id)
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|e| status(ErrorKind::Internal, e.to_string()))?
         .map_err(|s| self.refuse(s))?;
         tracing::debug!(
             session = cs.id,
@@ -816,7 +804,7 @@ impl Store for Service {
         let fd = self.ticket(&cs, r.ticket)?;
         use std::os::fd::AsFd;
         let page = CompletionMapping::map(fd.as_fd(), r.length)
-            .map_err(|m| self.refuse(Status::invalid_argument(m)))?;
+            .map_err(|m| self.refuse(status(ErrorKind::InvalidArgument, m)))?;
         let slots = page.page.slots();
         cs.res.lock().completions = Some(Arc::new(page));
         tracing::debug!(session = cs.id, slots, "completion page registered");
@@ -833,7 +821,7 @@ impl Store for Service {
         let st = Arc::clone(&self.state);
         tokio::task::spawn_blocking(move || crate::memory::register_ipc(&st, &cs, r))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| status(ErrorKind::Internal, e.to_string()))?
             .map(Response::new)
             .map_err(|s| self.refuse(s))
     }
@@ -848,7 +836,7 @@ impl Store for Service {
         let st = Arc::clone(&self.state);
         tokio::task::spawn_blocking(move || crate::memory::register_vmm(&st, &cs, r))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| status(ErrorKind::Internal, e.to_string()))?
             .map(Response::new)
             .map_err(|s| self.refuse(s))
     }
@@ -870,7 +858,7 @@ impl Store for Service {
             Ok(())
         })
         .await
-        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(|e| status(ErrorKind::Internal, e.to_string()))?
         .map_err(|s| self.refuse(s))?;
         Ok(Response::new(v1::DeregisterMemoryReply {}))
     }
@@ -934,7 +922,7 @@ impl Store for Service {
             ))
         })
         .await
-        .map_err(|e| Status::internal(format!("the layout check failed: {e}")))?;
+        .map_err(|e| status(ErrorKind::Internal, format!("the layout check failed: {e}")))?;
         let (id, object_bytes) = checked.map_err(|e| self.store_err(e))?;
         Ok(Response::new(v1::RegisterLayoutReply {
             layout_id: id,
@@ -974,7 +962,7 @@ impl Store for Service {
                     Ok(res) => (res, true),
                     Err(_) => {
                         guard.0 = None;
-                        return Err(Status::deadline_exceeded(format!(
+                        return Err(status(ErrorKind::TransferFailed, format!(
                             "the transfer did not finish within {} ms nor stop {} s after it was cancelled; its memory may still be written",
                             timeout.as_millis(),
                             STOP_GRACE.as_secs()

@@ -226,7 +226,11 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
         .store(cache.layout, 0, &ids, &keys("after", BLOCKS))
         .and_then(|t| t.wait(None));
     let mut ok = match first {
-        Err(_) => None,
+        // Told by its kind (session_lost, or unavailable while the connection broke).
+        Err(e) => {
+            assert!(e.kind().is_disconnect(), "{e} ({})", e.kind());
+            None
+        }
         Ok(s) => {
             assert_eq!(c.attach_count(), 2, "succeeded on the old session: {s:?}");
             Some(s)
@@ -242,7 +246,10 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
             .and_then(|t| t.wait(None))
         {
             Ok(s) => ok = Some(s),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => {
+                assert!(e.kind().is_disconnect(), "{e} ({})", e.kind());
+                std::thread::sleep(Duration::from_millis(50))
+            }
         }
     }
     assert!(ok

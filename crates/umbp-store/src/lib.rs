@@ -17,7 +17,7 @@ use thiserror::Error;
 use umbp_copy::{
     CopyEngine, CopyError, Direction, HostMover, JobHandle, MemoryKind, MemoryRegistry, RegionId,
 };
-use umbp_core::{options, BlockKey, CoreError, KvLayout, PoolConfig};
+use umbp_core::{options, BlockKey, CoreError, ErrorKind, KvLayout, PoolConfig};
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 use umbp_cuda::{CudaMover, Device, PoolPinner};
 use umbp_pool::{Pool, PoolError, PoolEvent, PoolStats};
@@ -75,6 +75,23 @@ pub enum StoreError {
         /// What is wrong with it.
         reason: String,
     },
+}
+
+impl StoreError {
+    /// The error's kind. A released session is [`ErrorKind::Closed`] here; the server, whose
+    /// sessions belong to clients, reports it to them as [`ErrorKind::SessionLost`].
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            StoreError::Core(e) => e.kind(),
+            StoreError::Pool(e) => e.kind(),
+            StoreError::Copy(e) => e.kind(),
+            StoreError::Cuda(e) => e.kind(),
+            StoreError::Remote(e) => e.kind(),
+            StoreError::UnknownLayout(_) => ErrorKind::NotFound,
+            StoreError::ForeignRegion(_) | StoreError::Unmapped { .. } => ErrorKind::Registration,
+            StoreError::Closed | StoreError::SessionReleased(_) => ErrorKind::Closed,
+        }
+    }
 }
 
 /// Checks through `/proc/self/maps` that `[addr, addr + len)` is mapped readable and writable

@@ -461,3 +461,49 @@ pub async fn raw_call(
         .await
         .map(|r| r.into_inner())
 }
+
+/// Attaches a raw client (a session of its own, on the raw client's connection).
+pub fn attach(
+    rt: &tokio::runtime::Runtime,
+    g: &mut StoreClient<tonic::transport::Channel>,
+) -> v1::AttachReply {
+    rt.block_on(g.attach(v1::AttachRequest {
+        client_name: "raw".into(),
+        protocol: umbp_proto::PROTOCOL,
+    }))
+    .unwrap()
+    .into_inner()
+}
+
+/// Asks the side channel for a transfer channel of session `sid`; the socket and the first
+/// eight bytes of the answer ([`umbp_proto::channel::CHANNEL_OPENED`] or
+/// [`umbp_proto::FD_REFUSED`]).
+pub fn open_channel(
+    server: &Server,
+    sid: u64,
+    secret: &[u8],
+) -> (std::os::unix::net::UnixStream, [u8; 8]) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(server.endpoint.fd_socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let h = umbp_proto::FdHeader {
+        session_id: sid,
+        secret: secret.try_into().unwrap(),
+        count: 0,
+    };
+    s.write_all(&h.encode()).unwrap();
+    let mut ack = [0u8; 8];
+    s.read_exact(&mut ack).unwrap();
+    (s, ack)
+}
+
+/// The next reply on a channel; None when the server ended it (a clean end: a read that
+/// times out fails the test).
+pub fn channel_reply(s: &mut std::os::unix::net::UnixStream) -> Option<v1::ChannelReply> {
+    use prost::Message;
+    match umbp_proto::channel::read_frame(s, 1 << 20) {
+        Ok(f) => f.map(|f| v1::ChannelReply::decode(f.as_slice()).unwrap()),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+        Err(e) => panic!("no answer on the channel: {e}"),
+    }
+}
