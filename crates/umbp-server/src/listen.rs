@@ -13,7 +13,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::Connected;
 
-use crate::ServerError;
+use crate::error::ServerError;
 
 /// Who is at the other end of a connection (from `SO_PEERCRED`), and which connection it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,23 +12,9 @@ use umbp_cuda::{device_by_uuid, format_uuid, ImportedIpc, ImportedVmm};
 use umbp_proto::errors::status;
 use umbp_proto::v1;
 
-use crate::service::{status_of, State};
-use crate::sessions::{Backing, ClientSession};
-
-/// A client's CUDA allocation opened here by its legacy IPC handle.
-#[derive(Debug)]
-pub(crate) struct IpcImport(pub(crate) ImportedIpc);
-
-/// CUDA memory of a client mapped into the server (held for its `Drop`, which unmaps it).
-#[derive(Debug)]
-#[allow(dead_code)]
-pub(crate) enum CudaBacking {
-    /// Part of an allocation opened by IPC handle (shared by the session's registrations in
-    /// it: the allocation is opened once per session).
-    Ipc(Arc<IpcImport>),
-    /// Physical allocations of the client mapped here.
-    Vmm(ImportedVmm),
-}
+use crate::refusal::status_of;
+use crate::sessions::{Backing, ClientSession, CudaBacking, IpcImport};
+use crate::state::State;
 
 fn device(d: &Option<v1::CudaDevice>) -> Result<i32, Status> {
     let uuid: [u8; 16] = d

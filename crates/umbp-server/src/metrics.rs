@@ -373,13 +373,13 @@ pub(crate) async fn serve(
 pub(crate) async fn bind(
     addr: SocketAddr,
     allow_remote: bool,
-) -> Result<TcpListener, crate::ServerError> {
+) -> Result<TcpListener, crate::error::ServerError> {
     if !addr.ip().is_loopback() && !allow_remote {
-        return Err(crate::ServerError::Config(format!(
+        return Err(crate::error::ServerError::Config(format!(
             "--metrics-address {addr} is not a loopback address; pass --metrics-allow-remote to expose metrics beyond this host"
         )));
     }
     TcpListener::bind(addr)
         .await
-        .map_err(|e| crate::ServerError::Config(format!("--metrics-address {addr}: {e}")))
+        .map_err(|e| crate::error::ServerError::Config(format!("--metrics-address {addr}: {e}")))
 }

@@ -1,235 +1,28 @@
 //! The gRPC service: every request checked against its caller (uid, connection, session)
 //! before anything is touched, then answered by the shared store.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tonic::{Request, Response, Status};
-use umbp_copy::KeyResult;
-use umbp_core::{BlockKey, CoreError, ErrorKind, KeyBuilder, RankTopology};
+use umbp_core::ErrorKind;
 use umbp_proto::errors::status;
 use umbp_proto::v1::{self, store_server::Store};
-use umbp_proto::{completion, Endpoint, KEY_BYTES, PROTOCOL};
-use umbp_store::{EmbeddedStore, RegionOffset, RelativeLayer, StoreError};
+use umbp_proto::PROTOCOL;
+use umbp_store::{RegionOffset, RelativeLayer, StoreError};
 
 use crate::listen::PeerInfo;
-use crate::metrics::{Gauges, Metrics};
-use crate::sessions::{Backing, ClientSession, CompletionMapping, EndReason, Sessions};
-use crate::Access;
-
-/// Everything the service's handlers share.
-#[derive(Debug)]
-pub(crate) struct State {
-    pub(crate) store: Arc<EmbeddedStore>,
-    pub(crate) sessions: Arc<Sessions>,
-    pub(crate) metrics: Arc<Metrics>,
-    pub(crate) boot_id: String,
-    pub(crate) started: Instant,
-    pub(crate) access: Access,
-    pub(crate) endpoint: Endpoint,
-    pub(crate) max_message_bytes: usize,
-    /// How long a transfer channel's reader watches its socket before blocking on it.
-    pub(crate) busy_poll: Duration,
-    /// Set when the server starts shutting down: new transfers are refused.
-    pub(crate) draining: AtomicBool,
-    pub(crate) in_flight: AtomicU64,
-}
-
-impl State {
-    /// Statistics of the pool and the sessions.
-    pub(crate) fn gauges(&self) -> Gauges {
-        let t = self.sessions.totals();
-        let mut g = Gauges {
-            sessions: self.sessions.len() as u64,
-            registrations: t.registrations,
-            layouts: t.layouts,
-            transfers_in_flight: self.in_flight.load(Ordering::Relaxed),
-            ..Gauges::default()
-        };
-        if let Ok(p) = self.store.stats() {
-            g.capacity_bytes = p.capacity_bytes;
-            g.used_bytes = p.used_bytes;
-            g.objects = p.objects;
-            g.hits = p.hits;
-            g.misses = p.misses;
-            g.evictions = p.evictions;
-            g.reservations = p.reservations;
-            g.pinned = p.pinned;
-        }
-        g.remote = self.store.remote_stats();
-        g
-    }
-}
+use crate::lookup::LookupKeys;
+use crate::refusal::{invalid, status_of};
+use crate::sessions::{Backing, ClientSession, CompletionMapping, EndReason};
+use crate::state::State;
+use crate::transfer::{self, CancelOnDrop};
 
 /// The `umbp.v1.Store` service.
 #[derive(Debug, Clone)]
 pub(crate) struct Service {
     pub(crate) state: Arc<State>,
-}
-
-/// The gRPC status of a store error: its kind (in the details, and as the code), and the
-/// message that says what to change. A released session is the client's lost session.
-pub(crate) fn status_of(e: &StoreError) -> Status {
-    let kind = match e {
-        StoreError::SessionReleased(_) => ErrorKind::SessionLost,
-        e => e.kind(),
-    };
-    status(kind, e.to_string())
-}
-
-fn invalid(msg: impl Into<String>) -> Status {
-    status(ErrorKind::InvalidArgument, msg)
-}
-
-/// Splits packed 64-byte keys.
-pub(crate) fn unpack_keys(b: &[u8], what: &str) -> Result<Vec<BlockKey>, Status> {
-    if !b.len().is_multiple_of(KEY_BYTES) {
-        return Err(invalid(format!(
-            "{what}: {} bytes is not a whole number of {KEY_BYTES}-byte keys",
-            b.len()
-        )));
-    }
-    Ok(b.chunks_exact(KEY_BYTES)
-        .map(|c| BlockKey::from_bytes(c.try_into().expect("64 bytes")))
-        .collect())
-}
-
-fn ranks(r: &v1::Ranks) -> Result<RankTopology, Status> {
-    let f = |v: u32, n: &str| {
-        u16::try_from(v)
-            .map_err(|_| invalid(format!("ranks.{n} = {v} is out of range (at most 65535)")))
-    };
-    Ok(RankTopology {
-        tp: f(r.tp, "tp")?,
-        pcp: f(r.pcp, "pcp")?,
-        dcp: f(r.dcp, "dcp")?,
-        pp: f(r.pp, "pp")?,
-    })
-}
-
-/// The most blocks per rank one `Exists` request may name: 1,048,576 (a 16M-token prompt in
-/// blocks of 16).
-pub(crate) const MAX_LOOKUP_BLOCKS: usize = 1 << 20;
-/// The most keys (blocks × ranks) one `Exists` request may make the server build and look up:
-/// 4,194,304. Keys are built one rank at a time, so a request holds at most
-/// [`MAX_LOOKUP_BLOCKS`] of them (64 MiB) at once.
-pub(crate) const MAX_LOOKUP_KEYS: usize = 1 << 22;
-
-/// The keys of an `Exists` request, checked against the limits before any is built, and then
-/// handed out one rank at a time.
-enum LookupKeys {
-    /// Keys the client built, rank-major.
-    Packed { keys: Vec<BlockKey>, n: usize },
-    /// Block hashes the server turns into each rank's keys.
-    Hashes {
-        base: KeyBuilder,
-        ranks: Vec<RankTopology>,
-        group: u32,
-        hashes: Vec<u8>,
-        hash_len: usize,
-    },
-}
-
-impl LookupKeys {
-    fn parse(r: &mut v1::ExistsRequest) -> Result<Self, Status> {
-        let ks = r.keys.as_mut().ok_or_else(|| invalid("keys are missing"))?;
-        if !ks.packed.is_empty() {
-            let keys = unpack_keys(&ks.packed, "keys.packed")?;
-            let n_ranks = r.packed_ranks.max(1) as usize;
-            if !keys.len().is_multiple_of(n_ranks) {
-                return Err(invalid(format!(
-                    "{} packed keys do not split into {n_ranks} ranks",
-                    keys.len()
-                )));
-            }
-            let n = keys.len() / n_ranks;
-            check_lookup_size(n, n_ranks)?;
-            return Ok(LookupKeys::Packed { keys, n });
-        }
-        let hash_len = ks.hash_bytes as usize;
-        if ks.hashes.is_empty() {
-            return Ok(LookupKeys::Packed {
-                keys: Vec::new(),
-                n: 0,
-            });
-        }
-        if r.ranks.is_empty() {
-            return Err(invalid(
-                "hashes given without ranks; name at least one rank",
-            ));
-        }
-        if hash_len == 0 || !ks.hashes.len().is_multiple_of(hash_len) {
-            return Err(invalid(format!(
-                "keys.hashes: {} bytes is not a whole number of hash_bytes = {hash_len} hashes",
-                ks.hashes.len()
-            )));
-        }
-        check_lookup_size(ks.hashes.len() / hash_len, r.ranks.len())?;
-        let base = KeyBuilder::new(&ks.namespace, RankTopology::default())
-            .map_err(|e| invalid(e.to_string()))?;
-        // The builder refuses a hash length it cannot take: find out before the lookup runs.
-        base.keys_packed(ks.group, &ks.hashes[..hash_len], hash_len)
-            .map_err(|e| invalid(e.to_string()))?;
-        Ok(LookupKeys::Hashes {
-            base,
-            ranks: r.ranks.iter().map(ranks).collect::<Result<_, _>>()?,
-            group: ks.group,
-            hashes: std::mem::take(&mut ks.hashes),
-            hash_len,
-        })
-    }
-
-    /// Blocks per rank.
-    fn blocks(&self) -> usize {
-        match self {
-            LookupKeys::Packed { n, .. } => *n,
-            LookupKeys::Hashes {
-                hashes, hash_len, ..
-            } => hashes.len() / hash_len,
-        }
-    }
-
-    fn n_ranks(&self) -> usize {
-        match self {
-            LookupKeys::Packed { keys, n } => keys.len().checked_div(*n).unwrap_or(1),
-            LookupKeys::Hashes { ranks, .. } => ranks.len(),
-        }
-    }
-
-    /// Rank `i`'s keys, in block order.
-    fn rank(&self, i: usize) -> Result<std::borrow::Cow<'_, [BlockKey]>, CoreError> {
-        Ok(match self {
-            LookupKeys::Packed { keys, n } => keys[i * n..(i + 1) * n].into(),
-            LookupKeys::Hashes {
-                base,
-                ranks,
-                group,
-                hashes,
-                hash_len,
-            } => base
-                .with_ranks(ranks[i])
-                .keys_packed(*group, hashes, *hash_len)?
-                .into(),
-        })
-    }
-}
-
-/// Refuses an `Exists` request over [`MAX_LOOKUP_BLOCKS`] or [`MAX_LOOKUP_KEYS`].
-fn check_lookup_size(blocks: usize, ranks: usize) -> Result<(), Status> {
-    if blocks > MAX_LOOKUP_BLOCKS {
-        return Err(invalid(format!(
-            "an Exists request of {blocks} blocks per rank is over the server's limit of \
-             {MAX_LOOKUP_BLOCKS}; look the prefix up in parts of at most that many blocks"
-        )));
-    }
-    match blocks.checked_mul(ranks) {
-        Some(k) if k <= MAX_LOOKUP_KEYS => Ok(()),
-        _ => Err(invalid(format!(
-            "an Exists request of {blocks} blocks × {ranks} ranks is over the server's limit of \
-             {MAX_LOOKUP_KEYS} keys; look the prefix up in parts, or for fewer ranks at once"
-        ))),
-    }
 }
 
 /// How many pages of the server's mapping `[addr, addr + len)` of client memory are not in
@@ -259,60 +52,9 @@ fn printable_name(name: &str) -> String {
     out.chars().take(128).collect()
 }
 
-fn key_status(r: &KeyResult, timed_out: bool) -> v1::KeyStatus {
-    use v1::KeyStatus as S;
-    match r {
-        KeyResult::Pending => S::TimedOut,
-        KeyResult::Done => S::Done,
-        KeyResult::AlreadyPresent => S::AlreadyPresent,
-        KeyResult::Missing => S::Missing,
-        KeyResult::PoolFull => S::PoolFull,
-        KeyResult::Cancelled if timed_out => S::TimedOut,
-        KeyResult::Cancelled => S::Cancelled,
-        KeyResult::Failed(_) => S::Failed,
-    }
-}
-
-/// Cancels a job when the request is dropped before it finished (the client went away or
-/// cancelled the call).
-struct CancelOnDrop(Option<umbp_copy::JobHandle>);
-
-impl Drop for CancelOnDrop {
-    fn drop(&mut self) {
-        if let Some(j) = self.0.take() {
-            if !j.is_done() {
-                j.cancel();
-            }
-        }
-    }
-}
-
-/// Counts a transfer in flight while alive.
-struct InFlight<'a>(&'a AtomicU64);
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Forgets a named transfer when its request ends.
-struct Named<'a>(&'a ClientSession, u64);
-
-impl Drop for Named<'_> {
-    fn drop(&mut self) {
-        self.0.transfers.lock().remove(&self.1);
-    }
-}
-
-/// Extra time a timed-out transfer gets to stop (keys being copied finish) before the reply.
-pub(crate) const STOP_GRACE: Duration = Duration::from_secs(5);
-
 impl Service {
     fn refuse(&self, s: Status) -> Status {
-        self.state.metrics.refused.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(code = ?s.code(), message = s.message(), "request refused");
-        s
+        self.state.refuse(s)
     }
 
     /// The caller, if its uid is allowed.
@@ -355,166 +97,6 @@ impl Service {
                 cs.id
             )))
         })
-    }
-
-    /// Unavailable once the server is shutting down.
-    fn refuse_if_draining(&self) -> Result<(), Status> {
-        if self.state.draining.load(Ordering::Acquire) {
-            return Err(status(
-                ErrorKind::Unavailable,
-                "the server is shutting down; transfer refused",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Checks transfer request `r` of session `cs` (received at `t`) and submits its copy
-    /// job, with the session's completion page hooked to it when the request names a slot.
-    pub(crate) fn start_transfer(
-        &self,
-        cs: &ClientSession,
-        r: &v1::TransferRequest,
-        t: Instant,
-    ) -> Result<Started, Status> {
-        self.refuse_if_draining()?;
-        let keys = unpack_keys(&r.keys, "keys").map_err(|s| self.refuse(s))?;
-        if keys.len() != r.block_ids.len() {
-            return Err(self.refuse(invalid(format!(
-                "{} keys for {} block ids; give one key per block",
-                keys.len(),
-                r.block_ids.len()
-            ))));
-        }
-        let dir = match v1::Direction::try_from(r.direction) {
-            Ok(v1::Direction::Store) => umbp_copy::Direction::Store,
-            Ok(v1::Direction::Load) => umbp_copy::Direction::Load,
-            _ => {
-                return Err(self.refuse(invalid(format!(
-                    "direction {} is neither store nor load",
-                    r.direction
-                ))))
-            }
-        };
-        let completion = match r.completion_slot {
-            0 => None,
-            k => {
-                let page = cs.res.lock().completions.clone().ok_or_else(|| {
-                    self.refuse(invalid(format!(
-                        "completion slot {k} named, but session {} has no completion page; register one or send 0",
-                        cs.id
-                    )))
-                })?;
-                let slot = k - 1;
-                if slot >= page.page.slots() {
-                    return Err(self.refuse(invalid(format!(
-                        "completion slot {k} is outside the session's page of {} slots; name 1 to {0}, or 0 for none",
-                        page.page.slots()
-                    ))));
-                }
-                if r.completion_seq >= completion::SEQ_LIMIT {
-                    return Err(self.refuse(invalid(format!(
-                        "completion sequence {} is too large; send one below 2^30",
-                        r.completion_seq
-                    ))));
-                }
-                Some((page, slot, r.completion_seq))
-            }
-        };
-        let object_bytes = cs
-            .session
-            .layout(r.layout_id)
-            .and_then(|l| Ok(l.group(r.group).map_err(StoreError::from)?.object_bytes()))
-            .map_err(|e| self.store_err(e))?;
-        let submitted = Instant::now();
-        let job = match dir {
-            umbp_copy::Direction::Store => {
-                cs.session.store(r.layout_id, r.group, &r.block_ids, keys)
-            }
-            umbp_copy::Direction::Load => cs.session.load(r.layout_id, r.group, &r.block_ids, keys),
-        }
-        .map_err(|e| self.store_err(e))?;
-        if let Some((page, slot, seq)) = completion {
-            // Runs on the copy worker that finishes the job: the client wakes from here,
-            // without waiting for the reply, its encoding or the client's runtime.
-            job.on_done(move |results| {
-                let all_done = results.iter().all(|r| *r == KeyResult::Done);
-                // Not published when the client already settled the slot (nothing to tell).
-                let in_server = t.elapsed();
-                let now = completion::monotonic_ns();
-                let times = completion::SlotTimes {
-                    server_us: in_server.as_micros() as u64,
-                    copy_us: submitted.elapsed().as_micros() as u64,
-                    received_ns: now.saturating_sub(in_server.as_nanos() as u64),
-                    published_ns: now,
-                };
-                let _ = page.page.publish(slot, seq, all_done, &times);
-            });
-        }
-        Ok(Started {
-            job,
-            dir,
-            object_bytes,
-            received: t,
-            submitted,
-        })
-    }
-}
-
-/// A transfer whose copy job is running.
-pub(crate) struct Started {
-    pub(crate) job: umbp_copy::JobHandle,
-    dir: umbp_copy::Direction,
-    object_bytes: u64,
-    received: Instant,
-    submitted: Instant,
-}
-
-impl State {
-    /// The reply to transfer `s` that ended with `results` (cancelled by its deadline when
-    /// `timed_out`), counted in the metrics.
-    pub(crate) fn reply_of(
-        &self,
-        s: &Started,
-        results: &[KeyResult],
-        timed_out: bool,
-    ) -> v1::TransferReply {
-        let copy_micros = s.submitted.elapsed().as_micros() as u64;
-        let mut statuses = Vec::with_capacity(results.len());
-        let mut errors = Vec::new();
-        let mut ok = 0u64;
-        for (i, res) in results.iter().enumerate() {
-            statuses.push(key_status(res, timed_out) as u8);
-            if res.is_ok() {
-                ok += 1;
-            }
-            if let KeyResult::Failed(f) = res {
-                errors.push(v1::KeyError {
-                    index: i as u32,
-                    kind: f.kind().name().into(),
-                    message: f.to_string(),
-                });
-            }
-        }
-        let done = results.iter().filter(|r| **r == KeyResult::Done).count() as u64;
-        let bytes = done * s.object_bytes;
-        let m = match s.dir {
-            umbp_copy::Direction::Store => &self.metrics.store,
-            umbp_copy::Direction::Load => &self.metrics.load,
-        };
-        m.transfers.fetch_add(1, Ordering::Relaxed);
-        m.keys_ok.fetch_add(ok, Ordering::Relaxed);
-        m.keys_failed
-            .fetch_add(results.len() as u64 - ok, Ordering::Relaxed);
-        m.bytes.fetch_add(bytes, Ordering::Relaxed);
-        let elapsed = s.received.elapsed();
-        m.latency.observe(elapsed);
-        v1::TransferReply {
-            statuses,
-            errors,
-            bytes,
-            server_micros: elapsed.as_micros() as u64,
-            copy_micros,
-        }
     }
 }
 
@@ -937,42 +519,29 @@ impl Store for Service {
         let t = Instant::now();
         let peer = self.peer(&req)?;
         let r = req.into_inner();
-        self.refuse_if_draining()?;
         let cs = self.session(&peer, r.session_id)?;
-        let started = self.start_transfer(&cs, &r, t)?;
-        let st = &self.state;
-        let job = started.job.clone();
-        st.in_flight.fetch_add(1, Ordering::Relaxed);
-        let _counted = InFlight(&st.in_flight);
-        let _named = (r.transfer_id != 0).then(|| {
-            cs.transfers.lock().insert(r.transfer_id, job.clone());
-            Named(&cs, r.transfer_id)
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job = transfer::run(
+            &self.state,
+            &cs,
+            &r,
+            t,
+            &tokio::runtime::Handle::current(),
+            move |outcome| {
+                let _ = tx.send(outcome);
+            },
+        )?;
+        // The call dropped before the answer (the client went away or cancelled it): the
+        // transfer stops.
+        let mut guard = CancelOnDrop(Some(job));
+        let outcome = rx.await.unwrap_or_else(|_| {
+            Err(status(
+                ErrorKind::Internal,
+                "the transfer ended without an answer",
+            ))
         });
-        let mut guard = CancelOnDrop(Some(job.clone()));
-        let timeout = if r.timeout_ms == 0 {
-            st.store.timeout()
-        } else {
-            Duration::from_millis(r.timeout_ms as u64)
-        };
-        let (results, timed_out) = match tokio::time::timeout(timeout, job.finished()).await {
-            Ok(res) => (res, false),
-            Err(_) => {
-                job.cancel();
-                match tokio::time::timeout(STOP_GRACE, job.finished()).await {
-                    Ok(res) => (res, true),
-                    Err(_) => {
-                        guard.0 = None;
-                        return Err(status(ErrorKind::TransferFailed, format!(
-                            "the transfer did not finish within {} ms nor stop {} s after it was cancelled; its memory may still be written",
-                            timeout.as_millis(),
-                            STOP_GRACE.as_secs()
-                        )));
-                    }
-                }
-            }
-        };
         guard.0 = None;
-        Ok(Response::new(st.reply_of(&started, &results, timed_out)))
+        outcome.map(Response::new)
     }
 
     async fn cancel_transfer(
@@ -989,12 +558,6 @@ impl Store for Service {
         Ok(Response::new(v1::CancelTransferReply {
             found: job.is_some(),
         }))
-    }
-}
-
-impl From<CoreError> for crate::ServerError {
-    fn from(e: CoreError) -> Self {
-        crate::ServerError::Config(e.to_string())
     }
 }
 

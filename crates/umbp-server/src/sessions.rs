@@ -17,14 +17,29 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use umbp_copy::RegionId;
+use umbp_cuda::{ImportedIpc, ImportedVmm};
+use umbp_pool::ServerMapping;
 use umbp_proto::completion::{CompletionPage, MAX_PAGE_BYTES, SLOT_BYTES};
 use umbp_proto::SECRET_BYTES;
 use umbp_store::{EmbeddedStore, Session, SessionRelease};
 
 use crate::listen::PeerInfo;
-use crate::memory::CudaBacking;
 use crate::metrics::Metrics;
-use umbp_pool::ServerMapping;
+
+/// A client's CUDA allocation opened here by its legacy IPC handle.
+#[derive(Debug)]
+pub(crate) struct IpcImport(pub(crate) ImportedIpc);
+
+/// CUDA memory of a client mapped into the server (held for its `Drop`, which unmaps it).
+#[derive(Debug)]
+#[allow(dead_code)]
+pub(crate) enum CudaBacking {
+    /// Part of an allocation opened by IPC handle (shared by the session's registrations in
+    /// it: the allocation is opened once per session).
+    Ipc(Arc<IpcImport>),
+    /// Physical allocations of the client mapped here.
+    Vmm(ImportedVmm),
+}
 
 /// Descriptors one session may have sent over the side channel and not yet named in a
 /// registration: 1,024 (a client sends one per registration, right before it).
@@ -52,7 +67,7 @@ pub(crate) struct Resources {
     /// Descriptors received on the side channel and not yet used, by ticket.
     pub(crate) tickets: HashMap<u64, OwnedFd>,
     /// CUDA IPC imports of this session by handle: one allocation is opened once per session.
-    pub(crate) ipc: HashMap<[u8; 64], std::sync::Weak<crate::memory::IpcImport>>,
+    pub(crate) ipc: HashMap<[u8; 64], std::sync::Weak<IpcImport>>,
     /// The client's completion page, when it registered one (transfers still running hold it
     /// too, so it stays mapped until their last write).
     pub(crate) completions: Option<Arc<CompletionMapping>>,
@@ -224,7 +239,7 @@ impl Sessions {
             id: session.id(),
             peer,
             name,
-            secret: crate::random_bytes(),
+            secret: random_bytes(),
             session,
             res: Mutex::new(Resources::default()),
             attached: Instant::now(),
@@ -378,4 +393,20 @@ pub(crate) struct Totals {
     pub(crate) jobs: u64,
     pub(crate) descriptors: u64,
     pub(crate) cuda_imports: u64,
+}
+
+/// 16 random bytes from the kernel.
+pub(crate) fn random_bytes() -> [u8; 16] {
+    let mut b = [0u8; 16];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: writes at most the remaining bytes of `b`.
+        let n = unsafe {
+            libc::getrandom(b[got..].as_mut_ptr() as *mut libc::c_void, b.len() - got, 0)
+        };
+        if n > 0 {
+            got += n as usize;
+        }
+    }
+    b
 }

@@ -13,7 +13,12 @@ use umbp_proto::{FdHeader, MAX_FDS_PER_MESSAGE};
 
 use crate::listen::{peer_of, PeerInfo};
 use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
-use crate::service::{Service, State};
+use crate::state::State;
+
+mod channel;
+mod refusal;
+
+use refusal::refuse;
 
 /// Accepts side-channel connections until `stop` changes.
 pub(crate) async fn serve(
@@ -44,12 +49,6 @@ pub(crate) async fn serve(
 }
 
 static ACCEPT_FAILED: RateLimited = RateLimited::new();
-static REFUSED: RateLimited = RateLimited::new();
-
-pub(crate) fn refuse(mut s: &std::os::unix::net::UnixStream, kind: ErrorKind, why: &str) {
-    REFUSED.log(|skipped| tracing::warn!(skipped, "descriptor side channel: refused: {why}"));
-    let _ = s.write_all(&umbp_proto::errors::encode_refusal(kind, why));
-}
 
 /// How long a connection to the side channel may take to send its header: 2 s (a client
 /// sends it at once after connecting).
@@ -274,13 +273,10 @@ fn handle(
     if header.count == 0 {
         // A transfer channel: it lives as long as its connection, on a thread of its own
         // (not on the blocking pool, which serves short jobs); that thread answers.
-        let svc = Service {
-            state: Arc::clone(&state),
-        };
         let sid = cs.id;
         if let Err(e) = std::thread::Builder::new()
             .name(format!("umbp-chan-r{sid}"))
-            .spawn(move || crate::channel::serve(svc, cs, stream, rt))
+            .spawn(move || channel::serve(state, cs, stream, rt))
         {
             tracing::warn!(session = sid, "transfer channel: no reader thread: {e}");
         }

@@ -1,14 +1,14 @@
 //! The transfer channel (see [`umbp_proto::channel`]): a side-channel connection of one session
 //! that carries its transfers without the gRPC runtime. A thread blocked on the socket reads
 //! each request and submits its copy job (the same checks and the same job as the gRPC
-//! `Transfer`, through [`Service::start_transfer`]); the job's end publishes the completion
+//! `Transfer`, through [`transfer::run`]); the job's end publishes the completion
 //! page (when named) and hands the reply to a writer thread, so a copy worker never waits on
 //! a client's socket. The channel ends with its connection, or when the session is released
 //! (which shuts the socket down).
 
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 
 use std::sync::Arc;
@@ -21,8 +21,9 @@ use umbp_proto::channel::{read_frame_len, write_frame, CHANNEL_OPENED};
 use umbp_proto::completion::monotonic_ns;
 use umbp_proto::{errors, v1};
 
-use crate::service::{Service, STOP_GRACE};
 use crate::sessions::ClientSession;
+use crate::state::State;
+use crate::transfer;
 
 /// Replies waiting for the writer at most; a client that leaves more unread loses its channel.
 const WRITER_BACKLOG: usize = 4096;
@@ -170,13 +171,13 @@ impl Replies {
 
 /// Serves the channel of session `cs` on `stream` until it ends (runs on its own thread).
 pub(crate) fn serve(
-    svc: Service,
+    st: Arc<State>,
     cs: Arc<ClientSession>,
     stream: UnixStream,
     rt: tokio::runtime::Handle,
 ) {
     let sid = cs.id;
-    let refuse = |kind, why: &str| crate::fdchan::refuse(&stream, kind, why);
+    let refuse = |kind, why: &str| super::refusal::refuse(&stream, kind, why);
     let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
     let (Ok(writer_stream), Ok(sock), Ok(kept)) = (
         stream.try_clone(),
@@ -229,22 +230,22 @@ pub(crate) fn serve(
         }
     }
     tracing::debug!(session = sid, "transfer channel opened");
-    let metrics = Arc::clone(&svc.state.metrics);
+    let metrics = Arc::clone(&st.metrics);
     metrics.channels_open.fetch_add(1, Ordering::Relaxed);
-    let max = svc.state.max_message_bytes;
+    let max = st.max_message_bytes;
     let replies = Replies {
         tx,
         sock: Arc::new(sock),
         sid,
         max,
         last_reply_ns: Arc::new(AtomicU64::new(0)),
-        wake: if svc.state.busy_poll.is_zero() {
+        wake: if st.busy_poll.is_zero() {
             None
         } else {
             new_eventfd(sid)
         },
     };
-    let busy_poll_ns = svc.state.busy_poll.as_nanos() as u64;
+    let busy_poll_ns = st.busy_poll.as_nanos() as u64;
     let mut scratch = vec![0u8; 64 << 10];
     let mut last_request_ns = 0u64;
     loop {
@@ -303,19 +304,19 @@ pub(crate) fn serve(
             break;
         }
         // A session that ended (its release may still be running) takes no more transfers.
-        if cs.released.load(Ordering::Acquire) || svc.state.sessions.get_any(sid).is_none() {
+        if cs.released.load(Ordering::Acquire) || st.sessions.get_any(sid).is_none() {
             replies.send(error_frame(
                 r.transfer_id,
                 ErrorKind::SessionLost,
                 format!(
                     "session {sid} is not attached (server boot {}); attach again",
-                    svc.state.boot_id
+                    st.boot_id
                 ),
             ));
             break;
         }
         metrics.channel_transfers.fetch_add(1, Ordering::Relaxed);
-        if !start(&svc, &cs, r, t, &replies, &rt) {
+        if !start(&st, &cs, r, t, &replies, &rt) {
             break;
         }
     }
@@ -329,9 +330,10 @@ pub(crate) fn serve(
     tracing::debug!(session = sid, "transfer channel ended");
 }
 
-/// Starts one transfer; false when the channel must end (its writer is gone or overrun).
+/// Starts one transfer ([`transfer::run`]); its reply (or its failure) is queued for the
+/// writer when it ends. False when the channel must end (its writer is gone or overrun).
 fn start(
-    svc: &Service,
+    st: &Arc<State>,
     cs: &Arc<ClientSession>,
     r: v1::TransferRequest,
     t: Instant,
@@ -339,66 +341,22 @@ fn start(
     rt: &tokio::runtime::Handle,
 ) -> bool {
     let id = r.transfer_id;
-    let started = match svc.start_transfer(cs, &r, t) {
-        Ok(s) => s,
-        Err(s) => return replies.send(status_frame(id, &s)),
-    };
-    let st = Arc::clone(&svc.state);
-    st.in_flight.fetch_add(1, Ordering::Relaxed);
-    let job = started.job.clone();
-    if id != 0 {
-        cs.transfers.lock().insert(id, job.clone());
-    }
-    let timeout = if r.timeout_ms == 0 {
-        st.store.timeout()
-    } else {
-        Duration::from_millis(r.timeout_ms as u64)
-    };
-    // Set by the deadline task before it cancels; `answered` makes the reply go out once.
-    let timed_out = Arc::new(AtomicBool::new(false));
-    let answered = Arc::new(AtomicBool::new(false));
-    let started = Arc::new(started);
-    {
-        let (st, cs, replies) = (Arc::clone(&st), Arc::clone(cs), replies.clone());
-        let (timed_out, answered, started) = (
-            Arc::clone(&timed_out),
-            Arc::clone(&answered),
-            Arc::clone(&started),
-        );
-        job.on_done(move |results| {
-            if id != 0 {
-                cs.transfers.lock().remove(&id);
-            }
-            st.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if answered.swap(true, Ordering::AcqRel) {
-                return;
-            }
-            let reply = st.reply_of(&started, &results, timed_out.load(Ordering::Acquire));
-            // Never blocks the copy worker: an overrun channel is shut down instead.
-            replies.send(replies.reply_frame(id, reply));
-        });
-    }
-    if !job.is_done() {
+    let answer = {
         let replies = replies.clone();
-        rt.spawn(async move {
-            if tokio::time::timeout(timeout, job.finished()).await.is_ok() {
-                return;
-            }
-            timed_out.store(true, Ordering::Release);
-            job.cancel();
-            if tokio::time::timeout(STOP_GRACE, job.finished()).await.is_err()
-                && !answered.swap(true, Ordering::AcqRel)
-            {
-                let why = format!(
-                    "the transfer did not finish within {} ms nor stop {} s after it was cancelled; its memory may still be written",
-                    timeout.as_millis(),
-                    STOP_GRACE.as_secs()
-                );
-                replies.send(error_frame(id, ErrorKind::TransferFailed, why));
-            }
-        });
+        // Runs on the copy worker that finishes the job, or on the deadline task: never
+        // blocks (an overrun channel is shut down instead).
+        move |outcome: transfer::Outcome| {
+            let frame = match outcome {
+                Ok(reply) => replies.reply_frame(id, reply),
+                Err(s) => status_frame(id, &s),
+            };
+            replies.send(frame);
+        }
+    };
+    match transfer::run(st, cs, &r, t, rt, answer) {
+        Ok(_) => true,
+        Err(s) => replies.send(status_frame(id, &s)),
     }
-    true
 }
 
 /// The eventfd of a busy-polling channel; None (the channel blocks on its socket) when the
@@ -503,7 +461,7 @@ fn error_frame(transfer_id: u64, kind: ErrorKind, message: impl Into<String>) ->
     errors::channel_error(transfer_id, kind, message).encode_to_vec()
 }
 
-/// The reply frame of a transfer refused with `s` (made by [`crate::service`], kind in its
+/// The reply frame of a transfer refused with `s` (made by [`crate::transfer`], kind in its
 /// details).
 fn status_frame(transfer_id: u64, s: &Status) -> Vec<u8> {
     error_frame(transfer_id, errors::kind_of_status(s), s.message())
