@@ -8,7 +8,7 @@ use umbp_copy::{CopyEngine, Direction, HostMover, KeyResult, MemoryKind, MemoryR
 use umbp_core::{GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RankTopology};
 use umbp_pool::Pool;
 
-use crate::progress;
+use crate::common::progress;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -67,7 +67,10 @@ pub fn run(a: &Args) -> Result<()> {
         "--cache-blocks must be at least --blocks"
     );
     ensure!(a.rounds > 0, "--rounds must be > 0");
-    let workers = a.workers.unwrap_or_else(crate::default_threads).max(1);
+    let workers = a
+        .workers
+        .unwrap_or_else(crate::common::default_threads)
+        .max(1);
     let object_bytes = a.layers * a.piece_bytes;
     let total = a.blocks * object_bytes;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;

@@ -13,8 +13,8 @@ use umbp_cuda::{
 };
 use umbp_store::{EmbeddedStore, KeyResult, StoreConfig};
 
+use crate::common::progress;
 use crate::cublas::Matmul;
-use crate::progress;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -22,7 +22,7 @@ use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use serde_json::json;
 use umbp_pool::ServerMapping;
 
-use crate::progress;
+use crate::common::progress;
 
 /// The most iovecs one `process_vm_readv`/`writev` call takes (`UIO_MAXIOV`).
 const IOV_MAX: usize = 1024;

@@ -11,7 +11,7 @@ use umbp_client::{host_share, ClientOptions, SharedHostMemory, StandaloneClient}
 use umbp_core::{BlockKey, KeyBuilder, LayerSpec, RankTopology};
 use umbp_proto::Endpoint;
 
-use crate::progress;
+use crate::common::progress;
 use crate::server_proc::{cpu_seconds, PrivateServer, ServerSpec};
 
 /// Bytes of one stored object (the lookups never read it).
@@ -140,7 +140,7 @@ pub fn run(a: &Args) -> Result<()> {
     let load = load.split_whitespace().next().unwrap_or("?").to_string();
     println!(
         "lookup benchmark: {} keys per batch ({present} present: the first half), {} rank(s), {} timed batches per call, {where_}; {} CPUs, load average {load}",
-        a.keys, a.ranks, a.iters, crate::default_threads()
+        a.keys, a.ranks, a.iters, crate::common::default_threads()
     );
     println!("  (cli/srv CPU: CPU µs per call used by this process, every thread, and by the private server)");
     println!(
@@ -179,7 +179,7 @@ pub fn run(a: &Args) -> Result<()> {
             "private_server": a.endpoint.is_none(),
             "workers": a.workers,
             "target_p99_us": TARGET_P99_US,
-            "cpus": crate::default_threads(),
+            "cpus": crate::common::default_threads(),
             "load_average": load,
         });
         if let Value::Object(m) = &mut out {

@@ -6,7 +6,7 @@ use serde_json::json;
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
 use umbp_pool::Pool;
 
-use crate::progress;
+use crate::common::progress;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -55,7 +55,10 @@ pub fn run(a: &Args) -> Result<()> {
     ensure!(a.objects > 0, "--objects must be greater than 0");
     ensure!(a.object_bytes > 0, "--object-bytes must be greater than 0");
     ensure!(a.lookup_batch > 0, "--lookup-batch must be greater than 0");
-    let threads = a.threads.unwrap_or_else(crate::default_threads).max(1);
+    let threads = a
+        .threads
+        .unwrap_or_else(crate::common::default_threads)
+        .max(1);
     let footprint = umbp_pool::alloc::size_class(a.object_bytes);
     // Room for every object below the 0.9 high watermark.
     let capacity = (a.objects * footprint * 100 / 85).next_multiple_of(1 << 20);

@@ -19,7 +19,7 @@ use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
 use umbp_pool::Pool;
 use umbp_store::{RemoteConfig, WritePolicy};
 
-use crate::progress;
+use crate::common::progress;
 
 const GB: f64 = 1e9;
 /// The target: the tier's rates against raw SET / GET.

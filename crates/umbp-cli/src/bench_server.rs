@@ -23,8 +23,9 @@ use umbp_proto::completion::monotonic_ns;
 use umbp_proto::Endpoint;
 use umbp_store::{EmbeddedStore, KeyResult, Session, StoreConfig};
 
-use crate::ops::{human_bytes, Raw};
-use crate::progress;
+use crate::common::human_bytes;
+use crate::common::progress;
+use crate::raw::Raw;
 use crate::server_proc::{PrivateServer, ServerSpec};
 
 const GB: f64 = 1e9;
@@ -932,7 +933,10 @@ pub fn run(a: &Args) -> Result<()> {
         clients.iter().all(|c| *c <= 64),
         "--clients: at most 64 client processes"
     );
-    let workers = a.workers.unwrap_or_else(crate::default_threads).max(1);
+    let workers = a
+        .workers
+        .unwrap_or_else(crate::common::default_threads)
+        .max(1);
     let dev = if a.cuda {
         match Device::open(a.device).and_then(|d| d.bind_thread().map(|()| d)) {
             Ok(d) => Some(d),

@@ -13,8 +13,10 @@ mod bench_lookup;
 mod bench_pool;
 mod bench_remote;
 mod bench_server;
+mod common;
 mod cublas;
 mod ops;
+mod raw;
 mod server_proc;
 mod watch;
 
@@ -103,14 +105,3 @@ fn run() -> i32 {
         }
     }
 }
-
-/// Threads to use when the user does not say: every core.
-pub(crate) fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-/// Prints a progress line to stderr (stdout is kept for results).
-macro_rules! progress {
-    ($($t:tt)*) => { eprintln!("[umbp bench] {}", format!($($t)*)) };
-}
-pub(crate) use progress;

@@ -1,16 +1,16 @@
 //! `umbp ping`, `umbp stats` and `umbp clear`: operations on a running standalone server.
 //!
-//! They speak the protocol directly ([`Raw`]) and never attach a session, so they neither
+//! They speak the protocol directly ([`crate::raw::Raw`]) and never attach a session, so they neither
 //! show up in the statistics they read nor wait for a server that is not there.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use serde_json::json;
-use tonic::transport::Channel;
-use tonic::Code;
-use umbp_proto::v1::{self, store_client::StoreClient};
 use umbp_proto::Endpoint;
+
+use crate::common::human_bytes;
+use crate::raw::Raw;
 
 /// The server's default address (its `--address` default).
 pub const DEFAULT_ENDPOINT: &str = "unix:///run/umbp/node.grpc.sock";
@@ -67,111 +67,6 @@ pub struct ClearArgs {
     /// Remove only the objects of this key namespace (default: every object of every engine).
     #[arg(long)]
     namespace: Option<String>,
-}
-
-/// A bare gRPC connection to the server (no session).
-#[derive(Debug)]
-pub struct Raw {
-    rt: tokio::runtime::Runtime,
-    grpc: StoreClient<Channel>,
-    pub(crate) endpoint: Endpoint,
-    timeout: Duration,
-}
-
-impl Raw {
-    /// A connection to `endpoint` (made lazily); every call waits up to `timeout`.
-    pub fn new(endpoint: Endpoint, timeout: Duration) -> Result<Self> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .context("cannot start a Tokio runtime")?;
-        let channel = {
-            let _g = rt.enter();
-            umbp_client::unix_channel(&endpoint)
-        };
-        let grpc = StoreClient::new(channel)
-            .max_decoding_message_size(umbp_proto::DEFAULT_MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(umbp_proto::DEFAULT_MAX_MESSAGE_BYTES);
-        Ok(Raw {
-            rt,
-            grpc,
-            endpoint,
-            timeout,
-        })
-    }
-
-    fn call<T, F, Fut>(&self, what: &str, f: F) -> Result<T>
-    where
-        F: FnOnce(StoreClient<Channel>) -> Fut,
-        Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        let fut = f(self.grpc.clone());
-        let ep = &self.endpoint;
-        match self
-            .rt
-            .block_on(async { tokio::time::timeout(self.timeout, fut).await })
-        {
-            Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(match s.code() {
-                Code::Unavailable | Code::Unknown | Code::Cancelled => {
-                    let why = if !ep.path().exists() {
-                        format!("there is no socket at {}", ep.path().display())
-                    } else {
-                        s.message().to_string()
-                    };
-                    anyhow!(
-                        "cannot reach the UMBP server at {ep}: {why}; start it (umbp_standalone_server --address {ep}) or point --endpoint / UMBP_STANDALONE_ADDRESS at the socket it listens on"
-                    )
-                }
-                Code::PermissionDenied => anyhow!("the UMBP server at {ep} refused {what}: {}", s.message()),
-                c => anyhow!("the UMBP server at {ep} refused {what}: {} ({c:?})", s.message()),
-            }),
-            Err(_) => Err(anyhow!(
-                "the UMBP server at {ep} did not answer {what} within {} ms; it may be overloaded or stopped (SIGSTOP), or raise --timeout-ms",
-                self.timeout.as_millis()
-            )),
-        }
-    }
-
-    /// Boot id, version and uptime.
-    pub fn ping(&self) -> Result<v1::PingReply> {
-        self.call(
-            "ping",
-            |mut g| async move { g.ping(v1::PingRequest {}).await },
-        )
-    }
-
-    /// Every counter of the pool and the server.
-    pub fn stats(&self) -> Result<v1::StatsReply> {
-        self.call("stats", |mut g| async move {
-            g.stats(v1::StatsRequest {}).await
-        })
-    }
-
-    /// Removes every object, or those of one namespace; returns how many.
-    pub fn clear(&self, namespace: Option<&str>) -> Result<u64> {
-        let namespace = namespace.unwrap_or_default().to_string();
-        Ok(self
-            .call("clear", |mut g| async move {
-                g.clear(v1::ClearRequest { namespace }).await
-            })?
-            .removed)
-    }
-}
-
-/// `1.50 GiB`-style bytes (powers of 1024).
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-    if b < 1024 {
-        return format!("{b} B");
-    }
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.2} {}", UNITS[u])
 }
 
 /// `3d 4h 5m 6.7s`-style duration.

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use umbp_proto::Endpoint;
 
-use crate::ops::Raw;
-use crate::progress;
+use crate::common::progress;
+use crate::raw::Raw;
 
 /// The server binary's file name.
 pub const SERVER_BIN: &str = "umbp_standalone_server";

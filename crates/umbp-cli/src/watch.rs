@@ -15,7 +15,8 @@ use anyhow::{bail, Result};
 use serde_json::json;
 use umbp_lookup::LookupClient;
 
-use crate::ops::{human_bytes, Raw};
+use crate::common::human_bytes;
+use crate::raw::Raw;
 
 /// What one refresh reads, summed over the source's pools.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -22,10 +22,11 @@ use parking_lot::RwLock;
 use umbp_copy::{Direction, JobHandle, JobSet, MemoryKind, MemoryRegistry, RegionId};
 use umbp_core::{BlockKey, CoreError, GroupLayout, KvLayout, LayerSpec};
 
-use crate::{check_mapped_writable, KeyResult, LayoutId, StoreError, StoreShared};
-
-/// Identifies a session of a store (unique within the store).
-pub type SessionId = u64;
+use crate::error::StoreError;
+use crate::ids::{LayoutId, SessionId};
+use crate::mapped::check_mapped_writable;
+use crate::shared::StoreShared;
+use umbp_copy::KeyResult;
 
 /// A place in a registered memory region: `offset` bytes past the start of registration
 /// `region`.

@@ -1,0 +1,577 @@
+//! The embedded store: one worker's pool, memory, layouts and copy engine.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use umbp_copy::{CopyEngine, HostMover, JobHandle, MemoryRegistry, RegionId};
+use umbp_core::{BlockKey, KvLayout};
+use umbp_cuda::CudaMover;
+use umbp_cuda::{CudaStats, PinStatus};
+use umbp_pool::{Pool, PoolEvent, PoolStats};
+use umbp_remote::RemoteStats;
+use umbp_remote::RemoteTier;
+
+use umbp_copy::KeyResult;
+
+use crate::config::StoreConfig;
+use crate::error::StoreError;
+use crate::ids::LayoutId;
+use crate::session::Session;
+use crate::shared::StoreShared;
+
+/// One worker's pool with its memory, layouts and copy engine.
+///
+/// Memory registrations, layouts and jobs belong to a [`Session`]; the store's own
+/// registration, layout and copy calls go to the default session it owns (embedded mode is one
+/// client), and [`EmbeddedStore::open_session`] opens more. Pool-wide operations (lookups,
+/// `clear`, statistics, `close`) stay on the store.
+#[derive(Debug)]
+pub struct EmbeddedStore {
+    pub(crate) shared: Arc<StoreShared>,
+    default: Session,
+}
+
+impl EmbeddedStore {
+    /// Maps the pool and starts the copy workers.
+    pub fn new(cfg: StoreConfig) -> Result<Self, StoreError> {
+        cfg.validate()?;
+        let pool = Arc::new(Pool::new(cfg.pool.clone())?);
+        let engine = CopyEngine::new(
+            Arc::clone(&pool),
+            Arc::new(MemoryRegistry::new()),
+            Arc::new(HostMover),
+            cfg.num_workers,
+        )?;
+        let p = pool.placement();
+        log::info!(
+            "umbp: embedded store ready: {} bytes, hugepages {:?} (asked {:?}), numa {:?}, prefault {:.2}s, {} copy workers",
+            pool.capacity(),
+            p.hugepages_used,
+            p.hugepages_requested,
+            p.numa_node,
+            p.prefault_seconds,
+            cfg.num_workers
+        );
+        let remote = match cfg.remote {
+            Some(rc) => Some(RemoteTier::start(rc, Arc::clone(&pool))?),
+            None => None,
+        };
+        let shared = Arc::new(StoreShared {
+            pool,
+            remote,
+            engine,
+            next_layout: AtomicU32::new(1),
+            next_session: AtomicU64::new(1),
+            timeout: cfg.timeout,
+            closed: AtomicBool::new(false),
+            cuda_opts: cfg.cuda,
+            cuda: Mutex::new(BTreeMap::new()),
+            pinner: Mutex::new(None),
+        });
+        let default = Session::new(Arc::clone(&shared));
+        Ok(EmbeddedStore { shared, default })
+    }
+
+    /// [`StoreError::Closed`] once [`close`](Self::close) has been called.
+    pub fn check_open(&self) -> Result<(), StoreError> {
+        self.shared.check_open()
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.shared.pool
+    }
+
+    /// The store's default session: the one its registration, layout and copy calls use.
+    pub fn session(&self) -> &Session {
+        &self.default
+    }
+
+    /// Opens another session (a client of this store): its memory, layouts and jobs are its
+    /// own, and dropping it releases them. [`StoreError::Closed`] after `close`.
+    pub fn open_session(&self) -> Result<Session, StoreError> {
+        self.check_open()?;
+        Ok(Session::new(Arc::clone(&self.shared)))
+    }
+
+    /// Registers host memory the store may copy to and from (in the default session).
+    ///
+    /// # Safety
+    /// As [`MemoryRegistry::register`]: the memory stays valid until deregistered.
+    pub unsafe fn register_memory(&self, addr: u64, len: u64) -> Result<RegionId, StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.default.register_memory(addr, len) }
+    }
+
+    /// Removes one registration of the default session, waiting up to the store's timeout for
+    /// transfers using it; layouts that lie in it are dropped with it.
+    pub fn deregister_memory(&self, id: RegionId) -> Result<(), StoreError> {
+        self.default.deregister_memory(id)
+    }
+
+    /// Registers a layout (in the default session) after checking every layer lies inside
+    /// registered memory, all of one kind (host or CUDA).
+    pub fn register_layout(&self, layout: KvLayout) -> Result<LayoutId, StoreError> {
+        self.default.register_layout(layout)
+    }
+
+    /// A registered layout of the default session.
+    pub fn layout(&self, id: LayoutId) -> Result<Arc<KvLayout>, StoreError> {
+        self.default.layout(id)
+    }
+
+    /// Which keys are in the pool (pins nothing). With a remote tier, keys the pool misses are
+    /// fetched from it into the pool first (waiting at most its timeout). [`StoreError::Closed`]
+    /// after `close`.
+    pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
+        self.check_open()?;
+        let mut found = self.shared.pool.exists_many(keys);
+        if let Some(r) = &self.shared.remote {
+            r.note_hits(
+                keys.iter()
+                    .zip(&found)
+                    .filter(|(_, f)| **f)
+                    .map(|(k, _)| *k),
+            );
+            let missing: Vec<usize> = (0..keys.len()).filter(|i| !found[*i]).collect();
+            if !missing.is_empty() {
+                let ks: Vec<BlockKey> = missing.iter().map(|i| keys[*i]).collect();
+                for (i, got) in missing.into_iter().zip(r.fetch_present(&ks)) {
+                    found[i] = got;
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// How many keys, from the first, are in the pool (with a remote tier, as
+    /// [`exists`](Self::exists), the missing rest is fetched from it first).
+    /// [`StoreError::Closed`] after `close`.
+    pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
+        self.prefix_hits_with(keys.len(), |i| keys[i])
+    }
+
+    /// [`prefix_hits`](Self::prefix_hits) over `n` keys made on demand by `key(i)` (none is
+    /// made past the first miss, but for the remote tier's fetch).
+    pub fn prefix_hits_with(
+        &self,
+        n: usize,
+        key: impl Fn(usize) -> BlockKey,
+    ) -> Result<usize, StoreError> {
+        self.prefix_hits_until(n, key, None)
+    }
+
+    /// When a lookup that starts now must have its remote tier's answers (`None` without a
+    /// remote tier): one deadline for the several calls of one request (every rank of a
+    /// topology, say), so that together they wait the tier's timeout at most.
+    pub fn remote_deadline(&self) -> Option<std::time::Instant> {
+        self.shared.remote.as_ref().map(RemoteTier::deadline)
+    }
+
+    /// [`prefix_hits_with`](Self::prefix_hits_with) whose remote fetch ends at `deadline`
+    /// (from [`remote_deadline`](Self::remote_deadline); `None`: the tier's timeout from now).
+    pub fn prefix_hits_until(
+        &self,
+        n: usize,
+        key: impl Fn(usize) -> BlockKey,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<usize, StoreError> {
+        self.check_open()?;
+        let local = self.shared.pool.prefix_hits_with(n, &key);
+        let Some(r) = &self.shared.remote else {
+            return Ok(local);
+        };
+        r.note_hits((0..local).map(&key));
+        if local == n {
+            return Ok(local);
+        }
+        let rest: Vec<BlockKey> = (local..n).map(&key).collect();
+        let deadline = deadline.unwrap_or_else(|| r.deadline());
+        Ok(local + r.fetch_prefix_by(&rest, deadline))
+    }
+
+    /// Whether lookups may wait for a remote tier (then callers holding a lock other threads
+    /// need, such as Python's GIL, should release it first).
+    pub fn has_remote(&self) -> bool {
+        self.shared.remote.is_some()
+    }
+
+    /// The remote tier's counters (`None` without one).
+    pub fn remote_stats(&self) -> Option<RemoteStats> {
+        self.shared.remote.as_ref().map(RemoteTier::stats)
+    }
+
+    /// Waits until the remote tier has written every object committed so far (or dropped it),
+    /// at most `timeout`; whether it did (true without a remote tier).
+    pub fn flush_remote(&self, timeout: Duration) -> bool {
+        self.shared.remote.as_ref().is_none_or(|r| r.flush(timeout))
+    }
+
+    /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`
+    /// and byte size), in the default session. The first call loads the CUDA driver and starts
+    /// registering the pool for DMA in the background; each device's first call creates that
+    /// device's mover (all devices share the pool's one registration). The range must be device
+    /// memory of that device, inside one allocation.
+    ///
+    /// # Safety
+    /// As [`MemoryRegistry::register`]: the memory stays allocated until deregistered.
+    pub unsafe fn register_cuda_memory(
+        &self,
+        addr: u64,
+        len: u64,
+        device: i32,
+    ) -> Result<RegionId, StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.default.register_cuda_memory(addr, len, device) }
+    }
+
+    /// Starts storing like [`EmbeddedStore::store`]; with `stream` (a raw CUDA stream handle,
+    /// 0 for the legacy default stream) the copies wait on the device for the work queued on
+    /// that stream so far, so a store submitted right after the kernels that wrote its blocks
+    /// copies their output. CUDA layouts only.
+    ///
+    /// # Safety
+    /// `stream`, when given, must be 0 (the legacy default stream) or a live CUDA stream of the
+    /// primary context of the device the layout's memory is on (e.g. PyTorch's current stream
+    /// there): the driver dereferences the handle.
+    pub unsafe fn store_on(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        stream: Option<u64>,
+    ) -> Result<JobHandle, StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.default
+                .store_on(layout, group, block_ids, keys, stream)
+        }
+    }
+
+    /// Starts loading like [`EmbeddedStore::load`]; with `stream`, the copies into the blocks
+    /// wait on the device for the work queued on that stream so far (which may still read the
+    /// blocks). The job finishes once the bytes are in place: work launched after that sees
+    /// them.
+    ///
+    /// # Safety
+    /// As [`EmbeddedStore::store_on`].
+    pub unsafe fn load_on(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        stream: Option<u64>,
+    ) -> Result<JobHandle, StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.default.load_on(layout, group, block_ids, keys, stream) }
+    }
+
+    /// The CUDA mover of the lowest-numbered device whose memory is registered (for its trace
+    /// and statistics; one device per engine process is the common case).
+    pub fn cuda(&self) -> Option<Arc<CudaMover>> {
+        self.shared.cuda.lock().values().next().cloned()
+    }
+
+    /// The CUDA mover of `device`, once memory of that device is registered.
+    pub fn cuda_on(&self, device: i32) -> Option<Arc<CudaMover>> {
+        self.shared.cuda.lock().get(&device).cloned()
+    }
+
+    /// The devices whose memory is registered, in order.
+    pub fn cuda_devices(&self) -> Vec<i32> {
+        self.shared.cuda.lock().keys().copied().collect()
+    }
+
+    /// The counters of [`EmbeddedStore::cuda`]'s mover and the pool's DMA registration, once
+    /// CUDA memory is registered.
+    pub fn cuda_status(&self) -> Option<(CudaStats, PinStatus)> {
+        self.cuda().map(|m| (m.stats(), m.pin_status()))
+    }
+
+    /// Waits up to `timeout` for the pool's DMA registration; false when it has not finished
+    /// (or no CUDA memory is registered).
+    pub fn wait_pool_registered(&self, timeout: Duration) -> bool {
+        let p = self.shared.pinner.lock().clone();
+        p.is_some_and(|p| p.progress().wait(timeout))
+    }
+
+    /// Starts storing `block_ids` of cache group `group` under `keys` (one key per block).
+    pub fn store(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+    ) -> Result<JobHandle, StoreError> {
+        self.default.store(layout, group, block_ids, keys)
+    }
+
+    /// Starts loading `keys` into `block_ids` of cache group `group`.
+    pub fn load(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+    ) -> Result<JobHandle, StoreError> {
+        self.default.load(layout, group, block_ids, keys)
+    }
+
+    /// Waits for a job with the store's default timeout.
+    pub fn wait(&self, job: &JobHandle) -> Result<Vec<KeyResult>, StoreError> {
+        Ok(job.wait(self.shared.timeout)?)
+    }
+
+    /// Default transfer timeout.
+    pub fn timeout(&self) -> Duration {
+        self.shared.timeout
+    }
+
+    /// Removes every object; returns how many. [`StoreError::Closed`] after `close`.
+    pub fn clear(&self) -> Result<u64, StoreError> {
+        self.check_open()?;
+        Ok(self.shared.pool.clear())
+    }
+
+    /// Drops `keys` from the pool as its eviction would: a remote tier keeps its copies (a later
+    /// lookup may fetch them back). Returns how many were in the pool. A pinned object leaves
+    /// lookups at once and its space is freed when the transfer using it ends.
+    /// [`StoreError::Closed`] after `close`.
+    pub fn evict(&self, keys: &[BlockKey]) -> Result<u64, StoreError> {
+        self.check_open()?;
+        Ok(keys.iter().filter(|k| self.shared.pool.remove(k)).count() as u64)
+    }
+
+    /// Removes the objects of one key namespace (the string keys were built from) from the
+    /// pool, and from the remote tier when there is one; returns how many left the pool. Other
+    /// namespaces are untouched.
+    pub fn clear_namespace(&self, namespace: &str) -> Result<u64, StoreError> {
+        self.check_open()?;
+        let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
+        // The remote first: a lookup between the two would fetch back what the pool lost.
+        self.clear_remote_namespace(&id);
+        Ok(self.shared.pool.clear_namespace(&id))
+    }
+
+    /// Removes the remote tier's objects of the namespace with id `namespace_id` (every rank,
+    /// whichever node wrote them); how many (`None` without a remote tier or when it failed).
+    /// [`clear`](Self::clear) leaves the remote tier alone: other nodes and models share it.
+    pub fn clear_remote_namespace(&self, namespace_id: &[u8; 16]) -> Option<u64> {
+        self.shared
+            .remote
+            .as_ref()
+            .and_then(|r| r.clear_namespace(namespace_id))
+    }
+
+    /// Pool counters. [`StoreError::Closed`] after `close`.
+    pub fn stats(&self) -> Result<PoolStats, StoreError> {
+        self.check_open()?;
+        Ok(self.shared.pool.stats())
+    }
+
+    /// Stored / removed notifications.
+    pub fn subscribe(&self, capacity: usize) -> std::sync::mpsc::Receiver<PoolEvent> {
+        self.shared.pool.subscribe(capacity)
+    }
+
+    /// Stops the copy workers (after queued jobs) and the evictor; later calls fail with
+    /// [`StoreError::Closed`], in every session. Idempotent.
+    pub fn close(&self) {
+        self.shared.close();
+    }
+}
+
+impl Drop for EmbeddedStore {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use umbp_core::{GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RankTopology};
+    use umbp_cuda::{CudaError, CudaOptions};
+
+    fn store() -> EmbeddedStore {
+        EmbeddedStore::new(StoreConfig {
+            pool: PoolConfig {
+                prefault: false,
+                ..PoolConfig::with_capacity(4 << 20)
+            },
+            num_workers: 2,
+            ..StoreConfig::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn layouts_must_lie_in_registered_memory() {
+        let s = store();
+        let buf = vec![0u8; 4096];
+        let layer = LayerSpec {
+            base_addr: buf.as_ptr() as u64,
+            num_blocks: 4,
+            block_stride: 1024,
+            block_bytes: 1024,
+        };
+        let layout = KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap();
+        let e = s.register_layout(layout.clone()).unwrap_err().to_string();
+        assert!(e.contains("register the KV cache"), "{e}");
+        // SAFETY: `buf` outlives the store's use of it (the store is dropped first).
+        let id = unsafe { s.register_memory(buf.as_ptr() as u64, 4096) }.unwrap();
+        let lid = s.register_layout(layout).unwrap();
+        assert!(matches!(
+            s.layout(lid + 1),
+            Err(StoreError::UnknownLayout(_))
+        ));
+        let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
+        let keys = vec![kb.key(0, b"h").unwrap()];
+        let r = s
+            .wait(&s.store(lid, 0, &[3], keys.clone()).unwrap())
+            .unwrap();
+        assert_eq!(r, vec![KeyResult::Done]);
+        assert_eq!(s.prefix_hits(&keys).unwrap(), 1);
+        // Evicting one key of three: only it is gone, and only once.
+        let more = vec![keys[0], kb.key(0, b"x").unwrap(), kb.key(1, b"h").unwrap()];
+        let r = s.wait(&s.store(lid, 0, &[1, 2], more[1..].to_vec()).unwrap());
+        assert_eq!(r.unwrap(), vec![KeyResult::Done; 2]);
+        assert_eq!(s.evict(&more[1..2]).unwrap(), 1);
+        assert_eq!(s.evict(&more[1..2]).unwrap(), 0);
+        assert_eq!(s.exists(&more).unwrap(), vec![true, false, true]);
+        assert!(
+            s.load(lid, 1, &[3], keys.clone()).is_err(),
+            "group 1 does not exist"
+        );
+        assert!(
+            s.load(lid, 0, &[4], keys).is_err(),
+            "block 4 does not exist"
+        );
+        s.deregister_memory(id).unwrap();
+        s.close();
+        assert!(matches!(
+            s.register_layout(KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap()),
+            Err(StoreError::Closed)
+        ));
+    }
+
+    #[test]
+    fn memory_that_is_not_mapped_writable_is_refused_at_registration() {
+        let s = store();
+        // SAFETY: mapping a fresh anonymous region for this test, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                3 * 4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let a = p as u64;
+        // SAFETY: unmapping / protecting pages of our own mapping.
+        unsafe {
+            libc::munmap(p.cast::<u8>().add(2 * 4096).cast(), 4096);
+            libc::mprotect(p.cast::<u8>().add(4096).cast(), 4096, libc::PROT_READ);
+        }
+        // SAFETY: every registration below is refused or never copied; the store is dropped
+        // before the mapping.
+        unsafe {
+            let e = s
+                .register_memory(a + 2 * 4096, 4096)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("is not mapped") && e.contains("data_ptr"), "{e}");
+            let e = s.register_memory(a, 2 * 4096).unwrap_err().to_string();
+            assert!(e.contains("not readable and writable"), "{e}");
+            let e = s.register_memory(a, 3 * 4096).unwrap_err().to_string();
+            assert!(e.contains("cannot register host memory"), "{e}");
+            s.register_memory(a, 4096).unwrap();
+        }
+        s.close();
+        drop(s);
+        // SAFETY: our own mapping, no longer registered anywhere.
+        unsafe { libc::munmap(p, 2 * 4096) };
+    }
+
+    #[test]
+    fn a_closed_store_answers_nothing() {
+        let s = store();
+        let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
+        let keys = vec![kb.key(0, b"h").unwrap()];
+        assert_eq!(s.exists(&keys).unwrap(), vec![false]);
+        s.close();
+        assert!(matches!(s.exists(&keys), Err(StoreError::Closed)));
+        assert!(matches!(s.prefix_hits(&keys), Err(StoreError::Closed)));
+        assert!(matches!(s.clear(), Err(StoreError::Closed)));
+        assert!(matches!(s.evict(&keys), Err(StoreError::Closed)));
+        assert!(matches!(s.stats(), Err(StoreError::Closed)));
+    }
+
+    #[test]
+    fn cuda_without_a_driver_is_an_error_that_names_cuda() {
+        let s = store();
+        let buf = vec![0u8; 4096];
+        // SAFETY: the range is never copied (registration fails before the registry is used).
+        let e = unsafe { s.register_cuda_memory(buf.as_ptr() as u64, 4096, 0) };
+        match e {
+            Err(e) => {
+                let m = e.to_string();
+                assert!(m.contains("CUDA"), "{m}");
+                if matches!(e, StoreError::Cuda(CudaError::NoDriver { .. })) {
+                    assert!(
+                        s.cuda_status().is_none(),
+                        "nothing CUDA exists without a driver"
+                    );
+                }
+            }
+            // Only where a driver and a device exist: host memory is then rejected.
+            Ok(_) => panic!("host memory was accepted as CUDA memory"),
+        }
+        let layer = LayerSpec {
+            base_addr: buf.as_ptr() as u64,
+            num_blocks: 4,
+            block_stride: 1024,
+            block_bytes: 1024,
+        };
+        // SAFETY: `buf` outlives the store's use of it.
+        unsafe { s.register_memory(buf.as_ptr() as u64, 4096) }.unwrap();
+        let lid = s
+            .register_layout(KvLayout::new(vec![GroupLayout::new(vec![layer]).unwrap()]).unwrap())
+            .unwrap();
+        let kb = KeyBuilder::new("s", RankTopology::default()).unwrap();
+        // SAFETY: stream 0 is the legacy default stream (and a host layout is refused first).
+        let e = unsafe { s.store_on(lid, 0, &[1], vec![kb.key(0, b"h").unwrap()], Some(0)) }
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stream"), "{e}");
+    }
+
+    #[test]
+    fn bad_config_names_the_option() {
+        let e = EmbeddedStore::new(StoreConfig {
+            num_workers: 0,
+            ..StoreConfig::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("num_workers"), "{e}");
+        let e = EmbeddedStore::new(StoreConfig {
+            cuda: CudaOptions {
+                max_ctas: 0,
+                ..CudaOptions::default()
+            },
+            ..StoreConfig::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("cuda_max_ctas"), "{e}");
+    }
+}
