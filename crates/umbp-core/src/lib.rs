@@ -16,6 +16,7 @@ pub mod error;
 pub mod key;
 pub mod layout;
 pub mod options;
+mod sizes;
 pub mod strided;
 
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};
