@@ -11,6 +11,8 @@
 //!
 //! Nothing here allocates threads, maps memory or knows about Python or CUDA.
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod error;
 pub mod key;
