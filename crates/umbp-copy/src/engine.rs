@@ -11,7 +11,7 @@ use parking_lot::{Mutex, RwLock};
 use umbp_core::{BlockKey, CopyRange, RangePlan};
 use umbp_pool::{CommitOutcome, Pool, PoolError};
 
-use crate::jobs::Completion;
+use crate::completion::Completion;
 use crate::mover::{BlockCopy, KeyFailure, KeyResult, Mover, OrderToken};
 use crate::registry::{MemoryKind, MemoryRegistry, Registration};
 use crate::CopyError;

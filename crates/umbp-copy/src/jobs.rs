@@ -2,7 +2,7 @@
 //! cancelled and waited for together.
 //!
 //! * [`JobHandle::finished`] returns a [`JobFinished`] future: it resolves to the job's
-//!   results and needs no async runtime (it stores the task's [`Waker`] in the job and the
+//!   results and needs no async runtime (it stores the task's [`Waker`](std::task::Waker) in the job and the
 //!   worker that finishes the last key wakes it).
 //! * [`JobHandle::on_done`] runs a callback once, with the results, on the worker thread that
 //!   finished the job (or at once, on the caller's thread, when the job has already finished).
@@ -10,145 +10,15 @@
 //!   owner such as a client session can cancel and wait for everything it submitted.
 
 use std::future::Future;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use crate::engine::{JobHandle, JobState};
-use crate::KeyResult;
-
-/// A callback to run once with a job's results.
-type DoneCallback = Box<dyn FnOnce(Vec<KeyResult>) + Send + 'static>;
-
-/// Whether a job has finished, and everyone waiting for it: threads (on the condition
-/// variable), futures (their wakers) and callbacks.
-pub(crate) struct Completion {
-    inner: Mutex<Waiters>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct Waiters {
-    done: bool,
-    /// One waker per pending [`JobFinished`], under the slot number that future holds.
-    wakers: Vec<(u64, Waker)>,
-    next_slot: u64,
-    callbacks: Vec<DoneCallback>,
-}
-
-impl std::fmt::Debug for Completion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let w = self.inner.lock();
-        f.debug_struct("Completion")
-            .field("done", &w.done)
-            .field("wakers", &w.wakers.len())
-            .field("callbacks", &w.callbacks.len())
-            .finish()
-    }
-}
-
-impl Completion {
-    /// A completion that starts finished (`done`, for a job without keys) or pending.
-    pub(crate) fn new(done: bool) -> Self {
-        Completion {
-            inner: Mutex::new(Waiters {
-                done,
-                ..Waiters::default()
-            }),
-            cv: Condvar::new(),
-        }
-    }
-
-    pub(crate) fn is_done(&self) -> bool {
-        self.inner.lock().done
-    }
-
-    /// Blocks until the job has finished or `deadline` has passed; whether it finished.
-    pub(crate) fn wait_until(&self, deadline: Instant) -> bool {
-        let mut w = self.inner.lock();
-        while !w.done {
-            if self.cv.wait_until(&mut w, deadline).timed_out() {
-                return w.done;
-            }
-        }
-        true
-    }
-
-    /// Runs the job's callbacks (each with `results()`), then marks it finished and wakes its
-    /// waiting threads and futures, on this thread. Called once, by whoever finished the last
-    /// key. Callbacks come first, and the job reads as finished only after them, so that what
-    /// they signal (a standalone client's completion page) happens before anything a waiter
-    /// does next (the server's reply); a callback added meanwhile runs in the same turn. A
-    /// callback that panics is logged and does not take the caller down.
-    pub(crate) fn finish(&self, results: impl Fn() -> Vec<KeyResult>) {
-        let wakers = loop {
-            let callbacks = {
-                let mut w = self.inner.lock();
-                if w.callbacks.is_empty() {
-                    w.done = true;
-                    break std::mem::take(&mut w.wakers);
-                }
-                std::mem::take(&mut w.callbacks)
-            };
-            let results = results();
-            for cb in callbacks {
-                let r = results.clone();
-                if catch_unwind(AssertUnwindSafe(move || cb(r))).is_err() {
-                    log::error!(
-                        "umbp: a job's on_done callback panicked; the panic was caught and the copy worker goes on"
-                    );
-                }
-            }
-        };
-        self.cv.notify_all();
-        for (_, waker) in wakers {
-            waker.wake();
-        }
-    }
-
-    /// Whether the job has finished; if not, `waker` is kept (in the slot `slot` names, which
-    /// is assigned on the first call) to be woken when it does.
-    fn register(&self, slot: &mut Option<u64>, waker: &Waker) -> bool {
-        let mut w = self.inner.lock();
-        if w.done {
-            *slot = None;
-            return true;
-        }
-        if let Some(s) = *slot {
-            if let Some((_, kept)) = w.wakers.iter_mut().find(|(k, _)| *k == s) {
-                if !kept.will_wake(waker) {
-                    kept.clone_from(waker);
-                }
-                return false;
-            }
-        }
-        let s = w.next_slot;
-        w.next_slot += 1;
-        w.wakers.push((s, waker.clone()));
-        *slot = Some(s);
-        false
-    }
-
-    /// Forgets the waker in `slot` (its future was dropped before the job finished).
-    fn unregister(&self, slot: u64) {
-        self.inner.lock().wakers.retain(|(k, _)| *k != slot);
-    }
-
-    /// Keeps `cb` to run when the job finishes; hands it back when the job already has.
-    fn add_callback(&self, cb: DoneCallback) -> Option<DoneCallback> {
-        let mut w = self.inner.lock();
-        if w.done {
-            Some(cb)
-        } else {
-            w.callbacks.push(cb);
-            None
-        }
-    }
-}
+use crate::mover::KeyResult;
 
 /// A future that resolves to a job's results once every key has finished
 /// ([`JobHandle::finished`]). It needs no particular runtime: any executor's waker works.
@@ -288,8 +158,10 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::mpsc;
-    use std::task::Wake;
+    use std::task::{Wake, Waker};
     use std::thread::{self, Thread};
+
+    use parking_lot::Condvar;
 
     use umbp_core::{BlockKey, GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RankTopology};
     use umbp_pool::Pool;
@@ -466,7 +338,7 @@ mod tests {
         assert!(Pin::new(&mut fut).poll(&mut cx).is_pending());
         // Polling again with the same waker keeps one waker, not two.
         assert!(Pin::new(&mut fut).poll(&mut cx).is_pending());
-        assert_eq!(job.state.completion.inner.lock().wakers.len(), 1);
+        assert_eq!(job.state.completion.waker_count(), 1);
         assert_eq!(wakes.wakes.load(Ordering::Acquire), 0);
         rig.gate.open();
         // The waker the future was polled with is woken (polling with another one would
@@ -481,7 +353,7 @@ mod tests {
         };
         assert_eq!(results, vec![KeyResult::Done; 20]);
         assert!(job.is_done());
-        assert!(job.state.completion.inner.lock().wakers.is_empty());
+        assert!(job.state.completion.waker_count() == 0);
     }
 
     #[test]
@@ -494,7 +366,7 @@ mod tests {
             .poll(&mut Context::from_waker(&waker))
             .is_pending());
         drop(fut);
-        assert!(job.state.completion.inner.lock().wakers.is_empty());
+        assert!(job.state.completion.waker_count() == 0);
         rig.gate.open();
         assert_eq!(block_on(job.finished()), vec![KeyResult::Done; 2]);
     }

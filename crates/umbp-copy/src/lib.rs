@@ -11,6 +11,7 @@
 //!
 //! The host backend moves bytes with `memcpy`. Device backends plug in behind [`Mover`].
 
+mod completion;
 mod engine;
 mod error;
 mod jobs;

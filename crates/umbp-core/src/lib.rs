@@ -13,12 +13,15 @@
 //!
 //! Nothing here allocates threads, maps memory or knows about Python or CUDA.
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod error;
 pub mod key;
 pub mod layout;
 pub mod options;
 pub mod outcome;
+mod sizes;
 pub mod strided;
 
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};

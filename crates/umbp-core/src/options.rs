@@ -13,7 +13,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Number, Value};
 
-use crate::config::{HugepageSize, GIB, MIB};
+use crate::sizes::{HugepageSize, GIB, MIB};
 use crate::CoreError;
 
 /// Which mode an option belongs to.

@@ -26,7 +26,7 @@ fn primaries(nodes: &str) -> Vec<(String, u16)> {
         .collect()
 }
 
-use crate::RemoteError;
+use crate::error::RemoteError;
 
 /// Where the remote store is, parsed from `remote_url`.
 ///
@@ -254,6 +254,23 @@ pub(crate) enum Conn {
 /// Whether `e` (or one of a pipeline's errors) is a `WRONGTYPE` answer.
 pub(crate) fn is_wrong_type(e: &redis::RedisError) -> bool {
     e.to_string().contains("WRONGTYPE")
+}
+
+/// Whether `e` (maybe one of a pipeline's errors) says the cluster's slots moved.
+pub(crate) fn is_redirect(e: &redis::RedisError) -> bool {
+    if e.is_cluster_error() {
+        return true;
+    }
+    // A pipeline's errors come as one error listing them; the sync cluster pipeline does not
+    // follow redirections itself.
+    let text = e.to_string();
+    text.contains("Moved:") || text.contains("Ask:") || text.contains("TryAgain")
+}
+
+/// Whether `e` says the connection failed (then the remote is left alone for a while), not
+/// that the remote refused a command.
+pub(crate) fn is_transport(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
 }
 
 impl Conn {
