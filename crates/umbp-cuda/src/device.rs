@@ -4,8 +4,8 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 
-use crate::driver::{driver, BatchFn, Driver};
-use crate::ffi::*;
+use crate::sys::library::{driver, BatchFn, Driver};
+use crate::sys::types::*;
 use crate::CudaError;
 
 thread_local! {

@@ -21,8 +21,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use crate::device::{device_uuid, pointer_attribute, vmm_mapping};
-use crate::driver::{driver, Driver};
-use crate::ffi::*;
+use crate::sys::library::{driver, Driver};
+use crate::sys::types::*;
 use crate::{CudaError, Device};
 
 /// What a client hands a server so that the server can map a range of the client's CUDA

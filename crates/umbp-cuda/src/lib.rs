@@ -1,6 +1,6 @@
 //! The CUDA backend of UMBP's copy engine.
 //!
-//! * [`driver`]: the NVIDIA driver library, loaded with `dlopen` on first use, never at import.
+//! * [`sys`]: the NVIDIA driver library, loaded with `dlopen` on first use, never at import.
 //!   Without a driver every entry point returns a [`CudaError`] that names CUDA; nothing panics.
 //! * [`Device`]: a device's primary context (the one PyTorch uses), streams, events, memory.
 //! * [`PoolPinner`]: registers the pool for DMA in chunks on a background thread.
@@ -14,16 +14,14 @@
 //!   [`ImportedVmm`]).
 
 mod device;
-pub mod driver;
 mod error;
-mod ffi;
 pub mod ipc;
 mod mover;
 mod pin;
 pub mod plan;
+pub mod sys;
 
 pub use device::{CtxGuard, Device, DeviceBuffer, Event, HostBuffer, HostRegistration, Stream};
-pub use driver::{driver, Driver};
 pub use error::CudaError;
 pub use ipc::{
     device_by_uuid, export_device_range, format_uuid, vmm_granularity, DeviceExport, ImportedIpc,
@@ -31,3 +29,4 @@ pub use ipc::{
 };
 pub use mover::{CopyMethod, CudaMover, CudaOptions, CudaStats, TraceSpan};
 pub use pin::{PinProgress, PinStatus, PoolPinner, SPLIT_BYTES};
+pub use sys::{driver, Driver};

@@ -7,7 +7,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;
 
-use crate::ffi::*;
+use crate::sys::types::*;
 use crate::CudaError;
 
 /// The environment variable that overrides the driver library's path.
