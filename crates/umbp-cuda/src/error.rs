@@ -162,7 +162,7 @@ impl CudaError {
 
     /// Whether this is a driver call that failed for want of device memory.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, CudaError::Call { code, .. } if *code == crate::ffi::CUDA_ERROR_OUT_OF_MEMORY)
+        matches!(self, CudaError::Call { code, .. } if *code == crate::sys::types::CUDA_ERROR_OUT_OF_MEMORY)
     }
 }
 

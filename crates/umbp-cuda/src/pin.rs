@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 use umbp_pool::Pool;
 
 use crate::device::Device;
-use crate::ffi::*;
+use crate::sys::types::*;
 use crate::CudaError;
 
 /// Registration chunks are multiples of this; pool segments (at most 64 MiB, powers of two)

@@ -7,7 +7,7 @@ fn every_entry_point_reports_a_missing_driver() {
     // One test in this binary: the variable is read once per process, on first use.
     std::env::set_var("UMBP_LIBCUDA", "/nonexistent/libcuda.so.1");
     assert!(
-        !umbp_cuda::driver::is_loaded(),
+        !umbp_cuda::result::is_loaded(),
         "nothing loads the driver up front"
     );
     let e = umbp_cuda::driver().unwrap_err();

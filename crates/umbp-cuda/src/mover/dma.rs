@@ -10,8 +10,8 @@ use umbp_copy::{BlockCopy, MoveResult};
 use super::trace::Timed;
 use super::{CudaMover, Dir};
 use crate::device::{Event, Stream};
-use crate::ffi::*;
 use crate::plan::{self, Run};
+use crate::sys::types::*;
 use crate::CudaError;
 
 impl CudaMover {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::device::{Device, Module};
-use crate::ffi::CUfunction;
+use crate::sys::types::CUfunction;
 use crate::CudaError;
 
 pub(super) const PTX: &str = concat!(include_str!("../umbp_copy.ptx"), "\0");

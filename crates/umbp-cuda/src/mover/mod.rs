@@ -42,9 +42,9 @@ use parking_lot::Mutex;
 use umbp_copy::{BlockCopy, MoveError, MoveResult, Mover, OrderToken, TokenOwner};
 
 use crate::device::{Device, DeviceBuffer, Event, Stream};
-use crate::ffi::*;
 use crate::pin::{PinProgress, PinStatus, PoolPinner};
 use crate::plan;
+use crate::sys::types::*;
 use crate::CudaError;
 use kernels::{load_kernels, Kernels};
 pub use options::{CopyMethod, CudaOptions};

@@ -11,8 +11,8 @@ use umbp_copy::MoveResult;
 use super::trace::Timed;
 use super::{CopyMethod, CudaMover, Dir};
 use crate::device::{Device, DeviceBuffer, Event, HostBuffer, Stream};
-use crate::ffi::*;
 use crate::plan::{Run, Slice};
+use crate::sys::types::*;
 use crate::CudaError;
 
 /// Most descriptors one staging slot carries.

@@ -1,4 +1,5 @@
-//! The few CUDA driver API types, constants and structs UMBP uses, mirrored by hand.
+//! The few CUDA driver API types, constants, structs and function pointer types UMBP uses,
+//! mirrored by hand from `cuda.h` (the raw layer: nothing here calls the driver).
 //!
 //! Sizes, offsets and values were checked against `cuda.h` of CUDA 12.8 and 13.0 (x86-64 LP64);
 //! the `const` assertions below keep the struct layouts honest on every build.
@@ -170,7 +171,7 @@ pub struct CUmemcpyAttributes {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub struct CUDA_MEMCPY2D {
     pub srcXInBytes: usize,
     pub srcY: usize,
@@ -191,7 +192,7 @@ pub struct CUDA_MEMCPY2D {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub struct CUDA_MEMCPY3D {
     pub srcXInBytes: usize,
     pub srcY: usize,

@@ -1,14 +1,15 @@
-//! The CUDA driver, loaded at run time with `dlopen` on first use (never at import).
+//! The CUDA driver library and its table of entry points, resolved with `dlopen`/`dlsym` (the
+//! raw layer: nothing here calls the driver; [`crate::result::driver`] loads the table on first
+//! use, never at import, and initialises the driver).
 //!
 //! Every entry point is resolved by its exact versioned export name (`cuMemcpyHtoDAsync_v2`,
 //! not the 32-bit-era `cuMemcpyHtoDAsync`). Nothing here panics: a missing library or symbol is
 //! a [`CudaError`] whose message names CUDA.
 
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::sync::OnceLock;
+use std::ffi::{c_void, CStr, CString};
 
-use crate::ffi::*;
-use crate::CudaError;
+use super::types::*;
+use crate::error::CudaError;
 
 /// The environment variable that overrides the driver library's path.
 pub const LIBCUDA_ENV: &str = "UMBP_LIBCUDA";
@@ -24,7 +25,8 @@ pub enum BatchFn {
     V1(FnMemcpyBatchAsyncV1),
 }
 
-/// Resolved driver entry points.
+/// Resolved driver entry points. The raw function pointers are private to this crate: other
+/// crates reach the driver through [`crate::result`] and the safe types.
 #[derive(Debug)]
 pub struct Driver {
     /// The library that was loaded.
@@ -33,6 +35,8 @@ pub struct Driver {
     pub version: i32,
     /// The process that initialised CUDA.
     pub init_pid: u32,
+    pub(crate) init: FnInit,
+    pub(crate) driver_get_version: FnDriverGetVersion,
     pub(crate) device_get_count: FnDeviceGetCount,
     pub(crate) device_get: FnDeviceGet,
     pub(crate) device_get_attribute: FnDeviceGetAttribute,
@@ -73,14 +77,14 @@ pub struct Driver {
     pub(crate) memcpy_3d_async: FnMemcpy3DAsync,
     pub(crate) memcpy_batch_async: Option<BatchFn>,
     pub(crate) pointer_get_attribute: FnPointerGetAttribute,
-    get_error_name: FnGetErrorString,
-    get_error_string: FnGetErrorString,
+    pub(crate) get_error_name: FnGetErrorString,
+    pub(crate) get_error_string: FnGetErrorString,
     pub(crate) module_load_data_ex: FnModuleLoadDataEx,
     pub(crate) module_get_function: FnModuleGetFunction,
     pub(crate) module_unload: FnModuleUnload,
     pub(crate) launch_kernel: FnLaunchKernel,
     /// Inter-process memory (crate::ipc): optional, so that a driver without one of them
-    /// still loads; [`Driver::need`] turns a missing one into an error naming it.
+    /// still loads; [`crate::result::require`] turns a missing one into an error naming it.
     pub(crate) device_get_uuid: Option<FnDeviceGetUuid>,
     pub(crate) mem_get_address_range: Option<FnMemGetAddressRange>,
     pub(crate) ipc_get_mem_handle: Option<FnIpcGetMemHandle>,
@@ -99,31 +103,6 @@ pub struct Driver {
     pub(crate) mem_set_access: Option<FnMemSetAccess>,
     pub(crate) mem_get_allocation_granularity: Option<FnMemGetAllocationGranularity>,
     pub(crate) mem_create: Option<FnMemCreate>,
-}
-
-static DRIVER: OnceLock<Result<Driver, CudaError>> = OnceLock::new();
-
-/// The driver, loaded and initialised (`cuInit`) on the first call. Fails with a message that
-/// names CUDA when there is no driver, and with [`CudaError::Forked`] in a forked child of the
-/// process that loaded it.
-pub fn driver() -> Result<&'static Driver, CudaError> {
-    let d = DRIVER
-        .get_or_init(Driver::load)
-        .as_ref()
-        .map_err(Clone::clone)?;
-    let pid = std::process::id();
-    if pid != d.init_pid {
-        return Err(CudaError::Forked {
-            init_pid: d.init_pid,
-            pid,
-        });
-    }
-    Ok(d)
-}
-
-/// Whether this process has loaded the driver (for tests of "no CUDA at import").
-pub fn is_loaded() -> bool {
-    DRIVER.get().is_some()
 }
 
 /// Reinterprets a `dlsym` result as a function pointer of type `T`.
@@ -150,7 +129,9 @@ fn dlerror_string() -> String {
 }
 
 impl Driver {
-    fn load() -> Result<Driver, CudaError> {
+    /// Opens the driver library (`$UMBP_LIBCUDA`, else [`LIBCUDA`]) and resolves every entry
+    /// point; calls none of them ([`crate::result::driver`] runs `cuInit`). `version` is 0.
+    pub(crate) fn load() -> Result<Driver, CudaError> {
         let lib = std::env::var(LIBCUDA_ENV).unwrap_or_else(|_| LIBCUDA.to_owned());
         let c_lib = CString::new(lib.clone()).map_err(|_| CudaError::NoDriver {
             lib: lib.clone(),
@@ -219,10 +200,12 @@ impl Driver {
             }
             sym(&CString::new(name).ok()?).ok()
         };
-        let mut d = Driver {
+        Ok(Driver {
             lib: lib.clone(),
             version: 0,
             init_pid: std::process::id(),
+            init,
+            driver_get_version,
             device_get_count: load!(c"cuDeviceGetCount"),
             device_get: load!(c"cuDeviceGet"),
             device_get_attribute: load!(c"cuDeviceGetAttribute"),
@@ -301,106 +284,11 @@ impl Driver {
             mem_set_access: optional!(c"cuMemSetAccess"),
             mem_get_allocation_granularity: optional!(c"cuMemGetAllocationGranularity"),
             mem_create: optional!(c"cuMemCreate"),
-        };
-        // SAFETY: cuInit takes flags that must be 0.
-        let rc = unsafe { init(0) };
-        if rc == CUDA_ERROR_STUB_LIBRARY {
-            return Err(CudaError::NoDriver {
-                lib,
-                reason: "it is the CUDA toolkit's stub library, not the NVIDIA driver's".into(),
-            });
-        }
-        d.check("cuInit", rc)?;
-        let mut v: c_int = 0;
-        // SAFETY: `v` is a valid out-pointer.
-        d.check("cuDriverGetVersion", unsafe { driver_get_version(&mut v) })?;
-        d.version = v;
-        log::info!(
-            "umbp: loaded the CUDA driver {} (driver API {}), batched copies: {}",
-            d.lib,
-            d.version,
-            match d.memcpy_batch_async {
-                Some(BatchFn::V2(_)) => "cuMemcpyBatchAsync_v2",
-                Some(BatchFn::V1(_)) => "cuMemcpyBatchAsync (12.8)",
-                None => "not used",
-            }
-        );
-        Ok(d)
-    }
-
-    fn error_text(&self, rc: CUresult) -> (String, String) {
-        let read = |f: FnGetErrorString| {
-            let mut p: *const c_char = std::ptr::null();
-            // SAFETY: `p` is a valid out-pointer; the driver returns a static string or fails.
-            let ok = unsafe { f(rc, &mut p) } == CUDA_SUCCESS && !p.is_null();
-            if ok {
-                // SAFETY: the driver's error strings are static NUL-terminated strings.
-                unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-            } else {
-                format!("unknown CUDA error {rc}")
-            }
-        };
-        (read(self.get_error_name), read(self.get_error_string))
-    }
-
-    /// `Ok` when `rc` is `CUDA_SUCCESS`, else an error naming `call`.
-    pub fn check(&self, call: &'static str, rc: CUresult) -> Result<(), CudaError> {
-        if rc == CUDA_SUCCESS {
-            return Ok(());
-        }
-        let (name, mut text) = self.error_text(rc);
-        if rc == CUDA_ERROR_NO_DEVICE {
-            text.push_str(" (no CUDA device is visible: check CUDA_VISIBLE_DEVICES)");
-        }
-        Err(CudaError::Call {
-            call,
-            code: rc,
-            name,
-            text,
         })
-    }
-
-    /// An optional entry point, or an error naming `symbol` where the driver lacks it.
-    pub(crate) fn need<T>(&self, f: Option<T>, symbol: &'static str) -> Result<T, CudaError> {
-        require(&self.lib, f, symbol)
     }
 
     /// Whether the driver exports a batched copy entry point UMBP can use.
     pub fn has_batch_copy(&self) -> bool {
         self.memcpy_batch_async.is_some()
-    }
-}
-
-/// `f`, or [`CudaError::MissingSymbol`] naming `symbol` of `lib`.
-fn require<T>(lib: &str, f: Option<T>, symbol: &'static str) -> Result<T, CudaError> {
-    f.ok_or_else(|| CudaError::MissingSymbol {
-        lib: lib.to_owned(),
-        symbol: symbol.to_owned(),
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_missing_optional_entry_point_is_an_error_naming_it() {
-        let e = require::<FnIpcOpenMemHandle>(LIBCUDA, None, "cuIpcOpenMemHandle_v2").unwrap_err();
-        let m = e.to_string();
-        assert!(
-            m.contains("cuIpcOpenMemHandle_v2") && m.contains("libcuda.so.1"),
-            "{m}"
-        );
-        assert!(require(LIBCUDA, Some(1u8), "x").is_ok());
-    }
-
-    #[test]
-    fn error_messages_name_cuda() {
-        let e = CudaError::NoDriver {
-            lib: LIBCUDA.into(),
-            reason: "libcuda.so.1: cannot open shared object file".into(),
-        };
-        let m = e.to_string();
-        assert!(m.contains("CUDA") && m.contains("libcuda.so.1"), "{m}");
     }
 }
