@@ -10,10 +10,7 @@ use serde_json::json;
 use tonic::transport::Channel;
 use tonic::Code;
 use umbp_proto::v1::{self, store_client::StoreClient};
-use umbp_proto::Endpoint;
-
-/// The server's default address (its `--address` default).
-pub const DEFAULT_ENDPOINT: &str = "unix:///run/umbp/node.grpc.sock";
+use umbp_proto::{Endpoint, DEFAULT_ENDPOINT};
 
 /// Where the server is and how long to wait for it.
 #[derive(Debug, Clone, clap::Args)]

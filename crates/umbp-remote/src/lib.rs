@@ -31,13 +31,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
+use umbp_core::address::redact_url;
 use umbp_core::{options, BlockKey};
 use umbp_pool::{CommitOutcome, Pool, PoolEvent};
 
 mod conn;
 pub mod object;
 
-pub use conn::{redact, Target};
+pub use conn::Target;
 use conn::{Backend, Conn};
 
 /// Errors of the remote tier's set-up (its operations never fail the caller: they miss).
@@ -398,7 +399,7 @@ impl Inner {
         if was || first {
             log::warn!(
                 "remote tier {}: {what} failed ({e}); lookups miss and writes are dropped for {} s, then it retries",
-                redact(&self.cfg.url),
+                redact_url(&self.cfg.url),
                 BACKOFF.as_secs()
             );
         } else {
@@ -412,7 +413,7 @@ impl Inner {
         if was {
             log::warn!(
                 "remote tier {}: a lookup got no answer within {} ms; lookups miss for {} s, then it retries",
-                redact(&self.cfg.url),
+                redact_url(&self.cfg.url),
                 self.cfg.timeout.as_millis(),
                 BACKOFF.as_secs()
             );
@@ -422,7 +423,7 @@ impl Inner {
     fn succeeded(&self) {
         self.reported_down.store(false, Ordering::Relaxed);
         if !self.c.connected.swap(true, Ordering::Relaxed) {
-            log::info!("remote tier {}: connected", redact(&self.cfg.url));
+            log::info!("remote tier {}: connected", redact_url(&self.cfg.url));
         }
     }
 
@@ -535,7 +536,7 @@ impl RemoteTier {
         }
         log::info!(
             "remote tier {}: values {}; writes {}{}, timeout {} ms, backlog {} MiB",
-            redact(&inner.cfg.url),
+            redact_url(&inner.cfg.url),
             match inner.seal {
                 object::Seal::Checksum => "checksummed (XXH3: catches accidents, not forgeries)",
                 object::Seal::Keyed(_) => "sealed with the secret file's key (HMAC-SHA256)",
