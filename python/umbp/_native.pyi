@@ -104,29 +104,32 @@ class EmbeddedStore:
         self,
         capacity_bytes: int,
         *,
-        high_watermark: float = 0.9,
-        low_watermark: float = 0.7,
-        use_hugepages: bool = False,
-        hugepage_size: str = "2MiB",
-        numa_node: int | None = None,
-        prefault: bool = True,
-        prefault_threads: int = 0,
-        memfd: bool = False,
-        segment_bytes: int = 0,
-        num_workers: int = 4,
-        timeout_ms: int = 30000,
-        cuda_copy_method: Literal["auto", "dma", "staged"] = "auto",
-        cuda_staging_bytes: int | None = None,  # 256 MiB per direction
-        cuda_max_ctas: int | None = None,  # 132
-        cuda_pin_chunk_bytes: int | None = None,  # 64 MiB
-        cuda_batch_blocks: int | None = None,  # 256
-        remote_url: str | None = None,  # redis://host:port or redis+cluster://h:p,h:p
-        remote_ttl_s: int = 0,
-        remote_write: Literal["eager", "on_reuse"] = "eager",
-        remote_timeout_ms: int = 200,
-        remote_write_backlog: int = 256 << 20,
-        remote_write_mb_per_s: int = 0,
-    ) -> None: ...
+        high_watermark: float = ...,
+        low_watermark: float = ...,
+        use_hugepages: bool = ...,
+        hugepage_size: str = ...,
+        numa_node: int | None = ...,
+        prefault: bool = ...,
+        prefault_threads: int = ...,
+        memfd: bool = ...,
+        segment_bytes: int = ...,
+        num_workers: int = ...,
+        timeout_ms: int = ...,
+        cuda_copy_method: Literal["auto", "dma", "staged"] = ...,
+        cuda_staging_bytes: int = ...,
+        cuda_max_ctas: int = ...,
+        cuda_pin_chunk_bytes: int = ...,
+        cuda_batch_blocks: int = ...,
+        remote_url: str | None = ...,  # redis://host:port or redis+cluster://h:p,h:p
+        remote_ttl_s: int = ...,
+        remote_write: Literal["eager", "on_reuse"] = ...,
+        remote_timeout_ms: int = ...,
+        remote_write_backlog: int = ...,
+        remote_write_mb_per_s: int = ...,
+    ) -> None:
+        """An argument left out takes the store's default, the one of the connector option of
+        the same meaning (docs/configuration.md); the defaults live in the Rust schema only."""
+        ...
     def remote_stats(self) -> dict[str, int | bool] | None:
         """The remote tier's counters (None without `remote_url`)."""
     def flush_remote(self, timeout_ms: int = 10000) -> bool:
@@ -228,13 +231,14 @@ class StandaloneClient:
         self,
         endpoint: str,
         *,
-        startup_timeout_ms: int = 30000,
-        lookup_timeout_ms: int = 1000,
-        timeout_ms: int = 30000,
+        startup_timeout_ms: int = ...,
+        lookup_timeout_ms: int = ...,
+        timeout_ms: int = ...,
         client_name: str | None = None,
     ) -> None:
         """`endpoint`: `/abs/path.sock` or `unix:///abs/path.sock` (`ConfigError` otherwise);
-        no server answering within `startup_timeout_ms` raises `ServerUnavailable`."""
+        no server answering within `startup_timeout_ms` raises `ServerUnavailable`. A timeout
+        left out is the connector option's default of the same name."""
         ...
     @property
     def endpoint(self) -> str: ...
@@ -317,7 +321,9 @@ class LookupServer:
 class LookupClient:
     """Asks every worker of an engine at once; a failure or late answer is a miss."""
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], timeout_ms: int = 1000) -> None: ...
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], timeout_ms: int = ...) -> None:
+        """`timeout_ms` left out is the connector's `lookup_timeout_ms` default."""
+        ...
     def prefix_hits(self, group: int, packed_hashes: bytes, hash_len: int) -> int: ...
     def exists_all(self, group: int, packed_hashes: bytes, hash_len: int) -> list[bool]: ...
     def clear(self, timeout_ms: int = 10000) -> int: ...

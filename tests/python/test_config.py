@@ -1,5 +1,6 @@
 """Connector option validation (no vLLM needed)."""
 
+import ast
 import dataclasses
 import inspect
 import types
@@ -239,13 +240,104 @@ STORE_ARGS = {
 }
 
 
-def test_store_arguments_default_to_the_connector_options():
+#: The native constructors' arguments that are connector options (argument: option).
+OPTION_ARGS = {
+    "EmbeddedStore": {
+        **STORE_ARGS,
+        **{
+            name: name
+            for name in (
+                "remote_url",
+                "remote_ttl_s",
+                "remote_write",
+                "remote_timeout_ms",
+                "remote_write_backlog",
+                "remote_write_mb_per_s",
+                "cuda_staging_bytes",
+            )
+        },
+    },
+    "StandaloneClient": {
+        "startup_timeout_ms": "startup_timeout_ms",
+        "lookup_timeout_ms": "lookup_timeout_ms",
+        "timeout_ms": "timeout_ms",
+    },
+    "LookupClient": {"timeout_ms": "lookup_timeout_ms"},
+}
+
+STUB = Path(umbp.__file__).with_name("_native.pyi")
+
+
+def _stub_defaults(fn: ast.FunctionDef) -> dict[str, ast.expr]:
+    """The stub function's parameters that have a default, and that default's expression."""
+    a = fn.args
+    positional = a.posonlyargs + a.args
+    out = dict(zip([p.arg for p in positional[len(positional) - len(a.defaults) :]], a.defaults))
+    out.update((p.arg, d) for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None)
+    return out
+
+
+def _stub_functions():
+    """(native object, stub FunctionDef) of every function and method the stub declares."""
+    for node in ast.parse(STUB.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef):
+            yield getattr(umbp._native, node.name), node
+        elif isinstance(node, ast.ClassDef):
+            cls = getattr(umbp._native, node.name)
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    yield (cls if item.name == "__init__" else getattr(cls, item.name)), item
+
+
+def test_option_arguments_repeat_no_default():
+    """The schema alone holds option defaults: the native constructors take None for "the
+    option's default" (resolved in Rust) and the stubs say `...`."""
     from umbp.vllm import config
 
-    params = inspect.signature(umbp.EmbeddedStore).parameters
-    for arg, option in STORE_ARGS.items():
-        assert params[arg].default == config.OPTIONS[option]["default"], arg
-    # And the store table of the docs shows the same defaults.
+    body = ast.parse(STUB.read_text(encoding="utf-8")).body
+    stubs = {n.name: n for n in body if isinstance(n, ast.ClassDef)}
+    for cls, args in OPTION_ARGS.items():
+        params = inspect.signature(getattr(umbp._native, cls)).parameters
+        init = next(f for f in stubs[cls].body if getattr(f, "name", "") == "__init__")
+        stub = _stub_defaults(init)
+        for arg, option in args.items():
+            assert option in config.OPTIONS, option
+            assert params[arg].default is None, f"{cls}({arg}=...): a literal default"
+            assert isinstance(stub[arg], ast.Constant) and stub[arg].value is Ellipsis, (
+                f"_native.pyi {cls}({arg}=...): write `= ...`, the default is the schema's"
+            )
+
+
+def test_stub_defaults_are_the_native_ones():
+    """A literal default in the stub is the native one; a native None is `None` or `...`."""
+    checked = 0
+    for native, fn in _stub_functions():
+        try:
+            params = inspect.signature(native).parameters
+        except (TypeError, ValueError):
+            continue  # no text signature (a property, a dunder without one)
+        stub = _stub_defaults(fn)
+        for name, node in stub.items():
+            where = f"_native.pyi {fn.name}({name}=...)"
+            assert name in params, f"{where}: the native signature has no {name}"
+            default = params[name].default
+            assert default is not inspect.Parameter.empty, f"{where}: natively required"
+            if default is Ellipsis:
+                continue  # a Rust expression the native signature cannot show
+            if isinstance(node, ast.Constant) and node.value is Ellipsis:
+                assert default is None, f"{where}: native default {default!r}, not None"
+                continue
+            assert ast.literal_eval(node) == default, f"{where}: native default {default!r}"
+            checked += 1
+        for name, p in params.items():
+            if p.default is not inspect.Parameter.empty and name not in ("self",):
+                assert name in stub, f"_native.pyi {fn.name}: {name} has a default natively"
+    assert checked > 0
+
+
+def test_store_table_shows_the_connector_defaults():
+    from umbp.vllm import config
+
     rows = {}
     for line in DOCS.read_text(encoding="utf-8").splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]

@@ -443,10 +443,10 @@ pub fn run(a: &Args) -> Result<()> {
     };
     let target = umbp_remote::Target::parse(&url)?;
     let mut raw = Raw::open(&target)
-        .with_context(|| format!("cannot connect to {}", umbp_remote::redact(&url)))?;
+        .with_context(|| format!("cannot connect to {}", umbp_core::address::redact_url(&url)))?;
     progress!(
         "remote {}: objects of {:?} KiB, {} MiB per size and direction, {} rounds after a warm-up",
-        umbp_remote::redact(&url),
+        umbp_core::address::redact_url(&url),
         sizes.iter().map(|s| s >> 10).collect::<Vec<_>>(),
         a.mib,
         a.rounds
@@ -524,7 +524,7 @@ pub fn run(a: &Args) -> Result<()> {
             "{}",
             json!({
                 "bench": "remote",
-                "url": umbp_remote::redact(&url),
+                "url": umbp_core::address::redact_url(&url),
                 "mib": a.mib,
                 "rounds": a.rounds,
                 "results": rows,
@@ -537,7 +537,7 @@ pub fn run(a: &Args) -> Result<()> {
 fn print_table(url: &str, a: &Args, rows: &[Value]) {
     println!(
         "remote tier benchmark against {} ({} MiB per object size and direction, medians of {} rounds; raw: pipelined SET / GET of {PIPELINE} values of the same size)",
-        umbp_remote::redact(url),
+        umbp_core::address::redact_url(url),
         a.mib,
         a.rounds
     );

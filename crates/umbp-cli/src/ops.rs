@@ -7,13 +7,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use serde_json::json;
-use umbp_proto::Endpoint;
+use umbp_proto::{Endpoint, DEFAULT_ENDPOINT};
 
 use crate::common::human_bytes;
 use crate::raw::Raw;
-
-/// The server's default address (its `--address` default).
-pub const DEFAULT_ENDPOINT: &str = "unix:///run/umbp/node.grpc.sock";
 
 /// Where the server is and how long to wait for it.
 #[derive(Debug, Clone, clap::Args)]

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use tonic::Status;
-use umbp_core::{BlockKey, ErrorKind, FailureKind, KeyOutcome, LayerSpec, RankTopology};
+use umbp_core::{options, BlockKey, ErrorKind, FailureKind, KeyOutcome, LayerSpec, RankTopology};
 use umbp_cuda::DeviceExport;
 use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED, WAIT_SLICE};
 use umbp_proto::v1::{self, store_client::StoreClient};
@@ -79,15 +79,17 @@ pub struct ClientOptions {
 }
 
 impl ClientOptions {
-    /// Defaults for `endpoint`: startup 30 s, lookups 1 s, transfers 30 s, other calls 30 s,
-    /// completion page and transfer channel on.
+    /// Defaults for `endpoint`: the connector options' `startup_timeout_ms`,
+    /// `lookup_timeout_ms` and `timeout_ms` (transfers and other calls), completion page and
+    /// transfer channel on.
     pub fn new(endpoint: Endpoint) -> Self {
+        let option_ms = |spec: &options::OptionSpec| Duration::from_millis(spec.default_u64());
         ClientOptions {
             endpoint,
-            startup_timeout: Duration::from_secs(30),
-            lookup_timeout: Duration::from_secs(1),
-            transfer_timeout: Duration::from_secs(30),
-            control_timeout: Duration::from_secs(30),
+            startup_timeout: option_ms(&options::STARTUP_TIMEOUT_MS),
+            lookup_timeout: option_ms(&options::LOOKUP_TIMEOUT_MS),
+            transfer_timeout: option_ms(&options::TIMEOUT_MS),
+            control_timeout: option_ms(&options::TIMEOUT_MS),
             client_name: format!("pid {}", std::process::id()),
             max_message_bytes: umbp_proto::DEFAULT_MAX_MESSAGE_BYTES,
             completion_page: true,

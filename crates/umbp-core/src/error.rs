@@ -15,6 +15,17 @@ pub enum CoreError {
         /// What is wrong and what to change.
         message: String,
     },
+    /// A standalone endpoint is not an absolute Unix socket path ([`crate::address`]).
+    #[error(
+        "endpoint {given:?}: {why}; give an absolute socket path such as \
+         /run/umbp/node.grpc.sock or unix:///run/umbp/node.grpc.sock"
+    )]
+    InvalidEndpoint {
+        /// What was given.
+        given: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// An option that no mode knows (a typo, or an option of another product).
     #[error("unknown option `{option}` in kv_connector_extra_config; known options: {known}")]
     UnknownOption {

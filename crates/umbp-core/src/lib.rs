@@ -11,10 +11,14 @@
 //! * [`options`]: the vLLM connector's options: one schema ([`options::SCHEMA`]) owning every
 //!   default, range and message, and the validated [`ConnectorOptions`].
 //!
+//! * [`address`]: the one parser of the standalone server's endpoint and the one redaction of
+//!   a URL's password.
+//!
 //! Nothing here allocates threads, maps memory or knows about Python or CUDA.
 
 #![forbid(unsafe_code)]
 
+pub mod address;
 pub mod config;
 pub mod error;
 pub mod key;

@@ -13,6 +13,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Number, Value};
 
+use crate::address;
 use crate::sizes::{HugepageSize, GIB, MIB};
 use crate::CoreError;
 
@@ -799,7 +800,9 @@ impl OptionSpec {
             }
             Kind::Text(TextRule::Directory) => "Not an existing directory.".to_owned(),
             Kind::Text(TextRule::Endpoint) => {
-                "A TCP address, a relative path, or not a string.".to_owned()
+                "A TCP address, a relative path, a directory, a path longer than 103 bytes, or \
+                 not a string."
+                    .to_owned()
             }
             Kind::Text(TextRule::RemoteUrl) => {
                 "Not a `redis://`, `redis+cluster://`, `rediss://` or `rediss+cluster://` URL."
@@ -897,7 +900,9 @@ fn check_text(rule: TextRule, s: &str) -> Result<Value, Refusal> {
         TextRule::Directory if !std::path::Path::new(s).is_dir() => Err(format!(
             "{s:?} is not an existing directory; create it or pick another"
         )),
-        TextRule::Endpoint => endpoint_path(s).map(Value::from),
+        TextRule::Endpoint => address::socket_path(s)
+            .map(Value::from)
+            .map_err(|e| e.to_string()),
         TextRule::RemoteUrl => {
             let scheme = s.split_once("://").map(|(a, _)| a.to_ascii_lowercase());
             match scheme.as_deref() {
@@ -908,41 +913,12 @@ fn check_text(rule: TextRule, s: &str) -> Result<Value, Refusal> {
                 _ => Err(format!(
                     "must be redis://host:port (one server) or \
                      redis+cluster://host:port,host:port (a cluster), rediss:// for TLS, got {:?}",
-                    umbp_redact(s)
+                    address::redact_url(s)
                 )),
             }
         }
         _ => Ok(Value::from(s)),
     }
-}
-
-/// `url` with the password between `://` and `@` replaced.
-fn umbp_redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***{}", &url[..s], &url[at..]),
-        _ => url.to_owned(),
-    }
-}
-
-/// The socket path of a standalone endpoint: an absolute path, or a `unix://` address of one.
-/// TCP and relative paths are refused (the returned message says so).
-pub fn endpoint_path(ep: &str) -> Result<String, String> {
-    let path = ep.strip_prefix("unix://").unwrap_or(ep);
-    let tcp = ["tcp:", "http:", "https:", "grpc:"]
-        .iter()
-        .any(|p| ep.starts_with(p));
-    if path.contains("://") || tcp {
-        return Err(format!(
-            "{ep:?}: only Unix sockets are supported (an absolute path or unix:///path); TCP is \
-             rejected"
-        ));
-    }
-    if !path.starts_with('/') {
-        return Err(format!(
-            "{ep:?} must be an absolute socket path or unix:///absolute/path"
-        ));
-    }
-    Ok(path.to_owned())
 }
 
 /// Checks that the low watermark is below the high one (the store checks its own with this).

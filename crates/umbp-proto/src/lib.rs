@@ -29,6 +29,9 @@ pub const PROTOCOL: u32 = 2;
 /// Bytes of a block key on the wire.
 pub const KEY_BYTES: usize = 64;
 
+/// The endpoint the server listens on and the tools connect to when none is given.
+pub use umbp_core::address::DEFAULT_ENDPOINT;
+
 /// Largest gRPC message either end accepts by default (a transfer of 65,536 keys is 4 MiB of
 /// keys and 512 KiB of block ids).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 << 20;
@@ -42,14 +45,9 @@ pub const MAX_FDS_PER_MESSAGE: usize = 64;
 /// Errors of endpoint parsing and the side channel's wire format.
 #[derive(Debug, Error)]
 pub enum ProtoError {
-    /// The endpoint is not a Unix socket address.
-    #[error("endpoint {given:?}: {why}; give an absolute socket path such as /run/umbp/node.grpc.sock or unix:///run/umbp/node.grpc.sock")]
-    Endpoint {
-        /// What was given.
-        given: String,
-        /// What is wrong with it.
-        why: &'static str,
-    },
+    /// The endpoint is not a Unix socket address (`umbp_core::address::socket_path` says why).
+    #[error(transparent)]
+    Endpoint(#[from] umbp_core::CoreError),
     /// A side-channel message is malformed.
     #[error("descriptor side channel: {0}")]
     SideChannel(String),
@@ -73,41 +71,11 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Parses `unix:///abs/path` or `/abs/path`. TCP addresses and relative paths are refused:
-    /// the server is node-local, and descriptors and peer credentials need a Unix socket.
+    /// Parses `unix:///abs/path` or `/abs/path` ([`umbp_core::address::socket_path`], the one
+    /// endpoint parser). TCP addresses and relative paths are refused: the server is
+    /// node-local, and descriptors and peer credentials need a Unix socket.
     pub fn parse(s: &str) -> Result<Self, ProtoError> {
-        let bad = |why| ProtoError::Endpoint {
-            given: s.to_string(),
-            why,
-        };
-        let t = s.trim();
-        if t.is_empty() {
-            return Err(bad("it is empty"));
-        }
-        let path = if let Some(rest) = t.strip_prefix("unix://") {
-            rest
-        } else if let Some(rest) = t.strip_prefix("unix:") {
-            rest
-        } else if t.contains("://") {
-            return Err(bad("only unix:// addresses are served (no TCP)"));
-        } else {
-            t
-        };
-        if path.is_empty() {
-            return Err(bad("it names no path"));
-        }
-        if !path.starts_with('/') {
-            return Err(bad("the socket path is relative"));
-        }
-        if path.ends_with('/') {
-            return Err(bad("the path names a directory"));
-        }
-        // sockaddr_un holds 108 bytes with the terminating NUL (the side channel adds 4).
-        if path.len() + ".fds".len() > 107 {
-            return Err(bad(
-                "the path is longer than a Unix socket address allows (103 bytes)",
-            ));
-        }
+        let path = umbp_core::address::socket_path(s)?;
         Ok(Endpoint {
             path: PathBuf::from(path),
         })

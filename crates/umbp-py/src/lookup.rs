@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
+use umbp_core::options;
 use umbp_lookup::{LookupClient as CoreLookupClient, LookupServer as CoreLookupServer};
 use umbp_store_lookup::StoreLookup;
 
@@ -78,9 +79,12 @@ impl LookupClient {
 
 #[pymethods]
 impl LookupClient {
+    /// A client of the workers' lookup sockets at `paths`; `timeout_ms` left out (or None) is
+    /// the connector's `lookup_timeout_ms` default.
     #[new]
-    #[pyo3(signature = (paths, timeout_ms=1000))]
-    fn new(paths: Vec<PathBuf>, timeout_ms: u64) -> Result<Self> {
+    #[pyo3(signature = (paths, timeout_ms=None))]
+    fn new(paths: Vec<PathBuf>, timeout_ms: Option<u64>) -> Result<Self> {
+        let timeout_ms = timeout_ms.unwrap_or_else(|| options::LOOKUP_TIMEOUT_MS.default_u64());
         if paths.is_empty() {
             return Err(Error::Config(
                 "LookupClient needs the socket path of at least one worker; got none".into(),

@@ -201,23 +201,31 @@ impl StandaloneClient {
     /// waiting up to `startup_timeout_ms` for it to answer, and attaches. `lookup_timeout_ms`
     /// is the deadline of a lookup, `timeout_ms` that of a transfer and of every other call.
     /// A bad endpoint raises `ConfigError`, no server answering `ServerUnavailable`, both
-    /// naming the endpoint.
+    /// naming the endpoint. A timeout left out (or None) is the connector option's default of
+    /// the same name (`umbp_core::options`, through `ClientOptions::new`).
     #[new]
-    #[pyo3(signature = (endpoint, *, startup_timeout_ms=30000, lookup_timeout_ms=1000,
-        timeout_ms=30000, client_name=None))]
+    #[pyo3(signature = (endpoint, *, startup_timeout_ms=None, lookup_timeout_ms=None,
+        timeout_ms=None, client_name=None))]
     fn new(
         py: Python<'_>,
         endpoint: &str,
-        startup_timeout_ms: u64,
-        lookup_timeout_ms: u64,
-        timeout_ms: u64,
+        startup_timeout_ms: Option<u64>,
+        lookup_timeout_ms: Option<u64>,
+        timeout_ms: Option<u64>,
         client_name: Option<String>,
     ) -> Result<Self> {
         let ep = Endpoint::parse(endpoint).map_err(ClientError::from)?;
         let mut opts = ClientOptions::new(ep);
-        opts.startup_timeout = millis("startup_timeout_ms", startup_timeout_ms)?;
-        opts.lookup_timeout = millis("lookup_timeout_ms", lookup_timeout_ms)?;
-        opts.transfer_timeout = millis("timeout_ms", timeout_ms)?;
+        // Unset: ClientOptions' defaults, the connector options' (`umbp_core::options`).
+        if let Some(ms) = startup_timeout_ms {
+            opts.startup_timeout = millis("startup_timeout_ms", ms)?;
+        }
+        if let Some(ms) = lookup_timeout_ms {
+            opts.lookup_timeout = millis("lookup_timeout_ms", ms)?;
+        }
+        if let Some(ms) = timeout_ms {
+            opts.transfer_timeout = millis("timeout_ms", ms)?;
+        }
         opts.control_timeout = opts.transfer_timeout;
         if let Some(name) = client_name {
             opts.client_name = name;

@@ -187,84 +187,101 @@ pub(crate) fn layout_from_tensors(
 
 #[pymethods]
 impl EmbeddedStore {
+    /// A store of `capacity_bytes`. Every other argument left out (or None) takes the store's
+    /// default: the connector option's of the same meaning (`umbp_core::options`), so the
+    /// signature repeats no default.
     #[new]
-    #[pyo3(signature = (capacity_bytes, *, high_watermark=0.9, low_watermark=0.7, use_hugepages=false,
-        hugepage_size="2MiB", numa_node=None, prefault=true, prefault_threads=0, memfd=false,
-        segment_bytes=0, num_workers=4, timeout_ms=30000, cuda_copy_method="auto",
-        cuda_staging_bytes=None, cuda_max_ctas=None, cuda_pin_chunk_bytes=None,
-        cuda_batch_blocks=None, remote_url=None, remote_ttl_s=0, remote_write="eager",
-        remote_timeout_ms=200, remote_write_backlog=268435456, remote_write_mb_per_s=0))]
+    #[pyo3(signature = (capacity_bytes, *, high_watermark=None, low_watermark=None,
+        use_hugepages=None, hugepage_size=None, numa_node=None, prefault=None,
+        prefault_threads=None, memfd=None, segment_bytes=None, num_workers=None, timeout_ms=None,
+        cuda_copy_method=None, cuda_staging_bytes=None, cuda_max_ctas=None,
+        cuda_pin_chunk_bytes=None, cuda_batch_blocks=None, remote_url=None, remote_ttl_s=None,
+        remote_write=None, remote_timeout_ms=None, remote_write_backlog=None,
+        remote_write_mb_per_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         capacity_bytes: u64,
-        high_watermark: f64,
-        low_watermark: f64,
-        use_hugepages: bool,
-        hugepage_size: &str,
+        high_watermark: Option<f64>,
+        low_watermark: Option<f64>,
+        use_hugepages: Option<bool>,
+        hugepage_size: Option<&str>,
         numa_node: Option<u32>,
-        prefault: bool,
-        prefault_threads: usize,
-        memfd: bool,
-        segment_bytes: u64,
-        num_workers: usize,
-        timeout_ms: u64,
-        cuda_copy_method: &str,
+        prefault: Option<bool>,
+        prefault_threads: Option<usize>,
+        memfd: Option<bool>,
+        segment_bytes: Option<u64>,
+        num_workers: Option<usize>,
+        timeout_ms: Option<u64>,
+        cuda_copy_method: Option<&str>,
         cuda_staging_bytes: Option<u64>,
         cuda_max_ctas: Option<u32>,
         cuda_pin_chunk_bytes: Option<u64>,
         cuda_batch_blocks: Option<usize>,
         remote_url: Option<String>,
-        remote_ttl_s: u64,
-        remote_write: &str,
-        remote_timeout_ms: u64,
-        remote_write_backlog: u64,
-        remote_write_mb_per_s: u64,
+        remote_ttl_s: Option<u64>,
+        remote_write: Option<&str>,
+        remote_timeout_ms: Option<u64>,
+        remote_write_backlog: Option<u64>,
+        remote_write_mb_per_s: Option<u64>,
     ) -> Result<Self> {
-        let hugepage_size: HugepageSize = hugepage_size.parse()?;
-        let method: CopyMethod = cuda_copy_method.parse()?;
-        // Unset options take the store's defaults (CudaOptions::default, documented in
-        // docs/configuration.md).
-        let d = CudaOptions::default();
-        let cuda = CudaOptions {
-            method,
-            staging_bytes: cuda_staging_bytes.unwrap_or(d.staging_bytes),
-            max_ctas: cuda_max_ctas.unwrap_or(d.max_ctas),
-            pin_chunk_bytes: cuda_pin_chunk_bytes.unwrap_or(d.pin_chunk_bytes),
-            batch_blocks: cuda_batch_blocks.unwrap_or(d.batch_blocks),
-            ..d
-        };
+        let defaults = StoreConfig::default();
+        let pool = defaults.pool;
+        let cuda = defaults.cuda;
         let cfg = StoreConfig {
             pool: PoolConfig {
                 capacity_bytes,
-                high_watermark,
-                low_watermark,
-                use_hugepages,
-                hugepage_size,
-                numa_node,
-                prefault,
-                prefault_threads,
-                backing: if memfd {
-                    MemoryBacking::Memfd
-                } else {
-                    MemoryBacking::Anonymous
+                high_watermark: high_watermark.unwrap_or(pool.high_watermark),
+                low_watermark: low_watermark.unwrap_or(pool.low_watermark),
+                use_hugepages: use_hugepages.unwrap_or(pool.use_hugepages),
+                hugepage_size: match hugepage_size {
+                    Some(size) => size.parse::<HugepageSize>()?,
+                    None => pool.hugepage_size,
                 },
-                segment_bytes,
+                numa_node: numa_node.or(pool.numa_node),
+                prefault: prefault.unwrap_or(pool.prefault),
+                prefault_threads: prefault_threads.unwrap_or(pool.prefault_threads),
+                backing: match memfd {
+                    Some(true) => MemoryBacking::Memfd,
+                    Some(false) => MemoryBacking::Anonymous,
+                    None => pool.backing,
+                },
+                segment_bytes: segment_bytes.unwrap_or(pool.segment_bytes),
             },
-            num_workers,
-            timeout: Duration::from_millis(timeout_ms),
-            cuda,
+            num_workers: num_workers.unwrap_or(defaults.num_workers),
+            timeout: timeout_ms.map_or(defaults.timeout, Duration::from_millis),
+            cuda: CudaOptions {
+                method: match cuda_copy_method {
+                    Some(method) => method.parse::<CopyMethod>()?,
+                    None => cuda.method,
+                },
+                staging_bytes: cuda_staging_bytes.unwrap_or(cuda.staging_bytes),
+                max_ctas: cuda_max_ctas.unwrap_or(cuda.max_ctas),
+                pin_chunk_bytes: cuda_pin_chunk_bytes.unwrap_or(cuda.pin_chunk_bytes),
+                batch_blocks: cuda_batch_blocks.unwrap_or(cuda.batch_blocks),
+                ..cuda
+            },
             remote: match remote_url {
                 None => None,
-                Some(url) => Some(RemoteConfig {
-                    url,
-                    ttl: (remote_ttl_s > 0).then(|| Duration::from_secs(remote_ttl_s)),
-                    write: WritePolicy::parse(remote_write).map_err(StoreError::from)?,
-                    timeout: Duration::from_millis(remote_timeout_ms),
-                    write_backlog_bytes: remote_write_backlog,
-                    write_bytes_per_s: remote_write_mb_per_s.saturating_mul(1_000_000),
-                    secret_file: umbp_store::remote_secret_file_from_env(),
-                }),
+                Some(url) => {
+                    let remote = RemoteConfig::new(url);
+                    Some(RemoteConfig {
+                        ttl: match remote_ttl_s {
+                            Some(s) => (s > 0).then(|| Duration::from_secs(s)),
+                            None => remote.ttl,
+                        },
+                        write: match remote_write {
+                            Some(w) => WritePolicy::parse(w).map_err(StoreError::from)?,
+                            None => remote.write,
+                        },
+                        timeout: remote_timeout_ms.map_or(remote.timeout, Duration::from_millis),
+                        write_backlog_bytes: remote_write_backlog
+                            .unwrap_or(remote.write_backlog_bytes),
+                        write_bytes_per_s: remote_write_mb_per_s
+                            .map_or(remote.write_bytes_per_s, |mb| mb.saturating_mul(1_000_000)),
+                        ..remote
+                    })
+                }
             },
         };
         let inner = Arc::new(without_gil(py, move || CoreStore::new(cfg))?);

@@ -114,11 +114,16 @@ impl RemoteConfig {
     pub fn new(url: impl Into<String>) -> RemoteConfig {
         RemoteConfig {
             url: url.into(),
-            ttl: None,
-            write: WritePolicy::Eager,
+            ttl: Some(options::REMOTE_TTL_S.default_u64())
+                .filter(|&s| s > 0)
+                .map(Duration::from_secs),
+            write: WritePolicy::parse(options::REMOTE_WRITE.default_str())
+                .expect("the schema's remote_write default is a policy"),
             timeout: Duration::from_millis(options::REMOTE_TIMEOUT_MS.default_u64()),
             write_backlog_bytes: options::REMOTE_WRITE_BACKLOG.default_u64(),
-            write_bytes_per_s: 0,
+            write_bytes_per_s: options::REMOTE_WRITE_MB_PER_S
+                .default_u64()
+                .saturating_mul(1_000_000),
             secret_file: secret_file_from_env(),
         }
     }

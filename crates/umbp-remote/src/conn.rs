@@ -26,6 +26,8 @@ fn primaries(nodes: &str) -> Vec<(String, u16)> {
         .collect()
 }
 
+use umbp_core::address::redact_url;
+
 use crate::error::RemoteError;
 
 /// Where the remote store is, parsed from `remote_url`.
@@ -55,7 +57,7 @@ impl Target {
     /// Parses `remote_url`. Errors name what to change.
     pub fn parse(url: &str) -> Result<Target, RemoteError> {
         let bad = |why: &str| RemoteError::Url {
-            url: redact(url),
+            url: redact_url(url),
             why: why.to_string(),
         };
         let (scheme, rest) = url.split_once("://").ok_or_else(|| {
@@ -124,24 +126,6 @@ impl Target {
             seeds.push(u);
         }
         Ok(Target::Cluster(seeds))
-    }
-}
-
-/// `url` with any password replaced, for messages and logs.
-pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let cred = &url[s + 3..at];
-            let user = cred.split_once(':').map_or("", |(u, _)| u);
-            format!(
-                "{}://{}{}***{}",
-                &url[..s],
-                user,
-                if user.is_empty() { "" } else { ":" },
-                &url[at..]
-            )
-        }
-        _ => url.to_string(),
     }
 }
 
@@ -523,10 +507,7 @@ e5 127.0.0.1:7004@17004 master - 0 0 4 connected
     }
 
     #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(redact("redis://u:secret@h:1"), "redis://u:***@h:1");
-        assert_eq!(redact("redis://:secret@h:1"), "redis://***@h:1");
-        assert_eq!(redact("redis://h:1"), "redis://h:1");
+    fn refusals_redact_the_password() {
         let e = Target::parse("http://u:secret@h:1")
             .unwrap_err()
             .to_string();

@@ -38,7 +38,7 @@ mod tier;
 mod write;
 
 pub use config::{secret_file_from_env, RemoteConfig, WritePolicy, SECRET_FILE_ENV};
-pub use conn::{redact, Target};
+pub use conn::Target;
 pub use error::RemoteError;
 pub use stats::RemoteStats;
 pub use tier::RemoteTier;

@@ -14,7 +14,9 @@ use umbp_core::BlockKey;
 use umbp_pool::{Pool, PoolEvent};
 
 use crate::config::RemoteConfig;
-use crate::conn::{redact, Backend, Conn};
+use umbp_core::address::redact_url;
+
+use crate::conn::{Backend, Conn};
 use crate::object;
 use crate::stats::{add, Counters};
 
@@ -130,7 +132,7 @@ impl TierState {
         if was || first {
             log::warn!(
                 "remote tier {}: {what} failed ({e}); lookups miss and writes are dropped for {} s, then it retries",
-                redact(&self.cfg.url),
+                redact_url(&self.cfg.url),
                 BACKOFF.as_secs()
             );
         } else {
@@ -144,7 +146,7 @@ impl TierState {
         if was {
             log::warn!(
                 "remote tier {}: a lookup got no answer within {} ms; lookups miss for {} s, then it retries",
-                redact(&self.cfg.url),
+                redact_url(&self.cfg.url),
                 self.cfg.timeout.as_millis(),
                 BACKOFF.as_secs()
             );
@@ -154,7 +156,7 @@ impl TierState {
     pub(crate) fn succeeded(&self) {
         self.reported_down.store(false, Ordering::Relaxed);
         if !self.c.connected.swap(true, Ordering::Relaxed) {
-            log::info!("remote tier {}: connected", redact(&self.cfg.url));
+            log::info!("remote tier {}: connected", redact_url(&self.cfg.url));
         }
     }
 

@@ -14,7 +14,9 @@ use umbp_core::BlockKey;
 use umbp_pool::Pool;
 
 use crate::config::{read_secret, RemoteConfig};
-use crate::conn::{redact, Backend};
+use umbp_core::address::redact_url;
+
+use crate::conn::Backend;
 use crate::error::RemoteError;
 use crate::fetch::{self, FetchJob, FETCH_QUEUE, FETCH_THREADS};
 use crate::object;
@@ -115,7 +117,7 @@ impl RemoteTier {
         }
         log::info!(
             "remote tier {}: values {}; writes {}{}, timeout {} ms, backlog {} MiB",
-            redact(&inner.cfg.url),
+            redact_url(&inner.cfg.url),
             match inner.seal {
                 object::Seal::Checksum => "checksummed (XXH3: catches accidents, not forgeries)",
                 object::Seal::Keyed(_) => "sealed with the secret file's key (HMAC-SHA256)",

@@ -52,6 +52,19 @@ fn supplementary_groups(pid: u32) -> Vec<u32> {
         .unwrap_or_default()
 }
 
+/// Mode of the socket files: only the server's user (0660 when a group is allowed).
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+/// How long in-flight transfers get to finish after SIGTERM before they are cancelled.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// How long a transfer channel's reader watches its socket before it blocks (zero: never).
+pub const DEFAULT_BUSY_POLL: Duration = Duration::ZERO;
+
+/// Copy threads of the server binary (`--workers`): it copies for every engine of the node,
+/// so it has more than one engine's worker (the connector's `num_workers`).
+pub const DEFAULT_COPY_WORKERS: usize = 8;
+
 /// Everything that shapes a server.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -87,17 +100,17 @@ impl ServerConfig {
                 pool: umbp_core::PoolConfig::with_capacity(capacity),
                 ..StoreConfig::default()
             },
-            socket_mode: 0o600,
+            socket_mode: DEFAULT_SOCKET_MODE,
             access: Access {
                 // SAFETY: getuid has no preconditions and cannot fail.
                 own_uid: unsafe { libc::getuid() },
                 ..Access::default()
             },
-            shutdown_grace: Duration::from_secs(10),
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             metrics_address: None,
             metrics_allow_remote: false,
             max_message_bytes: umbp_proto::DEFAULT_MAX_MESSAGE_BYTES,
-            busy_poll: Duration::ZERO,
+            busy_poll: DEFAULT_BUSY_POLL,
         }
     }
 }

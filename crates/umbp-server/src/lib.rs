@@ -38,7 +38,10 @@ mod side;
 mod state;
 mod transfer;
 
-pub use config::{Access, ServerConfig};
+pub use config::{
+    Access, ServerConfig, DEFAULT_BUSY_POLL, DEFAULT_COPY_WORKERS, DEFAULT_SHUTDOWN_GRACE,
+    DEFAULT_SOCKET_MODE,
+};
 pub use error::ServerError;
 pub use listen::PeerInfo;
 pub use run::serve;

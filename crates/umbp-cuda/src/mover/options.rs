@@ -68,7 +68,8 @@ impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
             method: CopyMethod::Auto,
-            staging_bytes: 256 << 20,
+            // The connector option's default: the store and the connector never disagree.
+            staging_bytes: umbp_core::options::CUDA_STAGING_BYTES.default_u64(),
             staging_slots: 2,
             max_ctas: 132,
             pin_chunk_bytes: SPLIT_BYTES,

@@ -1,16 +1,24 @@
 //! `umbp_standalone_server`: the node-local UMBP pool server.
 //!
 //! Every setting comes from a flag or, when the flag is absent, from its `UMBP_*` environment
-//! variable, or else its default (shown by `--help`).
+//! variable, or else its default (shown by `--help`). A flag that sets what a connector option
+//! sets in embedded mode takes its default and range from that option's schema
+//! (`umbp_core::options`); the server's own flags take theirs from `umbp_server`.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use clap::builder::{PossibleValuesParser, RangedU64ValueParser};
 use clap::Parser;
+use umbp_core::options::{self, Kind, OptionSpec};
 use umbp_core::{HugepageSize, PoolConfig};
-use umbp_proto::Endpoint;
-use umbp_server::{Access, ServerConfig};
+use umbp_proto::{Endpoint, DEFAULT_ENDPOINT};
+use umbp_server::{
+    Access, ServerConfig, DEFAULT_BUSY_POLL, DEFAULT_COPY_WORKERS, DEFAULT_SHUTDOWN_GRACE,
+    DEFAULT_SOCKET_MODE,
+};
 use umbp_store::{CudaOptions, RemoteConfig, StoreConfig, WritePolicy};
 
 /// UMBP standalone server: one host-DRAM KV-cache pool per node, shared by every engine and
@@ -23,54 +31,50 @@ use umbp_store::{CudaOptions, RemoteConfig, StoreConfig, WritePolicy};
 struct Args {
     /// Socket to listen on: unix:///abs/path or /abs/path (TCP is not served). The descriptor
     /// side channel listens beside it at <path>.fds.
-    #[arg(
-        long,
-        env = "UMBP_STANDALONE_ADDRESS",
-        default_value = "unix:///run/umbp/node.grpc.sock"
-    )]
+    #[arg(long, env = "UMBP_STANDALONE_ADDRESS", default_value = DEFAULT_ENDPOINT)]
     address: String,
     /// Pool size in bytes (suffixes K, M, G, T, KiB, MiB, GiB, TiB are accepted).
-    #[arg(long, env = "UMBP_DRAM_CAPACITY", default_value = "64GiB", value_parser = parse_bytes)]
-    capacity: u64,
+    #[arg(long, env = "UMBP_DRAM_CAPACITY", default_value_t = schema_bytes(&options::CAPACITY_BYTES), value_parser = parse_bytes)]
+    capacity: ByteCount,
     /// Occupancy (fraction of capacity) above which eviction starts.
     #[arg(
         long = "high-watermark",
         env = "UMBP_DRAM_HIGH_WM",
-        default_value_t = 0.9
+        default_value_t = options::DRAM_HIGH_WATERMARK.default_f64()
     )]
     high_watermark: f64,
     /// Occupancy eviction brings the pool down to.
     #[arg(
         long = "low-watermark",
         env = "UMBP_DRAM_LOW_WM",
-        default_value_t = 0.7
+        default_value_t = options::DRAM_LOW_WATERMARK.default_f64()
     )]
     low_watermark: f64,
     /// Back the pool with huge pages (falls back to normal pages, logged, when there are none).
-    #[arg(long = "use-hugepages", env = "UMBP_DRAM_USE_HUGEPAGES", default_value_t = false, action = clap::ArgAction::Set, value_parser = parse_bool)]
+    #[arg(long = "use-hugepages", env = "UMBP_DRAM_USE_HUGEPAGES", default_value_t = options::DRAM_USE_HUGEPAGES.default_bool(), action = clap::ArgAction::Set, value_parser = parse_bool)]
     use_hugepages: bool,
-    /// Huge page size: 2MB or 1GB.
+    /// Huge page size: 2MiB or 1GiB (2M, 2MB, 1G, 1GB and the byte counts are accepted too).
     #[arg(
         long = "hugepage-size",
         env = "UMBP_DRAM_HUGEPAGE_SIZE",
-        default_value = "2MB"
+        default_value = options::DRAM_HUGEPAGE_SIZE.default_str()
     )]
     hugepage_size: String,
     /// Bind the pool's memory to this NUMA node (default: no binding).
     #[arg(long = "numa-node", env = "UMBP_DRAM_NUMA_NODE")]
     numa_node: Option<u32>,
     /// Touch every page of the pool at start so copies never take page faults.
-    #[arg(long, env = "UMBP_DRAM_PREFAULT", default_value_t = true, action = clap::ArgAction::Set, value_parser = parse_bool)]
+    #[arg(long, env = "UMBP_DRAM_PREFAULT", default_value_t = options::DRAM_PREFAULT.default_bool(), action = clap::ArgAction::Set, value_parser = parse_bool)]
     prefault: bool,
     /// Copy worker threads, shared by every client.
-    #[arg(long, env = "UMBP_NUM_WORKERS", default_value_t = 8)]
+    #[arg(long, env = "UMBP_NUM_WORKERS", default_value_t = DEFAULT_COPY_WORKERS)]
     workers: usize,
     /// Default transfer deadline in milliseconds (a client may ask for less or more per call).
-    #[arg(long = "timeout-ms", env = "UMBP_TIMEOUT_MS", default_value_t = 30000)]
+    #[arg(long = "timeout-ms", env = "UMBP_TIMEOUT_MS", default_value_t = options::TIMEOUT_MS.default_u64())]
     timeout_ms: u64,
     /// Mode of the socket files, octal. 0600: only this user; --allow-group makes it 0660.
-    #[arg(long = "socket-mode", env = "UMBP_SOCKET_MODE", default_value = "600", value_parser = parse_mode)]
-    socket_mode: u32,
+    #[arg(long = "socket-mode", env = "UMBP_SOCKET_MODE", default_value_t = SocketMode(DEFAULT_SOCKET_MODE), value_parser = parse_mode)]
+    socket_mode: SocketMode,
     /// Also accept clients running as this uid (repeatable). The socket mode must let them
     /// connect too.
     #[arg(long = "allow-uid", env = "UMBP_ALLOW_UIDS", value_delimiter = ',')]
@@ -83,7 +87,7 @@ struct Args {
     #[arg(
         long = "shutdown-grace-ms",
         env = "UMBP_SHUTDOWN_GRACE_MS",
-        default_value_t = 10000
+        default_value_t = millis(DEFAULT_SHUTDOWN_GRACE)
     )]
     shutdown_grace_ms: u64,
     /// Serve Prometheus metrics at http://ADDR/metrics (off by default; loopback only unless
@@ -91,7 +95,7 @@ struct Args {
     #[arg(long = "metrics-address", env = "UMBP_METRICS_ADDRESS")]
     metrics_address: Option<SocketAddr>,
     /// Allow a non-loopback --metrics-address.
-    #[arg(long = "metrics-allow-remote", default_value_t = false)]
+    #[arg(long = "metrics-allow-remote")]
     metrics_allow_remote: bool,
     /// Largest gRPC message accepted or sent, in bytes.
     #[arg(long = "max-message-bytes", env = "UMBP_MAX_MESSAGE_BYTES", default_value_t = umbp_proto::DEFAULT_MAX_MESSAGE_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=1 << 30))]
@@ -118,43 +122,98 @@ struct Args {
     remote_secret_file: Option<std::path::PathBuf>,
     /// Expiry of objects written to the remote tier, in seconds (0: none; the remote's
     /// maxmemory-policy evicts).
-    #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=315_360_000))]
+    #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = options::REMOTE_TTL_S.default_u64(), value_parser = schema_range(&options::REMOTE_TTL_S))]
     remote_ttl_s: u64,
     /// When objects go to the remote tier: eager (every stored object) or on_reuse (the second
     /// time a lookup hits it).
-    #[arg(long = "remote-write", env = "UMBP_REMOTE_WRITE", default_value = "eager", value_parser = ["eager", "on_reuse"])]
+    #[arg(long = "remote-write", env = "UMBP_REMOTE_WRITE", default_value = options::REMOTE_WRITE.default_str(), value_parser = PossibleValuesParser::new(options::REMOTE_WRITES))]
     remote_write: String,
     /// How long a lookup waits for the remote tier, in ms (also each connect and answer).
-    #[arg(long = "remote-timeout-ms", env = "UMBP_REMOTE_TIMEOUT_MS", default_value_t = umbp_core::options::REMOTE_TIMEOUT_MS.default_u64(), value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    #[arg(long = "remote-timeout-ms", env = "UMBP_REMOTE_TIMEOUT_MS", default_value_t = options::REMOTE_TIMEOUT_MS.default_u64(), value_parser = schema_range(&options::REMOTE_TIMEOUT_MS))]
     remote_timeout_ms: u64,
     /// Bytes of objects waiting to be written to the remote tier before new ones are dropped
     /// (suffixes as --capacity).
-    #[arg(long = "remote-write-backlog", env = "UMBP_REMOTE_WRITE_BACKLOG", default_value = "256MiB", value_parser = parse_bytes)]
-    remote_write_backlog: u64,
+    #[arg(long = "remote-write-backlog", env = "UMBP_REMOTE_WRITE_BACKLOG", default_value_t = schema_bytes(&options::REMOTE_WRITE_BACKLOG), value_parser = parse_bytes)]
+    remote_write_backlog: ByteCount,
     /// Upper bound of the remote tier's write rate in MB/s (0: none).
     #[arg(
         long = "remote-write-mb-per-s",
         env = "UMBP_REMOTE_WRITE_MB_PER_S",
-        default_value_t = 0
+        default_value_t = options::REMOTE_WRITE_MB_PER_S.default_u64()
     )]
     remote_write_mb_per_s: u64,
     /// GPU memory per direction for the CUDA copy path's staging slots (two slots; 2 × this
     /// per GPU the server copies for, allocated when the first client registers CUDA memory of
     /// that GPU; suffixes as --capacity). 0: the copy engines only. See docs/benchmarks.md.
-    #[arg(long = "cuda-staging-bytes", env = "UMBP_CUDA_STAGING_BYTES", default_value = "256MiB", value_parser = parse_bytes)]
-    cuda_staging_bytes: u64,
+    #[arg(long = "cuda-staging-bytes", env = "UMBP_CUDA_STAGING_BYTES", default_value_t = schema_bytes(&options::CUDA_STAGING_BYTES), value_parser = parse_bytes)]
+    cuda_staging_bytes: ByteCount,
     /// Microseconds a transfer channel's server thread watches its socket after each request
     /// and reply before it sleeps on it (0: it always sleeps). Watching spares each transfer
     /// the wake-up of a sleeping thread (tens of µs on a VM), at the cost of up to this much
     /// of one core per transfer. See docs/standalone.md.
-    #[arg(long = "busy-poll-us", env = "UMBP_BUSY_POLL_US", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    #[arg(long = "busy-poll-us", env = "UMBP_BUSY_POLL_US", default_value_t = micros(DEFAULT_BUSY_POLL), value_parser = clap::value_parser!(u64).range(0..=100_000))]
     busy_poll_us: u64,
     /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
-    #[arg(long, env = "UMBP_LOG", default_value = "info")]
+    #[arg(long, env = "UMBP_LOG", default_value = DEFAULT_LOG_FILTER)]
     log: String,
 }
 
-fn parse_bytes(s: &str) -> Result<u64, String> {
+/// The log filter without `--log` / `UMBP_LOG`, and when theirs cannot be used.
+const DEFAULT_LOG_FILTER: &str = "info";
+
+/// A byte count as the flags take it (`68719476736`, `64GiB`, `512M`) and `--help` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ByteCount(u64);
+
+impl fmt::Display for ByteCount {
+    /// The largest binary unit that divides the count exactly (`64GiB`), else plain bytes.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let units = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+        match units
+            .iter()
+            .find(|(shift, _)| self.0 != 0 && self.0.is_multiple_of(1 << shift))
+        {
+            Some((shift, unit)) => write!(f, "{}{unit}", self.0 >> shift),
+            None => write!(f, "{}", self.0),
+        }
+    }
+}
+
+/// A socket file mode, shown in octal (`600`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SocketMode(u32);
+
+impl fmt::Display for SocketMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:o}", self.0)
+    }
+}
+
+/// The default of a byte-count option of the schema.
+fn schema_bytes(spec: &OptionSpec) -> ByteCount {
+    ByteCount(spec.default_u64())
+}
+
+/// The range of an integer option of the schema, as a flag's value parser.
+///
+/// # Panics
+/// If the option is not an integer (a bug the flag tests catch).
+fn schema_range(spec: &OptionSpec) -> RangedU64ValueParser<u64> {
+    match spec.kind {
+        Kind::Int { min, max, .. } => clap::value_parser!(u64).range(min..=max),
+        _ => panic!("option `{}` is not an integer", spec.name),
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn parse_bytes(s: &str) -> Result<ByteCount, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
@@ -174,6 +233,7 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
         }
     };
     n.checked_mul(mult)
+        .map(ByteCount)
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
@@ -185,7 +245,7 @@ fn parse_bool(s: &str) -> Result<bool, String> {
     }
 }
 
-fn parse_mode(s: &str) -> Result<u32, String> {
+fn parse_mode(s: &str) -> Result<SocketMode, String> {
     let m = u32::from_str_radix(s.trim_start_matches("0o"), 8)
         .map_err(|_| format!("{s:?} is not an octal mode such as 600 or 660"))?;
     if m & !0o777 != 0 {
@@ -196,7 +256,7 @@ fn parse_mode(s: &str) -> Result<u32, String> {
     if m & 0o600 != 0o600 {
         return Err(format!("{s:?}: the owner needs read and write (6xx)"));
     }
-    Ok(m)
+    Ok(SocketMode(m))
 }
 
 fn group_id(g: &str) -> anyhow::Result<u32> {
@@ -227,8 +287,8 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
         bail!("--timeout-ms / UMBP_TIMEOUT_MS must be at least 1");
     }
     let allow_gid = a.allow_group.as_deref().map(group_id).transpose()?;
-    let mut socket_mode = a.socket_mode;
-    if allow_gid.is_some() && socket_mode == 0o600 {
+    let mut socket_mode = a.socket_mode.0;
+    if allow_gid.is_some() && socket_mode == DEFAULT_SOCKET_MODE {
         socket_mode = 0o660;
     }
     let remote_url = match (&a.remote_url, &a.remote_url_file) {
@@ -245,10 +305,12 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
         }
         (url, None) => url.clone(),
     };
-    let mut cfg = ServerConfig::new(endpoint, a.capacity);
+    let remote_write =
+        WritePolicy::parse(&a.remote_write).context("--remote-write / UMBP_REMOTE_WRITE")?;
+    let mut cfg = ServerConfig::new(endpoint, a.capacity.0);
     cfg.store = StoreConfig {
         pool: PoolConfig {
-            capacity_bytes: a.capacity,
+            capacity_bytes: a.capacity.0,
             high_watermark: a.high_watermark,
             low_watermark: a.low_watermark,
             use_hugepages: a.use_hugepages,
@@ -262,18 +324,14 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
         remote: remote_url.map(|url| RemoteConfig {
             url,
             ttl: (a.remote_ttl_s > 0).then(|| Duration::from_secs(a.remote_ttl_s)),
-            write: if a.remote_write == "on_reuse" {
-                WritePolicy::OnReuse
-            } else {
-                WritePolicy::Eager
-            },
+            write: remote_write,
             timeout: Duration::from_millis(a.remote_timeout_ms),
-            write_backlog_bytes: a.remote_write_backlog,
+            write_backlog_bytes: a.remote_write_backlog.0,
             write_bytes_per_s: a.remote_write_mb_per_s.saturating_mul(1_000_000),
             secret_file: a.remote_secret_file.clone(),
         }),
         cuda: CudaOptions {
-            staging_bytes: a.cuda_staging_bytes,
+            staging_bytes: a.cuda_staging_bytes.0,
             ..CudaOptions::default()
         },
     };
@@ -336,10 +394,10 @@ fn main() {
     let args = Args::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|e| {
         eprintln!(
-            "umbp_standalone_server: --log / UMBP_LOG {:?}: {e}; using info",
+            "umbp_standalone_server: --log / UMBP_LOG {:?}: {e}; using {DEFAULT_LOG_FILTER}",
             args.log
         );
-        tracing_subscriber::EnvFilter::new("info")
+        tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)
     });
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -373,16 +431,24 @@ fn run(args: &Args) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use umbp_core::options::DefaultValue;
 
     #[test]
     fn byte_counts_modes_and_booleans_parse() {
-        assert_eq!(parse_bytes("68719476736").unwrap(), 64 << 30);
-        assert_eq!(parse_bytes("64GiB").unwrap(), 64 << 30);
-        assert_eq!(parse_bytes("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("68719476736").unwrap(), ByteCount(64 << 30));
+        assert_eq!(parse_bytes("64GiB").unwrap(), ByteCount(64 << 30));
+        assert_eq!(parse_bytes("512M").unwrap(), ByteCount(512 << 20));
+        assert_eq!(parse_bytes("64 GiB").unwrap(), ByteCount(64 << 30));
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("5PB").is_err());
-        assert_eq!(parse_mode("600").unwrap(), 0o600);
-        assert_eq!(parse_mode("660").unwrap(), 0o660);
+        for n in [0, 1, 4095, 4096, 3 << 20, 64 << 30, 5 << 40, (1 << 40) + 1] {
+            let shown = ByteCount(n).to_string();
+            assert_eq!(parse_bytes(&shown).unwrap(), ByteCount(n), "{shown}");
+        }
+        assert_eq!(ByteCount(64 << 30).to_string(), "64GiB");
+        assert_eq!(parse_mode("600").unwrap(), SocketMode(0o600));
+        assert_eq!(parse_mode("660").unwrap(), SocketMode(0o660));
+        assert_eq!(SocketMode(0o660).to_string(), "660");
         assert!(parse_mode("644x").is_err());
         assert!(parse_mode("400").is_err());
         assert!(parse_mode("1777").is_err());
@@ -404,5 +470,148 @@ mod tests {
         assert!(format!("{:#}", config(&a).unwrap_err()).contains("watermark"));
         let a = Args::parse_from(["s", "--address", "/tmp/x.sock", "--allow-group", "0"]);
         assert_eq!(config(&a).unwrap().socket_mode, 0o660);
+    }
+
+    /// The flags that set what a connector option sets in embedded mode, and that option.
+    const SCHEMA_FLAGS: &[(&str, &OptionSpec)] = &[
+        ("capacity", &options::CAPACITY_BYTES),
+        ("high_watermark", &options::DRAM_HIGH_WATERMARK),
+        ("low_watermark", &options::DRAM_LOW_WATERMARK),
+        ("use_hugepages", &options::DRAM_USE_HUGEPAGES),
+        ("hugepage_size", &options::DRAM_HUGEPAGE_SIZE),
+        ("numa_node", &options::DRAM_NUMA_NODE),
+        ("prefault", &options::DRAM_PREFAULT),
+        ("timeout_ms", &options::TIMEOUT_MS),
+        ("remote_url", &options::REMOTE_URL),
+        ("remote_ttl_s", &options::REMOTE_TTL_S),
+        ("remote_write", &options::REMOTE_WRITE),
+        ("remote_timeout_ms", &options::REMOTE_TIMEOUT_MS),
+        ("remote_write_backlog", &options::REMOTE_WRITE_BACKLOG),
+        ("remote_write_mb_per_s", &options::REMOTE_WRITE_MB_PER_S),
+        ("cuda_staging_bytes", &options::CUDA_STAGING_BYTES),
+    ];
+
+    /// The server's own flags (no connector option sets the same thing). `workers` is one:
+    /// the server copies for every engine of the node, so it does not take `num_workers`'s
+    /// default.
+    const SERVER_FLAGS: &[&str] = &[
+        "address",
+        "workers",
+        "socket_mode",
+        "allow_uid",
+        "allow_group",
+        "shutdown_grace_ms",
+        "metrics_address",
+        "metrics_allow_remote",
+        "max_message_bytes",
+        "remote_url_file",
+        "remote_secret_file",
+        "busy_poll_us",
+        "log",
+    ];
+
+    /// Whether a flag's default text means the option's default, read as the flag reads it.
+    fn means_the_default(spec: &OptionSpec, text: &str) -> bool {
+        match spec.kind {
+            Kind::Bool => parse_bool(text) == Ok(spec.default_bool()),
+            Kind::Int {
+                unit: options::Unit::Bytes,
+                ..
+            } => parse_bytes(text) == Ok(ByteCount(spec.default_u64())),
+            Kind::Int { .. } => text.parse::<u64>() == Ok(spec.default_u64()),
+            Kind::Fraction => text.parse::<f64>() == Ok(spec.default_f64()),
+            Kind::HugepageSize => {
+                text.parse::<HugepageSize>() == spec.default_str().parse::<HugepageSize>()
+            }
+            Kind::Choice(_) | Kind::Text(_) => text == spec.default_str(),
+        }
+    }
+
+    #[test]
+    fn every_flag_defaults_to_its_schema_option_or_is_the_servers_own() {
+        use clap::CommandFactory;
+        let command = Args::command();
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" || id == "version" {
+                continue;
+            }
+            let defaults: Vec<String> = arg
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect();
+            let Some((_, spec)) = SCHEMA_FLAGS.iter().find(|(flag, _)| *flag == id) else {
+                assert!(
+                    SERVER_FLAGS.contains(&id),
+                    "--{}: add it to SCHEMA_FLAGS (with its connector option) or SERVER_FLAGS",
+                    arg.get_long().unwrap_or(id)
+                );
+                continue;
+            };
+            match spec.default {
+                DefaultValue::Unset => assert!(
+                    defaults.is_empty(),
+                    "--{id} has default {defaults:?}, option `{}` none",
+                    spec.name
+                ),
+                _ => assert!(
+                    defaults.len() == 1 && means_the_default(spec, &defaults[0]),
+                    "--{id} has default {defaults:?}, option `{}` {:?}",
+                    spec.name,
+                    spec.default
+                ),
+            }
+        }
+        for (flag, _) in SCHEMA_FLAGS {
+            assert!(
+                command.get_arguments().any(|a| a.get_id() == *flag),
+                "SCHEMA_FLAGS names --{flag}, which the server no longer has"
+            );
+        }
+    }
+
+    #[test]
+    fn range_checked_flags_take_the_schemas_range() {
+        for (flag, spec) in [
+            ("--remote-ttl-s", &options::REMOTE_TTL_S),
+            ("--remote-timeout-ms", &options::REMOTE_TIMEOUT_MS),
+        ] {
+            let Kind::Int { min, max, .. } = spec.kind else {
+                unreachable!()
+            };
+            let parses = |n: u64| Args::try_parse_from(["s", flag, &n.to_string()]).is_ok();
+            assert!(parses(min) && parses(max) && !parses(max + 1), "{flag}");
+            assert!(min == 0 || !parses(min - 1), "{flag}");
+        }
+    }
+
+    #[test]
+    fn the_default_flags_configure_the_schemas_pool() {
+        let a = Args::parse_from(["s", "--address", "/tmp/x.sock"]);
+        let c = config(&a).unwrap();
+        let pool = &c.store.pool;
+        let schema_pool = PoolConfig::default();
+        assert_eq!(
+            (pool.capacity_bytes, pool.high_watermark, pool.low_watermark),
+            (
+                schema_pool.capacity_bytes,
+                schema_pool.high_watermark,
+                schema_pool.low_watermark
+            )
+        );
+        assert_eq!(
+            (pool.use_hugepages, pool.hugepage_size, pool.prefault),
+            (
+                schema_pool.use_hugepages,
+                schema_pool.hugepage_size,
+                schema_pool.prefault
+            )
+        );
+        assert_eq!(c.store.num_workers, DEFAULT_COPY_WORKERS);
+        assert_eq!(
+            c.store.cuda.staging_bytes,
+            options::CUDA_STAGING_BYTES.default_u64()
+        );
     }
 }
