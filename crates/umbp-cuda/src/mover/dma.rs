@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use umbp_copy::{BlockCopy, MoveResult};
 
-use super::trace::Timed;
+use super::spans::Timed;
 use super::{CudaMover, Dir};
 use crate::device::{Event, Stream};
 use crate::plan::{self, Run};

@@ -30,7 +30,9 @@
 mod dma;
 mod kernels;
 mod options;
+mod spans;
 mod staged;
+mod staging;
 mod trace;
 mod wait;
 
@@ -48,9 +50,11 @@ use crate::sys::types::*;
 use crate::CudaError;
 use kernels::{load_kernels, Kernels};
 pub use options::{CopyMethod, CudaOptions};
-use staged::{device_flags, Ring, Slot, StagedHealth, DESC_BUFFERS, MAX_DESCS, STAGED_PROBE_EVERY};
-pub use trace::TraceSpan;
-use trace::Tracer;
+pub use spans::TraceSpan;
+use spans::Tracer;
+use staging::{
+    device_flags, Ring, Slot, StagedHealth, DESC_BUFFERS, MAX_DESCS, STAGED_PROBE_EVERY,
+};
 
 /// Counters of the CUDA mover.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -712,7 +716,7 @@ impl Mover for CudaMover {
             return batch;
         }
         let sms_free = self.staged_health.iter().all(|h| {
-            f64::from_bits(h.ms_per_gb.load(Ordering::Relaxed)) < staged::SMS_FREE_MS_PER_GB
+            f64::from_bits(h.ms_per_gb.load(Ordering::Relaxed)) < staging::SMS_FREE_MS_PER_GB
         });
         if sms_free {
             (batch / EDGE_SHARE).max(1)
