@@ -196,7 +196,7 @@ def test_lookup_workers_is_the_in_tree_option_name():
 
 
 # ---------------------------------------------------------------------------------------------
-# One schema (crates/umbp-core/src/options.rs) for checks, defaults, the store and the docs
+# One schema (crates/umbp-core/src/options/schema.rs) for checks, defaults, the store and the docs
 # ---------------------------------------------------------------------------------------------
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

@@ -137,7 +137,7 @@ def parse_endpoint(ep: str) -> str:
 # -- the docs' option tables ------------------------------------------------------------------
 
 SCOPES = ("shared", "embedded", "standalone")
-# Edit the schema (crates/umbp-core/src/options.rs), not the tables; then regenerate them.
+# Edit the schema (crates/umbp-core/src/options/schema.rs), not the tables; then regenerate them.
 _BEGIN = "<!-- BEGIN options:{scope} (generated: python -m umbp.vllm.config --write "
 _BEGIN += "docs/configuration.md) -->"
 _END = "<!-- END options:{scope} -->"

@@ -1,0 +1,247 @@
+//! Tests of the pool: commits and reservations, pins and lookups, namespaces, eviction
+//! (synchronous and in the background), events and closing.
+
+use std::time::Duration;
+
+use super::*;
+use umbp_core::{KeyBuilder, RankTopology};
+
+fn pool(capacity: u64, segment: u64) -> Pool {
+    Pool::new(PoolConfig {
+        segment_bytes: segment,
+        prefault: false,
+        ..PoolConfig::with_capacity(capacity)
+    })
+    .unwrap()
+}
+
+fn key(i: u64) -> BlockKey {
+    KeyBuilder::new("t", RankTopology::default())
+        .unwrap()
+        .key(0, &i.to_le_bytes())
+        .unwrap()
+}
+
+#[test]
+fn peek_pins_without_counting_a_lookup() {
+    let p = Pool::new(PoolConfig::with_capacity(64 << 20)).unwrap();
+    let (a, b) = (key(1), key(2));
+    p.put(a, &[1u8; 4096]).unwrap();
+    p.put(b, &[2u8; 4096]).unwrap();
+    let before = p.stats();
+    let o = p.peek(&a).unwrap();
+    assert_eq!(o.as_slice(), &[1u8; 4096][..]);
+    assert_eq!(p.stats().pinned, before.pinned + 1);
+    drop(o);
+    let after = p.stats();
+    assert_eq!(
+        (after.hits, after.gets, after.pinned),
+        (before.hits, before.gets, before.pinned)
+    );
+    assert!(p.peek(&key(3)).is_none());
+    assert_eq!(
+        p.stats().misses,
+        before.misses,
+        "a peek miss is no lookup miss"
+    );
+}
+
+#[test]
+fn clear_namespace_removes_only_that_namespace() {
+    let p = pool(1 << 20, 64 << 10);
+    let other = KeyBuilder::new("other", RankTopology::default()).unwrap();
+    for i in 0..20u64 {
+        p.put(key(i), &[1; 100]).unwrap();
+        p.put(other.key(0, &i.to_le_bytes()).unwrap(), &[2; 100])
+            .unwrap();
+    }
+    assert_eq!(p.clear_namespace(&key(0).namespace_id()), 20);
+    assert!((0..20).all(|i| !p.contains(&key(i))));
+    assert!((0..20u64).all(|i| p.contains(&other.key(0, &i.to_le_bytes()).unwrap())));
+    assert_eq!(p.stats().objects, 20);
+    assert_eq!(p.clear_namespace(&key(0).namespace_id()), 0);
+    assert_eq!(p.clear(), 20);
+}
+
+#[test]
+fn readers_see_only_committed_objects() {
+    let p = pool(1 << 20, 64 << 10);
+    let mut r = p.reserve(1000).unwrap();
+    r.as_mut_slice().fill(9);
+    assert!(!p.contains(&key(1)));
+    assert!(p.get(&key(1)).is_none());
+    assert_eq!(p.commit(r, key(1)), CommitOutcome::Stored);
+    let g = p.get(&key(1)).unwrap();
+    assert_eq!(g.as_slice(), &[9u8; 1000][..]);
+}
+
+#[test]
+fn first_committed_writer_wins() {
+    let p = pool(1 << 20, 64 << 10);
+    let mut a = p.reserve(10).unwrap();
+    let mut b = p.reserve(10).unwrap();
+    a.as_mut_slice().fill(1);
+    b.as_mut_slice().fill(2);
+    assert_eq!(p.commit(b, key(5)), CommitOutcome::Stored);
+    assert_eq!(p.commit(a, key(5)), CommitOutcome::AlreadyPresent);
+    assert_eq!(p.get(&key(5)).unwrap().as_slice(), &[2u8; 10]);
+    let s = p.stats();
+    assert_eq!((s.puts, s.duplicate_puts, s.objects), (1, 1, 1));
+    p.check_invariants();
+}
+
+#[test]
+fn abandoned_reservations_are_reclaimed() {
+    let p = pool(1 << 20, 64 << 10);
+    let r = p.reserve(300 << 10).unwrap();
+    assert!(p.stats().used_bytes >= 300 << 10);
+    assert_eq!(p.stats().reservations, 1);
+    drop(r);
+    let s = p.stats();
+    assert_eq!((s.used_bytes, s.reservations), (0, 0));
+}
+
+#[test]
+fn pinned_objects_survive_remove_and_clear() {
+    let p = pool(1 << 20, 64 << 10);
+    p.put(key(1), &[7; 4096]).unwrap();
+    let pin = p.get(&key(1)).unwrap();
+    assert!(p.remove(&key(1)));
+    assert!(!p.contains(&key(1)));
+    // Fill the pool: the pinned slot must not be reused.
+    for i in 10..400 {
+        let _ = p.put(key(i), &[0xEE; 4096]);
+    }
+    assert_eq!(pin.as_slice(), &[7u8; 4096][..]);
+    p.clear();
+    assert_eq!(pin.as_slice(), &[7u8; 4096][..]);
+    let used_with_pin = p.stats().used_bytes;
+    drop(pin);
+    assert_eq!(p.stats().used_bytes, used_with_pin - 4096);
+    p.check_invariants();
+}
+
+#[test]
+fn full_pool_evicts_synchronously_or_reports_full() {
+    let p = pool(1 << 20, 64 << 10);
+    for i in 0..1000 {
+        p.put(key(i), &[1; 16 << 10]).unwrap();
+    }
+    assert!(p.stats().evictions > 900);
+    // Pin everything that is left: a new object cannot fit and nothing is evictable.
+    let pins: Vec<_> = (0..1000).filter_map(|i| p.get(&key(i))).collect();
+    assert!(!pins.is_empty());
+    let mut held = Vec::new();
+    loop {
+        match p.reserve(16 << 10) {
+            Ok(r) => held.push(r),
+            Err(PoolError::Full { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let e = p.try_reserve(16 << 10).unwrap_err().to_string();
+    assert!(e.contains("pool full") && e.contains("retry"), "{e}");
+}
+
+#[test]
+fn too_large_is_distinct() {
+    let p = pool(1 << 20, 64 << 10);
+    assert!(matches!(
+        p.reserve(2 << 20),
+        Err(PoolError::TooLarge { .. })
+    ));
+    assert!(matches!(p.reserve(0), Err(PoolError::TooLarge { .. })));
+}
+
+#[test]
+fn background_eviction_brings_usage_to_low_watermark() {
+    let p = Pool::new(PoolConfig {
+        segment_bytes: 64 << 10,
+        prefault: false,
+        high_watermark: 0.5,
+        low_watermark: 0.25,
+        ..PoolConfig::with_capacity(4 << 20)
+    })
+    .unwrap();
+    for i in 0..200 {
+        p.put(key(i), &[3; 16 << 10]).unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while p.stats().used_bytes > p.capacity() / 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let s = p.stats();
+    assert!(s.used_bytes <= p.capacity() / 2, "{s:?}");
+    assert!(s.evictions > 0);
+    // The survivors are the most recently stored keys.
+    assert!(p.contains(&key(199)));
+    assert!(!p.contains(&key(0)));
+}
+
+#[test]
+fn lookups_do_not_pin_or_refresh() {
+    // A high watermark of 1.0 keeps the background evictor out: only the synchronous
+    // eviction of a full pool runs, so which keys go is decided by LRU order alone (with the
+    // defaults the evictor could drop key 0 while the pool fills, before the lookups below).
+    let p = Pool::new(PoolConfig {
+        segment_bytes: 64 << 10,
+        prefault: false,
+        high_watermark: 1.0,
+        low_watermark: 0.5,
+        ..PoolConfig::with_capacity(1 << 20)
+    })
+    .unwrap();
+    for i in 0..64 {
+        p.put(key(i), &[1; 16 << 10]).unwrap();
+    }
+    // Looking key 0 up must not save it from eviction.
+    assert!(p.exists_many(&[key(0)])[0]);
+    assert_eq!(p.prefix_hits(&[key(0), key(1), key(999)]), 2);
+    p.put(key(100), &[1; 16 << 10]).unwrap();
+    assert!(!p.contains(&key(0)));
+    assert_eq!(p.stats().pinned, 0);
+    // A pinned read does refresh: key 1 survives the next eviction, key 2 does not.
+    drop(p.get(&key(1)).unwrap());
+    p.put(key(101), &[1; 16 << 10]).unwrap();
+    assert!(p.contains(&key(1)));
+    assert!(!p.contains(&key(2)));
+}
+
+#[test]
+fn events_report_stores_and_removals() {
+    let p = pool(1 << 20, 64 << 10);
+    let rx = p.subscribe(1024);
+    p.put(key(1), &[1; 100]).unwrap();
+    p.remove(&key(1));
+    p.put(key(2), &[1; 100]).unwrap();
+    p.clear();
+    let evs: Vec<_> = rx.try_iter().collect();
+    assert_eq!(
+        evs,
+        vec![
+            PoolEvent::Stored {
+                key: key(1),
+                bytes: 100
+            },
+            PoolEvent::Removed {
+                key: key(1),
+                cause: RemoveCause::Removed
+            },
+            PoolEvent::Stored {
+                key: key(2),
+                bytes: 100
+            },
+            PoolEvent::Removed {
+                key: key(2),
+                cause: RemoveCause::Cleared
+            },
+        ]
+    );
+}
+
+#[test]
+fn closed_pool_refuses_reservations() {
+    let p = pool(1 << 20, 64 << 10);
+    p.close();
+    assert!(matches!(p.reserve(10), Err(PoolError::Closed)));
+}

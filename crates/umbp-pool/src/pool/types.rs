@@ -1,0 +1,86 @@
+//! The pool's public value types: what a commit did, the events subscribers get, and the
+//! statistics snapshot.
+
+use umbp_core::BlockKey;
+
+use crate::region::Placement;
+
+/// Why an object left the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoveCause {
+    /// Evicted to make room.
+    Evicted,
+    /// Removed by key.
+    Removed,
+    /// Removed by a clear.
+    Cleared,
+}
+
+/// A change to the set of stored keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolEvent {
+    /// An object was committed.
+    Stored {
+        /// Its key.
+        key: BlockKey,
+        /// Its size.
+        bytes: u64,
+    },
+    /// An object left the pool.
+    Removed {
+        /// Its key.
+        key: BlockKey,
+        /// Why.
+        cause: RemoveCause,
+    },
+}
+
+/// Result of a commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// This writer's object is now visible.
+    Stored,
+    /// Another writer committed the key first; this object was discarded.
+    AlreadyPresent,
+}
+
+/// A snapshot of the pool's counters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolStats {
+    /// Usable bytes.
+    pub capacity_bytes: u64,
+    /// Bytes allocated to objects and open reservations (rounded sizes).
+    pub used_bytes: u64,
+    /// Committed objects.
+    pub objects: u64,
+    /// Successful commits.
+    pub puts: u64,
+    /// Commits that lost to an earlier writer of the same key.
+    pub duplicate_puts: u64,
+    /// Pinned reads served.
+    pub gets: u64,
+    /// Keys found by lookups and reads.
+    pub hits: u64,
+    /// Keys not found by lookups and reads.
+    pub misses: u64,
+    /// Objects evicted.
+    pub evictions: u64,
+    /// Bytes committed.
+    pub bytes_in: u64,
+    /// Bytes handed to pinned readers.
+    pub bytes_out: u64,
+    /// Reservations open now.
+    pub reservations: u64,
+    /// Objects pinned now.
+    pub pinned: u64,
+    /// Events dropped because a subscriber was not keeping up.
+    pub events_dropped: u64,
+    /// Allocator segment size.
+    pub segment_bytes: u64,
+    /// Segments serving no size class.
+    pub free_segments: u64,
+    /// Bytes of index and allocator metadata.
+    pub metadata_bytes: u64,
+    /// How the memory was placed.
+    pub placement: Placement,
+}
