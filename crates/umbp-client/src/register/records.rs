@@ -217,3 +217,87 @@ impl Records {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use umbp_core::ErrorKind;
+
+    use super::*;
+
+    fn layer(base_addr: u64, num_blocks: u64) -> LayerSpec {
+        LayerSpec {
+            base_addr,
+            num_blocks,
+            block_stride: 0x100,
+            block_bytes: 0x80,
+        }
+    }
+
+    /// Two regions of generation 1: client 0 at 0x10000 (server 7), client 1 at 0x20000
+    /// (server 8), 0x1000 bytes each.
+    fn two_regions() -> Records {
+        let mut rec = Records::default();
+        assert_eq!(rec.add_region(0x10000, 0x1000, Source::Cuda, (1, 7)), 0);
+        assert_eq!(rec.add_region(0x20000, 0x1000, Source::Cuda, (1, 8)), 1);
+        rec
+    }
+
+    #[test]
+    fn layout_runs_name_the_server_regions_of_the_generation() {
+        let rec = two_regions();
+        let runs = rec
+            .layout_runs(&[vec![layer(0x20100, 4)], vec![layer(0x10000, 16)]], 1)
+            .unwrap();
+        let got: Vec<Vec<(u64, u64, u64)>> = runs
+            .iter()
+            .map(|g| {
+                g.runs
+                    .iter()
+                    .map(|r| (r.region_id, r.offset, r.num_blocks))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(got, [vec![(8, 0x100, 4)], vec![(7, 0, 16)]]);
+    }
+
+    #[test]
+    fn layout_runs_refuse_what_the_session_cannot_use() {
+        let rec = two_regions();
+        let err = |groups: Vec<Vec<LayerSpec>>, generation| {
+            rec.layout_runs(&groups, generation).unwrap_err()
+        };
+        // Of an earlier session.
+        let e = err(vec![vec![layer(0x10000, 1)]], 2);
+        assert!(matches!(e, ClientError::Unregistered(_)), "{e}");
+        assert!(e.to_string().contains("earlier session"), "{e}");
+        // Running past its region (16 blocks of 0x100 from 0x10100 end at 0x11080).
+        let e = err(vec![vec![layer(0x10100, 16)]], 1);
+        assert!(matches!(e, ClientError::Unregistered(_)), "{e}");
+        // In no region at all.
+        let e = err(vec![vec![layer(0x30000, 1)]], 1);
+        assert!(matches!(e, ClientError::Unregistered(_)), "{e}");
+        // No blocks.
+        let e = err(vec![vec![layer(0x10000, 0)]], 1);
+        assert!(matches!(e, ClientError::Invalid(_)), "{e}");
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    }
+
+    #[test]
+    fn removing_a_region_drops_its_layouts_and_keeps_ids_unused() {
+        let mut rec = two_regions();
+        let in_first = rec.add_layout(vec![vec![layer(0x10000, 2)]], vec![0x80], (1, 50));
+        let in_second = rec.add_layout(vec![vec![layer(0x20000, 2)]], vec![0x80], (1, 51));
+        assert_eq!(rec.remove_region(0).unwrap(), Some((1, 7)));
+        assert!(!rec.layouts.contains_key(&in_first));
+        assert_eq!(rec.server_layout(in_second, 1).unwrap(), 51);
+        let e = rec.server_layout(in_first, 1).unwrap_err();
+        assert!(matches!(e, ClientError::UnknownLayout(_)), "{e}");
+        let e = rec.remove_region(0).unwrap_err();
+        assert!(matches!(e, ClientError::Unregistered(_)), "{e}");
+        // Ids are not reused.
+        assert_eq!(rec.add_region(0x10000, 0x1000, Source::Cuda, (1, 9)), 2);
+        assert_eq!(rec.add_layout(vec![], vec![], (1, 52)), 2);
+        let e = rec.object_bytes(in_second, 1).unwrap_err();
+        assert!(matches!(e, ClientError::Invalid(_)), "{e}");
+    }
+}
