@@ -9,7 +9,8 @@ use umbp_proto::Endpoint;
 pub struct ClientOptions {
     /// The server's socket.
     pub endpoint: Endpoint,
-    /// How long [`StandaloneClient::connect`] waits for the server to answer.
+    /// How long [`StandaloneClient::connect`](crate::StandaloneClient::connect) waits for the
+    /// server to answer.
     pub startup_timeout: Duration,
     /// Deadline of a lookup.
     pub lookup_timeout: Duration,
