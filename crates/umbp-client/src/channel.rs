@@ -19,7 +19,8 @@ use umbp_proto::completion::REPLIED;
 use umbp_proto::{errors, v1, Endpoint, FdHeader, SECRET_BYTES};
 
 use crate::completions::Lease;
-use crate::{decode_reply, ClientError, Slot, TransferTiming};
+use crate::error::{ClientError, Result as ClientResult};
+use crate::transfer::answer::{decode_reply, KeyStatus, Slot, TransferTiming};
 // The last handle of a client may be dropped on the reader thread (with an answered
 // transfer); the client's drop copes: it is no runtime thread, and it closes this channel,
 // which this loop then reads as its end.
@@ -34,8 +35,10 @@ pub(crate) struct Pending {
     pub(crate) sent: Instant,
     pub(crate) keys: usize,
     /// Keeps the client alive until the server answers, as a gRPC transfer's task does:
-    /// dropping every handle does not cancel a transfer (its session stays attached).
-    pub(crate) _client: crate::StandaloneClient,
+    /// dropping every handle does not cancel a transfer (its session stays attached). The
+    /// client's shared state, held as `Any`: this file sits below the client and does not
+    /// name it.
+    pub(crate) _client: Arc<dyn std::any::Any + Send + Sync>,
 }
 
 /// One session's transfer channel.
@@ -237,7 +240,7 @@ impl Write for NoSigPipe<'_> {
     }
 }
 
-fn answer(p: Pending, out: crate::Result<Vec<crate::KeyStatus>>) {
+fn answer(p: Pending, out: ClientResult<Vec<KeyStatus>>) {
     p.slot.fill(out);
     if let Some(l) = p.lease {
         l.page().settle(l.slot, l.seq, REPLIED);

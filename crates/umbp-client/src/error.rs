@@ -1,4 +1,4 @@
-//! The client's one error type.
+//! The client's one error type, and its [`Result`].
 
 use std::time::Duration;
 
@@ -6,6 +6,9 @@ use thiserror::Error;
 use umbp_core::ErrorKind;
 use umbp_cuda::CudaError;
 use umbp_proto::ProtoError;
+
+/// Result of the client.
+pub type Result<T> = std::result::Result<T, ClientError>;
 
 /// Errors of the standalone client.
 #[derive(Debug, Error)]
