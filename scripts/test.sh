@@ -18,6 +18,8 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets -q -- -D warnings
+step "no file-level import cycles in any crate (scripts/check_module_cycles.py)"
+python scripts/check_module_cycles.py
 step "ruff (lint + format check)"
 ruff check python tests scripts
 ruff format --check python tests scripts
