@@ -1,7 +1,9 @@
 //! The client's transfer channel (see [`umbp_proto::channel`]): transfers written by the
 //! calling thread itself to a socket a server thread is blocked on, replies read by one reader
 //! thread of the client. gRPC stays for everything else, and for transfers whenever the
-//! channel is not there (an older server, a closed channel).
+//! channel is not there: the server refused it (at its limit of channels per session, or out
+//! of descriptors or threads), it closed, or `transfer_channel` is off. (Protocol 2 servers
+//! all open channels: a server of another version refuses to attach at all.)
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -62,7 +64,7 @@ impl std::fmt::Debug for Pending {
 
 impl TransferChannel {
     /// Opens the channel of session `session_id` at the side channel `path`; None when the
-    /// server refuses it (an older server: the reason is logged).
+    /// server refuses it (at a limit: the reason and its kind are logged).
     pub(crate) fn open(
         path: &Path,
         session_id: u64,

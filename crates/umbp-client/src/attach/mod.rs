@@ -115,7 +115,8 @@ impl StandaloneClient {
     }
 
     /// Registers the completion page in attachment `a`; the slots the server accepted, 0 when
-    /// it refused (an older server: transfers are then answered by their replies only).
+    /// it refused (the page cannot be mapped: transfers are then answered by their replies
+    /// only).
     fn register_completions(&self, a: &Attachment) -> u32 {
         let Some(c) = &self.inner.completions else {
             return 0;
