@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use prost::Message;
-use umbp_core::ErrorKind;
 use umbp_proto::channel::{encode_frame, read_frame, CHANNEL_OPENED};
 use umbp_proto::completion::REPLIED;
 use umbp_proto::{errors, v1, Endpoint, FdHeader, SECRET_BYTES};
@@ -252,15 +251,6 @@ fn answer(p: Pending, out: ClientResult<Vec<KeyStatus>>) {
 /// The error of a transfer the server failed (or refused) on the channel, by the kind it
 /// sent: the server going away is [`ClientError::Disconnected`], anything else a refusal.
 fn channel_error(endpoint: &Endpoint, r: v1::ChannelReply) -> ClientError {
-    match errors::kind_of_channel_reply(&r) {
-        ErrorKind::Unavailable => ClientError::Disconnected {
-            endpoint: endpoint.to_string(),
-            reason: r.message,
-        },
-        kind => ClientError::Refused {
-            call: "transfer",
-            kind,
-            message: r.message,
-        },
-    }
+    let kind = errors::kind_of_channel_reply(&r);
+    ClientError::from_server("transfer", endpoint, kind, r.message)
 }

@@ -181,6 +181,28 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// The error of `call` that the server (or the connection) failed with `kind` and
+    /// `message`, whatever the transport: the server or the connection gone is
+    /// [`ClientError::Disconnected`], anything else a refusal of that kind.
+    pub(crate) fn from_server(
+        call: &'static str,
+        endpoint: &umbp_proto::Endpoint,
+        kind: ErrorKind,
+        message: String,
+    ) -> ClientError {
+        match kind {
+            ErrorKind::Unavailable => ClientError::Disconnected {
+                endpoint: endpoint.to_string(),
+                reason: message,
+            },
+            kind => ClientError::Refused {
+                call,
+                kind,
+                message,
+            },
+        }
+    }
+
     /// The error's kind: what the bindings choose an exception class by, and what decides
     /// whether the client attaches again.
     pub fn kind(&self) -> ErrorKind {

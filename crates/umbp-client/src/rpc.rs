@@ -9,7 +9,6 @@ use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 use tonic::Status;
-use umbp_core::ErrorKind;
 use umbp_proto::v1::store_client::StoreClient;
 use umbp_proto::{errors, Endpoint};
 
@@ -81,17 +80,12 @@ where
 /// server sent: the server or the connection gone is [`ClientError::Disconnected`], anything
 /// else a refusal of that kind.
 pub(crate) fn status_error(call: &'static str, endpoint: &Endpoint, s: Status) -> ClientError {
-    match errors::kind_of_status(&s) {
-        ErrorKind::Unavailable => ClientError::Disconnected {
-            endpoint: endpoint.to_string(),
-            reason: s.message().to_string(),
-        },
-        kind => ClientError::Refused {
-            call,
-            kind,
-            message: s.message().to_string(),
-        },
-    }
+    ClientError::from_server(
+        call,
+        endpoint,
+        errors::kind_of_status(&s),
+        s.message().to_string(),
+    )
 }
 
 /// A gRPC channel to the server at `endpoint` over its Unix socket, connected lazily (for
