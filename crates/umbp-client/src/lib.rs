@@ -46,5 +46,5 @@ pub use options::ClientOptions;
 pub use peer::SERVER_UIDS_ENV;
 pub use register::LayoutInfo;
 pub use rpc::unix_channel;
-pub use transfer::{KeyStatus, Transfer, TransferTiming};
+pub use transfer::{Transfer, TransferTiming};
 pub use umbp_proto::v1::StatsReply as ServerStats;

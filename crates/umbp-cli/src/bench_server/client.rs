@@ -5,8 +5,8 @@ use std::io::{BufRead, Write};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use umbp_client::{ClientOptions, KeyStatus, StandaloneClient};
-use umbp_core::{KeyBuilder, RankTopology};
+use umbp_client::{ClientOptions, StandaloneClient};
+use umbp_core::{KeyBuilder, KeyOutcome, RankTopology};
 use umbp_cuda::Device;
 use umbp_proto::completion::monotonic_ns;
 use umbp_proto::Endpoint;
@@ -94,7 +94,7 @@ pub(super) fn client_main(a: &ClientArgs) -> Result<()> {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         for tr in &trs {
             let st = tr.wait(None)?;
-            if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != KeyStatus::Done) {
+            if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != KeyOutcome::Done) {
                 bail!(
                     "{} of key {i} ended {s:?}, not done",
                     if store { "store" } else { "load" }

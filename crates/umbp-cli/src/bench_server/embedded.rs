@@ -5,9 +5,9 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
-use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, RankTopology};
+use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KeyOutcome, KvLayout, RankTopology};
 use umbp_cuda::Device;
-use umbp_store::{EmbeddedStore, KeyResult, Session};
+use umbp_store::{EmbeddedStore, Session};
 
 use super::cache::{key_sets, Cache, Run, Shape};
 
@@ -99,8 +99,10 @@ impl<'s> EmbeddedRun<'s> {
                             .collect::<std::result::Result<Vec<_>, _>>()?;
                         for job in &jobs {
                             let res = job.wait(Duration::from_secs(120))?;
-                            if let Some((i, k)) =
-                                res.iter().enumerate().find(|(_, k)| **k != KeyResult::Done)
+                            if let Some((i, k)) = res
+                                .iter()
+                                .enumerate()
+                                .find(|(_, k)| **k != KeyOutcome::Done)
                             {
                                 bail!("embedded: key {i} ended {k:?}, not done");
                             }
