@@ -5,11 +5,13 @@
 //! bulk; range planning and copies happen here.
 //!
 //! Registrations, layouts and jobs belong to a [`Session`] (one client); dropping it releases
-//! them. Embedded mode is one session, which the store owns and its calls go to.
+//! them. Embedded mode is one session, which the store owns and its calls go to. A session is
+//! a [`umbp_copy::KvStore`], as the standalone client is.
 
 mod config;
 mod error;
 mod ids;
+mod kv_store;
 mod mapped;
 mod session;
 mod shared;
