@@ -32,11 +32,11 @@ from umbp.errors import (
     UmbpError,
 )
 
-#: Per-key statuses a finished job reports.
+#: Per-key statuses a finished embedded transfer reports.
 STATUSES = ("done", "already_present", "missing", "pool_full", "cancelled", "failed")
 
-#: Per-key statuses a finished standalone transfer reports ("timed_out": not done within the
-#: transfer's deadline, cancelled by the server).
+#: Per-key statuses a finished transfer of either mode may report ("timed_out", standalone
+#: only: not done within the transfer's deadline, cancelled by the server).
 TRANSFER_STATUSES = (
     "done",
     "already_present",

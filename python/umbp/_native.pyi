@@ -5,12 +5,17 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
-Status = Literal[
-    "pending", "done", "already_present", "missing", "pool_full", "cancelled", "failed"
-]
 TransferStatus = Literal[
-    "done", "already_present", "missing", "pool_full", "cancelled", "timed_out", "failed"
+    "pending",
+    "done",
+    "already_present",
+    "missing",
+    "pool_full",
+    "cancelled",
+    "timed_out",
+    "failed",
 ]
+Status = TransferStatus
 
 __version__: str
 
@@ -73,29 +78,49 @@ class KeyBuilder:
     def keys_packed(self, group: int, packed: bytes, hash_len: int) -> Keys: ...
     def key_strings(self, keys: Keys) -> list[str]: ...
 
-class Job:
-    """A transfer in flight; dropping it does not cancel it."""
+class Transfer:
+    """A store or load in flight, in either mode (`EmbeddedStore` and `StandaloneClient`
+    answer with this class; `Job` is another name of it); dropping it does not cancel it.
+
+    A standalone transfer that failed as a whole (the server could not take it, or went away
+    before answering) answers every key "failed" (kind "server"), and `failure()` says why.
+    Only a wait that runs out on a pending transfer raises."""
 
     @property
     def done(self) -> bool: ...
-    def poll(self) -> list[Status] | None: ...
-    def wait(self, timeout_ms: int | None = None) -> list[Status]: ...
-    def cancel(self) -> None: ...
+    def poll(self) -> list[TransferStatus] | None: ...
+    def wait(self, timeout_ms: int | None = None) -> list[TransferStatus]:
+        """Raises `TransferTimeout` when the transfer has not finished within `timeout_ms`
+        (default: the store's or client's `timeout_ms`); its blocks may still be written."""
+        ...
+    def cancel(self) -> None:
+        """Stops the keys not started (standalone: asks the server; raises when it cannot be
+        asked)."""
+        ...
     def errors(self) -> list[tuple[int, str]]: ...
     def failures(self) -> list[tuple[int, str, str]]:
         """(key index, kind, message) of each failed key; kind is "invalid_range",
         "size_mismatch", "pool", "device", "device_lost" (the device is unusable until the
-        process restarts) or "unsupported"."""
+        process restarts), "unsupported" or "server" (standalone: the transfer failed as a
+        whole)."""
+        ...
+    def failure(self) -> tuple[str, str] | None:
+        """Why a standalone transfer failed as a whole, `(kind, message)` with the kind of
+        `UmbpError.kind`; None otherwise (always None in embedded mode)."""
         ...
     @property
     def elapsed_s(self) -> float | None:
-        """Seconds from submission to the last key's end, once finished."""
+        """Seconds from submission to the transfer's end, once finished (standalone: through
+        the completion page to the server's job end, else to the reply; None for a transfer
+        that failed as a whole)."""
         ...
     @property
     def object_bytes(self) -> int:
         """Bytes of one key's object."""
         ...
     def __len__(self) -> int: ...
+
+Job = Transfer
 
 class EmbeddedStore:
     """A private host-DRAM pool with its copy engine."""
@@ -160,7 +185,7 @@ class EmbeddedStore:
         keys: Keys,
         *,
         stream: int | None = None,
-    ) -> Job:
+    ) -> Transfer:
         """`stream` (CUDA layouts): `torch.cuda.current_stream().cuda_stream`; the copies run
         after the work already queued on it."""
     def load(
@@ -171,7 +196,7 @@ class EmbeddedStore:
         keys: Keys,
         *,
         stream: int | None = None,
-    ) -> Job:
+    ) -> Transfer:
         """`stream` (CUDA layouts): the copies wait for the work already queued on it."""
     def evict(self, keys: Keys) -> int:
         """Drops `keys` from the pool as its eviction would (a remote tier keeps its copies);
@@ -186,38 +211,6 @@ class EmbeddedStore:
         Raises CudaError where there is no CUDA."""
     def cuda_stats(self) -> dict[str, object] | None: ...
     def wait_pool_registered(self, timeout_ms: int) -> bool: ...
-
-class Transfer:
-    """A transfer in flight on the standalone server; dropping it does not cancel it.
-
-    `poll`, `wait`, `errors` and `failures` raise the transfer's error when it failed as a
-    whole (e.g. `ServerUnavailable`: the server went away or restarted)."""
-
-    @property
-    def done(self) -> bool: ...
-    def poll(self) -> list[TransferStatus] | None: ...
-    def wait(self, timeout_ms: int | None = None) -> list[TransferStatus]:
-        """Raises `TransferTimeout` when the server has not answered within `timeout_ms`
-        (default: the transfer's deadline)."""
-        ...
-    def cancel(self) -> None:
-        """Asks the server to stop the keys not started; raises when it cannot be asked."""
-        ...
-    def errors(self) -> list[tuple[int, str]]: ...
-    def failures(self) -> list[tuple[int, str, str]]:
-        """(key index, kind, message) of each failed key; kind as `Job.failures()` names it
-        ("invalid_range", "size_mismatch", "pool", "device", "device_lost", "unsupported")."""
-        ...
-    @property
-    def elapsed_s(self) -> float | None:
-        """Seconds from the call to the transfer's end (through the completion page: to the
-        server's job end; else to the reply), once answered."""
-        ...
-    @property
-    def object_bytes(self) -> int:
-        """Bytes of one key's object."""
-        ...
-    def __len__(self) -> int: ...
 
 class StandaloneClient:
     """A client of the node's umbp_standalone_server (standalone mode).

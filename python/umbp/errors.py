@@ -24,9 +24,10 @@ Every exception has a ``kind``, the same in embedded and standalone mode for the
 ``registration``, ``session_lost``, ``unavailable``, ``closed``, ``device_lost``, ``device``,
 ``timeout``, ``transfer_failed``, ``denied``, ``resource`` or ``internal``. The class follows
 from the kind (``session_lost`` and ``unavailable`` are ``ServerUnavailable``, ...); decide on
-``e.kind`` rather than on the message's words. Per-key failures (``Job.failures()``,
-``Transfer.failures()``) name theirs with one vocabulary too: ``invalid_range``,
-``size_mismatch``, ``pool``, ``device``, ``device_lost``, ``unsupported``.
+``e.kind`` rather than on the message's words. Per-key failures (``Transfer.failures()``, in
+either mode) name theirs with one vocabulary too: ``invalid_range``, ``size_mismatch``,
+``pool``, ``device``, ``device_lost``, ``unsupported``, and ``server`` (standalone: the
+transfer failed as a whole; ``Transfer.failure()`` gives its error's kind and message).
 """
 
 from umbp._native import (

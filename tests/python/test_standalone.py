@@ -180,8 +180,14 @@ def test_a_restarted_server_is_attached_again(server):
     server.stop()
     server.start()
     buf[:] = peer.pattern(11)
-    with pytest.raises(umbp.ServerUnavailable, match="UMBP server"):
-        c.store(lid, 0, ids, after).wait()
+    # The first call finds the session gone: every key failed (the client's rule), and the
+    # transfer says why.
+    t = c.store(lid, 0, ids, after)
+    assert t.wait() == ["failed"] * peer.BLOCKS and t.done
+    kind, message = t.failure()
+    assert kind in ("unavailable", "session_lost") and "UMBP server" in message, (kind, message)
+    assert t.failures() == [(i, "server", message) for i in range(peer.BLOCKS)]
+    assert t.elapsed_s is None
     # The next call attaches again, registering the buffer and the layout again (same ids).
     assert c.store(lid, 0, ids, after).wait() == ["done"] * peer.BLOCKS
     assert c.attach_count == 2 and c.boot_id != boot and c.ping() == c.boot_id
@@ -227,12 +233,13 @@ def test_bad_input_raises_clear_errors(server, tmp_path):
     with pytest.raises(umbp.RegistrationError, match="heap neighbours"):
         c.register_memory(small.ctypes.data, small.nbytes)
     assert small.sum() == 1000
-    # The server checks block ids against the layout: the transfer fails as a whole.
+    # The server checks block ids against the layout: the transfer fails as a whole, so its
+    # key reads "failed", and `failure()` says why (the same outcome every time).
     t = c.store(lid, 0, [peer.BLOCKS + 1], k[:1])
-    with pytest.raises(umbp.ConfigError, match="block id 33 is out of range"):
-        t.wait()
-    with pytest.raises(umbp.ConfigError, match="block id 33 is out of range"):
-        t.poll()  # the same outcome every time
+    assert t.wait() == ["failed"] and t.poll() == ["failed"]
+    kind, message = t.failure()
+    assert kind == "invalid_argument" and "block id 33 is out of range" in message
+    assert t.failures() == [(0, "server", message)] and t.errors() == [(0, message)]
     assert t.done and len(t) == 1
     # Keys nobody stored are missing, key by key.
     t = c.load(lid, 0, [0, 1], peer.keys(99)[:2])

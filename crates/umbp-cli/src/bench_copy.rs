@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Result};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use serde_json::json;
-use umbp_copy::{CopyEngine, Direction, HostMover, KeyResult, MemoryKind, MemoryRegistry};
-use umbp_core::{GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RankTopology};
+use umbp_copy::{CopyEngine, Direction, HostMover, MemoryKind, MemoryRegistry};
+use umbp_core::{GroupLayout, KeyBuilder, KeyOutcome, LayerSpec, PoolConfig, RankTopology};
 use umbp_pool::Pool;
 
 use crate::common::progress;
@@ -125,7 +125,7 @@ pub fn run(a: &Args) -> Result<()> {
         let t0 = Instant::now();
         let res = job.wait(Duration::from_secs(600))?;
         let secs = t0.elapsed().as_secs_f64();
-        if let Some(bad) = res.iter().find(|r| **r != KeyResult::Done) {
+        if let Some(bad) = res.iter().find(|r| **r != KeyOutcome::Done) {
             bail!("a key did not transfer: {bad:?}");
         }
         Ok(secs)

@@ -15,13 +15,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use prost::Message;
+use umbp_core::KeyOutcome;
 use umbp_proto::channel::{encode_frame, read_frame, CHANNEL_OPENED};
 use umbp_proto::completion::REPLIED;
 use umbp_proto::{errors, v1, Endpoint, FdHeader, SECRET_BYTES};
 
 use crate::completions::Lease;
 use crate::error::{ClientError, Result as ClientResult};
-use crate::transfer::answer::{decode_reply, KeyStatus, Slot, TransferTiming};
+use crate::transfer::answer::{decode_reply, Slot, TransferTiming};
 // The last handle of a client may be dropped on the reader thread (with an answered
 // transfer); the client's drop copes: it is no runtime thread, and it closes this channel,
 // which this loop then reads as its end.
@@ -241,7 +242,7 @@ impl Write for NoSigPipe<'_> {
     }
 }
 
-fn answer(p: Pending, out: ClientResult<Vec<KeyStatus>>) {
+fn answer(p: Pending, out: ClientResult<Vec<KeyOutcome>>) {
     p.slot.fill(out);
     if let Some(l) = p.lease {
         l.page().settle(l.slot, l.seq, REPLIED);

@@ -21,6 +21,7 @@ use crate::options::ClientOptions;
 use crate::peer;
 use crate::register::records::Records;
 use crate::rpc::{self, CurrentSocket};
+use crate::transfer::FailureLog;
 
 /// What every handle of a client shares.
 #[derive(Debug)]
@@ -43,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) completions: Option<Arc<Completions>>,
     /// How long transfers take, so that callers are awake when their answer comes.
     pub(crate) eta: TransferEta,
+    /// Transfers that failed as a whole, logged at most once in a while.
+    pub(crate) transfer_failures: FailureLog,
 }
 
 impl Inner {
@@ -123,6 +126,7 @@ impl StandaloneClient {
                 socket,
                 completions,
                 eta: TransferEta::default(),
+                transfer_failures: FailureLog::default(),
             }),
         };
         c.wait_for_server()?;

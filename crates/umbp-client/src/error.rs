@@ -45,14 +45,6 @@ pub enum ClientError {
         /// The server's message.
         message: String,
     },
-    /// An error already returned to an earlier waiter of the same transfer, returned again.
-    #[error("{message}")]
-    Repeated {
-        /// The first error's kind.
-        kind: ErrorKind,
-        /// The first error's message.
-        message: String,
-    },
     /// A call did not finish in time.
     #[error("{what} did not finish within {ms} ms")]
     Timeout {
@@ -222,7 +214,7 @@ impl ClientError {
             // deadline means the server did not answer.
             ClientError::Timeout { what, .. } if *what == "transfer" => ErrorKind::Timeout,
             ClientError::Timeout { .. } => ErrorKind::Unavailable,
-            ClientError::Refused { kind, .. } | ClientError::Repeated { kind, .. } => *kind,
+            ClientError::Refused { kind, .. } => *kind,
             ClientError::Forked { .. } | ClientError::Closed => ErrorKind::Closed,
             ClientError::Cuda(e) => e.kind(),
             ClientError::ShareBadRange { .. }

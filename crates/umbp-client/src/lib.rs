@@ -22,7 +22,8 @@
 //! (exists and prefix hits) and `rpc` (the runtime, the gRPC channel and one call with a
 //! deadline). Below them: `channel` (the transfer channel), `completions` (the completion
 //! page), `eta`, `fdsend`, `peer`, `error`, and [`host_share`] (host memory shared through
-//! memfds).
+//! memfds). `kv_store` makes the client a [`umbp_copy::KvStore`], as the embedded store's
+//! session is.
 
 mod attach;
 mod channel;
@@ -32,6 +33,7 @@ mod error;
 mod eta;
 mod fdsend;
 pub mod host_share;
+mod kv_store;
 mod lookup;
 mod options;
 mod peer;
@@ -46,5 +48,5 @@ pub use options::ClientOptions;
 pub use peer::SERVER_UIDS_ENV;
 pub use register::LayoutInfo;
 pub use rpc::unix_channel;
-pub use transfer::{KeyStatus, Transfer, TransferTiming};
+pub use transfer::{Transfer, TransferTiming};
 pub use umbp_proto::v1::StatsReply as ServerStats;

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::mover::KeyResult;
+use umbp_core::KeyOutcome;
 
 /// A callback to run once with a job's results.
-pub(crate) type DoneCallback = Box<dyn FnOnce(Vec<KeyResult>) + Send + 'static>;
+pub(crate) type DoneCallback = Box<dyn FnOnce(Vec<KeyOutcome>) + Send + 'static>;
 
 /// Whether a job has finished, and everyone waiting for it: threads (on the condition
 /// variable), futures (their wakers) and callbacks.
@@ -73,7 +73,7 @@ impl Completion {
     /// they signal (a standalone client's completion page) happens before anything a waiter
     /// does next (the server's reply); a callback added meanwhile runs in the same turn. A
     /// callback that panics is logged and does not take the caller down.
-    pub(crate) fn finish(&self, results: impl Fn() -> Vec<KeyResult>) {
+    pub(crate) fn finish(&self, results: impl Fn() -> Vec<KeyOutcome>) {
         let wakers = loop {
             let callbacks = {
                 let mut w = self.inner.lock();

@@ -8,11 +8,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
-use umbp_core::{BlockKey, CopyRange, RangePlan};
+use umbp_core::{BlockKey, CopyRange, FailureKind, KeyOutcome, RangePlan};
 use umbp_pool::{CommitOutcome, Pool, PoolError};
 
 use crate::completion::Completion;
-use crate::mover::{BlockCopy, KeyFailure, KeyResult, Mover, OrderToken};
+use crate::mover::{BlockCopy, Mover, OrderToken};
 use crate::registry::{MemoryKind, MemoryRegistry, Registration};
 use crate::CopyError;
 
@@ -45,7 +45,7 @@ pub(crate) struct JobState {
     next: AtomicUsize,
     remaining: AtomicUsize,
     cancelled: AtomicBool,
-    pub(crate) results: Mutex<Vec<KeyResult>>,
+    pub(crate) results: Mutex<Vec<KeyOutcome>>,
     /// Whether the job has finished, and who waits for it (threads, futures, callbacks).
     pub(crate) completion: Completion,
     started: Instant,
@@ -92,7 +92,7 @@ pub struct JobHandle {
 
 impl JobHandle {
     /// The results, if the job has finished.
-    pub fn poll(&self) -> Option<Vec<KeyResult>> {
+    pub fn poll(&self) -> Option<Vec<KeyOutcome>> {
         if self.state.completion.is_done() {
             Some(self.state.results.lock().clone())
         } else {
@@ -106,7 +106,7 @@ impl JobHandle {
     }
 
     /// Waits up to `timeout` for the job, then returns its results or [`CopyError::Timeout`].
-    pub fn wait(&self, timeout: Duration) -> Result<Vec<KeyResult>, CopyError> {
+    pub fn wait(&self, timeout: Duration) -> Result<Vec<KeyOutcome>, CopyError> {
         if !self.state.completion.wait_until(Instant::now() + timeout) {
             return Err(CopyError::Timeout {
                 ms: timeout.as_millis() as u64,
@@ -115,7 +115,7 @@ impl JobHandle {
         Ok(self.state.results.lock().clone())
     }
 
-    /// Asks the job to stop: keys not yet started end as [`KeyResult::Cancelled`]; keys being
+    /// Asks the job to stop: keys not yet started end as [`KeyOutcome::Cancelled`]; keys being
     /// copied finish. Wait for the job before reusing its memory.
     pub fn cancel(&self) {
         self.state.cancel();
@@ -265,7 +265,7 @@ impl CopyEngine {
             next: AtomicUsize::new(0),
             remaining: AtomicUsize::new(n),
             cancelled: AtomicBool::new(false),
-            results: Mutex::new(vec![KeyResult::Pending; n]),
+            results: Mutex::new(vec![KeyOutcome::Pending; n]),
             completion: Completion::new(n == 0),
             started: Instant::now(),
             finished_after_ns: AtomicU64::new(0),
@@ -500,7 +500,7 @@ fn run_job(
             }
         };
         let results = if job.cancelled.load(Ordering::Acquire) {
-            vec![KeyResult::Cancelled; last - first]
+            vec![KeyOutcome::Cancelled; last - first]
         } else {
             match job.direction {
                 Direction::Store => store_batch(job, first..last, pool, mover, reserve, ranges),
@@ -548,23 +548,23 @@ fn store_batch(
     mover: &dyn Mover,
     reserve: &Mutex<()>,
     ranges: &mut Vec<CopyRange>,
-) -> Vec<KeyResult> {
+) -> Vec<KeyOutcome> {
     let mut results = Vec::with_capacity(keys.len());
     let mut todo = Vec::new(); // (result index, key index, reservation)
     let guard = reserve.lock();
     for i in keys {
         let r = if let Some(why) = &job.invalid[i] {
-            KeyResult::Failed(KeyFailure::InvalidRange(why.clone()))
+            KeyOutcome::failed(FailureKind::InvalidRange, why.clone())
         } else if pool.contains(&job.keys[i]) {
-            KeyResult::AlreadyPresent
+            KeyOutcome::AlreadyPresent
         } else {
             match pool.reserve(job.plan.object_bytes()) {
                 Ok(res) => {
                     todo.push((results.len(), i, res));
-                    KeyResult::Pending
+                    KeyOutcome::Pending
                 }
-                Err(PoolError::Full { .. }) => KeyResult::PoolFull,
-                Err(e) => KeyResult::Failed(KeyFailure::Pool(e.to_string())),
+                Err(PoolError::Full { .. }) => KeyOutcome::PoolFull,
+                Err(e) => KeyOutcome::failed(FailureKind::Pool, e.to_string()),
             }
         };
         results.push(r);
@@ -587,10 +587,10 @@ fn store_batch(
     for ((at, i, res), outcome) in todo.into_iter().zip(outcomes) {
         results[at] = match outcome {
             Ok(()) => match pool.commit(res, job.keys[i]) {
-                CommitOutcome::Stored => KeyResult::Done,
-                CommitOutcome::AlreadyPresent => KeyResult::AlreadyPresent,
+                CommitOutcome::Stored => KeyOutcome::Done,
+                CommitOutcome::AlreadyPresent => KeyOutcome::AlreadyPresent,
             },
-            Err(e) => KeyResult::Failed(e.into()),
+            Err(e) => KeyOutcome::Failed(e.into()),
         };
     }
     results
@@ -602,24 +602,28 @@ fn load_batch(
     pool: &Pool,
     mover: &dyn Mover,
     ranges: &mut Vec<CopyRange>,
-) -> Vec<KeyResult> {
+) -> Vec<KeyOutcome> {
     let mut results = Vec::with_capacity(keys.len());
     let mut todo = Vec::new(); // (result index, key index, pinned object)
     for i in keys {
         let r = if let Some(why) = &job.invalid[i] {
-            KeyResult::Failed(KeyFailure::InvalidRange(why.clone()))
+            KeyOutcome::failed(FailureKind::InvalidRange, why.clone())
         } else {
             match pool.get(&job.keys[i]) {
-                None => KeyResult::Missing,
+                None => KeyOutcome::Missing,
                 Some(obj) if obj.len() != job.plan.object_bytes() => {
-                    KeyResult::Failed(KeyFailure::SizeMismatch {
-                        stored: obj.len(),
-                        expected: job.plan.object_bytes(),
-                    })
+                    KeyOutcome::failed(
+                        FailureKind::SizeMismatch,
+                        format!(
+                            "stored object has {} bytes but the layout expects {}; a different layout wrote this key",
+                            obj.len(),
+                            job.plan.object_bytes()
+                        ),
+                    )
                 }
                 Some(obj) => {
                     todo.push((results.len(), i, obj));
-                    KeyResult::Pending
+                    KeyOutcome::Pending
                 }
             }
         };
@@ -641,8 +645,8 @@ fn load_batch(
     drop(after);
     for ((at, _, _obj), outcome) in todo.into_iter().zip(outcomes) {
         results[at] = match outcome {
-            Ok(()) => KeyResult::Done,
-            Err(e) => KeyResult::Failed(e.into()),
+            Ok(()) => KeyOutcome::Done,
+            Err(e) => KeyOutcome::Failed(e.into()),
         };
     }
     results

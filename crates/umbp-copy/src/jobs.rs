@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::engine::{JobHandle, JobState};
-use crate::mover::KeyResult;
+use umbp_core::KeyOutcome;
 
 /// A future that resolves to a job's results once every key has finished
 /// ([`JobHandle::finished`]). It needs no particular runtime: any executor's waker works.
@@ -31,7 +31,7 @@ pub struct JobFinished {
 }
 
 impl Future for JobFinished {
-    type Output = Vec<KeyResult>;
+    type Output = Vec<KeyOutcome>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
@@ -69,7 +69,7 @@ impl JobHandle {
     /// to a channel or wake a task); a panic in it is caught and logged. Callbacks run before
     /// the job reads as finished: inside one, `is_done()` is still false, `poll()` None, and a
     /// `wait()` on the same job would block until its timeout.
-    pub fn on_done(&self, f: impl FnOnce(Vec<KeyResult>) + Send + 'static) {
+    pub fn on_done(&self, f: impl FnOnce(Vec<KeyOutcome>) + Send + 'static) {
         if let Some(f) = self.state.completion.add_callback(Box::new(f)) {
             f(self.state.results.lock().clone());
         }
@@ -351,7 +351,7 @@ mod tests {
         let Poll::Ready(results) = Pin::new(&mut fut).poll(&mut cx) else {
             panic!("woken but not ready");
         };
-        assert_eq!(results, vec![KeyResult::Done; 20]);
+        assert_eq!(results, vec![KeyOutcome::Done; 20]);
         assert!(job.is_done());
         assert!(job.state.completion.waker_count() == 0);
     }
@@ -368,7 +368,7 @@ mod tests {
         drop(fut);
         assert!(job.state.completion.waker_count() == 0);
         rig.gate.open();
-        assert_eq!(block_on(job.finished()), vec![KeyResult::Done; 2]);
+        assert_eq!(block_on(job.finished()), vec![KeyOutcome::Done; 2]);
     }
 
     #[test]
@@ -383,7 +383,7 @@ mod tests {
         assert!(rx.try_recv().is_err(), "ran before the job finished");
         rig.gate.open();
         let (name, results) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
-        assert_eq!(results, vec![KeyResult::Done; 3]);
+        assert_eq!(results, vec![KeyOutcome::Done; 3]);
         assert_eq!(name.as_deref(), Some("umbp-copy-0"));
         assert!(matches!(
             rx.recv_timeout(Duration::from_millis(50)),
@@ -397,7 +397,7 @@ mod tests {
         rig.gate.open();
         let job = rig.store("f", &[6, 7]);
         let want = job.wait(Duration::from_secs(10)).unwrap();
-        assert_eq!(want, vec![KeyResult::Done; 2]);
+        assert_eq!(want, vec![KeyOutcome::Done; 2]);
         let (wakes, waker) = unpark_waker();
         let mut fut = job.finished();
         match Pin::new(&mut fut).poll(&mut Context::from_waker(&waker)) {
@@ -421,7 +421,7 @@ mod tests {
         let rig = Rig::new(); // the gate stays shut: nothing may reach the mover
         let job = rig.store("e", &[]);
         assert!(job.is_done());
-        assert_eq!(block_on(job.finished()), Vec::<KeyResult>::new());
+        assert_eq!(block_on(job.finished()), Vec::<KeyOutcome>::new());
         let ran = Arc::new(AtomicUsize::new(0));
         let r = Arc::clone(&ran);
         job.on_done(move |v| {
@@ -443,14 +443,14 @@ mod tests {
         rig.gate.open();
         assert_eq!(
             rx.recv_timeout(Duration::from_secs(10)).unwrap(),
-            vec![KeyResult::Done],
+            vec![KeyOutcome::Done],
             "a later callback still ran"
         );
         // The engine's only worker survived and runs the next job.
         let next = rig.store("p", &[9]);
         assert_eq!(
             next.wait(Duration::from_secs(10)).unwrap(),
-            vec![KeyResult::Done]
+            vec![KeyOutcome::Done]
         );
     }
 
@@ -481,14 +481,14 @@ mod tests {
         let r = running.poll().unwrap();
         assert_eq!(
             r[..8],
-            vec![KeyResult::Done; 8][..],
+            vec![KeyOutcome::Done; 8][..],
             "the batch in flight finished"
         );
-        assert_eq!(r[8..], vec![KeyResult::Cancelled; 8][..]);
-        assert_eq!(queued.poll().unwrap(), vec![KeyResult::Cancelled; 2]);
+        assert_eq!(r[8..], vec![KeyOutcome::Cancelled; 8][..]);
+        assert_eq!(queued.poll().unwrap(), vec![KeyOutcome::Cancelled; 2]);
         assert_eq!(
             other.wait(Duration::from_secs(10)).unwrap(),
-            vec![KeyResult::Done; 2],
+            vec![KeyOutcome::Done; 2],
             "another set's job was not cancelled"
         );
         assert!(theirs.is_empty());

@@ -5,9 +5,11 @@
 //!   that key with an error, never a crash.
 //! * [`CopyEngine`]: asynchronous store (engine memory → new pool object) and load (pool object →
 //!   engine memory) jobs over planned scatter/gather ranges, run by `num_workers` threads, with
-//!   poll / wait (with timeout) / cancel and one [`KeyResult`] per key. A job can also be
-//!   awaited ([`JobHandle::finished`], a runtime-free [`std::future::Future`]) or given a
+//!   poll / wait (with timeout) / cancel and one [`umbp_core::KeyOutcome`] per key. A job can
+//!   also be awaited ([`JobHandle::finished`], a runtime-free [`std::future::Future`]) or given a
 //!   callback ([`JobHandle::on_done`]); a [`JobSet`] cancels and waits for an owner's jobs.
+//! * [`KvStore`] and [`KvTransfer`]: the surface both modes give a process that copies its KV
+//!   cache (the embedded store's session and the standalone client implement it).
 //!
 //! The host backend moves bytes with `memcpy`. Device backends plug in behind [`Mover`].
 
@@ -15,6 +17,7 @@ mod completion;
 mod engine;
 mod error;
 mod jobs;
+mod kv_store;
 pub mod memcpy;
 mod mover;
 mod registry;
@@ -22,8 +25,6 @@ mod registry;
 pub use engine::{CopyEngine, Direction, JobHandle};
 pub use error::CopyError;
 pub use jobs::{JobFinished, JobSet};
-pub use mover::{
-    BlockCopy, HostMover, KeyFailure, KeyResult, MoveError, MoveResult, Mover, OrderToken,
-    TokenOwner,
-};
+pub use kv_store::{KvError, KvStore, KvTransfer};
+pub use mover::{BlockCopy, HostMover, MoveError, MoveResult, Mover, OrderToken, TokenOwner};
 pub use registry::{MemoryKind, MemoryRegistry, RegionId};

@@ -1,107 +1,23 @@
 //! What a [`Mover`] is given and what it answers: the blocks of one call, the submitter's
-//! [`OrderToken`], and per block `Ok` or a typed [`MoveError`]; and what a job reports per key
-//! ([`KeyResult`], with a typed [`KeyFailure`]).
+//! [`OrderToken`], and per block `Ok` or a typed [`MoveError`] (a job reports it for its key as
+//! a [`KeyOutcome::Failed`]).
 
 use std::sync::Arc;
 
-use umbp_core::{CopyRange, FailureKind, KeyOutcome};
+#[cfg(doc)]
+use umbp_core::KeyOutcome;
+use umbp_core::{CopyRange, FailureKind, KeyFailure};
 
 use crate::memcpy;
 
-/// What happened to one key of a job.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyResult {
-    /// Not finished yet.
-    Pending,
-    /// Stored, or loaded.
-    Done,
-    /// Store skipped: the key was already in the pool (or another writer committed it first).
-    AlreadyPresent,
-    /// Load failed: the key is not in the pool (never stored, or evicted).
-    Missing,
-    /// Store failed: the pool had no room even after eviction.
-    PoolFull,
-    /// Cancelled before it ran.
-    Cancelled,
-    /// Failed for another reason, kept typed (see [`KeyFailure`]).
-    Failed(KeyFailure),
-}
-
-impl KeyResult {
-    /// Whether the key's transfer succeeded (a store of a present key counts).
-    pub fn is_ok(&self) -> bool {
-        matches!(self, KeyResult::Done | KeyResult::AlreadyPresent)
-    }
-
-    /// The key's outcome in the shared vocabulary (what the bindings and the server name).
-    pub fn outcome(&self) -> KeyOutcome {
-        match self {
-            KeyResult::Pending => KeyOutcome::Pending,
-            KeyResult::Done => KeyOutcome::Done,
-            KeyResult::AlreadyPresent => KeyOutcome::AlreadyPresent,
-            KeyResult::Missing => KeyOutcome::Missing,
-            KeyResult::PoolFull => KeyOutcome::PoolFull,
-            KeyResult::Cancelled => KeyOutcome::Cancelled,
-            KeyResult::Failed(f) => KeyOutcome::Failed(f.kind()),
-        }
-    }
-}
-
-/// Why one key failed: data carried in [`KeyResult::Failed`], not an error a call returns (the
-/// crate's error is [`crate::CopyError`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyFailure {
-    /// A range of the key's block is not inside registered memory, or mixes kinds of memory
-    /// (the caller's plan or registrations are wrong; nothing was copied).
-    InvalidRange(String),
-    /// The stored object's size differs from what the layout expects (another layout wrote
-    /// this key).
-    SizeMismatch {
-        /// Bytes of the stored object.
-        stored: u64,
-        /// Bytes the layout's blocks have.
-        expected: u64,
-    },
-    /// The pool refused for a reason other than being full.
-    Pool(String),
-    /// The mover failed to copy the block.
-    Move(MoveError),
-}
-
-impl std::fmt::Display for KeyFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            KeyFailure::InvalidRange(m) | KeyFailure::Pool(m) => f.write_str(m),
-            KeyFailure::SizeMismatch { stored, expected } => write!(
-                f,
-                "stored object has {stored} bytes but the layout expects {expected}; a different layout wrote this key"
-            ),
-            KeyFailure::Move(e) => e.fmt(f),
-        }
-    }
-}
-
-impl KeyFailure {
-    /// The failure's kind in the shared vocabulary.
-    pub fn kind(&self) -> FailureKind {
-        match self {
-            KeyFailure::InvalidRange(_) => FailureKind::InvalidRange,
-            KeyFailure::SizeMismatch { .. } => FailureKind::SizeMismatch,
-            KeyFailure::Pool(_) => FailureKind::Pool,
-            KeyFailure::Move(MoveError::DeviceLost { .. }) => FailureKind::DeviceLost,
-            KeyFailure::Move(MoveError::Device(_)) => FailureKind::Device,
-            KeyFailure::Move(MoveError::Unsupported(_)) => FailureKind::Unsupported,
-        }
-    }
-}
-
 impl From<MoveError> for KeyFailure {
     fn from(e: MoveError) -> Self {
-        KeyFailure::Move(e)
+        KeyFailure::new(e.failure_kind(), e.to_string())
     }
 }
 
-/// Why a mover could not copy a block (per block, in a mover's answer; see [`KeyFailure`]).
+/// Why a mover could not copy a block (per block, in a mover's answer; its key then fails with
+/// [`KeyFailure`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MoveError {
     /// The device failed in a way that lasts: every later call on its context fails too (CUDA's
@@ -136,6 +52,15 @@ impl MoveError {
     /// Whether the device this error came from is unusable from now on.
     pub fn is_device_lost(&self) -> bool {
         matches!(self, MoveError::DeviceLost { .. })
+    }
+
+    /// The failure its key reports.
+    pub fn failure_kind(&self) -> FailureKind {
+        match self {
+            MoveError::DeviceLost { .. } => FailureKind::DeviceLost,
+            MoveError::Device(_) => FailureKind::Device,
+            MoveError::Unsupported(_) => FailureKind::Unsupported,
+        }
     }
 }
 
@@ -347,8 +272,11 @@ mod tests {
             device: "CUDA device 0".into(),
             message: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
         });
-        let range = KeyFailure::InvalidRange("range 0x10+4 is outside registered memory".into());
-        assert!(matches!(&lost, KeyFailure::Move(m) if m.is_device_lost()));
+        let range = KeyFailure::new(
+            FailureKind::InvalidRange,
+            "range 0x10+4 is outside registered memory",
+        );
+        assert_eq!(lost.kind, FailureKind::DeviceLost);
         assert!(lost.to_string().contains("restarts"), "{lost}");
         assert_ne!(lost, range);
     }

@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use umbp_copy::{
-    CopyEngine, CopyError, Direction, HostMover, KeyResult, MemoryKind, MemoryRegistry, MoveResult,
+    CopyEngine, CopyError, Direction, HostMover, MemoryKind, MemoryRegistry, MoveResult,
     OrderToken, TokenOwner,
 };
 use umbp_core::{
-    BlockKey, GroupLayout, KeyBuilder, LayerSpec, PoolConfig, RangePlan, RankTopology,
+    BlockKey, GroupLayout, KeyBuilder, KeyOutcome, LayerSpec, PoolConfig, RangePlan, RankTopology,
 };
 use umbp_pool::Pool;
 
@@ -109,7 +109,7 @@ fn store_then_load_round_trips_random_blocks() {
         )
         .unwrap();
     let res = job.wait(Duration::from_secs(10)).unwrap();
-    assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
+    assert!(res.iter().all(|r| *r == KeyOutcome::Done), "{res:?}");
     // Load into other block ids of the destination cache.
     let targets: Vec<u64> = chosen.iter().map(|b| BLOCKS - 1 - b).collect();
     let job = engine
@@ -119,7 +119,7 @@ fn store_then_load_round_trips_random_blocks() {
         .wait(Duration::from_secs(10))
         .unwrap()
         .iter()
-        .all(KeyResult::is_ok));
+        .all(KeyOutcome::is_ok));
     for (b, t) in chosen.iter().zip(&targets) {
         assert_eq!(src.block_bytes(*b), dst.block_bytes(*t), "block {b}");
     }
@@ -157,11 +157,11 @@ fn a_layout_partly_outside_registered_memory_fails_only_the_blocks_outside() {
         .unwrap()
         .wait(Duration::from_secs(5))
         .unwrap();
-    assert_eq!(res[0], KeyResult::Done);
-    assert_eq!(res[2], KeyResult::Done);
+    assert_eq!(res[0], KeyOutcome::Done);
+    assert_eq!(res[2], KeyOutcome::Done);
     for r in [&res[1], &res[3]] {
         assert!(
-            matches!(r, KeyResult::Failed(m) if m.to_string().contains("outside registered memory")),
+            matches!(r, KeyOutcome::Failed(m) if m.to_string().contains("outside registered memory")),
             "{res:?}"
         );
     }
@@ -188,12 +188,12 @@ fn one_bad_key_does_not_fail_its_siblings() {
         .unwrap()
         .wait(Duration::from_secs(5))
         .unwrap();
-    assert_eq!(res[0], KeyResult::Done);
+    assert_eq!(res[0], KeyOutcome::Done);
     assert!(
-        matches!(&res[1], KeyResult::Failed(m) if m.to_string().contains("outside registered memory")),
+        matches!(&res[1], KeyOutcome::Failed(m) if m.to_string().contains("outside registered memory")),
         "{res:?}"
     );
-    assert_eq!(res[2], KeyResult::Done);
+    assert_eq!(res[2], KeyOutcome::Done);
     // Loading: the missing key reports Missing, the others load; storing again is skipped.
     let res = engine
         .submit(
@@ -206,14 +206,14 @@ fn one_bad_key_does_not_fail_its_siblings() {
         .unwrap();
     assert_eq!(
         res,
-        vec![KeyResult::Done, KeyResult::Missing, KeyResult::Done]
+        vec![KeyOutcome::Done, KeyOutcome::Missing, KeyOutcome::Done]
     );
     let res = engine
         .submit(Direction::Store, ks, src.layout.plan(&[0, 1, 2]).unwrap())
         .unwrap()
         .wait(Duration::from_secs(5))
         .unwrap();
-    assert_eq!(res[0], KeyResult::AlreadyPresent);
+    assert_eq!(res[0], KeyOutcome::AlreadyPresent);
 }
 
 #[test]
@@ -235,7 +235,7 @@ fn size_mismatch_and_bad_arguments_are_errors() {
         .wait(Duration::from_secs(5))
         .unwrap();
     assert!(
-        matches!(&res[0], KeyResult::Failed(m) if m.to_string().contains("layout")),
+        matches!(&res[0], KeyOutcome::Failed(m) if m.to_string().contains("layout")),
         "{res:?}"
     );
     let e = engine
@@ -267,10 +267,10 @@ fn cancel_and_timeout() {
     last.cancel();
     let res = last.wait(Duration::from_secs(30)).unwrap();
     assert!(
-        res.contains(&KeyResult::Cancelled),
+        res.contains(&KeyOutcome::Cancelled),
         "cancelled keys are reported"
     );
-    assert!(res.iter().all(|r| *r != KeyResult::Pending));
+    assert!(res.iter().all(|r| *r != KeyOutcome::Pending));
     // A zero timeout on an unfinished job is a Timeout error that says it is still running.
     let ks = keys(&kb, &blocks);
     let h = engine
@@ -410,7 +410,7 @@ fn device_memory_jobs_use_their_devices_mover_and_drop_their_token() {
         .unwrap()
         .wait(Duration::from_secs(10))
         .unwrap();
-    assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
+    assert!(res.iter().all(|r| *r == KeyOutcome::Done), "{res:?}");
     let targets: Vec<u64> = blocks.iter().map(|b| b + 20).collect();
     let job = engine
         .submit_after(
@@ -421,7 +421,7 @@ fn device_memory_jobs_use_their_devices_mover_and_drop_their_token() {
         )
         .unwrap();
     let res = job.wait(Duration::from_secs(10)).unwrap();
-    assert!(res.iter().all(|r| *r == KeyResult::Done), "{res:?}");
+    assert!(res.iter().all(|r| *r == KeyOutcome::Done), "{res:?}");
     for (b, t) in blocks.iter().zip(&targets) {
         assert_eq!(src.block_bytes(*b), dst.block_bytes(*t));
     }
@@ -449,9 +449,9 @@ fn device_memory_jobs_use_their_devices_mover_and_drop_their_token() {
         .unwrap()
         .wait(Duration::from_secs(5))
         .unwrap();
-    assert_eq!(res[0], KeyResult::Done);
+    assert_eq!(res[0], KeyOutcome::Done);
     assert!(
-        matches!(&res[1], KeyResult::Failed(m) if m.to_string().contains("one kind")),
+        matches!(&res[1], KeyOutcome::Failed(m) if m.to_string().contains("one kind")),
         "{res:?}"
     );
     for id in ids {

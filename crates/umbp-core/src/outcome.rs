@@ -5,8 +5,9 @@
 //!   transfer-channel reply, a word of a side-channel refusal), the client reads it back, and
 //!   the bindings choose a Python exception class from it in one place. Decisions (is the
 //!   session lost? should the client attach again?) read the kind, never a message's words.
-//! * [`KeyOutcome`] and [`FailureKind`]: what happened to one key of a transfer, named the same
-//!   way by the embedded store, the server, the client and the bindings.
+//! * [`KeyOutcome`], [`KeyFailure`] and [`FailureKind`]: what happened to one key of a
+//!   transfer, the one type the copy engine, the embedded store, the server, the client and the
+//!   bindings all answer with.
 //!
 //! The numbers are wire values: never reuse one; add new kinds at the end.
 
@@ -126,17 +127,21 @@ pub enum FailureKind {
     DeviceLost,
     /// The mover cannot copy this block (memory of another device, too large a block).
     Unsupported,
+    /// Standalone mode: the transfer failed as a whole, so every key did (the server went away
+    /// before answering, refused the transfer, or could not take it); the message says why.
+    Server,
 }
 
 impl FailureKind {
     /// Every failure kind.
-    pub const ALL: [FailureKind; 6] = [
+    pub const ALL: [FailureKind; 7] = [
         FailureKind::InvalidRange,
         FailureKind::SizeMismatch,
         FailureKind::Pool,
         FailureKind::Device,
         FailureKind::DeviceLost,
         FailureKind::Unsupported,
+        FailureKind::Server,
     ];
 
     /// The failure's name, on the wire and in Python (`Job.errors()`, `Transfer.errors()`).
@@ -148,6 +153,7 @@ impl FailureKind {
             FailureKind::Device => "device",
             FailureKind::DeviceLost => "device_lost",
             FailureKind::Unsupported => "unsupported",
+            FailureKind::Server => "server",
         }
     }
 
@@ -164,6 +170,7 @@ impl FailureKind {
             FailureKind::Pool => ErrorKind::Internal,
             FailureKind::Device => ErrorKind::Device,
             FailureKind::DeviceLost => ErrorKind::DeviceLost,
+            FailureKind::Server => ErrorKind::TransferFailed,
         }
     }
 }
@@ -174,14 +181,40 @@ impl std::fmt::Display for FailureKind {
     }
 }
 
+/// Why one key failed: its [`FailureKind`] and, in words, what happened (the message Python's
+/// `failures()` and `errors()` give).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyFailure {
+    /// Why, in one word.
+    pub kind: FailureKind,
+    /// Why, in words.
+    pub message: String,
+}
+
+impl KeyFailure {
+    /// A failure of kind `kind` saying `message`.
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> KeyFailure {
+        KeyFailure {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for KeyFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 /// What happened to one key of a transfer, in either mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum KeyOutcome {
     /// Not finished yet.
     Pending,
     /// Stored, or loaded.
     Done,
-    /// Store skipped: the key was already in the pool.
+    /// Store skipped: the key was already in the pool (or another writer committed it first).
     AlreadyPresent,
     /// Load failed: the key is not in the pool (never stored, or evicted).
     Missing,
@@ -192,12 +225,17 @@ pub enum KeyOutcome {
     /// Not done within the transfer's deadline (then cancelled).
     TimedOut,
     /// Failed, for the reason named.
-    Failed(FailureKind),
+    Failed(KeyFailure),
 }
 
 impl KeyOutcome {
+    /// A failure of kind `kind` saying `message`.
+    pub fn failed(kind: FailureKind, message: impl Into<String>) -> KeyOutcome {
+        KeyOutcome::Failed(KeyFailure::new(kind, message))
+    }
+
     /// The outcome's name, as Python's `poll()`/`wait()` return it.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             KeyOutcome::Pending => "pending",
             KeyOutcome::Done => "done",
@@ -211,9 +249,25 @@ impl KeyOutcome {
     }
 
     /// Whether the key's transfer succeeded (a store of a present key counts).
-    pub fn is_ok(self) -> bool {
+    pub fn is_ok(&self) -> bool {
         matches!(self, KeyOutcome::Done | KeyOutcome::AlreadyPresent)
     }
+
+    /// Why the key failed, when it did.
+    pub fn failure(&self) -> Option<&KeyFailure> {
+        match self {
+            KeyOutcome::Failed(f) => Some(f),
+            _ => None,
+        }
+    }
+}
+
+/// The failed keys of `outcomes`: `(index, failure)`, in key order.
+pub fn failures(outcomes: &[KeyOutcome]) -> impl Iterator<Item = (usize, &KeyFailure)> {
+    outcomes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, o)| o.failure().map(|f| (i, f)))
 }
 
 #[cfg(test)]
@@ -240,7 +294,15 @@ mod tests {
             assert_eq!(FailureKind::from_name(k.name()), Some(k));
         }
         assert_eq!(FailureKind::from_name("move"), None);
-        assert_eq!(KeyOutcome::Failed(FailureKind::DeviceLost).name(), "failed");
+        let lost = KeyOutcome::failed(FailureKind::DeviceLost, "gone");
+        assert_eq!(lost.name(), "failed");
+        assert_eq!(
+            lost.failure().map(|f| f.kind),
+            Some(FailureKind::DeviceLost)
+        );
+        let all = [KeyOutcome::Done, lost.clone(), KeyOutcome::Missing];
+        let failed: Vec<_> = failures(&all).map(|(i, f)| (i, f.to_string())).collect();
+        assert_eq!(failed, [(1, "gone".to_string())]);
         assert!(KeyOutcome::AlreadyPresent.is_ok());
         assert!(!KeyOutcome::TimedOut.is_ok());
     }

@@ -33,8 +33,6 @@ pub(crate) enum Error {
     Lookup(LookupError),
     /// The standalone client failed; the class depends on how ([`client_class`]).
     Client(ClientError),
-    /// An error already classified, kept to be raised again (a transfer's outcome).
-    Raised(Raised),
     /// A native object used in a forked child of the process that made it.
     Forked {
         /// What it is ("store", "job", ...).
@@ -82,30 +80,6 @@ impl From<LookupError> for Error {
 impl From<ClientError> for Error {
     fn from(e: ClientError) -> Self {
         Error::Client(e)
-    }
-}
-
-impl From<Raised> for Error {
-    fn from(r: Raised) -> Self {
-        Error::Raised(r)
-    }
-}
-
-/// An error's kind and message, cloneable: what an outcome read more than once raises each
-/// time.
-#[derive(Debug, Clone)]
-pub(crate) struct Raised {
-    kind: ErrorKind,
-    message: String,
-}
-
-impl Raised {
-    /// The kind and message of a client error.
-    pub(crate) fn of(e: &ClientError) -> Raised {
-        Raised {
-            kind: e.kind(),
-            message: e.to_string(),
-        }
     }
 }
 
@@ -300,7 +274,6 @@ impl From<Error> for PyErr {
             Error::Store(e) => (e.kind(), None, e.to_string()),
             Error::Lookup(e) => (e.kind(), Some(Class::LookupService), e.to_string()),
             Error::Client(e) => (e.kind(), None, e.to_string()),
-            Error::Raised(r) => (r.kind, None, r.message),
             Error::Forked { what, parent } => (
                 ErrorKind::Closed,
                 None,

@@ -7,10 +7,11 @@
 //!
 //! - [`errors`]: the error type, the exception classes and the conversion between them.
 //! - [`keys`]: `Keys` and `KeyBuilder`.
-//! - [`store`]: `EmbeddedStore` and `Job`.
+//! - [`store`]: `EmbeddedStore`, the embedded store.
 //! - [`lookup`]: `LookupServer`, `LookupClient` and `socket_path`.
-//! - [`standalone`]: `StandaloneClient` and `Transfer`, the standalone server's client (its
-//!   runtime is made by the constructor).
+//! - [`standalone`]: `StandaloneClient`, the standalone server's client (its runtime is made
+//!   by the constructor).
+//! - [`transfer`]: `Transfer` (also named `Job`), a store or load of either mode.
 //! - [`options`]: the connector options' schema and validation.
 //! - [`lifecycle`]: the GIL, forked children, drops and closing at exit.
 
@@ -23,6 +24,7 @@ mod lookup;
 mod options;
 mod standalone;
 mod store;
+mod transfer;
 
 /// Memory this process may still use, `(bytes, what limits it)`: the host's `MemAvailable`, or
 /// less where its memory cgroup (v2 or v1) has less room; None when neither can be read.
@@ -45,13 +47,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .import("atexit")?
         .call_method1("register", (m.getattr("_close_all")?,))?;
     m.add_class::<store::EmbeddedStore>()?;
-    m.add_class::<store::Job>()?;
+    m.add_class::<transfer::Transfer>()?;
+    // The name embedded mode's transfers had: the same class.
+    m.add("Job", m.py().get_type::<transfer::Transfer>())?;
     m.add_class::<keys::KeyBuilder>()?;
     m.add_class::<keys::Keys>()?;
     m.add_class::<lookup::LookupServer>()?;
     m.add_class::<lookup::LookupClient>()?;
     m.add_class::<standalone::StandaloneClient>()?;
-    m.add_class::<standalone::Transfer>()?;
     m.add_function(wrap_pyfunction!(lookup::socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(memory_available, m)?)?;
     options::register(m)?;

@@ -1,4 +1,5 @@
-//! The client of the standalone server (`StandaloneClient`) and its transfers (`Transfer`).
+//! The client of the standalone server (`StandaloneClient`); its transfers are
+//! [`crate::transfer::Transfer`]s.
 //!
 //! The same store / load / exists surface as `EmbeddedStore`, served by a
 //! `umbp_standalone_server` on the node: memory is registered with the server (host memory by
@@ -15,161 +16,19 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use umbp_client::{
-    ClientError, ClientOptions, KeyStatus, ServerStats, StandaloneClient as CoreClient,
+    ClientError, ClientOptions, ServerStats, StandaloneClient as CoreClient,
     Transfer as CoreTransfer,
 };
 use umbp_core::{KvLayout, LayerSpec, LayoutSummary, RankTopology};
 use umbp_proto::Endpoint;
 
-use crate::errors::{Error, Raised, Result};
+use crate::errors::{Error, Result};
 use crate::keys::Keys;
 use crate::lifecycle::{track_client, without_gil, ReleaseGilOnDrop};
 use crate::store::{
     layout_from_tensors, layout_from_tuples, summary_dicts, to_u64s, LayerTuple, TensorSpec,
 };
-
-/// A transfer's outcome: per-key statuses, or why the transfer failed as a whole.
-type Outcome = std::result::Result<Vec<KeyStatus>, Raised>;
-
-/// A transfer in flight on the standalone server. Dropping it does not cancel it.
-#[pyclass(module = "umbp._native", frozen)]
-pub(crate) struct Transfer {
-    /// Holds a handle of the client: dropped with the GIL released, leaked in a forked child.
-    inner: ReleaseGilOnDrop<CoreTransfer>,
-    keys: usize,
-    /// Bytes of one key's object (0 when the layout is unknown: the transfer then fails).
-    object_bytes: u64,
-    /// The outcome once read, so that every read gives the same one (the client hands a
-    /// failure's typed error to its first reader only).
-    outcome: Mutex<Option<Outcome>>,
-}
-
-impl Transfer {
-    /// The outcome if the server has answered (never blocks for long: the lock is only held
-    /// to read or record it).
-    fn outcome(&self) -> Result<Option<Outcome>> {
-        let t = self.inner.live("transfer")?;
-        let mut o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        if o.is_none() {
-            *o = t.poll().map(|r| r.map_err(|e| Raised::of(&e)));
-        }
-        Ok(o.clone())
-    }
-
-    /// Records the outcome a wait returned, unless one was read first.
-    fn record(&self, r: Outcome) -> Outcome {
-        let mut o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
-        o.get_or_insert(r).clone()
-    }
-}
-
-fn names(statuses: &[KeyStatus]) -> Vec<&'static str> {
-    statuses.iter().map(KeyStatus::name).collect()
-}
-
-#[pymethods]
-impl Transfer {
-    /// Per-key statuses once the server has answered, else None. Never blocks. Raises when the
-    /// transfer failed as a whole (e.g. `ServerUnavailable`: the server went away).
-    fn poll(&self) -> Result<Option<Vec<&'static str>>> {
-        match self.outcome()? {
-            None => Ok(None),
-            Some(Ok(s)) => Ok(Some(names(&s))),
-            Some(Err(e)) => Err(e.into()),
-        }
-    }
-
-    /// Whether the server has answered.
-    #[getter]
-    fn done(&self) -> Result<bool> {
-        Ok(self.inner.live("transfer")?.is_done())
-    }
-
-    /// Waits (GIL released) up to `timeout_ms` (default: the transfer's deadline, the
-    /// client's `timeout_ms`) and returns per-key statuses; raises `TransferTimeout` when the
-    /// server has not answered yet, and the transfer's error when it failed as a whole.
-    #[pyo3(signature = (timeout_ms=None))]
-    fn wait(&self, py: Python<'_>, timeout_ms: Option<u64>) -> Result<Vec<&'static str>> {
-        if let Some(o) = self.outcome()? {
-            return Ok(names(&o?));
-        }
-        let t = self.inner.live("transfer")?;
-        let r = without_gil(py, || t.wait(timeout_ms.map(Duration::from_millis)));
-        let o = match r {
-            Err(e @ ClientError::Timeout { .. }) => return Err(e.into()),
-            Ok(s) => self.record(Ok(s)),
-            Err(e) => self.record(Err(Raised::of(&e))),
-        };
-        Ok(names(&o?))
-    }
-
-    /// Asks the server (GIL released) to stop the keys that have not started (they end
-    /// "cancelled"); wait for the answer before reusing the blocks' memory. Nothing to do once
-    /// answered; raises when the server cannot be asked.
-    fn cancel(&self, py: Python<'_>) -> Result<()> {
-        let t = self.inner.live("transfer")?;
-        Ok(without_gil(py, || t.cancel())?)
-    }
-
-    /// Seconds from the call to the end of the transfer, once answered (else None): to the
-    /// server plus the server's part when the completion page answered (its time to the job's
-    /// end: not when this client happened to look), else the round trip to the reply.
-    #[getter]
-    fn elapsed_s(&self) -> Result<Option<f64>> {
-        let t = self.inner.live("transfer")?;
-        Ok(t.timing().map(|t| match t.to_server {
-            Some(to) if t.completion_page => (to + t.server).as_secs_f64(),
-            _ => t.round_trip.as_secs_f64(),
-        }))
-    }
-
-    /// Bytes of one key's object.
-    #[getter]
-    fn object_bytes(&self) -> u64 {
-        self.object_bytes
-    }
-
-    /// Messages of keys that ended "failed", by key index (empty until answered).
-    fn errors(&self) -> Result<Vec<(usize, String)>> {
-        Ok(self
-            .failures()?
-            .into_iter()
-            .map(|(i, _, m)| (i, m))
-            .collect())
-    }
-
-    /// Keys that ended "failed", by key index, with why in one word (the words of
-    /// `Job.failures`: "invalid_range", "size_mismatch", "pool", "device", "device_lost",
-    /// "unsupported") and in words (empty until answered).
-    fn failures(&self) -> Result<Vec<(usize, &'static str, String)>> {
-        let Some(o) = self.outcome()? else {
-            return Ok(Vec::new());
-        };
-        Ok(o?
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, s)| match s {
-                KeyStatus::Failed { kind, message } => Some((i, kind.name(), message)),
-                _ => None,
-            })
-            .collect())
-    }
-
-    fn __len__(&self) -> usize {
-        self.keys
-    }
-
-    fn __repr__(&self) -> String {
-        let state = if self.inner.forked() {
-            "of the parent process"
-        } else if self.inner.is_done() {
-            "answered"
-        } else {
-            "in flight"
-        };
-        format!("<umbp.Transfer of {} keys, {state}>", self.keys)
-    }
-}
+use crate::transfer::Transfer;
 
 /// A client of the node's `umbp_standalone_server` (standalone mode).
 #[pyclass(module = "umbp._native", frozen)]
@@ -588,11 +447,6 @@ impl StandaloneClient {
             }?;
             Ok((t, object_bytes))
         })?;
-        Ok(Transfer {
-            inner: ReleaseGilOnDrop::new(t),
-            keys: n,
-            object_bytes,
-            outcome: Mutex::new(None),
-        })
+        Ok(Transfer::standalone(t, n, object_bytes))
     }
 }

@@ -1,11 +1,11 @@
-//! The embedded store (`EmbeddedStore`) and its transfers (`Job`).
+//! The embedded store (`EmbeddedStore`); its transfers are [`crate::transfer::Transfer`]s.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use umbp_copy::{Direction, JobHandle, KeyResult};
+use umbp_copy::{Direction, JobHandle};
 use umbp_core::{
     GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary, MemoryBacking, PoolConfig,
     TensorView,
@@ -17,97 +17,8 @@ use umbp_store::{
 
 use crate::errors::{Error, Result};
 use crate::keys::Keys;
-use crate::lifecycle::{bulk, track_store, without_gil, Origin, ReleaseGilOnDrop};
-
-/// The key's outcome's name (the vocabulary both modes share).
-fn status(r: &KeyResult) -> &'static str {
-    r.outcome().name()
-}
-
-/// A transfer in flight. Dropping it does not cancel it.
-#[pyclass(module = "umbp._native", frozen)]
-pub(crate) struct Job {
-    handle: JobHandle,
-    timeout: Duration,
-    /// A forked child cannot wait for the parent's copy threads.
-    origin: Origin,
-}
-
-#[pymethods]
-impl Job {
-    /// Per-key statuses once finished, else None. Never blocks.
-    fn poll(&self) -> Option<Vec<&'static str>> {
-        self.handle.poll().map(|r| r.iter().map(status).collect())
-    }
-
-    /// Whether the transfer has finished.
-    #[getter]
-    fn done(&self) -> bool {
-        self.handle.is_done()
-    }
-
-    /// Waits (GIL released) up to `timeout_ms` (default: the store's `timeout_ms`) and returns
-    /// per-key statuses; raises `TransferTimeout` when the job is still running.
-    #[pyo3(signature = (timeout_ms=None))]
-    fn wait(&self, py: Python<'_>, timeout_ms: Option<u64>) -> Result<Vec<&'static str>> {
-        self.origin.check("job")?;
-        let t = timeout_ms.map_or(self.timeout, Duration::from_millis);
-        let h = self.handle.clone();
-        let r = without_gil(py, move || h.wait(t))?;
-        Ok(r.iter().map(status).collect())
-    }
-
-    /// Stops keys that have not started (they end as "cancelled").
-    fn cancel(&self) {
-        self.handle.cancel();
-    }
-
-    /// Seconds from submission to the end of the last key, once finished (else None).
-    #[getter]
-    fn elapsed_s(&self) -> Option<f64> {
-        self.handle.elapsed().map(|d| d.as_secs_f64())
-    }
-
-    /// Bytes of one key's object.
-    #[getter]
-    fn object_bytes(&self) -> u64 {
-        self.handle.object_bytes()
-    }
-
-    /// Messages of keys that ended "failed", by key index (empty until finished).
-    fn errors(&self) -> Vec<(usize, String)> {
-        self.handle
-            .poll()
-            .unwrap_or_default()
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, r)| match r {
-                KeyResult::Failed(m) => Some((i, m.to_string())),
-                _ => None,
-            })
-            .collect()
-    }
-
-    /// Keys that ended "failed", by key index, with why in one word and in words: the word is
-    /// "invalid_range", "size_mismatch", "pool", "device" (one device call failed),
-    /// "device_lost" (the device is unusable until the process restarts) or "unsupported".
-    fn failures(&self) -> Vec<(usize, &'static str, String)> {
-        self.handle
-            .poll()
-            .unwrap_or_default()
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, r)| match r {
-                KeyResult::Failed(f) => Some((i, f.kind().name(), f.to_string())),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn __len__(&self) -> usize {
-        self.handle.len()
-    }
-}
+use crate::lifecycle::{bulk, track_store, without_gil, ReleaseGilOnDrop};
+use crate::transfer::Transfer;
 
 /// A private host-DRAM pool with its copy engine (embedded mode).
 #[pyclass(module = "umbp._native", frozen)]
@@ -386,7 +297,7 @@ impl EmbeddedStore {
         block_ids: Vec<i64>,
         keys: &Keys,
         stream: Option<u64>,
-    ) -> Result<Job> {
+    ) -> Result<Transfer> {
         self.start(
             py,
             Direction::Store,
@@ -409,7 +320,7 @@ impl EmbeddedStore {
         block_ids: Vec<i64>,
         keys: &Keys,
         stream: Option<u64>,
-    ) -> Result<Job> {
+    ) -> Result<Transfer> {
         self.start(
             py,
             Direction::Load,
@@ -586,7 +497,7 @@ impl EmbeddedStore {
         block_ids: Vec<i64>,
         keys: &Keys,
         stream: Option<u64>,
-    ) -> Result<Job> {
+    ) -> Result<Transfer> {
         let handle = without_gil(py, || -> Result<JobHandle> {
             let ids = to_u64s(block_ids, "block ids")?;
             let s = self.live()?;
@@ -601,11 +512,7 @@ impl EmbeddedStore {
                 }
             }?)
         })?;
-        Ok(Job {
-            handle,
-            timeout: self.live()?.timeout(),
-            origin: Origin::here(),
-        })
+        Ok(Transfer::embedded(handle, self.live()?.timeout()))
     }
 }
 

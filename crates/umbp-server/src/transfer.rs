@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tonic::Status;
-use umbp_copy::{JobHandle, KeyResult};
-use umbp_core::ErrorKind;
+use umbp_copy::JobHandle;
+use umbp_core::{ErrorKind, KeyOutcome};
 use umbp_proto::errors::status;
 use umbp_proto::{completion, v1};
 use umbp_store::StoreError;
@@ -173,7 +173,7 @@ fn start(
         // Runs on the copy worker that finishes the job: the client wakes from here,
         // without waiting for the reply, its encoding or the client's runtime.
         job.on_done(move |results| {
-            let all_done = results.iter().all(|r| *r == KeyResult::Done);
+            let all_done = results.iter().all(|r| *r == KeyOutcome::Done);
             // Not published when the client already settled the slot (nothing to tell).
             let in_server = t.elapsed();
             let now = completion::monotonic_ns();
@@ -210,7 +210,7 @@ impl State {
     pub(crate) fn reply_of(
         &self,
         s: &Started,
-        results: &[KeyResult],
+        results: &[KeyOutcome],
         timed_out: bool,
     ) -> v1::TransferReply {
         let copy_micros = s.submitted.elapsed().as_micros() as u64;
@@ -222,15 +222,15 @@ impl State {
             if res.is_ok() {
                 ok += 1;
             }
-            if let KeyResult::Failed(f) = res {
+            if let KeyOutcome::Failed(f) = res {
                 errors.push(v1::KeyError {
                     index: i as u32,
-                    kind: f.kind().name().into(),
-                    message: f.to_string(),
+                    kind: f.kind.name().into(),
+                    message: f.message.clone(),
                 });
             }
         }
-        let done = results.iter().filter(|r| **r == KeyResult::Done).count() as u64;
+        let done = results.iter().filter(|r| **r == KeyOutcome::Done).count() as u64;
         let bytes = done * s.object_bytes;
         let m = match s.dir {
             umbp_copy::Direction::Store => &self.metrics.store,
@@ -253,17 +253,17 @@ impl State {
     }
 }
 
-fn key_status(r: &KeyResult, timed_out: bool) -> v1::KeyStatus {
+fn key_status(r: &KeyOutcome, timed_out: bool) -> v1::KeyStatus {
     use v1::KeyStatus as S;
     match r {
-        KeyResult::Pending => S::TimedOut,
-        KeyResult::Done => S::Done,
-        KeyResult::AlreadyPresent => S::AlreadyPresent,
-        KeyResult::Missing => S::Missing,
-        KeyResult::PoolFull => S::PoolFull,
-        KeyResult::Cancelled if timed_out => S::TimedOut,
-        KeyResult::Cancelled => S::Cancelled,
-        KeyResult::Failed(_) => S::Failed,
+        KeyOutcome::Pending | KeyOutcome::TimedOut => S::TimedOut,
+        KeyOutcome::Done => S::Done,
+        KeyOutcome::AlreadyPresent => S::AlreadyPresent,
+        KeyOutcome::Missing => S::Missing,
+        KeyOutcome::PoolFull => S::PoolFull,
+        KeyOutcome::Cancelled if timed_out => S::TimedOut,
+        KeyOutcome::Cancelled => S::Cancelled,
+        KeyOutcome::Failed(_) => S::Failed,
     }
 }
 

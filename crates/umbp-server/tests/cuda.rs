@@ -8,8 +8,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use umbp_client::KeyStatus;
-use umbp_core::LayerSpec;
+use umbp_core::{KeyOutcome, LayerSpec};
 use umbp_cuda::ipc::VmmAllocation;
 use umbp_cuda::Device;
 
@@ -97,10 +96,10 @@ fn run_role(role: &str, kind: &str) {
         }
         stream.synchronize().unwrap();
         let st = c.store(layout.id, 0, &ids, &k).unwrap().wait(None).unwrap();
-        assert!(st.iter().all(|s| *s == KeyStatus::Done), "{st:?}");
+        assert!(st.iter().all(|s| *s == KeyOutcome::Done), "{st:?}");
     } else {
         let st = c.load(layout.id, 0, &ids, &k).unwrap().wait(None).unwrap();
-        assert!(st.iter().all(|s| *s == KeyStatus::Done), "{st:?}");
+        assert!(st.iter().all(|s| *s == KeyOutcome::Done), "{st:?}");
         let mut got = vec![0u8; n];
         for (at, len) in pieces(base, n as u64) {
             // SAFETY: `got` outlives the synchronised copy; the piece is inside `mem`.

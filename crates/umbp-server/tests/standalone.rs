@@ -5,7 +5,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use umbp_client::KeyStatus;
+use umbp_core::KeyOutcome;
 
 /// Child roles of these tests (run when `UMBP_TEST_ROLE` is set).
 fn role() -> Option<String> {
@@ -23,7 +23,7 @@ fn bytes_stored_by_one_client_process_load_exactly_in_another() {
             let t = c
                 .store(cache.layout, 0, &ids, &keys("across", BLOCKS))
                 .unwrap();
-            assert!(t.wait(None).unwrap().iter().all(|s| *s == KeyStatus::Done));
+            assert!(t.wait(None).unwrap().iter().all(|s| *s == KeyOutcome::Done));
             // Every key done: the server's copy worker answered through the completion page.
             assert!(t.timing().unwrap().completion_page, "{:?}", t.timing());
             println!("stored");
@@ -37,10 +37,10 @@ fn bytes_stored_by_one_client_process_load_exactly_in_another() {
             let t = c
                 .load(cache.layout, 0, &ids, &keys("across", BLOCKS))
                 .unwrap();
-            assert!(t.wait(None).unwrap().iter().all(|s| *s == KeyStatus::Done));
+            assert!(t.wait(None).unwrap().iter().all(|s| *s == KeyOutcome::Done));
             cache.check(7, &ids);
             let missing = c.load(cache.layout, 0, &[0], &keys("never", 1)).unwrap();
-            assert_eq!(missing.wait(None).unwrap(), vec![KeyStatus::Missing]);
+            assert_eq!(missing.wait(None).unwrap(), vec![KeyOutcome::Missing]);
             // Not every key done: the page sends the caller to the reply.
             assert!(!missing.timing().unwrap().completion_page);
             println!("loaded");
@@ -110,7 +110,7 @@ fn a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second() {
                     .unwrap()
                     .wait(None)
                     .unwrap();
-                assert!(st.iter().all(KeyStatus::is_ok), "{st:?}");
+                assert!(st.iter().all(KeyOutcome::is_ok), "{st:?}");
                 let ld = c
                     .load(cache.layout, 0, &ids, &k)
                     .unwrap()
@@ -118,7 +118,7 @@ fn a_client_killed_mid_transfer_leaves_nothing_behind_within_a_second() {
                     .unwrap();
                 assert!(
                     ld.iter()
-                        .all(|s| *s == KeyStatus::Done || *s == KeyStatus::Missing),
+                        .all(|s| *s == KeyOutcome::Done || *s == KeyOutcome::Missing),
                     "{ld:?}"
                 );
             }
@@ -212,7 +212,7 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
         .wait(None)
         .unwrap()
         .iter()
-        .all(KeyStatus::is_ok));
+        .all(KeyOutcome::is_ok));
     let (_, boot1) = c.session().unwrap();
     // A crash: the socket files stay behind and must be found stale and replaced.
     server.kill();
@@ -222,13 +222,11 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
     // The first call fails cleanly, unless the client already saw the session go: the store
     // above was answered through the completion page, and its reply, still on the way when
     // the server died, failed; the call then attaches first.
-    let first = c
-        .store(cache.layout, 0, &ids, &keys("after", BLOCKS))
-        .and_then(|t| t.wait(None));
+    let first = answered(c.store(cache.layout, 0, &ids, &keys("after", BLOCKS)));
     let mut ok = match first {
         // Told by its kind (session_lost, or unavailable while the connection broke).
-        Err(e) => {
-            assert!(e.kind().is_disconnect(), "{e} ({})", e.kind());
+        Err((kind, e)) => {
+            assert!(kind.is_disconnect(), "{e} ({kind})");
             None
         }
         Ok(s) => {
@@ -241,13 +239,10 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
         if ok.is_some() {
             break;
         }
-        match c
-            .store(cache.layout, 0, &ids, &keys("after", BLOCKS))
-            .and_then(|t| t.wait(None))
-        {
+        match answered(c.store(cache.layout, 0, &ids, &keys("after", BLOCKS))) {
             Ok(s) => ok = Some(s),
-            Err(e) => {
-                assert!(e.kind().is_disconnect(), "{e} ({})", e.kind());
+            Err((kind, e)) => {
+                assert!(kind.is_disconnect(), "{e} ({kind})");
                 std::thread::sleep(Duration::from_millis(50))
             }
         }
@@ -255,7 +250,7 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
     assert!(ok
         .expect("never re-attached")
         .iter()
-        .all(|s| *s == KeyStatus::Done));
+        .all(|s| *s == KeyOutcome::Done));
     assert_eq!(c.attach_count(), 2);
     let (_, boot2) = c.session().unwrap();
     assert_ne!(boot1, boot2);
@@ -265,7 +260,7 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
         .unwrap()
         .wait(None)
         .unwrap();
-    assert_eq!(gone, vec![KeyStatus::Missing]);
+    assert_eq!(gone, vec![KeyOutcome::Missing]);
     cache.buf.fill(0);
     let back = c
         .load(cache.layout, 0, &ids, &keys("after", BLOCKS))
@@ -274,7 +269,7 @@ fn a_client_re_attaches_by_itself_after_the_server_restarts() {
         .wait(None)
         .unwrap()
         .iter()
-        .all(|s| *s == KeyStatus::Done));
+        .all(|s| *s == KeyOutcome::Done));
     cache.check(1, &ids);
     // The completion page was registered with the new server too, and a transfer channel
     // opened.
@@ -485,10 +480,7 @@ fn sigterm_stops_the_server_cleanly_under_load_and_clear_works_by_namespace() {
     let worker = std::thread::spawn(move || {
         let (mut ok, mut failed) = (0, 0);
         for round in 0..100_000u64 {
-            match c2
-                .store(layout, 0, &ids, &keys(&format!("t{round}"), BLOCKS))
-                .and_then(|t| t.wait(None))
-            {
+            match answered(c2.store(layout, 0, &ids, &keys(&format!("t{round}"), BLOCKS))) {
                 Ok(_) => ok += 1,
                 Err(_) => {
                     failed += 1;

@@ -5,11 +5,13 @@
 //! bulk; range planning and copies happen here.
 //!
 //! Registrations, layouts and jobs belong to a [`Session`] (one client); dropping it releases
-//! them. Embedded mode is one session, which the store owns and its calls go to.
+//! them. Embedded mode is one session, which the store owns and its calls go to. A session is
+//! a [`umbp_copy::KvStore`], as the standalone client is.
 
 mod config;
 mod error;
 mod ids;
+mod kv_store;
 mod mapped;
 mod session;
 mod shared;
@@ -20,7 +22,7 @@ pub use error::StoreError;
 pub use ids::{LayoutId, SessionId};
 pub use session::{RegionOffset, RelativeLayer, Session, SessionRelease};
 pub use store::EmbeddedStore;
-pub use umbp_copy::{JobFinished, JobSet, KeyFailure, KeyResult, MoveError};
+pub use umbp_copy::{JobFinished, JobSet, MoveError};
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 pub use umbp_remote::{
     secret_file_from_env as remote_secret_file_from_env, RemoteConfig, RemoteError, RemoteStats,

@@ -26,7 +26,7 @@ use crate::error::StoreError;
 use crate::ids::{LayoutId, SessionId};
 use crate::mapped::check_mapped_writable;
 use crate::shared::StoreShared;
-use umbp_copy::KeyResult;
+use umbp_core::KeyOutcome;
 
 /// A place in a registered memory region: `offset` bytes past the start of registration
 /// `region`.
@@ -500,7 +500,7 @@ impl Session {
     }
 
     /// Waits for a job with the store's default timeout.
-    pub fn wait(&self, job: &JobHandle) -> Result<Vec<KeyResult>, StoreError> {
+    pub fn wait(&self, job: &JobHandle) -> Result<Vec<KeyOutcome>, StoreError> {
         Ok(job.wait(self.shared.timeout)?)
     }
 

@@ -14,7 +14,7 @@ use umbp_pool::{Pool, PoolEvent, PoolStats};
 use umbp_remote::RemoteStats;
 use umbp_remote::RemoteTier;
 
-use umbp_copy::KeyResult;
+use umbp_core::KeyOutcome;
 
 use crate::config::StoreConfig;
 use crate::error::StoreError;
@@ -323,7 +323,7 @@ impl EmbeddedStore {
     }
 
     /// Waits for a job with the store's default timeout.
-    pub fn wait(&self, job: &JobHandle) -> Result<Vec<KeyResult>, StoreError> {
+    pub fn wait(&self, job: &JobHandle) -> Result<Vec<KeyOutcome>, StoreError> {
         Ok(job.wait(self.shared.timeout)?)
     }
 
@@ -435,12 +435,12 @@ mod tests {
         let r = s
             .wait(&s.store(lid, 0, &[3], keys.clone()).unwrap())
             .unwrap();
-        assert_eq!(r, vec![KeyResult::Done]);
+        assert_eq!(r, vec![KeyOutcome::Done]);
         assert_eq!(s.prefix_hits(&keys).unwrap(), 1);
         // Evicting one key of three: only it is gone, and only once.
         let more = vec![keys[0], kb.key(0, b"x").unwrap(), kb.key(1, b"h").unwrap()];
         let r = s.wait(&s.store(lid, 0, &[1, 2], more[1..].to_vec()).unwrap());
-        assert_eq!(r.unwrap(), vec![KeyResult::Done; 2]);
+        assert_eq!(r.unwrap(), vec![KeyOutcome::Done; 2]);
         assert_eq!(s.evict(&more[1..2]).unwrap(), 1);
         assert_eq!(s.evict(&more[1..2]).unwrap(), 0);
         assert_eq!(s.exists(&more).unwrap(), vec![true, false, true]);

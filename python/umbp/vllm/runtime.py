@@ -15,6 +15,11 @@ Two runtimes:
 - `StandaloneRuntime`: the node's `umbp_standalone_server` owns the pool; every worker
   attaches to it and registers its KV cache, the scheduler asks it directly (one request
   covers every rank), and no worker serves lookups.
+
+The worker's store is a `Store` in either mode (`umbp.EmbeddedStore`, or the standalone
+`ServerStore` over a `umbp.StandaloneClient`), and each of its stores and loads a
+`TransferHandle` (`umbp.Transfer`, the one class both modes answer with). Both answer one
+status per block in the same words, failures included: the worker never looks at the mode.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import umbp
@@ -37,6 +43,64 @@ from umbp.vllm.standalone import ServerLookups, ServerStore
 from umbp.vllm.topology import Ranks, Topology
 
 logger = logging.getLogger("umbp.vllm")
+
+
+class TransferHandle(Protocol):
+    """A store or load in flight: `umbp.Transfer` (either mode), or something that answers as
+    one: one status per block ("done", "missing", "failed", ...). One that failed as a whole
+    answers every block "failed"; only a wait that runs out on a pending transfer raises
+    (`umbp.TransferTimeout`)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def elapsed_s(self) -> float | None: ...
+
+    @property
+    def object_bytes(self) -> int: ...
+
+    def poll(self) -> list[str] | None: ...
+
+    def wait(self, timeout_ms: int | None = None) -> list[str]: ...
+
+
+class Store(Protocol):
+    """What the worker side asks of its store, in either mode: registering the KV cache and
+    its layout, stores and loads (ordered after `stream`, the engine's CUDA stream, when
+    given), and closing."""
+
+    def register_memory(self, addr: int, length: int) -> int: ...
+
+    def register_cuda_memory(self, addr: int, length: int, device: int) -> int: ...
+
+    def deregister_memory(self, region_id: int) -> None: ...
+
+    def register_tensor_layout(self, groups: list, num_blocks: list[int]) -> int: ...
+
+    def layout_summary(self, layout_id: int) -> list[dict[str, int]]: ...
+
+    def store(
+        self,
+        layout_id: int,
+        group: int,
+        block_ids: Sequence[int],
+        keys: umbp.Keys,
+        *,
+        stream: int | None = None,
+    ) -> TransferHandle: ...
+
+    def load(
+        self,
+        layout_id: int,
+        group: int,
+        block_ids: Sequence[int],
+        keys: umbp.Keys,
+        *,
+        stream: int | None = None,
+    ) -> TransferHandle: ...
+
+    def close(self) -> None: ...
 
 
 class Runtime(Protocol):
@@ -55,12 +119,11 @@ class Runtime(Protocol):
         ...
 
     # Worker side.
-    def open_store(self) -> Any:
-        """This worker's store (the worker registers its KV cache with it): an
-        `EmbeddedStore`, or anything with the calls the worker side makes of one."""
+    def open_store(self) -> Store:
+        """This worker's store (the worker registers its KV cache with it)."""
         ...
 
-    def serve_lookups(self, store: Any, ranks: Ranks) -> umbp.LookupServer | None:
+    def serve_lookups(self, store: Store, ranks: Ranks) -> umbp.LookupServer | None:
         """Starts answering the scheduler's lookups for this worker's keys, if the mode needs
         the worker to (the caller shuts the returned service down)."""
         ...
@@ -267,7 +330,7 @@ class StandaloneRuntime:
     def open_store(self) -> ServerStore:
         return ServerStore(self._connect("worker"))
 
-    def serve_lookups(self, store: Any, ranks: Ranks) -> None:
+    def serve_lookups(self, store: Store, ranks: Ranks) -> None:
         # The scheduler asks the server; but it builds every rank's keys from the topology,
         # so this worker's own ranks must be among them.
         mine = (ranks.tp, ranks.pcp, ranks.dcp, 0)

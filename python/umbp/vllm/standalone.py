@@ -15,11 +15,14 @@ What a broken server does to an engine (the SPEC's failure table):
   (`kv_load_failure_policy: recompute`), a failed store is only a future miss;
 - a transfer already submitted stays pending, with its blocks held, until the server answers;
   a synchronous wait on it past `timeout_ms` raises `umbp.TransferTimeout` (the worker fails
-  the step rather than use blocks that may still be written);
+  the step rather than use blocks that may still be written); if the server goes away before
+  answering, every block of it is "failed";
 - after a server restart the client attaches again and replays its registrations by itself.
 
-Every such failure is logged, at most once per `_LOG_EVERY_S` seconds per process, with how
-many calls failed since the last message.
+The transfer rules are the client's own (`umbp.StandaloneClient`, in Rust): its `store` and
+`load` answer a `umbp.Transfer` whose blocks read "failed" (kind "server", `failure()` says
+why) and it logs such transfers at most once every 10 s, with how many it did not log. A
+failed lookup is logged here, as often, with how many calls failed since the last message.
 """
 
 from __future__ import annotations
@@ -58,71 +61,16 @@ class _FailureLog:
         logger.warning("umbp: %s failed%s: %s", self.what, more, e)
 
 
-class _Failed:
-    """A transfer the server could not take: done at once, every block failed."""
-
-    def __init__(self, n: int) -> None:
-        self.statuses = ["failed"] * n
-
-    done = True
-    elapsed_s = None
-    object_bytes = 0
-
-    def poll(self) -> list[str]:
-        return list(self.statuses)
-
-    def wait(self, timeout_ms: int | None = None) -> list[str]:
-        return list(self.statuses)
-
-
-class _Submitted:
-    """A transfer the server took: `umbp.Transfer` with the failure of the whole transfer
-    (the server went away before answering) read as every block failed."""
-
-    def __init__(self, t: umbp.Transfer, n: int, log: _FailureLog) -> None:
-        self.t, self.n, self.log = t, n, log
-
-    @property
-    def done(self) -> bool:
-        return self.t.done
-
-    @property
-    def elapsed_s(self) -> float | None:
-        """Seconds from submission to the server's answer (None before, or on failure)."""
-        try:
-            return self.t.elapsed_s
-        except umbp.UmbpError:
-            return None
-
-    @property
-    def object_bytes(self) -> int:
-        return self.t.object_bytes
-
-    def poll(self) -> list[str] | None:
-        try:
-            return self.t.poll()
-        except umbp.UmbpError as e:
-            self.log.note(e)
-            return ["failed"] * self.n
-
-    def wait(self, timeout_ms: int | None = None) -> list[str]:
-        try:
-            return self.t.wait(timeout_ms)
-        except umbp.TransferTimeout:
-            raise  # still pending: the caller must not use the blocks
-        except umbp.UmbpError as e:
-            self.log.note(e)
-            return ["failed"] * self.n
-
-
 class _AfterStream:
     """A transfer to be submitted once the engine's stream has reached it (see
-    `ServerStore._submit_after_stream`): not done before, then the submitted transfer."""
+    `ServerStore._submit_after_stream`): not done before, then the submitted `umbp.Transfer`.
+    One never submitted (the store closed first) is done, every block "failed"."""
 
     def __init__(self, submitted: Future, n: int) -> None:
         self.submitted, self.n = submitted, n
 
-    def _inner(self, timeout_s: float | None):
+    def _inner(self, timeout_s: float | None) -> umbp.Transfer | None:
+        """The submitted transfer; None when it never will be (the store closed first)."""
         try:
             return self.submitted.result(timeout_s)
         except FutureTimeout:
@@ -130,28 +78,41 @@ class _AfterStream:
                 "the transfer was not submitted within its deadline: the engine's CUDA stream "
                 "has not reached it yet"
             ) from None
-        except CancelledError:  # the store closed first
-            return _Failed(self.n)
+        except CancelledError:
+            return None
+
+    def _never(self) -> list[str]:
+        return ["failed"] * self.n
 
     @property
     def done(self) -> bool:
-        return self.submitted.done() and self._inner(0).done
+        if not self.submitted.done():
+            return False
+        inner = self._inner(0)
+        return inner is None or inner.done
 
     @property
     def elapsed_s(self) -> float | None:
         """As the submitted transfer's: the wait for the engine's stream is not counted."""
-        return self._inner(0).elapsed_s if self.submitted.done() else None
+        inner = self._inner(0) if self.submitted.done() else None
+        return None if inner is None else inner.elapsed_s
 
     @property
     def object_bytes(self) -> int:
-        return self._inner(0).object_bytes if self.submitted.done() else 0
+        inner = self._inner(0) if self.submitted.done() else None
+        return 0 if inner is None else inner.object_bytes
 
     def poll(self) -> list[str] | None:
-        return self._inner(0).poll() if self.submitted.done() else None
+        if not self.submitted.done():
+            return None
+        inner = self._inner(0)
+        return self._never() if inner is None else inner.poll()
 
     def wait(self, timeout_ms: int | None = None) -> list[str]:
         t0 = time.monotonic()
         inner = self._inner(None if timeout_ms is None else timeout_ms / 1000)
+        if inner is None:
+            return self._never()
         if timeout_ms is None:
             return inner.wait()
         left = max(1, timeout_ms - int((time.monotonic() - t0) * 1000))
@@ -185,14 +146,15 @@ def engine_stream(handle: int, device: Any):
 
 
 class ServerStore:
-    """A worker's store in standalone mode: the `EmbeddedStore` calls the worker side makes,
-    served by the node's server through `client`."""
+    """A worker's store in standalone mode (a `runtime.Store`): the `EmbeddedStore` calls the
+    worker side makes, served by the node's server through `client`. What it adds to the
+    client is ordering: a transfer given the engine's CUDA stream is submitted once the work
+    queued there is done (the server copies on streams of its own)."""
 
     def __init__(self, client: umbp.StandaloneClient) -> None:
         self.client = client
         self.cuda_device: Any = None
         self.submitter: ThreadPoolExecutor | None = None
-        self.failures = _FailureLog(f"transfers with the UMBP server at {client.endpoint}")
 
     # Registration (start-up: errors raise and fail the engine's start, naming the cause).
 
@@ -206,14 +168,14 @@ class ServerStore:
         self.cuda_device = torch.device("cuda", device)
         return self.client.register_cuda_memory(addr, length)
 
-    def deregister_memory(self, region: int) -> None:
-        self.client.deregister_memory(region)
+    def deregister_memory(self, region_id: int) -> None:
+        self.client.deregister_memory(region_id)
 
     def register_tensor_layout(self, groups: list, num_blocks: list[int]) -> int:
         return self.client.register_tensor_layout(groups, num_blocks)
 
-    def layout_summary(self, layout: int) -> list[dict[str, int]]:
-        return self.client.layout_summary(layout)
+    def layout_summary(self, layout_id: int) -> list[dict[str, int]]:
+        return self.client.layout_summary(layout_id)
 
     # Transfers.
 
@@ -223,13 +185,9 @@ class ServerStore:
         return self._submit_now(store, layout, group, block_ids, keys)
 
     def _submit_now(self, store: bool, layout: int, group: int, block_ids, keys):
+        # A server that cannot take it answers every block "failed" (the client's rule).
         call = self.client.store if store else self.client.load
-        try:
-            t = call(layout, group, block_ids, keys)
-        except umbp.ServerUnavailable as e:
-            self.failures.note(e)
-            return _Failed(len(block_ids))
-        return _Submitted(t, len(block_ids), self.failures)
+        return call(layout, group, block_ids, keys)
 
     def _submit_after_stream(self, store: bool, layout: int, group: int, block_ids, keys, stream):
         """The server copies on streams of its own, so what the engine queued before (the
@@ -252,10 +210,10 @@ class ServerStore:
 
         return _AfterStream(self.submitter.submit(after_stream), len(block_ids))
 
-    def store(self, layout: int, group: int, block_ids, keys, stream: int | None = None):
+    def store(self, layout: int, group: int, block_ids, keys, *, stream: int | None = None):
         return self._submit(True, layout, group, block_ids, keys, stream)
 
-    def load(self, layout: int, group: int, block_ids, keys, stream: int | None = None):
+    def load(self, layout: int, group: int, block_ids, keys, *, stream: int | None = None):
         return self._submit(False, layout, group, block_ids, keys, stream)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from umbp.errors import ConfigError
 from umbp.kv_layout import describe_tensor, register_tensor_layout, summary_line
 from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata, UMBPWorkerMetadata
-from umbp.vllm.runtime import Runtime
+from umbp.vllm.runtime import Runtime, Store, TransferHandle
 from umbp.vllm.stats import StatsCollector, UMBPConnectorStats
 from umbp.vllm.topology import Ranks, Topology
 
@@ -178,16 +178,16 @@ class WorkerSide:
         self.ranks = ranks
         self.worker = ranks.worker(topo)
         self.keys = umbp.KeyBuilder(topo.namespace, tp=self.tp, pcp=self.pcp, dcp=self.dcp)
-        self.store: umbp.EmbeddedStore | None = None
+        self.store: Store | None = None
         self.server: umbp.LookupServer | None = None
         self.layout = -1
-        self.async_loads: dict[str, list[tuple[umbp.Job, list[int]]]] = {}
+        self.async_loads: dict[str, list[tuple[TransferHandle, list[int]]]] = {}
         self.load_errors: set[int] = set()
         self.collector = StatsCollector(count_blocks=self.worker == 0)
         self._pool_poller: _PoolPoller | None = None  # standalone: the server's pool
         self.failed_recving: set[str] = set()  # async loads that failed (several groups)
         self.unplanned_loads: set[str] = set()  # async loads the scheduler could not plan
-        self.stores: dict[int, umbp.Job] = {}
+        self.stores: dict[int, TransferHandle] = {}
         self.cuda_device: torch.device | None = None
         self.logged_stream: int | None = None
         # vLLM's cache config (its GPU memory budget), set by the connector.
@@ -353,7 +353,7 @@ class WorkerSide:
                 self.unplanned_loads.add(rid)  # reported finished (and failed) by get_finished
             else:
                 self.load_errors.update(ids)
-        sync: list[tuple[umbp.Job, list[int]]] = []
+        sync: list[tuple[TransferHandle, list[int]]] = []
         for t in meta.loads:
             job = self.store.load(
                 self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()

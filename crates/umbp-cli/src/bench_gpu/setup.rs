@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Result};
 use rand::{rngs::StdRng, seq::SliceRandom, RngCore, SeedableRng};
 use serde_json::{json, Value};
-use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, LayerSpec, PoolConfig, RankTopology};
+use umbp_core::{
+    BlockKey, GroupLayout, KeyBuilder, KeyOutcome, KvLayout, LayerSpec, PoolConfig, RankTopology,
+};
 use umbp_cuda::{CopyMethod, CudaOptions, Device, DeviceBuffer, HostRegistration, Stream};
-use umbp_store::{EmbeddedStore, KeyResult, StoreConfig};
+use umbp_store::{EmbeddedStore, StoreConfig};
 
 use super::args::Args;
 use super::shapes::{Shape, GB};
@@ -84,8 +86,12 @@ pub(super) fn keys(kb: &KeyBuilder, tag: u32, ids: &[u64]) -> Vec<BlockKey> {
         .collect()
 }
 
-pub(super) fn check_done(res: &[KeyResult], what: &str) -> Result<()> {
-    if let Some((i, bad)) = res.iter().enumerate().find(|(_, r)| **r != KeyResult::Done) {
+pub(super) fn check_done(res: &[KeyOutcome], what: &str) -> Result<()> {
+    if let Some((i, bad)) = res
+        .iter()
+        .enumerate()
+        .find(|(_, r)| **r != KeyOutcome::Done)
+    {
         bail!("{what}: key {i} did not transfer: {bad:?}");
     }
     Ok(())

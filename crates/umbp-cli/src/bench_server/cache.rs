@@ -1,11 +1,14 @@
 //! One client's KV cache: its shape and fill pattern, host memory in a sealed memfd or CUDA
-//! memory, the key sets, and what one run (client count and piece size) moves.
+//! memory, the key sets, moving them (either mode, through [`KvStore`]), and what one run
+//! (client count and piece size) moves.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, ensure, Result};
 use umbp_client::host_share;
-use umbp_core::{BlockKey, KeyBuilder, LayerSpec};
+use umbp_copy::{KvStore, KvTransfer};
+use umbp_core::{BlockKey, KeyBuilder, KeyOutcome, LayerSpec};
 use umbp_cuda::{Device, DeviceBuffer, Stream};
 
 use super::args::Args;
@@ -254,6 +257,45 @@ pub(super) fn key_sets(
         .map(|set| keys_of(kb, id, set, blocks))
         .collect()
 }
+/// How long one transfer of a benchmark may take.
+pub(super) const WAIT: Duration = Duration::from_secs(120);
+
+/// Stores blocks `shape.sources()` under every key set (`store`), or loads every set into
+/// blocks `shape.targets()`, in either mode: every set's transfer is submitted before the
+/// first is waited for (up to `timeout` each). Loads of several sets land on the same blocks;
+/// every set holds the same bytes. Fails naming the first key that did not end done.
+pub(super) fn move_sets<S: KvStore>(
+    s: &S,
+    (layout, shape): (u32, &Shape),
+    store: bool,
+    sets: &[Vec<BlockKey>],
+    timeout: Duration,
+) -> Result<Vec<S::Transfer>> {
+    let (src, dst) = (shape.sources(), shape.targets());
+    let transfers = sets
+        .iter()
+        .map(|keys| {
+            if store {
+                s.store(layout, 0, &src, keys)
+            } else {
+                s.load(layout, 0, &dst, keys)
+            }
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    for t in &transfers {
+        let outcomes = t.wait(timeout)?;
+        if let Some((i, o)) = outcomes
+            .iter()
+            .enumerate()
+            .find(|(_, o)| **o != KeyOutcome::Done)
+        {
+            let what = if store { "store" } else { "load" };
+            bail!("{what} of key {i} ended {o:?}, not done");
+        }
+    }
+    Ok(transfers)
+}
+
 /// One client count and piece size.
 pub(super) struct Run<'a> {
     pub(super) a: &'a Args,

@@ -5,14 +5,14 @@ use std::io::{BufRead, Write};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use umbp_client::{ClientOptions, KeyStatus, StandaloneClient};
+use umbp_client::{ClientOptions, StandaloneClient};
 use umbp_core::{KeyBuilder, RankTopology};
 use umbp_cuda::Device;
 use umbp_proto::completion::monotonic_ns;
 use umbp_proto::Endpoint;
 
 use super::args::ClientArgs;
-use super::cache::{key_sets, Cache, Shape};
+use super::cache::{key_sets, move_sets, Cache, Shape, WAIT};
 
 /// `umbp bench server-client`: registers its cache, says `ready`, then runs one command per
 /// line of stdin (`store`, `load`, `verify-store`: store then overwrite the loaded half,
@@ -42,7 +42,7 @@ pub(super) fn client_main(a: &ClientArgs) -> Result<()> {
     let mut cache = Cache::new(&shape, a.id, dev.as_ref())?;
     let mut opts = ClientOptions::new(Endpoint::parse(&a.endpoint)?);
     opts.client_name = format!("umbp bench server client {}", a.id);
-    opts.transfer_timeout = Duration::from_secs(120);
+    opts.transfer_timeout = WAIT;
     opts.completion_page = !a.replies_only;
     opts.transfer_channel = !a.replies_only && !a.no_channel;
     let client = StandaloneClient::connect(opts)?;
@@ -59,7 +59,6 @@ pub(super) fn client_main(a: &ClientArgs) -> Result<()> {
     let layout = client.register_layout(vec![shape.layer_specs(cache.base())])?;
     let kb = KeyBuilder::new(&a.namespace, RankTopology::default())?;
     let sets = key_sets(&kb, a.id, a.in_flight.max(1), shape.blocks)?;
-    let (src, dst) = (shape.sources(), shape.targets());
     let mut out = std::io::stdout().lock();
     writeln!(out, "ready")?;
     out.flush()?;
@@ -80,27 +79,7 @@ pub(super) fn client_main(a: &ClientArgs) -> Result<()> {
             c => bail!("unknown command {c:?} from the parent"),
         };
         let t0 = monotonic_ns();
-        // Every key set's transfer is submitted before the first is waited for. Loads of
-        // several sets land on the same blocks; every set holds the same bytes.
-        let trs = sets
-            .iter()
-            .map(|keys| {
-                if store {
-                    client.store(layout.id, 0, &src, keys)
-                } else {
-                    client.load(layout.id, 0, &dst, keys)
-                }
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        for tr in &trs {
-            let st = tr.wait(None)?;
-            if let Some((i, s)) = st.iter().enumerate().find(|(_, s)| **s != KeyStatus::Done) {
-                bail!(
-                    "{} of key {i} ended {s:?}, not done",
-                    if store { "store" } else { "load" }
-                );
-            }
-        }
+        let trs = move_sets(&client, (layout.id, &shape), store, &sets, WAIT)?;
         let t1 = monotonic_ns();
         let tm = trs[0]
             .timing()

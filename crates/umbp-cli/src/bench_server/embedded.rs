@@ -4,12 +4,12 @@
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Result};
 use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, RankTopology};
 use umbp_cuda::Device;
-use umbp_store::{EmbeddedStore, KeyResult, Session};
+use umbp_store::{EmbeddedStore, Session};
 
-use super::cache::{key_sets, Cache, Run, Shape};
+use super::cache::{key_sets, move_sets, Cache, Run, Shape, WAIT};
 
 /// Embedded mode: one session and one cache per client, in this process.
 pub(super) struct EmbeddedRun<'s> {
@@ -75,36 +75,18 @@ impl<'s> EmbeddedRun<'s> {
     /// Every client's job of one direction at once; seconds from the first submit to the
     /// last finish.
     pub(super) fn direction(&self, store_dir: bool) -> Result<f64> {
-        let (src, dst) = (self.shape.sources(), self.shape.targets());
         let barrier = Barrier::new(self.vs.len());
         let times: Vec<Result<(Instant, Instant)>> = std::thread::scope(|s| {
             let hs: Vec<_> = self
                 .vs
                 .iter()
                 .map(|v| {
-                    let (barrier, src, dst) = (&barrier, &src, &dst);
+                    let barrier = &barrier;
                     s.spawn(move || -> Result<(Instant, Instant)> {
                         barrier.wait();
                         let t0 = Instant::now();
-                        let jobs = v
-                            .sets
-                            .iter()
-                            .map(|keys| {
-                                if store_dir {
-                                    v.session.store(v.layout, 0, src, keys.clone())
-                                } else {
-                                    v.session.load(v.layout, 0, dst, keys.clone())
-                                }
-                            })
-                            .collect::<std::result::Result<Vec<_>, _>>()?;
-                        for job in &jobs {
-                            let res = job.wait(Duration::from_secs(120))?;
-                            if let Some((i, k)) =
-                                res.iter().enumerate().find(|(_, k)| **k != KeyResult::Done)
-                            {
-                                bail!("embedded: key {i} ended {k:?}, not done");
-                            }
-                        }
+                        let (layout, shape) = (v.layout, &self.shape);
+                        move_sets(&v.session, (layout, shape), store_dir, &v.sets, WAIT)?;
                         Ok((t0, Instant::now()))
                     })
                 })

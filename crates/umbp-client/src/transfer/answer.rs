@@ -1,4 +1,4 @@
-//! A transfer's answer: each key's [`KeyStatus`], the reply decoded into them, where the
+//! A transfer's answer: each key's [`KeyOutcome`], the reply decoded into them, where the
 //! answer lands for its waiters ([`Slot`]) and where the time went ([`TransferTiming`]).
 //! Written by the transfer's task, the transfer channel's reader or the caller; none of it
 //! knows the client.
@@ -7,62 +7,12 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
-use umbp_core::{ErrorKind, FailureKind, KeyOutcome};
+use umbp_core::{ErrorKind, FailureKind, KeyFailure, KeyOutcome};
 use umbp_proto::v1;
 
 use crate::error::{ClientError, Result};
 
-/// What happened to one key of a transfer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyStatus {
-    /// Stored, or loaded.
-    Done,
-    /// Store skipped: the key was already in the pool.
-    AlreadyPresent,
-    /// Load failed: not in the pool.
-    Missing,
-    /// Store failed: no room even after eviction.
-    PoolFull,
-    /// Cancelled before it ran.
-    Cancelled,
-    /// Not done within the transfer's deadline (cancelled by the server).
-    TimedOut,
-    /// Failed, for the reason named, with the server's message.
-    Failed {
-        /// Why, in the vocabulary the embedded store uses too.
-        kind: FailureKind,
-        /// The server's message.
-        message: String,
-    },
-}
-
-impl KeyStatus {
-    /// The key's outcome in the vocabulary shared with the embedded store.
-    pub fn outcome(&self) -> KeyOutcome {
-        match self {
-            KeyStatus::Done => KeyOutcome::Done,
-            KeyStatus::AlreadyPresent => KeyOutcome::AlreadyPresent,
-            KeyStatus::Missing => KeyOutcome::Missing,
-            KeyStatus::PoolFull => KeyOutcome::PoolFull,
-            KeyStatus::Cancelled => KeyOutcome::Cancelled,
-            KeyStatus::TimedOut => KeyOutcome::TimedOut,
-            KeyStatus::Failed { kind, .. } => KeyOutcome::Failed(*kind),
-        }
-    }
-
-    /// Whether the key's transfer succeeded (a store of a present key counts).
-    pub fn is_ok(&self) -> bool {
-        self.outcome().is_ok()
-    }
-
-    /// The status's name: done, already_present, missing, pool_full, cancelled, timed_out,
-    /// failed.
-    pub fn name(&self) -> &'static str {
-        self.outcome().name()
-    }
-}
-
-pub(crate) fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyStatus>> {
+pub(crate) fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyOutcome>> {
     use v1::KeyStatus as S;
     let malformed = |message: String| ClientError::Refused {
         call: "transfer",
@@ -78,17 +28,14 @@ pub(crate) fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyStat
     let mut out = Vec::with_capacity(n);
     for &b in &r.statuses {
         out.push(match S::try_from(b as i32) {
-            Ok(S::Done) => KeyStatus::Done,
-            Ok(S::AlreadyPresent) => KeyStatus::AlreadyPresent,
-            Ok(S::Missing) => KeyStatus::Missing,
-            Ok(S::PoolFull) => KeyStatus::PoolFull,
-            Ok(S::Cancelled) => KeyStatus::Cancelled,
-            Ok(S::TimedOut) => KeyStatus::TimedOut,
+            Ok(S::Done) => KeyOutcome::Done,
+            Ok(S::AlreadyPresent) => KeyOutcome::AlreadyPresent,
+            Ok(S::Missing) => KeyOutcome::Missing,
+            Ok(S::PoolFull) => KeyOutcome::PoolFull,
+            Ok(S::Cancelled) => KeyOutcome::Cancelled,
+            Ok(S::TimedOut) => KeyOutcome::TimedOut,
             // Its kind and message come in `errors`.
-            Ok(S::Failed) => KeyStatus::Failed {
-                kind: FailureKind::Device,
-                message: String::new(),
-            },
+            Ok(S::Failed) => KeyOutcome::failed(FailureKind::Device, String::new()),
             _ => return Err(malformed(format!("the server answered key status {b}"))),
         });
     }
@@ -100,18 +47,15 @@ pub(crate) fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyStat
             ))
         })?;
         if let Some(s) = out.get_mut(e.index as usize) {
-            *s = KeyStatus::Failed {
-                kind,
-                message: e.message,
-            };
+            *s = KeyOutcome::Failed(KeyFailure::new(kind, e.message));
         }
     }
     Ok(out)
 }
 
-/// A transfer's answer as every waiter reads it: the statuses, or the error's kind and
-/// message (the typed error goes to the first waiter).
-pub(crate) type Answer = std::result::Result<Vec<KeyStatus>, (ErrorKind, String)>;
+/// A transfer's answer as every waiter reads it: the outcomes, or the kind and message of the
+/// error that failed the transfer as a whole (then every key failed).
+pub(crate) type Answer = std::result::Result<Vec<KeyOutcome>, (ErrorKind, String)>;
 
 /// Where a transfer's answer lands.
 #[derive(Debug, Default)]
@@ -120,25 +64,23 @@ pub(crate) struct Slot {
     /// Set before the value, when the server answered.
     pub(crate) timing: Mutex<Option<TransferTiming>>,
     pub(crate) ready: Condvar,
-    /// Set with the value: the error, kept typed for the first waiter.
-    pub(crate) error: Mutex<Option<ClientError>>,
     /// Set by whoever clears the transfer's stall mark (its reply, or its completion page,
     /// whichever comes first), so it is cleared once.
     pub(crate) stall_cleared: AtomicBool,
 }
 
 impl Slot {
-    pub(crate) fn fill(&self, r: Result<Vec<KeyStatus>>) {
+    pub(crate) fn fill(&self, r: Result<Vec<KeyOutcome>>) {
         let mut v = self.value.lock();
-        *v = Some(match r {
-            Ok(s) => Ok(s),
-            Err(e) => {
-                let first = (e.kind(), e.to_string());
-                *self.error.lock() = Some(e);
-                Err(first)
-            }
-        });
+        *v = Some(r.map_err(|e| (e.kind(), e.to_string())));
         self.ready.notify_all();
+    }
+
+    /// A slot answered at once: the transfer failed as a whole with `e`.
+    pub(crate) fn failed(e: &ClientError) -> Slot {
+        let s = Slot::default();
+        *s.value.lock() = Some(Err((e.kind(), e.to_string())));
+        s
     }
 }
 

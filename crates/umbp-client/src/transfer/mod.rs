@@ -1,19 +1,22 @@
 //! Transfers: starting a store or load (on the transfer channel, else over gRPC) and the
-//! [`Transfer`] a caller waits on, answered by the completion page or the reply.
+//! [`Transfer`] a caller waits on, answered by the completion page or the reply. A transfer
+//! that fails as a whole answers every key failed (see `failed`).
 
 pub(crate) mod answer;
+mod failed;
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use umbp_core::BlockKey;
+use umbp_core::{BlockKey, ErrorKind, KeyOutcome};
 use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED, WAIT_SLICE};
 use umbp_proto::v1;
 
+pub use self::answer::TransferTiming;
 use self::answer::{decode_reply, Answer, Slot};
-pub use self::answer::{KeyStatus, TransferTiming};
+pub(crate) use self::failed::FailureLog;
 use crate::channel::Pending;
 use crate::client::StandaloneClient;
 use crate::completions::Lease;
@@ -22,7 +25,10 @@ use crate::eta;
 use crate::rpc::{session_lost, status_error};
 
 impl StandaloneClient {
-    /// Starts storing blocks `block_ids` of group `group` of `layout` under `keys`.
+    /// Starts storing blocks `block_ids` of group `group` of `layout` under `keys`. When the
+    /// server cannot take it (gone, restarting, or stalled on an earlier transfer) the
+    /// transfer is answered at once with every key failed ([`Transfer::failure`] says why);
+    /// other errors (bad input, an unknown layout, a closed client) are returned.
     pub fn store(
         &self,
         layout: u32,
@@ -30,10 +36,11 @@ impl StandaloneClient {
         block_ids: &[u64],
         keys: &[BlockKey],
     ) -> Result<Transfer> {
-        self.transfer(v1::Direction::Store, layout, group, block_ids, keys)
+        self.start(v1::Direction::Store, layout, group, block_ids, keys)
     }
 
-    /// Starts loading `keys` into blocks `block_ids` of group `group` of `layout`.
+    /// Starts loading `keys` into blocks `block_ids` of group `group` of `layout` (a server
+    /// that cannot take it answers as for [`StandaloneClient::store`]).
     pub fn load(
         &self,
         layout: u32,
@@ -41,7 +48,43 @@ impl StandaloneClient {
         block_ids: &[u64],
         keys: &[BlockKey],
     ) -> Result<Transfer> {
-        self.transfer(v1::Direction::Load, layout, group, block_ids, keys)
+        self.start(v1::Direction::Load, layout, group, block_ids, keys)
+    }
+
+    fn start(
+        &self,
+        dir: v1::Direction,
+        layout: u32,
+        group: u32,
+        block_ids: &[u64],
+        keys: &[BlockKey],
+    ) -> Result<Transfer> {
+        match self.transfer(dir, layout, group, block_ids, keys) {
+            Err(e) if e.kind().is_disconnect() => Ok(self.failed_transfer(keys.len(), &e)),
+            r => r,
+        }
+    }
+
+    /// A transfer of `keys` keys the server could not take: answered, every key failed.
+    fn failed_transfer(&self, keys: usize, e: &ClientError) -> Transfer {
+        let now = Instant::now();
+        Transfer {
+            client: self.clone(),
+            slot: Arc::new(Slot::failed(e)),
+            lease: None,
+            page_answer: std::sync::OnceLock::new(),
+            keys,
+            sent: now,
+            sent_ns: 0,
+            session_id: 0,
+            transfer_id: 0,
+            deadline: now,
+            timeout: Duration::ZERO,
+            stalled_marked: AtomicBool::new(false),
+            eta_key: (0, 0, false),
+            due: None,
+            logged: AtomicBool::new(false),
+        }
     }
 
     fn transfer(
@@ -106,6 +149,7 @@ impl StandaloneClient {
             timeout,
             stalled_marked: AtomicBool::new(false),
             eta_key: (layout, group, dir == v1::Direction::Store),
+            logged: AtomicBool::new(false),
             due: self
                 .inner
                 .eta
@@ -169,6 +213,10 @@ impl StandaloneClient {
 }
 
 /// A transfer in flight. Dropping it does not cancel it.
+///
+/// Its answer is one [`KeyOutcome`] per key. A transfer that failed as a whole (the server
+/// could not take it, went away before answering, or refused it) answers every key
+/// [`umbp_core::FailureKind::Server`], and [`Transfer::failure`] says why.
 #[derive(Debug)]
 pub struct Transfer {
     client: StandaloneClient,
@@ -189,18 +237,32 @@ pub struct Transfer {
     /// What kind of transfer it is for [`eta::TransferEta`], and when its answer is due.
     eta_key: eta::EtaKey,
     due: Option<Instant>,
+    /// Set once its failure as a whole was noted in the client's log.
+    logged: AtomicBool,
 }
 
 impl Transfer {
-    /// Per-key statuses once answered, else None. Never blocks.
-    pub fn poll(&self) -> Option<Result<Vec<KeyStatus>>> {
+    /// Per-key outcomes once answered, else None. Never blocks.
+    pub fn poll(&self) -> Option<Vec<KeyOutcome>> {
         // The page first: once it says every key is done, that is the answer, even if the
         // reply later fails (the server died after finishing the job).
         if self.all_done() {
-            return Some(Ok(self.done_by_page()));
+            return Some(self.done_by_page());
         }
         let v = self.slot.value.lock();
         v.as_ref().map(|r| self.take(r))
+    }
+
+    /// Why the transfer failed as a whole (every key then failed), once answered: the error's
+    /// kind and message. None while pending and for a transfer the server answered.
+    pub fn failure(&self) -> Option<(ErrorKind, String)> {
+        if self.all_done() {
+            return None;
+        }
+        match self.slot.value.lock().as_ref() {
+            Some(Err(e)) => Some(e.clone()),
+            _ => None,
+        }
     }
 
     /// Whether the completion page says every key is done; the first time it does, the
@@ -241,15 +303,15 @@ impl Transfer {
     }
 
     /// The answer the completion page gave: every key done.
-    fn done_by_page(&self) -> Vec<KeyStatus> {
-        vec![KeyStatus::Done; self.keys]
+    fn done_by_page(&self) -> Vec<KeyOutcome> {
+        vec![KeyOutcome::Done; self.keys]
     }
 
     /// Sleeps on the completion page until the server sets the slot, the reply arrives or
     /// `until`; the answer when the page says every key is done. Near the time the answer is
     /// due (see [`eta`]) the caller watches the page word instead of sleeping, to be running
     /// when the answer comes rather than woken after it.
-    fn wait_on_page(&self, l: &Lease, until: Instant) -> Option<Vec<KeyStatus>> {
+    fn wait_on_page(&self, l: &Lease, until: Instant) -> Option<Vec<KeyOutcome>> {
         let pending = completion::word(l.seq, PENDING);
         let mut waited = false;
         loop {
@@ -292,19 +354,17 @@ impl Transfer {
         }
     }
 
-    fn take(&self, r: &Answer) -> Result<Vec<KeyStatus>> {
+    /// The outcomes of answer `r`: every key failed when the transfer failed as a whole (noted
+    /// in the client's log the first time).
+    fn take(&self, r: &Answer) -> Vec<KeyOutcome> {
         match r {
-            Ok(s) => Ok(s.clone()),
-            Err((kind, message)) => {
-                Err(self
-                    .slot
-                    .error
-                    .lock()
-                    .take()
-                    .unwrap_or_else(|| ClientError::Repeated {
-                        kind: *kind,
-                        message: message.clone(),
-                    }))
+            Ok(s) => s.clone(),
+            Err((_, message)) => {
+                if !self.logged.swap(true, Ordering::AcqRel) {
+                    let endpoint = self.client.inner.opts.endpoint.to_string();
+                    self.client.inner.transfer_failures.note(&endpoint, message);
+                }
+                failed::every_key_failed(self.keys, message)
             }
         }
     }
@@ -318,15 +378,27 @@ impl Transfer {
         *self.slot.timing.lock()
     }
 
+    /// From the call to the end of the transfer, once answered (None before, and for a
+    /// transfer that failed as a whole): to the server plus the server's part when the
+    /// completion page answered (its time to the job's end: not when the caller happened to
+    /// look), else the round trip to the reply.
+    pub fn elapsed(&self) -> Option<Duration> {
+        self.timing().map(|t| match t.to_server {
+            Some(to) if t.completion_page => to + t.server,
+            _ => t.round_trip,
+        })
+    }
+
     /// Whether the server has answered.
     pub fn is_done(&self) -> bool {
         self.slot.value.lock().is_some() || self.all_done()
     }
 
-    /// Waits up to `timeout` (None: the transfer's own deadline) for the answer. Past the
-    /// transfer's deadline an unanswered transfer counts as stalled: new transfers of the
-    /// client fail at once until the server answers it.
-    pub fn wait(&self, timeout: Option<Duration>) -> Result<Vec<KeyStatus>> {
+    /// Waits up to `timeout` (None: the transfer's own deadline) for the answer; the only error
+    /// is [`ClientError::Timeout`], for a transfer still pending (its memory may still be
+    /// written). Past the transfer's deadline an unanswered transfer counts as stalled: new
+    /// transfers of the client fail at once until the server answers it.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Vec<KeyOutcome>> {
         let until = match timeout {
             Some(t) => Instant::now() + t,
             None => self.deadline,
@@ -343,7 +415,7 @@ impl Transfer {
             }
         }
         if let Some(r) = v.as_ref() {
-            return self.take(r);
+            return Ok(self.take(r));
         }
         drop(v);
         if Instant::now() >= self.deadline && !self.stalled_marked.swap(true, Ordering::AcqRel) {

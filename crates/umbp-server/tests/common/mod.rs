@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use bytes::{Buf, BufMut};
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::Status;
-use umbp_client::KeyStatus;
-use umbp_core::{BlockKey, KeyBuilder, LayerSpec, RankTopology};
+use umbp_client::Transfer;
+use umbp_core::{BlockKey, ErrorKind, KeyBuilder, KeyOutcome, LayerSpec, RankTopology};
 use umbp_proto::v1::store_client::StoreClient;
 use umbp_proto::{v1, Endpoint};
 
@@ -308,7 +308,7 @@ impl Cache {
             .wait(None)
             .unwrap()
             .iter()
-            .all(KeyStatus::is_ok)
+            .all(KeyOutcome::is_ok)
     }
 
     /// Whether `client` loads `keys(tag, BLOCKS)` into blocks `ids` with every key done.
@@ -324,7 +324,7 @@ impl Cache {
             .wait(None)
             .unwrap()
             .iter()
-            .all(|s| *s == KeyStatus::Done)
+            .all(|s| *s == KeyOutcome::Done)
     }
 
     pub fn check(&self, seed: u64, blocks: &[u64]) {
@@ -337,6 +337,17 @@ impl Cache {
                 );
             }
         }
+    }
+}
+
+/// A transfer's outcomes once answered, or the kind and message of why it failed: it could not
+/// be started, or it failed as a whole (then every key reads failed).
+pub fn answered(t: umbp_client::Result<Transfer>) -> Result<Vec<KeyOutcome>, (ErrorKind, String)> {
+    let t = t.map_err(|e| (e.kind(), e.to_string()))?;
+    let s = t.wait(None).map_err(|e| (e.kind(), e.to_string()))?;
+    match t.failure() {
+        Some(f) => Err(f),
+        None => Ok(s),
     }
 }
 

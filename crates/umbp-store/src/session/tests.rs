@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
-use umbp_core::{KeyBuilder, PoolConfig, RankTopology};
+use umbp_core::{KeyBuilder, KeyOutcome, PoolConfig, RankTopology};
 
 use crate::{EmbeddedStore, StoreConfig};
 
@@ -92,7 +92,7 @@ fn a_job_is_never_checked_against_another_sessions_later_registration() {
     let k = keys("race", 1);
     assert_eq!(
         st.wait(&a.store(la, 0, &[0], k.clone()).unwrap()).unwrap(),
-        vec![KeyResult::Done]
+        vec![KeyOutcome::Done]
     );
     let (parked_tx, parked_rx) = mpsc::channel();
     let (go_tx, go_rx) = mpsc::channel();
@@ -125,7 +125,7 @@ fn a_job_is_never_checked_against_another_sessions_later_registration() {
     );
     go_tx.send(()).unwrap();
     let job = loader.join().unwrap().unwrap();
-    assert_eq!(st.wait(&job).unwrap(), vec![KeyResult::Done]);
+    assert_eq!(st.wait(&job).unwrap(), vec![KeyOutcome::Done]);
     dereg_rx
         .recv_timeout(Duration::from_secs(10))
         .unwrap()
@@ -247,18 +247,18 @@ fn dropping_a_session_releases_its_memory_layouts_and_jobs_only() {
     );
     assert_eq!(
         job_a.poll().expect("finished by the release"),
-        vec![KeyResult::Cancelled; 4]
+        vec![KeyOutcome::Cancelled; 4]
     );
     let reg = st.shared.engine.registry();
     assert!(!reg.covers(buf_a.as_ptr() as u64, 1));
     assert!(!reg.contains(ra));
     assert!(matches!(st.layout(la), Err(StoreError::UnknownLayout(_))));
     // B is untouched: its job ran, its memory and layout are there and usable.
-    assert_eq!(b.wait(&job_b).unwrap(), vec![KeyResult::Done; 2]);
+    assert_eq!(b.wait(&job_b).unwrap(), vec![KeyOutcome::Done; 2]);
     assert!(reg.contains(rb) && reg.covers(buf_b.as_ptr() as u64, BLOCK * BLOCKS));
     assert_eq!(b.layouts(), vec![lb]);
     let again = b.store(lb, 0, &[6], keys("b2", 1)).unwrap();
-    assert_eq!(b.wait(&again).unwrap(), vec![KeyResult::Done]);
+    assert_eq!(b.wait(&again).unwrap(), vec![KeyOutcome::Done]);
     // Plain drop releases as well.
     drop(b);
     assert!(!reg.contains(rb) && reg.is_empty());
@@ -288,10 +288,10 @@ fn a_relative_layout_resolves_against_its_own_sessions_regions_only() {
     // It copies those bytes: block 1 of the layout is block 5 of the buffer.
     let k = keys("rel", 1);
     let job = a.store(lr, 0, &[1], k.clone()).unwrap();
-    assert_eq!(a.wait(&job).unwrap(), vec![KeyResult::Done]);
+    assert_eq!(a.wait(&job).unwrap(), vec![KeyOutcome::Done]);
     let la = a.register_layout(absolute(&buf_a)).unwrap();
     let job = a.load(la, 0, &[0], k).unwrap();
-    assert_eq!(a.wait(&job).unwrap(), vec![KeyResult::Done]);
+    assert_eq!(a.wait(&job).unwrap(), vec![KeyOutcome::Done]);
     let b5 = (5 * BLOCK) as usize;
     assert_eq!(buf_a[..BLOCK as usize], buf_a[b5..b5 + BLOCK as usize]);
 
@@ -380,7 +380,7 @@ fn the_store_api_is_its_default_session() {
     job.on_done(move |r| tx.send(r).unwrap());
     assert_eq!(
         rx.recv_timeout(Duration::from_secs(5)).unwrap(),
-        vec![KeyResult::Done; 2]
+        vec![KeyOutcome::Done; 2]
     );
     // Callbacks run before the job reads as finished: wait for that before counting.
     job.wait(Duration::from_secs(5)).unwrap();
