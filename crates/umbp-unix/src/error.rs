@@ -35,6 +35,18 @@ pub enum Op {
     FutexWake,
     /// `mmap`.
     Mmap,
+    /// `recv`.
+    Recv,
+    /// `send`.
+    Send,
+    /// `poll`.
+    Poll,
+    /// `setsockopt`.
+    SetSockOpt,
+    /// `epoll_create1` or `epoll_ctl`.
+    EpollCtl,
+    /// `epoll_wait`.
+    EpollWait,
 }
 
 impl Op {
@@ -56,6 +68,12 @@ impl Op {
             Op::FutexWait => "futex(FUTEX_WAIT)",
             Op::FutexWake => "futex(FUTEX_WAKE)",
             Op::Mmap => "mmap",
+            Op::Recv => "recv",
+            Op::Send => "send",
+            Op::Poll => "poll",
+            Op::SetSockOpt => "setsockopt",
+            Op::EpollCtl => "epoll_ctl",
+            Op::EpollWait => "epoll_wait",
         }
     }
 }

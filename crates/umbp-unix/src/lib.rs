@@ -5,7 +5,10 @@
 //! * [`fdpass`]: bytes with descriptors over a Unix socket (`SCM_RIGHTS`);
 //! * [`peer`]: who is at the other end of a Unix socket (`SO_PEERCRED`), and who we are;
 //! * [`eventfd`]: a counter one thread signals and another polls;
+//! * [`epoll`]: one thread waiting on many descriptors;
 //! * [`futex`]: sleeping on a `u32` of memory shared between processes;
+//! * [`socket`]: a non-blocking read or peek, a send without `SIGPIPE`, waiting on several
+//!   descriptors, buffer sizes;
 //! * [`mapping`]: owned `MAP_SHARED` mappings, unmapped on drop;
 //! * [`clock`]: the host-wide monotonic clock and the page size.
 //!
@@ -13,6 +16,7 @@
 //! errno.
 
 pub mod clock;
+pub mod epoll;
 pub mod error;
 pub mod eventfd;
 pub mod fdpass;
@@ -20,5 +24,6 @@ pub mod futex;
 pub mod mapping;
 pub mod memfd;
 pub mod peer;
+pub mod socket;
 
 pub use error::{Op, UnixError};

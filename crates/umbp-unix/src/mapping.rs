@@ -7,7 +7,7 @@
 
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use rustix::mm::{Advice, MapFlags, ProtFlags};
 
@@ -190,6 +190,18 @@ impl SharedMapping {
         // 4-byte aligned address (mappings are page aligned); every access is atomic.
         unsafe { &*self.as_ptr().add(offset).cast::<AtomicU32>() }
     }
+
+    /// The `u64` at `offset` (8-byte aligned, inside the mapping; panics otherwise), to reach
+    /// atomically.
+    pub fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
+        self.check(offset, 8);
+        assert!(
+            offset.is_multiple_of(8),
+            "offset {offset} is not 8-byte aligned"
+        );
+        // SAFETY: as in `atomic_u32`, for 8 bytes at an 8-byte aligned address.
+        unsafe { &*self.as_ptr().add(offset).cast::<AtomicU64>() }
+    }
 }
 
 impl Drop for SharedMapping {
@@ -221,6 +233,8 @@ mod tests {
         assert_eq!(&got, b"across a page");
         b.atomic_u32(1 << 19).store(7, Ordering::Release);
         assert_eq!(a.atomic_u32(1 << 19).load(Ordering::Acquire), 7);
+        a.atomic_u64(8).store(u64::MAX - 1, Ordering::Release);
+        assert_eq!(b.atomic_u64(8).load(Ordering::Acquire), u64::MAX - 1);
     }
 
     #[test]
