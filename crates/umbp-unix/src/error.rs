@@ -47,6 +47,12 @@ pub enum Op {
     EpollCtl,
     /// `epoll_wait`.
     EpollWait,
+    /// `pidfd_open`.
+    PidfdOpen,
+    /// `getrandom`.
+    GetRandom,
+    /// `shutdown` of a socket.
+    Shutdown,
 }
 
 impl Op {
@@ -74,6 +80,9 @@ impl Op {
             Op::SetSockOpt => "setsockopt",
             Op::EpollCtl => "epoll_ctl",
             Op::EpollWait => "epoll_wait",
+            Op::PidfdOpen => "pidfd_open",
+            Op::GetRandom => "getrandom",
+            Op::Shutdown => "shutdown",
         }
     }
 }

@@ -10,6 +10,7 @@
 //! * [`socket`]: a non-blocking read or peek, a send without `SIGPIPE`, waiting on several
 //!   descriptors, buffer sizes;
 //! * [`mapping`]: owned `MAP_SHARED` mappings, unmapped on drop;
+//! * [`process`]: a pidfd, the file-creation mask, random bytes;
 //! * [`clock`]: the host-wide monotonic clock and the page size.
 //!
 //! Built on `rustix`; every operation fails with [`UnixError`], which names the call and the
@@ -24,6 +25,7 @@ pub mod futex;
 pub mod mapping;
 pub mod memfd;
 pub mod peer;
+pub mod process;
 pub mod socket;
 
 pub use error::{Op, UnixError};

@@ -56,6 +56,13 @@ pub fn wait_readable(
     }
 }
 
+/// Shuts the socket down both ways: blocked reads of every holder of it return, and its peer
+/// sees the end of the stream.
+pub fn shutdown(socket: impl AsFd) -> Result<(), UnixError> {
+    rustix::net::shutdown(socket, rustix::net::Shutdown::Both)
+        .map_err(|e| UnixError::os(Op::Shutdown, e))
+}
+
 /// Sets the socket's send buffer (`SO_SNDBUF`); the kernel doubles it and caps it at
 /// `net.core.wmem_max`.
 pub fn set_send_buffer(socket: impl AsFd, bytes: usize) -> Result<(), UnixError> {
@@ -100,7 +107,7 @@ mod tests {
         assert_eq!(none, [false, false]);
         send_nosignal(&c, b"x", false).unwrap();
         assert_eq!(wait_readable(&both, None).unwrap(), [false, true]);
-        drop(a);
+        shutdown(&a).unwrap();
         assert_eq!(wait_readable(&both, None).unwrap(), [true, true]);
     }
 }
