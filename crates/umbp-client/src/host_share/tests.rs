@@ -4,6 +4,7 @@
 use std::alloc::Layout;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use umbp_unix::mapping::SharedMapping;
 use umbp_unix::memfd;
 
 use super::maps::vmas_overlapping;
@@ -29,47 +30,22 @@ fn check_shareable_fd(fd: BorrowedFd<'_>, len: u64) -> Result<(), String> {
 }
 
 /// A memfd mapped as the server maps it (`MAP_SHARED`, from offset 0); unmapped on drop.
-struct ServerMapping {
-    addr: u64,
-    len: usize,
-}
+struct ServerMapping(SharedMapping);
 
 impl ServerMapping {
     fn map(fd: BorrowedFd<'_>, len: u64) -> Result<Self, String> {
         check_shareable_fd(fd, len)?;
-        // SAFETY: a new shared mapping at an address of the kernel's choosing.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
-        }
-        Ok(ServerMapping {
-            addr: p as u64,
-            len: len as usize,
-        })
+        SharedMapping::map(fd, len as usize)
+            .map(ServerMapping)
+            .map_err(|e| format!("mmap: {}", e.to_io()))
     }
 
     fn addr(&self) -> u64 {
-        self.addr
+        self.0.addr()
     }
 
     fn as_ptr(&self) -> *mut u8 {
-        self.addr as *mut u8
-    }
-}
-
-impl Drop for ServerMapping {
-    fn drop(&mut self) {
-        // SAFETY: the mapping this value made, unused once it is dropped.
-        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        self.0.as_ptr()
     }
 }
 
