@@ -220,21 +220,7 @@ struct NoSigPipe<'a>(&'a UnixStream);
 
 impl Write for NoSigPipe<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        use std::os::fd::AsRawFd;
-        // SAFETY: `buf` is valid for `buf.len()` bytes; the descriptor is the live socket.
-        let n = unsafe {
-            libc::send(
-                self.0.as_raw_fd(),
-                buf.as_ptr() as *const libc::c_void,
-                buf.len(),
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(n as usize)
-        }
+        Ok(umbp_unix::socket::send_nosignal(self.0, buf, false)?)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

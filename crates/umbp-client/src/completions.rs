@@ -2,13 +2,14 @@
 //! wakes the waiter on the moment a transfer's copy job finishes.
 
 use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use umbp_proto::completion::{CompletionPage, SEQ_LIMIT, SLOT_BYTES};
 
-use crate::host_share::{alloc_shared_host, SharedHostMemory};
+use crate::host_share::shared_mapping;
 use crate::ClientError;
 
 /// Slots of a client's page: more than transfers in flight at once (a transfer that finds
@@ -19,8 +20,8 @@ pub(crate) const SLOTS: u32 = 1024;
 #[derive(Debug)]
 pub(crate) struct Completions {
     pub(crate) page: CompletionPage,
-    /// The memfd and the mapping (sent to every server the client attaches to).
-    pub(crate) shm: SharedHostMemory,
+    /// The page's memfd (sent to every server the client attaches to).
+    pub(crate) fd: OwnedFd,
     /// Free slots, oldest freed first (a slot just given up, whose job may still end late,
     /// is the last to be used again).
     free: Mutex<VecDeque<u32>>,
@@ -29,16 +30,12 @@ pub(crate) struct Completions {
 
 impl Completions {
     pub(crate) fn new() -> Result<Arc<Self>, ClientError> {
-        let shm = alloc_shared_host(SLOTS as u64 * SLOT_BYTES)?;
-        // SAFETY: a fresh read-write MAP_SHARED mapping of a memfd sealed against shrinking,
-        // 2 MiB aligned, unmapped only by `Drop` below, after the view (a field of the same
-        // value) is no longer used.
+        let (fd, mapping) = shared_mapping(SLOTS as u64 * SLOT_BYTES)?;
         let page =
-            unsafe { CompletionPage::new(shm.span_addr() as *mut u8, SLOTS as u64 * SLOT_BYTES) }
-                .map_err(|e| ClientError::Internal(e.to_string()))?;
+            CompletionPage::new(mapping).map_err(|e| ClientError::Internal(e.to_string()))?;
         Ok(Arc::new(Completions {
             page,
-            shm,
+            fd,
             free: Mutex::new((0..SLOTS).collect()),
             next_seq: AtomicU32::new(1),
         }))
@@ -63,19 +60,6 @@ impl Completions {
             slot,
             seq,
         })
-    }
-}
-
-impl Drop for Completions {
-    fn drop(&mut self) {
-        // SAFETY: the mapping `alloc_shared_host` made, unmapped once; nothing in this process
-        // holds a view of it any more (every lease holds this value, and it is being dropped).
-        unsafe {
-            libc::munmap(
-                self.shm.span_addr() as *mut libc::c_void,
-                self.shm.span_len() as usize,
-            )
-        };
     }
 }
 

@@ -1,7 +1,7 @@
 //! Sending descriptors over the server's side channel (`<socket>.fds`).
 
-use std::io::{IoSlice, Read, Write};
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::io::{Read, Write};
+use std::os::fd::BorrowedFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -41,32 +41,17 @@ fn send_batch(
         count: fds.len() as u32,
     }
     .encode();
-    let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
-    let payload = std::mem::size_of_val(raw.as_slice());
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(payload as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    let iov = [IoSlice::new(&header)];
-    // SAFETY: an all-zero msghdr is valid; its pointers are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer has room for one header and `payload` bytes of descriptors.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(payload as u32) as _;
-        std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(c) as *mut i32, raw.len());
-    }
-    // SAFETY: the msghdr points at live buffers of the sizes it states.
-    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n < 0 || n as usize != header.len() {
+    let sent = umbp_unix::fdpass::send_with_fds(&s, &header, fds).map_err(|e| ClientError::Io {
+        what: "sending descriptors",
+        source: e.to_io(),
+    })?;
+    if sent != header.len() {
         return Err(ClientError::Io {
             what: "sending descriptors",
-            source: std::io::Error::last_os_error(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                format!("sent {sent} of the header's {} bytes", header.len()),
+            ),
         });
     }
     let mut reply = Vec::new();

@@ -42,8 +42,7 @@ pub(crate) fn check_server(fd: BorrowedFd<'_>, path: &Path) -> Result<(), Client
             what: "reading the server socket's peer credentials",
             source,
         })?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let me = umbp_unix::peer::effective_uid();
     if uid == me || uid == 0 || listed_uids()?.contains(&uid) {
         return Ok(());
     }

@@ -59,7 +59,7 @@ impl Endpoint {
         check_peer(&c).map_err(|e| self.io(e))?;
         // A long prompt's hashes are hundreds of KiB: let one write hold them, so the request
         // to every worker is out before any worker has to be scheduled to drain it.
-        set_buffer(&c, libc::SO_SNDBUF, 4 << 20);
+        set_buffers(&c, 4 << 20, 0);
         Ok((c, false))
     }
 
@@ -387,42 +387,14 @@ impl LookupClient {
 
 /// Whether an idle connection is still usable: nothing to read and not closed by the worker.
 fn still_open(s: &UnixStream) -> bool {
-    let mut b = 0u8;
-    // SAFETY: peeks at most one byte into a local without blocking.
-    let n = unsafe {
-        libc::recv(
-            std::os::fd::AsRawFd::as_raw_fd(s),
-            (&mut b as *mut u8).cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock
+    let mut b = [0u8; 1];
+    umbp_unix::socket::recv_nowait(s, &mut b, true).is_err_and(|e| e.would_block())
 }
 
 /// Checks that the process serving `c` runs as this user or as root (`SO_PEERCRED`).
 fn check_peer(c: &UnixStream) -> std::io::Result<()> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: u32::MAX,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes one `ucred` into `cred`, whose size we pass in `len`.
-    let rc = unsafe {
-        libc::getsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(c),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
+    let cred = umbp_unix::peer::peer_credentials(c)?;
+    let me = umbp_unix::peer::effective_uid();
     if cred.uid == me || cred.uid == 0 {
         return Ok(());
     }
@@ -443,17 +415,13 @@ fn read_only(fd: std::os::fd::RawFd) -> std::io::Result<std::fs::File> {
     std::fs::File::open(format!("/proc/self/fd/{fd}"))
 }
 
-/// Best-effort socket buffer size (the kernel caps it at its own limit).
-pub(crate) fn set_buffer(s: &UnixStream, opt: libc::c_int, bytes: libc::c_int) {
-    // SAFETY: setsockopt reads one c_int from the pointer we pass with its size.
-    unsafe {
-        libc::setsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(s),
-            libc::SOL_SOCKET,
-            opt,
-            (&bytes as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        );
+/// Best-effort socket buffer sizes (the kernel caps them at its own limits).
+pub(crate) fn set_buffers(s: &UnixStream, send: usize, recv: usize) {
+    if send > 0 {
+        let _ = umbp_unix::socket::set_send_buffer(s, send);
+    }
+    if recv > 0 {
+        let _ = umbp_unix::socket::set_recv_buffer(s, recv);
     }
 }
 
@@ -461,7 +429,7 @@ pub(crate) fn set_buffer(s: &UnixStream, opt: libc::c_int, bytes: libc::c_int) {
 fn attach(c: &mut UnixStream, fd: std::os::fd::RawFd, deadline: Instant) -> std::io::Result<()> {
     let frame = protocol::header(REQ_MAGIC, Op::AttachShm as u8, 0);
     let ro = read_only(fd)?;
-    crate::shm::send_with_fd(c, &frame, std::os::fd::AsRawFd::as_raw_fd(&ro))?;
+    crate::shm::send_with_fd(c, &frame, std::os::fd::AsFd::as_fd(&ro))?;
     drop(ro);
     c.set_read_timeout(Some(remaining(deadline)))?;
     match protocol::read_frame(c, REP_MAGIC)? {

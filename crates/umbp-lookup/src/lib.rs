@@ -11,6 +11,8 @@
 //! The worker builds the keys itself from the block hashes (it knows its ranks), so the
 //! scheduler sends each block hash once per worker and never builds per-rank keys.
 
+#![forbid(unsafe_code)]
+
 mod client;
 mod protocol;
 mod server;

@@ -17,7 +17,6 @@ mod sys;
 mod target;
 
 use std::io::ErrorKind;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -26,10 +25,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
+use umbp_unix::epoll::Epoll;
+use umbp_unix::eventfd::EventFd;
 
 use crate::protocol::LookupError;
 use event_loop::EventLoop;
-use sys::{epoll_ctl, os_err, signal, IN, LISTENER, WAKE};
+use sys::{signal, IN, LISTENER, WAKE};
 
 pub use target::{LookupTarget, ServerLimits};
 
@@ -43,7 +44,7 @@ pub struct LookupServer {
     /// The process that started the service (a forked child has no service thread).
     pid: u32,
     stop: Arc<AtomicBool>,
-    wake: Arc<OwnedFd>,
+    wake: Arc<EventFd>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -97,17 +98,11 @@ impl LookupServer {
             io(e)
         };
         listener.set_nonblocking(true).map_err(unbind)?;
-        // SAFETY: plain flags; the result is checked.
-        let wake = os_err(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })
-            .map_err(unbind)?;
-        // SAFETY: a fresh descriptor nothing else owns.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(wake) });
-        // SAFETY: plain flags; the result is checked.
-        let ep = os_err(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }).map_err(unbind)?;
-        // SAFETY: a fresh descriptor nothing else owns.
-        let ep = unsafe { OwnedFd::from_raw_fd(ep) };
-        epoll_ctl(&ep, libc::EPOLL_CTL_ADD, listener.as_raw_fd(), LISTENER, IN).map_err(unbind)?;
-        epoll_ctl(&ep, libc::EPOLL_CTL_ADD, wake.as_raw_fd(), WAKE, IN).map_err(unbind)?;
+        let wake = Arc::new(EventFd::new(true).map_err(|e| unbind(e.into()))?);
+        let ep = Epoll::new().map_err(|e| unbind(e.into()))?;
+        ep.add(&listener, LISTENER, IN)
+            .map_err(|e| unbind(e.into()))?;
+        ep.add(&*wake, WAKE, IN).map_err(|e| unbind(e.into()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let mut event_loop = EventLoop::new(
             ep,

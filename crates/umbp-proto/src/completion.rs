@@ -30,6 +30,9 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use umbp_unix::futex;
+use umbp_unix::mapping::SharedMapping;
+
 use crate::ProtoError;
 
 /// Bytes of one slot (a cache line: concurrent transfers never share one).
@@ -71,56 +74,34 @@ pub struct SlotTimes {
 
 /// `CLOCK_MONOTONIC` now, in nanoseconds: one clock for every process of the host (the
 /// completion page's clock readings).
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use umbp_unix::clock::monotonic_ns;
 
 /// A slot's word for use `seq` (taken modulo [`SEQ_LIMIT`]) in state `state`.
 pub fn word(seq: u32, state: u32) -> u32 {
     ((seq % SEQ_LIMIT) << 2) | (state & 3)
 }
 
-/// A view of a completion page mapped in this process. Every access is atomic: the other
-/// process may write any slot at any time.
+/// A completion page mapped in this process. Every access is atomic: the other process may
+/// write any slot at any time.
 #[derive(Debug)]
 pub struct CompletionPage {
-    base: *mut u8,
+    mapping: SharedMapping,
     slots: u32,
 }
 
-// SAFETY: the page is only reached through atomic loads and stores (and futex calls, which
-// the kernel makes atomic), from any thread; the pointer itself is never handed out.
-unsafe impl Send for CompletionPage {}
-// SAFETY: as for Send: shared access is atomic only.
-unsafe impl Sync for CompletionPage {}
-
 impl CompletionPage {
-    /// A view of `len` bytes at `base`, holding `len / SLOT_BYTES` slots.
-    ///
-    /// # Safety
-    /// `[base, base + len)` is a read-write mapping that stays mapped, and cannot fault, for
-    /// as long as the view lives (a `MAP_SHARED` mapping of a memfd sealed against shrinking);
-    /// `base` is aligned to [`SLOT_BYTES`].
-    pub unsafe fn new(base: *mut u8, len: u64) -> Result<Self, ProtoError> {
+    /// The page in `mapping`, holding `len / SLOT_BYTES` slots. The mapping must be of a memfd
+    /// sealed against shrinking, so that no access to it can fault.
+    pub fn new(mapping: SharedMapping) -> Result<Self, ProtoError> {
+        let len = mapping.len() as u64;
         if !(SLOT_BYTES..=MAX_PAGE_BYTES).contains(&len) {
             return Err(ProtoError::CompletionPage(format!(
                 "{len} bytes; give {SLOT_BYTES} to {MAX_PAGE_BYTES} bytes"
             )));
         }
-        if !(base as u64).is_multiple_of(SLOT_BYTES) {
-            return Err(ProtoError::CompletionPage(format!(
-                "its address {base:p} is not {SLOT_BYTES}-byte aligned"
-            )));
-        }
         Ok(CompletionPage {
-            base,
             slots: (len / SLOT_BYTES) as u32,
+            mapping,
         })
     }
 
@@ -129,28 +110,22 @@ impl CompletionPage {
         self.slots
     }
 
-    fn slot_ptr(&self, slot: u32) -> *mut u8 {
+    fn slot_offset(&self, slot: u32) -> usize {
         assert!(
             slot < self.slots,
             "slot {slot} of a {}-slot page",
             self.slots
         );
-        // SAFETY: `slot < slots`, so the offset stays inside the mapping (`new`'s contract).
-        unsafe { self.base.add((slot as u64 * SLOT_BYTES) as usize) }
+        (slot as u64 * SLOT_BYTES) as usize
     }
 
     fn word_of(&self, slot: u32) -> &AtomicU32 {
-        // SAFETY: the slot's first 4 bytes are inside the live mapping and 64-byte aligned;
-        // they are only ever accessed atomically.
-        unsafe { &*(self.slot_ptr(slot) as *const AtomicU32) }
+        self.mapping.atomic_u32(self.slot_offset(slot))
     }
 
     fn time_of(&self, slot: u32, i: usize) -> &AtomicU64 {
         debug_assert!((1..TIMES).contains(&i));
-        // SAFETY: bytes 8 * i .. 8 * i + 8 (i is 1 to 4) of the slot are inside the live
-        // mapping (a slot is 64 bytes) and 8-byte aligned; they are only ever accessed
-        // atomically.
-        unsafe { &*(self.slot_ptr(slot).add(8 * i) as *const AtomicU64) }
+        self.mapping.atomic_u64(self.slot_offset(slot) + 8 * i)
     }
 
     /// The slot's word now.
@@ -231,28 +206,16 @@ impl CompletionPage {
     /// possible: look at the word again). A wake-up reaches at most [`MAX_WOKEN`] waiters of a
     /// word, so wait in slices of at most [`WAIT_SLICE`] when more threads may wait on one.
     pub fn wait(&self, slot: u32, expected: u32, timeout: Duration) {
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
-        self.futex(slot, libc::FUTEX_WAIT, expected as i32, &ts);
+        // Any end is fine: the caller looks at the word again. The word is a live u32 of the
+        // page, so the call cannot fail.
+        let _ = futex::wait(self.word_of(slot), expected, Some(timeout));
     }
 
     /// Wakes waiters of the slot's word: bounded, so a client that parks many threads on its
-    /// own words cannot make a copy worker wake them all.
+    /// own words cannot make a copy worker wake them all. Not FUTEX_PRIVATE: the other side is
+    /// another process mapping the same memfd.
     fn wake(&self, slot: u32) {
-        self.futex(slot, libc::FUTEX_WAKE, MAX_WOKEN, std::ptr::null());
-    }
-
-    /// One futex call on the slot's word. Not FUTEX_PRIVATE: the other side is another
-    /// process mapping the same memfd.
-    fn futex(&self, slot: u32, op: libc::c_int, val: i32, ts: *const libc::timespec) {
-        // SAFETY: the word is a live, aligned u32 of a shared mapping; FUTEX_WAIT only reads it
-        // (atomically) and sleeps, FUTEX_WAKE touches no memory; `ts` is null or outlives
-        // the call.
-        unsafe {
-            libc::syscall(libc::SYS_futex, self.word_of(slot).as_ptr(), op, val, ts);
-        }
+        let _ = futex::wake(self.word_of(slot), MAX_WOKEN as u32);
     }
 }
 
@@ -262,30 +225,9 @@ mod tests {
     use std::sync::Arc;
     use std::time::Instant;
 
-    /// A page in this process's own anonymous shared memory.
-    struct Mem(*mut u8, usize);
-    impl Mem {
-        fn new(len: usize) -> Mem {
-            // SAFETY: a fresh anonymous mapping; checked below.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(p, libc::MAP_FAILED);
-            Mem(p as *mut u8, len)
-        }
-    }
-    impl Drop for Mem {
-        fn drop(&mut self) {
-            // SAFETY: our own mapping, unmapped once, after every view of it is gone.
-            unsafe { libc::munmap(self.0 as *mut libc::c_void, self.1) };
-        }
+    /// A page of `len` bytes in this process's own anonymous shared memory.
+    fn page(len: usize) -> CompletionPage {
+        CompletionPage::new(SharedMapping::anonymous(len).unwrap()).unwrap()
     }
 
     /// Times as a server writes them, the clock readings made up from the two durations.
@@ -307,21 +249,15 @@ mod tests {
 
     #[test]
     fn sizes_outside_the_limits_are_refused() {
-        let m = Mem::new(4096);
-        // SAFETY: the mapping outlives the views (each dropped at once).
-        unsafe {
-            assert!(CompletionPage::new(m.0, 0).is_err());
-            assert!(CompletionPage::new(m.0, MAX_PAGE_BYTES + 4096).is_err());
-            assert!(CompletionPage::new(m.0.add(8), 1024).is_err());
-            assert_eq!(CompletionPage::new(m.0, 4096).unwrap().slots(), 64);
-        }
+        let new = |len| CompletionPage::new(SharedMapping::anonymous(len).unwrap());
+        assert!(new(32).is_err());
+        assert!(new(MAX_PAGE_BYTES as usize + 4096).is_err());
+        assert_eq!(new(4096).unwrap().slots(), 64);
     }
 
     #[test]
     fn a_published_slot_wakes_its_waiter_with_the_times() {
-        let m = Mem::new(4096);
-        // SAFETY: the mapping outlives the page (dropped after the thread is joined).
-        let page = Arc::new(unsafe { CompletionPage::new(m.0, 4096) }.unwrap());
+        let page = Arc::new(page(4096));
         page.arm(3, 7);
         let p2 = Arc::clone(&page);
         let waiter = std::thread::spawn(move || {
@@ -344,9 +280,7 @@ mod tests {
 
     #[test]
     fn settle_moves_only_a_pending_word_of_the_same_use() {
-        let m = Mem::new(4096);
-        // SAFETY: the mapping outlives the page.
-        let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
+        let page = page(4096);
         page.arm(0, 1);
         assert!(!page.settle(0, 2, REPLIED));
         assert!(page.publish(0, 1, false, &times(0, 0)));
@@ -363,9 +297,7 @@ mod tests {
 
     #[test]
     fn a_late_write_for_an_earlier_use_changes_nothing() {
-        let m = Mem::new(4096);
-        // SAFETY: the mapping outlives the page.
-        let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
+        let page = page(4096);
         page.arm(4, 10);
         assert!(page.publish(4, 10, true, &times(1, 1)));
         page.arm(4, 11);
@@ -382,9 +314,7 @@ mod tests {
 
     #[test]
     fn a_wait_on_a_word_nobody_sets_returns_at_its_timeout() {
-        let m = Mem::new(4096);
-        // SAFETY: the mapping outlives the page.
-        let page = unsafe { CompletionPage::new(m.0, 4096) }.unwrap();
+        let page = page(4096);
         page.arm(1, 1);
         page.wait(1, word(1, PENDING), Duration::from_millis(20));
         // A word that is not the expected one returns at once.

@@ -6,6 +6,8 @@
 //! ([`Endpoint::parse`]), where the descriptor side channel lives, and the side channel's
 //! message format.
 
+#![forbid(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 
 pub mod channel;

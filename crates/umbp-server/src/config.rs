@@ -102,8 +102,7 @@ impl ServerConfig {
             },
             socket_mode: DEFAULT_SOCKET_MODE,
             access: Access {
-                // SAFETY: getuid has no preconditions and cannot fail.
-                own_uid: unsafe { libc::getuid() },
+                own_uid: umbp_unix::peer::real_uid(),
                 ..Access::default()
             },
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,

@@ -173,11 +173,8 @@ pub(crate) fn bind(path: &Path, mode: u32) -> Result<UnixListener, ServerError> 
         Err(e) => return Err(bind_err(e.to_string())),
     }
     // Nobody may connect between bind and chmod: bind with everything masked but the owner.
-    // SAFETY: umask only changes this process's file-creation mask (restored below).
-    let old = unsafe { libc::umask(0o177) };
-    let bound = std::os::unix::net::UnixListener::bind(path);
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
+    let bound =
+        umbp_unix::process::with_umask(0o177, || std::os::unix::net::UnixListener::bind(path));
     let listener = bound.map_err(|e| bind_err(e.to_string()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .map_err(|e| bind_err(format!("cannot set mode {mode:o}: {e}")))?;

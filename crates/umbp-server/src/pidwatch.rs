@@ -1,7 +1,7 @@
 //! Watching a client's process through a pidfd: when it exits, its session ends even if its
 //! connection lives on (inherited by a forked child, say). No pings.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 
 use tokio::io::unix::AsyncFd;
@@ -10,13 +10,7 @@ use crate::sessions::{EndReason, Sessions};
 
 /// `pidfd_open(2)`: a descriptor that becomes readable when process `pid` exits.
 fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(umbp_unix::process::pidfd_open(pid)?)
 }
 
 /// Ends session `session` when process `pid` exits (or stops watching when the session ends

@@ -39,15 +39,11 @@ pub async fn serve(
     };
     if let Some(g) = cfg.access.allow_gid {
         for p in [&path, &fd_path] {
-            let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-                .expect("no NUL in a parsed path");
-            // SAFETY: a NUL-terminated path; -1 keeps the owner.
-            if unsafe { libc::chown(c.as_ptr(), u32::MAX, g) } != 0 {
+            if let Err(e) = std::os::unix::fs::chown(p, None, Some(g)) {
                 unlink();
                 return Err(ServerError::Config(format!(
-                    "cannot give {} to group {g}: {}",
-                    p.display(),
-                    std::io::Error::last_os_error()
+                    "cannot give {} to group {g}: {e}",
+                    p.display()
                 )));
             }
         }

@@ -79,9 +79,8 @@ pub(crate) struct Resources {
 /// A client's completion page mapped in the server (see [`umbp_proto::completion`]).
 #[derive(Debug)]
 pub(crate) struct CompletionMapping {
+    /// The page, owning its mapping.
     pub(crate) page: CompletionPage,
-    /// Keeps the page's memory mapped; declared after `page`, so dropped after it.
-    _mapping: ServerMapping,
 }
 
 impl CompletionMapping {
@@ -100,15 +99,9 @@ impl CompletionMapping {
                 "the completion page is a huge-page (hugetlbfs) memfd; use a normal memfd".into(),
             );
         }
-        // SAFETY: the mapping is read-write, of a memfd checked to be sealed against
-        // shrinking (so it cannot fault), page-aligned, and lives in `_mapping` as long as the
-        // view does.
-        let page =
-            unsafe { CompletionPage::new(mapping.as_ptr(), len) }.map_err(|e| e.to_string())?;
-        Ok(CompletionMapping {
-            page,
-            _mapping: mapping,
-        })
+        // The memfd was checked to be sealed against shrinking: no access to the page faults.
+        let page = CompletionPage::new(mapping.into_mapping()).map_err(|e| e.to_string())?;
+        Ok(CompletionMapping { page })
     }
 }
 
@@ -171,8 +164,7 @@ impl ClientSession {
         self.released.store(true, Ordering::Release);
         // Its transfer channels end now: no new transfer can arrive on them.
         for (_, fd) in std::mem::take(&mut self.res.lock().channels) {
-            // SAFETY: shutting down a socket this session owns a duplicate of; plain integers.
-            unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&fd), libc::SHUT_RDWR) };
+            let _ = umbp_unix::socket::shutdown(&fd);
         }
         let report = self.session.release_now();
         let mut res = std::mem::take(&mut *self.res.lock());
@@ -398,15 +390,8 @@ pub(crate) struct Totals {
 /// 16 random bytes from the kernel.
 pub(crate) fn random_bytes() -> [u8; 16] {
     let mut b = [0u8; 16];
-    let mut got = 0;
-    while got < b.len() {
-        // SAFETY: writes at most the remaining bytes of `b`.
-        let n = unsafe {
-            libc::getrandom(b[got..].as_mut_ptr() as *mut libc::c_void, b.len() - got, 0)
-        };
-        if n > 0 {
-            got += n as usize;
-        }
-    }
+    // getrandom only fails for bad arguments (or a kernel before 3.17, which nothing of this
+    // server runs on).
+    umbp_unix::process::fill_random(&mut b).expect("getrandom");
     b
 }

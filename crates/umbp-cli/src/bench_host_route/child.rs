@@ -2,7 +2,9 @@
 //! sent as a memfd for route (a), private for route (b)), the socket messages with a
 //! descriptor, and the huge-page share of a mapping read from smaps.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::io::Read;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 
 use anyhow::{ensure, Context, Result};
 
@@ -11,7 +13,7 @@ use super::buf::{Buf, PageMode};
 /// A forked child that holds a client buffer until it is dropped.
 pub(super) struct Child {
     pub(super) pid: libc::pid_t,
-    pub(super) sock: Option<OwnedFd>,
+    pub(super) sock: Option<UnixStream>,
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) fd: Option<OwnedFd>,
@@ -32,26 +34,14 @@ impl Drop for Child {
 /// the memfd; it then waits until its socket closes. Call only while this process has one
 /// thread.
 pub(super) fn spawn_child(shared: bool, len: usize, mode: PageMode) -> Result<Child> {
-    let mut sv = [0; 2];
-    // SAFETY: socketpair fills two descriptors into `sv`.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
-            0,
-            sv.as_mut_ptr(),
-        )
-    };
-    ensure!(rc == 0, "socketpair: {}", std::io::Error::last_os_error());
-    // SAFETY: both descriptors are fresh and owned here.
-    let (mine, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+    let (mine, theirs) = UnixStream::pair().context("socketpair")?;
     // SAFETY: the benchmark forks only between transfers, when no other thread runs, so the
     // child may use the allocator and the rest of the library.
     let pid = unsafe { libc::fork() };
     ensure!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
         drop(mine);
-        let code = match child_main(theirs.as_raw_fd(), shared, len, mode) {
+        let code = match child_main(&theirs, shared, len, mode) {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("umbp bench host-route: child: {e:#}");
@@ -69,7 +59,7 @@ pub(super) fn spawn_child(shared: bool, len: usize, mode: PageMode) -> Result<Ch
         len: 0,
         fd: None,
     };
-    let sock = child.sock.as_ref().expect("set above").as_raw_fd();
+    let sock = child.sock.as_ref().expect("set above");
     let (msg, fd) = recv_with_fd(sock).context("the child did not report its buffer")?;
     child.addr = msg[0];
     child.len = msg[1];
@@ -83,7 +73,12 @@ pub(super) fn spawn_child(shared: bool, len: usize, mode: PageMode) -> Result<Ch
     Ok(child)
 }
 
-pub(super) fn child_main(sock: RawFd, shared: bool, len: usize, mode: PageMode) -> Result<()> {
+pub(super) fn child_main(
+    sock: &UnixStream,
+    shared: bool,
+    len: usize,
+    mode: PageMode,
+) -> Result<()> {
     let buf = Buf::map(len, mode)?;
     buf.fill(0x5A);
     let addr = buf.addr as u64;
@@ -105,86 +100,42 @@ pub(super) fn child_main(sock: RawFd, shared: bool, len: usize, mode: PageMode) 
             )
         };
     }
-    let fd = share.as_ref().map(|s| s.fd().as_raw_fd());
+    let fd = share.as_ref().map(|s| s.fd());
     let span = share.as_ref().map_or(addr, |s| s.span_addr());
     send_with_fd(sock, [span, len as u64], fd)?;
-    let mut b = 0u8;
+    let mut b = [0u8; 1];
     // Wait for the parent to close the socket (read returns 0, or an error).
-    // SAFETY: reads at most one byte into `b`.
-    while unsafe { libc::read(sock, (&mut b as *mut u8).cast(), 1) } > 0 {}
+    while (&mut &*sock).read(&mut b).is_ok_and(|n| n > 0) {}
     Ok(())
 }
 
 /// Sends two u64 words over `sock`, with `fd` attached when given (`SCM_RIGHTS`).
-pub(super) fn send_with_fd(sock: RawFd, msg: [u64; 2], fd: Option<RawFd>) -> Result<()> {
+pub(super) fn send_with_fd(
+    sock: &UnixStream,
+    msg: [u64; 2],
+    fd: Option<BorrowedFd<'_>>,
+) -> Result<()> {
     let bytes: Vec<u8> = msg.iter().flat_map(|w| w.to_le_bytes()).collect();
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    // SAFETY: msghdr is plain data; the pointers set below outlive the sendmsg call.
-    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = &mut iov;
-    m.msg_iovlen = 1;
-    if let Some(fd) = fd {
-        m.msg_control = cbuf.as_mut_ptr().cast();
-        m.msg_controllen = space as _;
-        // SAFETY: the control buffer holds one cmsg of CMSG_SPACE(sizeof fd) bytes.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&m);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
-        }
-    }
-    // SAFETY: `m` describes valid buffers; the socket is ours.
-    let n = unsafe { libc::sendmsg(sock, &m, libc::MSG_NOSIGNAL) };
+    let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
+    let n = umbp_unix::fdpass::send_with_fds(sock, &bytes, &fds).context("sendmsg")?;
     ensure!(
-        n == bytes.len() as isize,
-        "sendmsg: {}",
-        std::io::Error::last_os_error()
+        n == bytes.len(),
+        "sendmsg sent {n} of {} bytes",
+        bytes.len()
     );
     Ok(())
 }
 
 /// Receives the two u64 words of [`send_with_fd`] and the descriptor, if one came.
-pub(super) fn recv_with_fd(sock: RawFd) -> Result<([u64; 2], Option<OwnedFd>)> {
+pub(super) fn recv_with_fd(sock: &UnixStream) -> Result<([u64; 2], Option<OwnedFd>)> {
     let mut bytes = [0u8; 16];
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_mut_ptr().cast(),
-        iov_len: bytes.len(),
-    };
-    // SAFETY: pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    // SAFETY: msghdr is plain data; the pointers set below outlive the recvmsg call.
-    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
-    m.msg_iov = &mut iov;
-    m.msg_iovlen = 1;
-    m.msg_control = cbuf.as_mut_ptr().cast();
-    m.msg_controllen = space as _;
-    // SAFETY: `m` describes valid buffers; received descriptors are close-on-exec.
-    let n = unsafe { libc::recvmsg(sock, &mut m, libc::MSG_CMSG_CLOEXEC | libc::MSG_WAITALL) };
-    ensure!(
-        n == 16,
-        "recvmsg got {n} bytes ({})",
-        std::io::Error::last_os_error()
-    );
-    let mut fd = None;
-    // SAFETY: reading the control message the kernel wrote into `cbuf`; a descriptor it
-    // carries is now ours to own.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&m);
-        if !c.is_null() && (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS
-        {
-            let raw = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
-            fd = Some(OwnedFd::from_raw_fd(raw));
-        }
-    }
+    let got = umbp_unix::fdpass::recv_with_fds(sock, &mut bytes, 1, false).context("recvmsg")?;
+    ensure!(got.len > 0, "recvmsg: the child closed its socket");
+    // The rest of the words, should they come apart from the first bytes.
+    (&mut &*sock)
+        .read_exact(&mut bytes[got.len..])
+        .context("recvmsg")?;
+    let fd = got.fds.into_iter().next();
     let w = |k: usize| u64::from_le_bytes(bytes[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
     Ok(([w(0), w(1)], fd))
 }

@@ -3,6 +3,7 @@
 
 pub(crate) mod state;
 
+use std::os::fd::AsFd;
 use std::sync::Arc;
 
 use umbp_core::ErrorKind;
@@ -123,7 +124,7 @@ impl StandaloneClient {
         };
         let sid = a.session_id;
         let length = c.len();
-        let registered = self.send_fds(a, &[c.shm.fd()]).and_then(|t| {
+        let registered = self.send_fds(a, &[c.fd.as_fd()]).and_then(|t| {
             let ticket = t[0];
             self.call(
                 "register_completion_page",

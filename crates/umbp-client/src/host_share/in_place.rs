@@ -5,9 +5,10 @@
 use std::os::fd::AsRawFd;
 
 use umbp_pool::shared_fd::page_size;
+use umbp_unix::memfd::Seals;
 
 use super::maps::{classify, find_open_fd, vmas_overlapping, Kind, Vma};
-use super::memfd::{sealed_memfd, sys, SharedHostMemory};
+use super::memfd::{sealed_memfd, sys, unix, SharedHostMemory};
 use crate::error::ClientError;
 
 /// Bytes moved onto the memfd at a time by [`share_host_range`]: the most memory the call holds
@@ -378,22 +379,17 @@ fn existing_memfd(
              (or its descriptor) alive while the memory is in use",
         ));
     };
-    // SAFETY: F_GET_SEALS only reads the seals of our descriptor.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+    let sealed = umbp_unix::memfd::seals(&fd).is_ok_and(|s| s.contains(Seals::SHRINK));
+    if !sealed {
         return Err(unsupported(
             "a shared mapping of a memfd that is not sealed against shrinking",
             "seal it with F_SEAL_SHRINK | F_SEAL_GROW (fcntl F_ADD_SEALS), or share anonymous \
              memory / memory of alloc_shared_host",
         ));
     }
-    // SAFETY: `stat` is plain data filled by fstat on our descriptor.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(sys(len, "fstat of the memfd", "check the descriptor"));
-    }
-    let size = st.st_size.max(0) as u64;
+    let size = umbp_unix::memfd::file_info(&fd)
+        .map_err(|e| unix(len, "fstat of the memfd", e, "check the descriptor"))?
+        .size;
     if addr < base || addr + len > base + size {
         return Err(unsupported(
             "a mapping of a memfd placed at an offset that does not match its addresses",

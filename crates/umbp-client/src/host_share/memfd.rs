@@ -3,9 +3,12 @@
 //! the server maps it ([`populate`]).
 
 use std::ffi::CStr;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use umbp_pool::shared_fd::page_size;
+use umbp_unix::mapping::SharedMapping;
+use umbp_unix::memfd::Seals;
+use umbp_unix::{Op, UnixError};
 
 use crate::error::ClientError;
 
@@ -13,7 +16,7 @@ use crate::error::ClientError;
 pub const MEMFD_NAME: &CStr = c"umbp-kv";
 
 /// The seals on every memfd made here.
-pub const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+pub const SEALS: Seals = Seals::SHRINK.union(Seals::GROW).union(Seals::SEAL);
 
 /// Fresh shared memory starts on this boundary, so huge pages can back it where allowed.
 pub(super) const ALLOC_ALIGN: u64 = umbp_pool::shared_fd::MAP_ALIGN as u64;
@@ -73,35 +76,52 @@ pub(super) fn sys(len: u64, call: &'static str, fix: impl Into<String>) -> Clien
 
 /// A new memfd of `len` bytes (of huge pages of `huge` bytes when given), sealed with [`SEALS`].
 pub(super) fn sealed_memfd(len: u64, huge: Option<u64>) -> Result<OwnedFd, ClientError> {
-    let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
-    if let Some(h) = huge {
-        flags |= libc::MFD_HUGETLB | (h.trailing_zeros() << libc::MFD_HUGE_SHIFT);
+    umbp_unix::memfd::create_sealed(MEMFD_NAME, len, huge, SEALS).map_err(|e| {
+        let (call, fix) = match e.op() {
+            Op::MemfdCreate => (
+                "memfd_create",
+                "the process is at its descriptor limit (ulimit -n) or the kernel lacks memfd \
+                 (Linux 3.17; huge-page memfds with seals need 4.16)",
+            ),
+            Op::Ftruncate => ("ftruncate of the memfd", "share less memory"),
+            _ => (
+                "fcntl(F_ADD_SEALS)",
+                "the kernel cannot seal this memfd (needs Linux 3.17, 4.16 for huge pages)",
+            ),
+        };
+        unix(len, call, e, fix)
+    })
+}
+
+/// A failed call of `umbp_unix` while sharing `len` bytes, and what to change.
+pub(super) fn unix(len: u64, call: &'static str, e: UnixError, fix: &str) -> ClientError {
+    ClientError::ShareSystem {
+        len,
+        call,
+        source: e.to_io(),
+        fix: fix.into(),
     }
-    // SAFETY: a valid NUL-terminated name; plain flags.
-    let raw = unsafe { libc::memfd_create(MEMFD_NAME.as_ptr(), flags) };
-    if raw < 0 {
-        return Err(sys(
+}
+
+/// A new sealed memfd of `len` bytes (whole pages) mapped read-write in this process at a
+/// [`ALLOC_ALIGN`] boundary, pages allocated on first touch.
+pub(crate) fn shared_mapping(len: u64) -> Result<(OwnedFd, SharedMapping), ClientError> {
+    let fd = sealed_memfd(len, None)?;
+    let n = usize::try_from(len).map_err(|_| ClientError::ShareBadRange {
+        addr: 0,
+        len,
+        reason: "the length does not fit this address space".into(),
+    })?;
+    let mapping = SharedMapping::map_aligned(&fd, n, ALLOC_ALIGN as usize).map_err(|e| {
+        unix(
             len,
-            "memfd_create",
-            "the process is at its descriptor limit (ulimit -n) or the kernel lacks memfd \
-             (Linux 3.17; huge-page memfds with seals need 4.16)",
-        ));
-    }
-    // SAFETY: `raw` is a fresh descriptor that nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    // SAFETY: sizing our own new memfd.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-        return Err(sys(len, "ftruncate of the memfd", "share less memory"));
-    }
-    // SAFETY: sealing our own new memfd; plain integer arguments.
-    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
-        return Err(sys(
-            len,
-            "fcntl(F_ADD_SEALS)",
-            "the kernel cannot seal this memfd (needs Linux 3.17, 4.16 for huge pages)",
-        ));
-    }
-    Ok(fd)
+            "mmap of the memfd",
+            e,
+            "lower the size or raise the process's address-space limit (ulimit -v)",
+        )
+    })?;
+    mapping.advise_hugepage();
+    Ok((fd, mapping))
 }
 
 /// Fresh host memory of at least `len` bytes (rounded up to whole pages), zeroed, in a new
@@ -125,16 +145,8 @@ pub fn alloc_shared_host(len: u64) -> Result<SharedHostMemory, ClientError> {
         .checked_next_multiple_of(page)
         .filter(|s| usize::try_from(*s + ALLOC_ALIGN).is_ok())
         .ok_or_else(|| bad("the length does not fit this address space"))?;
-    let fd = sealed_memfd(span, None)?;
-    let at =
-        umbp_pool::shared_fd::map_shared_aligned(fd.as_fd(), span as usize).map_err(|source| {
-            ClientError::ShareSystem {
-                len: span,
-                call: "mmap of the memfd",
-                source,
-                fix: "lower the size or raise the process's address-space limit (ulimit -v)".into(),
-            }
-        })?;
+    let (fd, mapping) = shared_mapping(span)?;
+    let (at, _) = mapping.into_raw();
     Ok(SharedHostMemory {
         fd,
         addr: at.as_ptr() as u64,

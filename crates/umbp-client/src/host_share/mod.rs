@@ -92,4 +92,5 @@ mod tests;
 
 pub use in_place::share_host_range;
 pub(crate) use memfd::populate;
+pub(crate) use memfd::shared_mapping;
 pub use memfd::{alloc_shared_host, SharedHostMemory, MEMFD_NAME, SEALS};

@@ -4,6 +4,9 @@
 use std::alloc::Layout;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use umbp_unix::mapping::SharedMapping;
+use umbp_unix::memfd;
+
 use super::maps::vmas_overlapping;
 use super::memfd::ALLOC_ALIGN;
 use super::{alloc_shared_host, share_host_range, SharedHostMemory, SEALS};
@@ -13,68 +16,36 @@ use crate::error::ClientError;
 /// `hostmem::check_shareable`, which this crate cannot depend on): a regular file sealed
 /// against shrinking, at least `len` bytes.
 fn check_shareable_fd(fd: BorrowedFd<'_>, len: u64) -> Result<(), String> {
-    // SAFETY: `st` is plain data filled by fstat on a borrowed descriptor.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
-    }
-    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+    let info = memfd::file_info(fd).map_err(|e| e.to_string())?;
+    if info.file_type != memfd::FileType::Regular {
         return Err("not a regular file".into());
     }
-    // SAFETY: F_GET_SEALS takes no argument.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+    if !memfd::seals(fd).is_ok_and(|s| s.contains(memfd::Seals::SHRINK)) {
         return Err("not sealed against shrinking".into());
     }
-    if (st.st_size as u64) < len {
-        return Err(format!("{} bytes, fewer than {len}", st.st_size));
+    if info.size < len {
+        return Err(format!("{} bytes, fewer than {len}", info.size));
     }
     Ok(())
 }
 
 /// A memfd mapped as the server maps it (`MAP_SHARED`, from offset 0); unmapped on drop.
-struct ServerMapping {
-    addr: u64,
-    len: usize,
-}
+struct ServerMapping(SharedMapping);
 
 impl ServerMapping {
     fn map(fd: BorrowedFd<'_>, len: u64) -> Result<Self, String> {
         check_shareable_fd(fd, len)?;
-        // SAFETY: a new shared mapping at an address of the kernel's choosing.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(format!("mmap: {}", std::io::Error::last_os_error()));
-        }
-        Ok(ServerMapping {
-            addr: p as u64,
-            len: len as usize,
-        })
+        SharedMapping::map(fd, len as usize)
+            .map(ServerMapping)
+            .map_err(|e| format!("mmap: {}", e.to_io()))
     }
 
     fn addr(&self) -> u64 {
-        self.addr
+        self.0.addr()
     }
 
     fn as_ptr(&self) -> *mut u8 {
-        self.addr as *mut u8
-    }
-}
-
-impl Drop for ServerMapping {
-    fn drop(&mut self) {
-        // SAFETY: the mapping this value made, unused once it is dropped.
-        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        self.0.as_ptr()
     }
 }
 
@@ -397,9 +368,7 @@ fn alloc_shared_host_is_sealed_and_reachable_from_the_server() {
     );
     assert_eq!(s.span_addr() % ALLOC_ALIGN, 0);
     assert_eq!(s.offset_in_span(), 0);
-    // SAFETY: F_GET_SEALS reads the seals of our descriptor.
-    let seals = unsafe { libc::fcntl(s.fd().as_raw_fd(), libc::F_GET_SEALS) };
-    assert_eq!(seals & SEALS, SEALS);
+    assert!(umbp_unix::memfd::seals(s.fd()).unwrap().contains(SEALS));
     // SAFETY: ftruncate on our memfd; the seals must refuse it.
     assert_ne!(unsafe { libc::ftruncate(s.fd().as_raw_fd(), 4096) }, 0);
     let m = ServerMapping::map(s.fd(), s.span_len()).unwrap();

@@ -3,13 +3,16 @@
 //! chunks from the target and writing replies without ever blocking on a client.
 
 use std::io::ErrorKind;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::sys::{epoll_ctl, FIRST_CONN, IN, LISTENER, OUT, WAKE};
+use umbp_unix::epoll::Epoll;
+use umbp_unix::eventfd::EventFd;
+
+use super::sys::{ERROR, FIRST_CONN, HANGUP, IN, LISTENER, OUT, WAKE};
 use super::target::{LookupTarget, ServerLimits};
 use crate::protocol::{self, Op, MAX_HASH_LEN, REP_MAGIC, REQ_MAGIC};
 use crate::shm::{self, ShmReader};
@@ -51,9 +54,9 @@ impl Conn {
 }
 
 pub(super) struct EventLoop {
-    ep: OwnedFd,
+    ep: Epoll,
     listener: UnixListener,
-    wake: Arc<OwnedFd>,
+    wake: Arc<EventFd>,
     stop: Arc<AtomicBool>,
     target: Arc<dyn LookupTarget>,
     limits: ServerLimits,
@@ -74,9 +77,9 @@ enum Next {
 impl EventLoop {
     /// A loop over `ep`, on which `listener` and `wake` are registered already.
     pub(super) fn new(
-        ep: OwnedFd,
+        ep: Epoll,
         listener: UnixListener,
-        wake: Arc<OwnedFd>,
+        wake: Arc<EventFd>,
         stop: Arc<AtomicBool>,
         target: Arc<dyn LookupTarget>,
         limits: ServerLimits,
@@ -97,7 +100,7 @@ impl EventLoop {
     }
 
     pub(super) fn run(&mut self) {
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 256];
+        let mut events = Vec::with_capacity(256);
         let sweep_every = self
             .limits
             .idle_timeout
@@ -108,40 +111,27 @@ impl EventLoop {
         while !self.stop.load(Ordering::Acquire) {
             // Nothing to do between sweeps: with only idle connections this thread sleeps.
             let wait = if self.live == 0 && self.listener_paused_until.is_none() {
-                -1
+                None
             } else {
-                next_sweep
+                // Whole milliseconds, at most a second.
+                let ms = next_sweep
                     .saturating_duration_since(Instant::now())
                     .as_millis()
-                    .min(1000) as libc::c_int
+                    .min(1000) as u64;
+                Some(Duration::from_millis(ms))
             };
-            // SAFETY: `events` has room for `events.len()` entries.
-            let n = unsafe {
-                libc::epoll_wait(
-                    self.ep.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    events.len() as libc::c_int,
-                    wait,
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != ErrorKind::Interrupted {
-                    log::error!("umbp: lookup service stopped: epoll_wait failed: {e}");
-                    return;
-                }
-                continue;
+            if let Err(e) = self.ep.wait(&mut events, 256, wait) {
+                log::error!(
+                    "umbp: lookup service stopped: epoll_wait failed: {}",
+                    e.to_io()
+                );
+                return;
             }
-            for ev in &events[..n as usize] {
-                let (token, flags) = (ev.u64, ev.events);
+            for &(token, flags) in &events {
                 match token {
                     LISTENER => self.accept_all(),
                     WAKE => {
-                        let mut v = 0u64;
-                        // SAFETY: reads 8 bytes into a local u64 from our eventfd.
-                        unsafe {
-                            libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8)
-                        };
+                        let _ = self.wake.drain();
                     }
                     t => self.on_conn((t - FIRST_CONN) as usize, flags),
                 }
@@ -194,13 +184,7 @@ impl EventLoop {
                         self.warn(format_args!(
                             "accept failed: {e}; pausing accepts for 100 ms"
                         ));
-                        let _ = epoll_ctl(
-                            &self.ep,
-                            libc::EPOLL_CTL_MOD,
-                            self.listener.as_raw_fd(),
-                            LISTENER,
-                            0,
-                        );
+                        let _ = self.ep.modify(&self.listener, LISTENER, 0);
                         self.listener_paused_until =
                             Some(Instant::now() + Duration::from_millis(100));
                         return;
@@ -214,18 +198,12 @@ impl EventLoop {
         if stream.set_nonblocking(true).is_err() {
             return;
         }
-        crate::client::set_buffer(&stream, libc::SO_RCVBUF, 4 << 20);
+        crate::client::set_buffers(&stream, 0, 4 << 20);
         let idx = self.free.pop().unwrap_or_else(|| {
             self.conns.push(None);
             self.conns.len() - 1
         });
-        if let Err(e) = epoll_ctl(
-            &self.ep,
-            libc::EPOLL_CTL_ADD,
-            stream.as_raw_fd(),
-            FIRST_CONN + idx as u64,
-            IN,
-        ) {
+        if let Err(e) = self.ep.add(&stream, FIRST_CONN + idx as u64, IN) {
             self.free.push(idx);
             self.warn(format_args!("cannot watch a connection: {e}"));
             return;
@@ -277,13 +255,7 @@ impl EventLoop {
     fn sweep(&mut self, now: Instant) {
         if self.listener_paused_until.is_some_and(|t| now >= t) {
             self.listener_paused_until = None;
-            let _ = epoll_ctl(
-                &self.ep,
-                libc::EPOLL_CTL_MOD,
-                self.listener.as_raw_fd(),
-                LISTENER,
-                IN,
-            );
+            let _ = self.ep.modify(&self.listener, LISTENER, IN);
         }
         let ServerLimits {
             idle_timeout,
@@ -325,14 +297,10 @@ impl EventLoop {
                 let c = self.conns[idx].as_mut().expect("just put back");
                 let want = if c.wpos < c.wbuf.len() { OUT } else { IN };
                 if want != c.interest {
-                    if epoll_ctl(
-                        &self.ep,
-                        libc::EPOLL_CTL_MOD,
-                        c.stream.as_raw_fd(),
-                        FIRST_CONN + idx as u64,
-                        want,
-                    )
-                    .is_err()
+                    if self
+                        .ep
+                        .modify(&c.stream, FIRST_CONN + idx as u64, want)
+                        .is_err()
                     {
                         self.close(idx, "epoll_ctl failed");
                         return;
@@ -355,21 +323,25 @@ impl EventLoop {
             if c.close_after_write {
                 return Next::Close("it broke the protocol");
             }
-        } else if flags & (IN | libc::EPOLLHUP as u32 | libc::EPOLLERR as u32) != 0 {
+        } else if flags & (IN | HANGUP | ERROR) != 0 {
             let mut buf = vec![0u8; READ_CHUNK];
-            match shm::recv_with_fds(c.stream.as_raw_fd(), &mut buf) {
+            match shm::recv_with_fds(c.stream.as_fd(), &mut buf) {
                 Ok(r) if r.len == 0 => return Next::Close("end of stream"),
                 Ok(r) => {
                     c.rbuf.extend_from_slice(&buf[..r.len]);
                     c.progress = Instant::now();
                     let last = c.rbase + (c.rbuf.len() - c.rpos) as u64 - 1;
-                    if r.truncated || c.fds.len() + r.fds.len() > MAX_PENDING_FDS {
+                    if c.fds.len() + r.fds.len() > MAX_PENDING_FDS {
                         // Dropping them closes them; no frame takes more than one.
                         return Next::Close("it sent more descriptors than a frame takes");
                     }
                     c.fds.extend(r.fds.into_iter().map(|fd| (last, fd)));
                 }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(e) if e.would_block() || e.to_io().kind() == ErrorKind::Interrupted => {}
+                Err(umbp_unix::UnixError::TooManyFds { .. }) => {
+                    // They are closed; no frame takes more than one.
+                    return Next::Close("it sent more descriptors than a frame takes");
+                }
                 Err(_) => return Next::Close("receive failed"),
             }
         }
@@ -551,24 +523,18 @@ fn err_reply(m: String) -> (u8, Vec<u8>) {
 fn flush(c: &mut Conn) -> std::io::Result<bool> {
     while c.wpos < c.wbuf.len() {
         let rest = &c.wbuf[c.wpos..];
-        // SAFETY: sends from a live buffer of `rest.len()` bytes on our socket.
-        let n = unsafe {
-            libc::send(
-                c.stream.as_raw_fd(),
-                rest.as_ptr().cast(),
-                rest.len(),
-                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-            )
+        let n = match umbp_unix::socket::send_nosignal(&c.stream, rest, true) {
+            Ok(n) => n,
+            Err(e) => {
+                let e = e.to_io();
+                return match e.kind() {
+                    ErrorKind::WouldBlock => Ok(false),
+                    ErrorKind::Interrupted => continue,
+                    _ => Err(e),
+                };
+            }
         };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            return match e.kind() {
-                ErrorKind::WouldBlock => Ok(false),
-                ErrorKind::Interrupted => continue,
-                _ => Err(e),
-            };
-        }
-        c.wpos += n as usize;
+        c.wpos += n;
         c.progress = Instant::now();
     }
     c.wbuf = Vec::new();
@@ -578,31 +544,12 @@ fn flush(c: &mut Conn) -> std::io::Result<bool> {
 
 /// Only processes of the same user may ask: the socket lives in a shared directory.
 fn peer_is_foreign(stream: &UnixStream) -> bool {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes one `ucred` into `cred`, whose size we pass in `len`.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    // SAFETY: getuid has no preconditions.
-    let me = unsafe { libc::getuid() };
-    let foreign = rc != 0 || (cred.uid != me && cred.uid != 0);
+    let cred = umbp_unix::peer::peer_credentials(stream);
+    let me = umbp_unix::peer::real_uid();
+    let foreign = cred.as_ref().map_or(true, |c| c.uid != me && c.uid != 0);
     if foreign {
-        log::warn!(
-            "umbp: refused a lookup connection from uid {} (pid {})",
-            cred.uid,
-            cred.pid
-        );
+        let (uid, pid) = cred.map_or((0, 0), |c| (c.uid, c.pid));
+        log::warn!("umbp: refused a lookup connection from uid {uid} (pid {pid})");
     }
     foreign
 }

@@ -6,7 +6,7 @@
 //! a client's socket. The channel ends with its connection, or when the session is released
 //! (which shuts the socket down).
 
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -20,6 +20,7 @@ use umbp_core::ErrorKind;
 use umbp_proto::channel::{read_frame_len, write_frame, CHANNEL_OPENED};
 use umbp_proto::completion::monotonic_ns;
 use umbp_proto::{errors, v1};
+use umbp_unix::eventfd::EventFd;
 
 use crate::sessions::ClientSession;
 use crate::state::State;
@@ -52,27 +53,19 @@ fn read_request(
     let deadline = Instant::now() + FRAME_DEADLINE;
     while frame.len() < len {
         let want = scratch.len().min(len - frame.len());
-        // SAFETY: recv writes at most `want` bytes into `scratch`, which holds at least that
-        // many; the socket is this channel's own, open for the call.
-        let n = unsafe {
-            libc::recv(
-                stream.as_raw_fd(),
-                scratch.as_mut_ptr().cast(),
-                want,
-                libc::MSG_DONTWAIT,
-            )
+        let e = match umbp_unix::socket::recv_nowait(stream, &mut scratch[..want], false) {
+            Ok(0) => {
+                return Err(Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the stream ended inside a frame",
+                ))
+            }
+            Ok(n) => {
+                frame.extend_from_slice(&scratch[..n]);
+                continue;
+            }
+            Err(e) => e.to_io(),
         };
-        if n > 0 {
-            frame.extend_from_slice(&scratch[..n as usize]);
-            continue;
-        }
-        if n == 0 {
-            return Err(Error::new(
-                ErrorKind::UnexpectedEof,
-                "the stream ended inside a frame",
-            ));
-        }
-        let e = Error::last_os_error();
         match e.kind() {
             ErrorKind::Interrupted => {}
             ErrorKind::WouldBlock => {
@@ -87,13 +80,9 @@ fn read_request(
                         ),
                     ));
                 }
-                let mut p = libc::pollfd {
-                    fd: stream.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one valid pollfd; the result is only a wake-up (recv decides).
-                unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 60_000) as i32) };
+                let slice = Duration::from_millis(left.as_millis().clamp(1, 60_000) as u64);
+                // Only a wake-up: the next recv decides.
+                let _ = umbp_unix::socket::wait_readable(&[stream.as_fd()], Some(slice));
             }
             _ => return Err(e),
         }
@@ -115,7 +104,7 @@ struct Replies {
     /// An eventfd the reader waits on beside the socket when it busy-polls: each reply wakes
     /// it (off the transfer's path: the client is still taking its answer), so that it is
     /// already watching when the client's next request comes.
-    wake: Option<Arc<OwnedFd>>,
+    wake: Option<Arc<EventFd>>,
 }
 
 impl Replies {
@@ -124,11 +113,8 @@ impl Replies {
     fn send(&self, frame: Vec<u8>) -> bool {
         if let Some(w) = &self.wake {
             self.last_reply_ns.store(monotonic_ns(), Ordering::Relaxed);
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: `one` is valid for 8 bytes; the descriptor is the channel's own eventfd,
-            // open as long as this `Replies` is. A full counter (never: the reader drains it)
-            // would only fail this wake-up.
-            let _ = unsafe { libc::write(w.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
+            // A failure (never: the reader drains it) would only lose this wake-up.
+            let _ = w.signal();
         }
         match self.tx.try_send(frame) {
             Ok(()) => true,
@@ -361,20 +347,18 @@ fn start(
 
 /// The eventfd of a busy-polling channel; None (the channel blocks on its socket) when the
 /// host refuses one.
-fn new_eventfd(sid: u64) -> Option<Arc<OwnedFd>> {
-    // SAFETY: eventfd has no memory preconditions; a non-negative result is a new descriptor
-    // that only this OwnedFd owns.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        tracing::warn!(
-            session = sid,
-            "transfer channel: no eventfd ({}); this channel does not busy-poll",
-            std::io::Error::last_os_error()
-        );
-        return None;
+fn new_eventfd(sid: u64) -> Option<Arc<EventFd>> {
+    match EventFd::new(true) {
+        Ok(e) => Some(Arc::new(e)),
+        Err(e) => {
+            tracing::warn!(
+                session = sid,
+                "transfer channel: no eventfd ({}); this channel does not busy-poll",
+                e.to_io()
+            );
+            None
+        }
     }
-    // SAFETY: `fd` was just opened and is owned by nobody else.
-    Some(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 /// Returns when `stream` has something to read (or has ended): watching it for `busy_ns`
@@ -382,7 +366,7 @@ fn new_eventfd(sid: u64) -> Option<Arc<OwnedFd>> {
 /// which each reply sets (then it watches again).
 fn wait_readable(
     stream: &UnixStream,
-    wake: &OwnedFd,
+    wake: &EventFd,
     busy_ns: u64,
     last_request_ns: u64,
     last_reply_ns: &AtomicU64,
@@ -392,32 +376,12 @@ fn wait_readable(
         if poll_readable(stream, since.saturating_add(busy_ns)) {
             return;
         }
-        let mut fds = [
-            libc::pollfd {
-                fd: stream.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: wake.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: `fds` is a valid array of two pollfd for the call's duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n < 0 {
-            if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            return; // the read reports what is wrong
+        match umbp_unix::socket::wait_readable(&[stream.as_fd(), wake.as_fd()], None) {
+            Ok(r) if r[0] => return,
+            Ok(_) => {}
+            Err(_) => return, // the read reports what is wrong
         }
-        if fds[0].revents != 0 {
-            return;
-        }
-        let mut count = [0u8; 8];
-        // SAFETY: `count` is valid for 8 bytes; the eventfd is non-blocking.
-        let _ = unsafe { libc::read(wake.as_raw_fd(), count.as_mut_ptr() as *mut libc::c_void, 8) };
+        let _ = wake.drain();
     }
 }
 
@@ -427,27 +391,15 @@ fn wait_readable(
 /// VM). Costs this thread's core for as long as it watches. True when there is something
 /// to read.
 fn poll_readable(stream: &UnixStream, until_ns: u64) -> bool {
-    let fd = stream.as_raw_fd();
-    let mut byte = 0u8;
+    let mut byte = [0u8; 1];
     let mut spins = 0u32;
     loop {
-        // SAFETY: `byte` is valid for one byte; the descriptor is the live socket. MSG_PEEK
-        // leaves the byte for the read that follows; MSG_DONTWAIT keeps the descriptor's
-        // blocking mode (which the writer thread shares) as it is.
-        let n = unsafe {
-            libc::recv(
-                fd,
-                &mut byte as *mut u8 as *mut libc::c_void,
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        if n >= 0 {
-            return true; // a request, or the end of the stream
-        }
-        let e = std::io::Error::last_os_error().raw_os_error();
-        if e != Some(libc::EAGAIN) && e != Some(libc::EWOULDBLOCK) && e != Some(libc::EINTR) {
-            return true; // the read reports it
+        // MSG_PEEK leaves the byte for the read that follows; MSG_DONTWAIT keeps the
+        // descriptor's blocking mode (which the writer thread shares) as it is.
+        match umbp_unix::socket::recv_nowait(stream, &mut byte, true) {
+            Ok(_) => return true, // a request, or the end of the stream
+            Err(e) if !e.would_block() => return true, // the read reports it
+            Err(_) => {}
         }
         if spins.is_multiple_of(16) && monotonic_ns() >= until_ns {
             return false;
@@ -519,10 +471,7 @@ mod tests {
             // comes.
             std::thread::sleep(Duration::from_millis(20));
             last2.store(monotonic_ns(), Ordering::Relaxed);
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: `one` is valid for 8 bytes; `wake2` is a live eventfd.
-            let n = unsafe { libc::write(wake2.as_raw_fd(), one.as_ptr().cast(), 8) };
-            assert_eq!(n, 8);
+            wake2.signal().unwrap();
             std::thread::sleep(Duration::from_millis(10));
             b.write_all(&[1]).unwrap();
             b

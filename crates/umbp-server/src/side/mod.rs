@@ -3,8 +3,8 @@
 //! (`<socket>.fds`) with `SCM_RIGHTS`, proving their session with its secret, and get one
 //! ticket per descriptor to name in the registration request.
 
-use std::io::{IoSliceMut, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,59 +92,19 @@ type Received = (Vec<u8>, Vec<OwnedFd>);
 
 /// Receives one header with its descriptors without blocking (`WouldBlock` when nothing has
 /// come yet), closing every descriptor on any error.
-fn receive(stream: &impl AsRawFd) -> std::io::Result<Result<Received, String>> {
+fn receive(stream: &impl AsFd) -> std::io::Result<Result<Received, String>> {
     let mut data = vec![0u8; FdHeader::BYTES + 1];
-    // Room for MAX_FDS_PER_MESSAGE descriptors in one control message.
-    let space = {
-        // SAFETY: CMSG_SPACE only computes a size.
-        unsafe { libc::CMSG_SPACE((MAX_FDS_PER_MESSAGE * std::mem::size_of::<i32>()) as u32) }
-    } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    let mut iov = [IoSliceMut::new(&mut data)];
-    // SAFETY: an all-zero msghdr is valid; its pointers are set below.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    msg.msg_controllen = space as _;
-    // SAFETY: the msghdr points at live buffers of the sizes it states.
-    let n = unsafe {
-        libc::recvmsg(
-            stream.as_raw_fd(),
-            &mut msg,
-            libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
-        )
-    };
-    if n < 0 {
-        let e = std::io::Error::last_os_error();
-        if e.kind() == std::io::ErrorKind::WouldBlock {
-            return Err(e);
+    match umbp_unix::fdpass::recv_with_fds(stream, &mut data, MAX_FDS_PER_MESSAGE, true) {
+        Ok(got) => {
+            data.truncate(got.len);
+            Ok(Ok((data, got.fds)))
         }
-        return Ok(Err(format!("recvmsg: {e}")));
-    }
-    let mut fds = Vec::new();
-    // SAFETY: walking the control messages recvmsg filled in, within msg_controllen.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let payload = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let p = libc::CMSG_DATA(c) as *const i32;
-                for i in 0..payload / std::mem::size_of::<i32>() {
-                    // Each received descriptor is new in this process: owned from here on.
-                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(p.add(i))));
-                }
-            }
-            c = libc::CMSG_NXTHDR(&msg, c);
+        Err(e) if e.would_block() => Err(e.to_io()),
+        Err(umbp_unix::UnixError::TooManyFds { max, .. }) => {
+            Ok(Err(format!("more than {max} descriptors in one message")))
         }
+        Err(e) => Ok(Err(format!("recvmsg: {}", e.to_io()))),
     }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Ok(Err(format!(
-            "more than {MAX_FDS_PER_MESSAGE} descriptors in one message"
-        )));
-    }
-    data.truncate(n as usize);
-    Ok(Ok((data, fds)))
 }
 
 /// Waits (on the runtime, holding no thread) for a connection's header, at most

@@ -1,0 +1,31 @@
+//! UMBP's Unix plumbing: the one place the workspace makes the system calls its processes use
+//! to share memory and descriptors with each other.
+//!
+//! * [`memfd`]: memfds, their seals, and checking a received descriptor is a sealed memfd;
+//! * [`fdpass`]: bytes with descriptors over a Unix socket (`SCM_RIGHTS`);
+//! * [`peer`]: who is at the other end of a Unix socket (`SO_PEERCRED`), and who we are;
+//! * [`eventfd`]: a counter one thread signals and another polls;
+//! * [`epoll`]: one thread waiting on many descriptors;
+//! * [`futex`]: sleeping on a `u32` of memory shared between processes;
+//! * [`socket`]: a non-blocking read or peek, a send without `SIGPIPE`, waiting on several
+//!   descriptors, buffer sizes;
+//! * [`mapping`]: owned `MAP_SHARED` mappings, unmapped on drop;
+//! * [`process`]: a pidfd, the file-creation mask, random bytes;
+//! * [`clock`]: the host-wide monotonic clock and the page size.
+//!
+//! Built on `rustix`; every operation fails with [`UnixError`], which names the call and the
+//! errno.
+
+pub mod clock;
+pub mod epoll;
+pub mod error;
+pub mod eventfd;
+pub mod fdpass;
+pub mod futex;
+pub mod mapping;
+pub mod memfd;
+pub mod peer;
+pub mod process;
+pub mod socket;
+
+pub use error::{Op, UnixError};
