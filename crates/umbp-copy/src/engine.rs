@@ -589,6 +589,9 @@ fn store_batch(
             Ok(()) => match pool.commit(res, job.keys[i]) {
                 CommitOutcome::Stored => KeyResult::Done,
                 CommitOutcome::AlreadyPresent => KeyResult::AlreadyPresent,
+                // The pool's store admission kept no copy (first sighting under `on_reuse`):
+                // the store itself succeeded.
+                CommitOutcome::Skipped => KeyResult::Done,
             },
             Err(e) => KeyResult::Failed(e.into()),
         };
