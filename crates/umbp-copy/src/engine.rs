@@ -557,6 +557,10 @@ fn store_batch(
             KeyResult::Failed(KeyFailure::InvalidRange(why.clone()))
         } else if pool.contains(&job.keys[i]) {
             KeyResult::AlreadyPresent
+        } else if !pool.admit(&job.keys[i]) {
+            // The pool's store admission keeps no copy of this key yet (`on_reuse`): no
+            // reservation and no copy; the store itself succeeded.
+            KeyResult::Done
         } else {
             match pool.reserve(job.plan.object_bytes()) {
                 Ok(res) => {

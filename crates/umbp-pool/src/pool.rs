@@ -40,7 +40,7 @@ pub struct Pool {
 
 impl Pool {
     /// Maps the pool's memory and starts its background evictor, with the default caching
-    /// options (exact LRU, every commit stored).
+    /// options ([`PoolOptions::default`]: S3-FIFO, every commit stored).
     pub fn new(cfg: PoolConfig) -> Result<Pool, PoolError> {
         Pool::with_options(cfg, PoolOptions::default())
     }
@@ -224,13 +224,21 @@ impl Pool {
         CommitOutcome::Stored
     }
 
+    /// Whether the store admission would store a commit of `key` now. Records the sighting:
+    /// with `on_reuse` a key not seen before is remembered and refused (counted in
+    /// [`PoolStats::admissions_skipped`]), and its next commit is stored. Writers that copy
+    /// before committing ask first, so that a refused key costs no reservation and no copy.
+    pub fn admit(&self, key: &BlockKey) -> bool {
+        self.inner.admit(key.fingerprint())
+    }
+
     /// Reserves, fills and commits in one call (copies `data`). A key the store admission
     /// refuses is neither reserved nor copied.
     pub fn put(&self, key: BlockKey, data: &[u8]) -> Result<CommitOutcome, PoolError> {
         if self.contains(&key) {
             return Ok(CommitOutcome::AlreadyPresent);
         }
-        if !self.inner.admit(key.fingerprint()) {
+        if !self.admit(&key) {
             return Ok(CommitOutcome::Skipped);
         }
         let mut r = self.reserve(data.len() as u64)?;
