@@ -10,9 +10,10 @@
 //!   pinned reads, remove and clear; eviction by watermarks in a background thread, and
 //!   just-enough synchronous eviction when an allocation cannot be met at once; stats and a stream
 //!   of stored/removed key events.
-//! * [`EvictionPolicy`]: which objects eviction takes first (exact LRU, or scan-resistant
-//!   S3-FIFO), one file per policy behind one trait; [`StoreAdmission`]: store every commit, or
-//!   only keys seen before (`on_reuse`). Both are [`PoolOptions`] of [`Pool::with_options`].
+//! * [`EvictionPolicy`]: which objects eviction takes first (scan-resistant S3-FIFO, the
+//!   default, or exact LRU), one file per policy behind one trait; [`StoreAdmission`]: store
+//!   every commit, or only keys seen before (`on_reuse`). Both are [`PoolOptions`] of
+//!   [`Pool::with_options`].
 //! * [`shared_fd`]: the standalone server's mapping of a client's KV cache (a sealed memfd the
 //!   client sends), after [`check_shareable_fd`].
 
