@@ -4,7 +4,7 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use serde_json::json;
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
-use umbp_pool::Pool;
+use umbp_pool::{EvictionPolicy, Pool, PoolOptions};
 
 use crate::common::progress;
 
@@ -22,6 +22,9 @@ pub struct Args {
     /// Keys per batch lookup.
     #[arg(long, default_value_t = 1024)]
     lookup_batch: usize,
+    /// Eviction policy: lru or s3fifo.
+    #[arg(long, default_value_t = EvictionPolicy::default())]
+    eviction_policy: EvictionPolicy,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -68,7 +71,13 @@ pub fn run(a: &Args) -> Result<()> {
         a.objects,
         a.object_bytes
     );
-    let pool = Arc::new(Pool::new(PoolConfig::with_capacity(capacity))?);
+    let pool = Arc::new(Pool::with_options(
+        PoolConfig::with_capacity(capacity),
+        PoolOptions {
+            eviction_policy: a.eviction_policy,
+            ..PoolOptions::default()
+        },
+    )?);
     let placement = pool.placement().clone();
     let prefault_s_per_gib = placement.prefault_seconds / (capacity as f64 / (1u64 << 30) as f64);
     let all = keys("bench-pool", a.objects)?;
@@ -162,6 +171,7 @@ pub fn run(a: &Args) -> Result<()> {
             "{}",
             json!({
                 "bench": "pool",
+                "eviction_policy": a.eviction_policy.as_str(),
                 "objects": a.objects,
                 "object_bytes": a.object_bytes,
                 "threads": threads,

@@ -6,6 +6,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench_cache;
 mod bench_copy;
 mod bench_gpu;
 mod bench_host_route;
@@ -46,6 +47,9 @@ enum Command {
 enum Bench {
     /// Pool operations: reserve/commit, batch lookups, pinned reads, eviction; metadata size.
     Pool(bench_pool::Args),
+    /// Hit rates of the eviction policies and store admissions on a replayed prefix workload
+    /// (Zipf shared prefixes plus a one-off burst twice the pool) at several capacities.
+    Cache(bench_cache::Args),
     /// Host copy engine moving KV-shaped batches both ways, beside a plain memcpy ceiling.
     Copy(bench_copy::Args),
     /// CUDA KV cache ↔ pool (needs an NVIDIA GPU), beside the pinned-copy ceiling and a naive
@@ -86,6 +90,7 @@ fn run() -> i32 {
     };
     let result = match cli.command {
         Command::Bench(Bench::Pool(a)) => bench_pool::run(&a),
+        Command::Bench(Bench::Cache(a)) => bench_cache::run(&a),
         Command::Bench(Bench::Copy(a)) => bench_copy::run(&a),
         Command::Bench(Bench::Gpu(a)) => bench_gpu::run(&a),
         Command::Bench(Bench::HostRoute(a)) => bench_host_route::run(&a),

@@ -557,6 +557,10 @@ fn store_batch(
             KeyOutcome::failed(FailureKind::InvalidRange, why.clone())
         } else if pool.contains(&job.keys[i]) {
             KeyOutcome::AlreadyPresent
+        } else if !pool.admit(&job.keys[i]) {
+            // The pool's store admission keeps no copy of this key yet (`on_reuse`): no
+            // reservation and no copy; the store itself succeeded.
+            KeyOutcome::Done
         } else {
             match pool.reserve(job.plan.object_bytes()) {
                 Ok(res) => {
@@ -589,6 +593,9 @@ fn store_batch(
             Ok(()) => match pool.commit(res, job.keys[i]) {
                 CommitOutcome::Stored => KeyOutcome::Done,
                 CommitOutcome::AlreadyPresent => KeyOutcome::AlreadyPresent,
+                // The pool's store admission kept no copy (first sighting under `on_reuse`):
+                // the store itself succeeded.
+                CommitOutcome::Skipped => KeyOutcome::Done,
             },
             Err(e) => KeyOutcome::Failed(e.into()),
         };

@@ -1,17 +1,17 @@
-//! One shard of the pool's index: a hash table of entry ids, the entries in a slab, and an
-//! intrusive LRU list (oldest at the head).
+//! One shard of the pool's index: a hash table of entry ids, the entries in a slab, and the
+//! eviction policy's state for them ([`crate::policy`]).
 
 use hashbrown::HashTable;
 use umbp_core::BlockKey;
 
 use crate::alloc::Slot;
-
-pub(crate) const NIL: u32 = u32::MAX;
+use crate::options::EvictionPolicy;
+use crate::policy::{new_policy, PolicyCounters, ShardPolicy, QUEUES};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum EntryState {
     Vacant,
-    /// In the table and the LRU list.
+    /// In the table and the policy's queues.
     Live,
     /// Removed from the table while pinned; its slot is freed by the last unpin.
     Doomed,
@@ -29,11 +29,8 @@ pub(crate) struct Entry {
     pub key: BlockKey,
     pub slot: Slot,
     pub len: u64,
-    pub tick: u64,
     pub pins: u32,
     pub state: EntryState,
-    prev: u32,
-    next: u32,
 }
 
 /// The index shard. Callers hold the shard's lock.
@@ -44,19 +41,17 @@ pub(crate) struct Shard {
     table: HashTable<TableSlot>,
     entries: Vec<Entry>,
     vacant: Vec<u32>,
-    head: u32,
-    tail: u32,
+    policy: Box<dyn ShardPolicy>,
     live: usize,
 }
 
 impl Shard {
-    pub fn new() -> Self {
+    pub fn new(policy: EvictionPolicy) -> Self {
         Shard {
             table: HashTable::new(),
             entries: Vec::new(),
             vacant: Vec::new(),
-            head: NIL,
-            tail: NIL,
+            policy: new_policy(policy),
             live: 0,
         }
     }
@@ -85,17 +80,14 @@ impl Shard {
         self.table.find(fp, |s| s.fp == fp).is_some()
     }
 
-    /// Inserts a live entry at the LRU tail. The key must not be present.
+    /// Inserts a live entry (the policy places it). The key must not be present.
     pub fn insert(&mut self, key: BlockKey, fp: u64, slot: Slot, len: u64, tick: u64) -> u32 {
         let entry = Entry {
             key,
             slot,
             len,
-            tick,
             pins: 0,
             state: EntryState::Live,
-            prev: NIL,
-            next: NIL,
         };
         let idx = match self.vacant.pop() {
             Some(i) => {
@@ -109,45 +101,14 @@ impl Shard {
         };
         self.table
             .insert_unique(fp, TableSlot { fp, idx }, |s| s.fp);
-        self.push_tail(idx);
+        self.policy.insert(idx, fp, len, tick);
         self.live += 1;
         idx
     }
 
-    fn push_tail(&mut self, idx: u32) {
-        let e = &mut self.entries[idx as usize];
-        e.prev = self.tail;
-        e.next = NIL;
-        if self.tail == NIL {
-            self.head = idx;
-        } else {
-            self.entries[self.tail as usize].next = idx;
-        }
-        self.tail = idx;
-    }
-
-    fn unlink(&mut self, idx: u32) {
-        let (prev, next) = {
-            let e = &self.entries[idx as usize];
-            (e.prev, e.next)
-        };
-        if prev == NIL {
-            self.head = next;
-        } else {
-            self.entries[prev as usize].next = next;
-        }
-        if next == NIL {
-            self.tail = prev;
-        } else {
-            self.entries[next as usize].prev = prev;
-        }
-    }
-
-    /// Marks `idx` most recently used.
+    /// Tells the policy `idx` was read.
     pub fn touch(&mut self, idx: u32, tick: u64) {
-        self.unlink(idx);
-        self.entries[idx as usize].tick = tick;
-        self.push_tail(idx);
+        self.policy.access(idx, tick);
     }
 
     pub fn pin(&mut self, idx: u32) {
@@ -172,15 +133,17 @@ impl Shard {
         e.slot
     }
 
-    /// Removes a live entry from the table and the LRU list. Returns its slot when it can be
-    /// freed now; a pinned entry is doomed instead and freed by its last unpin.
-    pub fn remove(&mut self, idx: u32) -> Option<Slot> {
+    /// Removes a live entry from the table and the policy (`evicted`: by eviction). Returns
+    /// its slot when it can be freed now; a pinned entry is doomed instead and freed by its
+    /// last unpin.
+    pub fn remove(&mut self, idx: u32, evicted: bool) -> Option<Slot> {
         let fp = self.entries[idx as usize].key.fingerprint();
         debug_assert_eq!(self.entries[idx as usize].state, EntryState::Live);
         if let Ok(found) = self.table.find_entry(fp, |s| s.idx == idx) {
             found.remove();
         }
-        self.unlink(idx);
+        let len = self.entries[idx as usize].len;
+        self.policy.remove(idx, fp, len, evicted);
         self.live -= 1;
         if self.entries[idx as usize].pins == 0 {
             Some(self.vacate(idx))
@@ -190,30 +153,47 @@ impl Shard {
         }
     }
 
-    /// Up to `limit` of the least recently used unpinned entries, oldest first, as
-    /// `(tick, idx)`.
-    pub fn oldest_unpinned(&self, limit: usize, out: &mut Vec<(u64, u32)>) {
-        let mut i = self.head;
-        let mut n = 0;
-        while i != NIL && n < limit {
-            let e = &self.entries[i as usize];
-            if e.pins == 0 {
-                out.push((e.tick, i));
-                n += 1;
-            }
-            i = e.next;
-        }
+    /// Adds the bytes in each of the policy's queues to `out`.
+    pub fn queue_bytes(&self, out: &mut [u64; QUEUES]) {
+        self.policy.queue_bytes(out);
+    }
+
+    /// Up to `limit` unpinned entries of the policy's `queue`, next to evict first, as
+    /// `(rank, idx)` ([`ShardPolicy::candidates`]).
+    pub fn candidates(&mut self, queue: usize, limit: usize, now: u64, out: &mut Vec<(u64, u32)>) {
+        let entries = &self.entries;
+        self.policy
+            .candidates(queue, limit, now, &|i| entries[i as usize].pins > 0, out);
+    }
+
+    /// Whether `(rank, idx)` from [`Shard::candidates`] may still be evicted: live, unpinned,
+    /// and not used or moved since.
+    pub fn still_candidate(&self, idx: u32, queue: usize, rank: u64) -> bool {
+        let e = &self.entries[idx as usize];
+        e.state == EntryState::Live && e.pins == 0 && self.policy.still_candidate(idx, queue, rank)
+    }
+
+    /// Every unpinned live entry in the policy's eviction order, as `(rank, idx)`, in place
+    /// of what `out` held.
+    pub fn eviction_order(&self, out: &mut Vec<(u64, u32)>) {
+        out.clear();
+        self.policy.order(out);
+        let entries = &self.entries;
+        out.retain(|&(_, idx)| entries[idx as usize].pins == 0);
     }
 
     /// Ids of every live entry.
     pub fn live_ids(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.live);
-        let mut i = self.head;
-        while i != NIL {
-            out.push(i);
-            i = self.entries[i as usize].next;
-        }
+        let mut order = Vec::with_capacity(self.live);
+        self.policy.order(&mut order);
+        out.extend(order.into_iter().map(|(_, idx)| idx));
         out
+    }
+
+    /// What the policy counted.
+    pub fn policy_counters(&self) -> PolicyCounters {
+        self.policy.counters()
     }
 
     /// Bytes of metadata this shard holds.
@@ -221,5 +201,6 @@ impl Shard {
         self.entries.capacity() * std::mem::size_of::<Entry>()
             + self.vacant.capacity() * 4
             + self.table.capacity() * (std::mem::size_of::<TableSlot>() + 1)
+            + self.policy.metadata_bytes()
     }
 }

@@ -7,20 +7,28 @@
 //!   empties, so a long churn of mixed sizes cannot strand memory in the wrong class. Objects
 //!   larger than a segment take a run of whole segments.
 //! * [`Pool`]: a sharded index (no global lock on the hot path) with reserve → write → commit,
-//!   pinned reads, remove and clear; exact LRU eviction by watermarks in a background thread, and
+//!   pinned reads, remove and clear; eviction by watermarks in a background thread, and
 //!   just-enough synchronous eviction when an allocation cannot be met at once; stats and a stream
 //!   of stored/removed key events.
+//! * [`EvictionPolicy`]: which objects eviction takes first (scan-resistant S3-FIFO, the
+//!   default, or exact LRU), one file per policy behind one trait; [`StoreAdmission`]: store
+//!   every commit, or only keys seen before (`on_reuse`). Both are [`PoolOptions`] of
+//!   [`Pool::with_options`].
 //! * [`shared_fd`]: the standalone server's mapping of a client's KV cache (a sealed memfd the
 //!   client sends), after [`check_shareable_fd`].
 
 pub mod alloc;
 mod error;
 mod index;
+mod options;
+mod policy;
 mod pool;
 pub mod region;
 pub mod shared_fd;
+mod window;
 
 pub use error::PoolError;
+pub use options::{EvictionPolicy, PoolOptions, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
 pub use pool::{CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation};
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};

@@ -4,6 +4,7 @@
 //! evictor thread in `evict`, and the public value types in `types`; this file is the
 //! [`Pool`] API.
 
+mod admit;
 mod evict;
 mod handles;
 mod inner;
@@ -19,6 +20,8 @@ use umbp_core::{BlockKey, CoreError, PoolConfig};
 
 use crate::alloc::Allocator;
 use crate::index::Shard;
+use crate::options::PoolOptions;
+use crate::policy::PolicyCounters;
 use crate::region::{Placement, Region};
 use crate::PoolError;
 use evict::evictor_loop;
@@ -36,8 +39,14 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Maps the pool's memory and starts its background evictor.
+    /// Maps the pool's memory and starts its background evictor, with the default caching
+    /// options ([`PoolOptions::default`]: S3-FIFO, every commit stored).
     pub fn new(cfg: PoolConfig) -> Result<Pool, PoolError> {
+        Pool::with_options(cfg, PoolOptions::default())
+    }
+
+    /// [`Pool::new`] with an eviction policy and a store admission.
+    pub fn with_options(cfg: PoolConfig, opts: PoolOptions) -> Result<Pool, PoolError> {
         let region = Region::map(&cfg)?;
         let segment_bytes = cfg.effective_segment_bytes();
         let num_segments = (region.len() as u64 / segment_bytes) as u32;
@@ -56,7 +65,11 @@ impl Pool {
         let inner = Arc::new(Inner {
             region,
             alloc: Mutex::new(alloc),
-            shards: (0..SHARDS).map(|_| RwLock::new(Shard::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| RwLock::new(Shard::new(opts.eviction_policy)))
+                .collect(),
+            policy: opts.eviction_policy,
+            admission: admit::windows(&opts),
             tick: AtomicU64::new(1),
             capacity,
             high_bytes: (capacity as f64 * cfg.high_watermark) as u64,
@@ -104,8 +117,8 @@ impl Pool {
         self.inner.region.fd()
     }
 
-    /// Reserves room for an object of `len` bytes, evicting just enough least-recently-used
-    /// objects synchronously when the pool is full. Fails with [`PoolError::Full`] only when
+    /// Reserves room for an object of `len` bytes, evicting just enough objects (in the
+    /// policy's order) synchronously when the pool is full. Fails with [`PoolError::Full`] only when
     /// what is left is pinned or being written.
     pub fn reserve(&self, len: u64) -> Result<Reservation, PoolError> {
         self.reserve_inner(len, true)
@@ -129,7 +142,7 @@ impl Pool {
                 max: inner.capacity,
             });
         }
-        let mut lru_freed = 0u64;
+        let mut policy_freed = 0u64;
         let mut tried_segments = Vec::new();
         loop {
             let got = {
@@ -156,11 +169,11 @@ impl Pool {
             if !evict {
                 return Err(full());
             }
-            // First evict least-recently-used objects; if the bytes freed that way do not help
-            // (fragmentation), empty whole segments, oldest first.
-            if lru_freed < footprint + inner.alloc.lock().segment_bytes() {
-                let freed = inner.evict_lru(footprint, RemoveCause::Evicted);
-                lru_freed += freed.max(1);
+            // First evict in the policy's order; if the bytes freed that way do not help
+            // (fragmentation), empty whole segments, first to evict first.
+            if policy_freed < footprint + inner.alloc.lock().segment_bytes() {
+                let freed = inner.evict(footprint, RemoveCause::Evicted);
+                policy_freed += freed.max(1);
                 if freed > 0 {
                     continue;
                 }
@@ -172,13 +185,18 @@ impl Pool {
     }
 
     /// Makes a reservation's object visible under `key`. The first committed writer of a key
-    /// wins; a later one gets [`CommitOutcome::AlreadyPresent`] and its object is discarded.
+    /// wins; a later one gets [`CommitOutcome::AlreadyPresent`] and its object is discarded,
+    /// as is one the store admission refuses ([`CommitOutcome::Skipped`]).
     pub fn commit(&self, mut res: Reservation, key: BlockKey) -> CommitOutcome {
         let inner = &self.inner;
         let slot = res.slot.take().expect("live reservation");
         let len = res.len;
         drop(res);
         let fp = key.fingerprint();
+        if !inner.admit(fp) {
+            inner.alloc.lock().free(slot);
+            return CommitOutcome::Skipped;
+        }
         let si = shard_of(fp);
         let mut shard = inner.shards[si].write();
         if shard.find(&key, fp).is_some() {
@@ -206,10 +224,22 @@ impl Pool {
         CommitOutcome::Stored
     }
 
-    /// Reserves, fills and commits in one call (copies `data`).
+    /// Whether the store admission would store a commit of `key` now. Records the sighting:
+    /// with `on_reuse` a key not seen before is remembered and refused (counted in
+    /// [`PoolStats::admissions_skipped`]), and its next commit is stored. Writers that copy
+    /// before committing ask first, so that a refused key costs no reservation and no copy.
+    pub fn admit(&self, key: &BlockKey) -> bool {
+        self.inner.admit(key.fingerprint())
+    }
+
+    /// Reserves, fills and commits in one call (copies `data`). A key the store admission
+    /// refuses is neither reserved nor copied.
     pub fn put(&self, key: BlockKey, data: &[u8]) -> Result<CommitOutcome, PoolError> {
         if self.contains(&key) {
             return Ok(CommitOutcome::AlreadyPresent);
+        }
+        if !self.admit(&key) {
+            return Ok(CommitOutcome::Skipped);
         }
         let mut r = self.reserve(data.len() as u64)?;
         r.as_mut_slice().copy_from_slice(data);
@@ -310,6 +340,10 @@ impl Pool {
         } else {
             0
         };
+        if hits < n && self.inner.admission.is_some() {
+            // The first missing key is the one the engine computes next: seen.
+            self.inner.seen(key(hits).fingerprint());
+        }
         self.count_lookups(hits as u64, u64::from(hits < n));
         hits
     }
@@ -330,6 +364,7 @@ impl Pool {
         let c = &self.inner.counters;
         let Some(obj) = self.pin(key, true) else {
             c.misses.fetch_add(1, Ordering::Relaxed);
+            self.inner.seen(key.fingerprint());
             return None;
         };
         c.hits.fetch_add(1, Ordering::Relaxed);
@@ -377,7 +412,7 @@ impl Pool {
         let Some(idx) = shard.find(key, fp) else {
             return false;
         };
-        let freed = shard.remove(idx);
+        let freed = shard.remove(idx, false);
         drop(shard);
         inner.finish_removals(
             freed.into_iter().collect(),
@@ -410,7 +445,7 @@ impl Pool {
                     continue;
                 }
                 keys.push((key, RemoveCause::Cleared));
-                slots.extend(s.remove(idx));
+                slots.extend(s.remove(idx, false));
             }
             drop(s);
             removed += keys.len() as u64;
@@ -419,15 +454,15 @@ impl Pool {
         removed
     }
 
-    /// Evicts least-recently-used objects until occupancy is at the low watermark, now, on the
-    /// caller's thread. Returns the bytes freed.
+    /// Evicts objects (in the policy's order) until occupancy is at the low watermark, now, on
+    /// the caller's thread. Returns the bytes freed.
     pub fn evict_to_low_watermark(&self) -> u64 {
         let used = self.inner.alloc.lock().used();
         if used <= self.inner.low_bytes {
             return 0;
         }
         self.inner
-            .evict_lru(used - self.inner.low_bytes, RemoveCause::Evicted)
+            .evict(used - self.inner.low_bytes, RemoveCause::Evicted)
     }
 
     /// A stream of stored / removed events. At most `capacity` events wait unread; past that,
@@ -444,11 +479,15 @@ impl Pool {
     pub fn stats(&self) -> PoolStats {
         let inner = &self.inner;
         let c = &inner.counters;
-        let mut metadata = inner
-            .shards
-            .iter()
-            .map(|s| s.read().metadata_bytes())
-            .sum::<usize>() as u64;
+        let mut metadata = 0u64;
+        let mut policy = PolicyCounters::default();
+        for shard in inner.shards.iter() {
+            let s = shard.read();
+            metadata += s.metadata_bytes() as u64;
+            policy.add(&s.policy_counters());
+        }
+        let (admission_seen, admission_meta) = inner.admission_window();
+        metadata += admission_meta;
         let (used, free_segments, segment_bytes, alloc_meta) = {
             let a = inner.alloc.lock();
             // owner tags (8 bytes per slot) and segment records
@@ -467,6 +506,18 @@ impl Pool {
             hits: r(&c.hits),
             misses: r(&c.misses),
             evictions: r(&c.evictions),
+            eviction_policy: inner.policy,
+            evictions_small: policy.evicted[crate::policy::s3fifo::SMALL],
+            evictions_main: policy.evicted[crate::policy::s3fifo::MAIN],
+            promotions: policy.promotions,
+            ghost_hits: policy.ghost_hits,
+            store_admission: if inner.admission.is_some() {
+                crate::options::StoreAdmission::OnReuse
+            } else {
+                crate::options::StoreAdmission::All
+            },
+            admissions_skipped: r(&c.admissions_skipped),
+            admission_seen,
             bytes_in: r(&c.bytes_in),
             bytes_out: r(&c.bytes_out),
             reservations: r(&c.reservations),

@@ -1,5 +1,5 @@
-//! Eviction: freeing removed objects and publishing their events, exact-LRU eviction down to
-//! a target, emptying a whole segment for a large reservation, and the background evictor
+//! Eviction: freeing removed objects and publishing their events, eviction in the policy's
+//! order down to a target, emptying a whole segment for a large reservation, and the background evictor
 //! thread that keeps usage under the high watermark.
 
 use std::sync::atomic::Ordering;
@@ -12,6 +12,8 @@ use super::inner::{Inner, EVICT_BATCH};
 use super::types::{PoolEvent, RemoveCause};
 use crate::alloc::Slot;
 use crate::index::EntryState;
+use crate::options::EvictionPolicy;
+use crate::policy::{plan, QUEUES};
 
 impl Inner {
     pub(super) fn wake_evictor(&self) {
@@ -44,45 +46,35 @@ impl Inner {
         }
     }
 
-    /// Evicts unpinned objects in exact least-recently-used order until at least `target` bytes
-    /// were freed or nothing is left to evict. Returns the bytes freed.
-    pub(super) fn evict_lru(&self, target: u64, cause: RemoveCause) -> u64 {
+    /// Evicts unpinned objects in the policy's order until at least `target` bytes were
+    /// freed or nothing is left to evict. Returns the bytes freed.
+    ///
+    /// Each round asks the policy which queue to take from ([`plan`]), collects a batch of
+    /// candidates of that queue from every shard and evicts them merged by rank, so the order
+    /// is the policy's over the whole pool (exact for LRU).
+    pub(super) fn evict(&self, target: u64, cause: RemoveCause) -> u64 {
         let mut freed = 0u64;
         let mut cands: Vec<(u64, u32)> = Vec::new();
         let mut merged: Vec<(u64, usize, u32)> = Vec::new();
         while freed < target {
-            merged.clear();
-            // The newest tick that is still safe to evict in order: a shard that returned a
-            // full batch may hold older entries than its next one beyond the batch.
-            let mut horizon = u64::MAX;
-            for (si, shard) in self.shards.iter().enumerate() {
-                cands.clear();
-                shard.read().oldest_unpinned(EVICT_BATCH, &mut cands);
-                if cands.len() == EVICT_BATCH {
-                    horizon = horizon.min(cands.last().expect("full batch").0);
+            let mut bytes = [0u64; QUEUES];
+            if self.policy != EvictionPolicy::Lru {
+                for shard in self.shards.iter() {
+                    shard.read().queue_bytes(&mut bytes);
                 }
-                merged.extend(cands.iter().map(|&(t, i)| (t, si, i)));
             }
-            if merged.is_empty() {
-                break;
-            }
-            merged.sort_unstable();
             let mut progressed = false;
-            for &(tick, si, idx) in merged.iter() {
-                if tick > horizon || freed >= target {
-                    break;
-                }
-                let mut shard = self.shards[si].write();
-                let e = shard.entry(idx);
-                if e.state != EntryState::Live || e.tick != tick || e.pins != 0 {
+            for (queue, quota) in plan(self.policy, &bytes) {
+                if quota == 0 {
                     continue;
                 }
-                let key = e.key;
-                let slot = shard.remove(idx).expect("unpinned entries free at once");
-                drop(shard);
-                freed += slot.bytes;
-                progressed = true;
-                self.finish_removals(vec![slot], vec![(key, cause)]);
+                let want = (target - freed).min(quota);
+                let got = self.evict_round(queue, want, cause, &mut cands, &mut merged);
+                if got > 0 {
+                    freed += got;
+                    progressed = true;
+                    break;
+                }
             }
             if !progressed {
                 break;
@@ -91,15 +83,60 @@ impl Inner {
         freed
     }
 
-    /// Empties the segment of the least recently used unpinned object that is not in `tried`
-    /// (evicting every unpinned object in it). Returns false when no such segment is left.
+    /// One round of [`Inner::evict`] from `queue`: up to [`EVICT_BATCH`] candidates per
+    /// shard, evicted oldest rank first until `want` bytes were freed. Returns the bytes freed.
+    fn evict_round(
+        &self,
+        queue: usize,
+        want: u64,
+        cause: RemoveCause,
+        cands: &mut Vec<(u64, u32)>,
+        merged: &mut Vec<(u64, usize, u32)>,
+    ) -> u64 {
+        merged.clear();
+        let now = self.tick.load(Ordering::Relaxed);
+        // The newest rank that is still safe to evict in order: a shard that returned a full
+        // batch may hold older entries than its next one beyond the batch.
+        let mut horizon = u64::MAX;
+        for (si, shard) in self.shards.iter().enumerate() {
+            cands.clear();
+            shard.write().candidates(queue, EVICT_BATCH, now, cands);
+            if cands.len() == EVICT_BATCH {
+                horizon = horizon.min(cands.last().expect("full batch").0);
+            }
+            merged.extend(cands.iter().map(|&(r, i)| (r, si, i)));
+        }
+        merged.sort_unstable();
+        let mut freed = 0;
+        for &(rank, si, idx) in merged.iter() {
+            if rank > horizon || freed >= want {
+                break;
+            }
+            let mut shard = self.shards[si].write();
+            if !shard.still_candidate(idx, queue, rank) {
+                continue;
+            }
+            let key = shard.entry(idx).key;
+            let slot = shard
+                .remove(idx, true)
+                .expect("unpinned entries free at once");
+            drop(shard);
+            freed += slot.bytes;
+            self.finish_removals(vec![slot], vec![(key, cause)]);
+        }
+        freed
+    }
+
+    /// Empties the segment of the unpinned object first in its shard's eviction order with the
+    /// lowest rank that is not in `tried` (evicting every unpinned object in it). Returns false
+    /// when no such segment is left.
     pub(super) fn evict_oldest_segment(&self, tried: &mut Vec<u32>) -> bool {
         let mut cands: Vec<(u64, u32)> = Vec::new();
         let mut best: Option<(u64, usize, u32)> = None;
         for (si, shard) in self.shards.iter().enumerate() {
             cands.clear();
             let s = shard.read();
-            s.oldest_unpinned(usize::MAX, &mut cands);
+            s.eviction_order(&mut cands);
             let a = self.alloc.lock();
             for &(t, idx) in &cands {
                 let seg = a.segment_of(s.entry(idx).slot.offset);
@@ -132,7 +169,9 @@ impl Inner {
                 continue;
             }
             let key = e.key;
-            let slot = shard.remove(idx).expect("unpinned entries free at once");
+            let slot = shard
+                .remove(idx, true)
+                .expect("unpinned entries free at once");
             drop(shard);
             self.finish_removals(vec![slot], vec![(key, RemoveCause::Evicted)]);
         }
@@ -148,7 +187,7 @@ pub(super) fn evictor_loop(weak: Weak<Inner>) {
         }
         let used = inner.alloc.lock().used();
         if used > inner.high_bytes {
-            let freed = inner.evict_lru(used - inner.low_bytes, RemoveCause::Evicted);
+            let freed = inner.evict(used - inner.low_bytes, RemoveCause::Evicted);
             log::debug!("umbp: evicted {freed} bytes to reach the low watermark");
         }
         {

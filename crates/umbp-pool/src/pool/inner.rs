@@ -9,7 +9,9 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use super::types::PoolEvent;
 use crate::alloc::Allocator;
 use crate::index::Shard;
+use crate::options::EvictionPolicy;
 use crate::region::Region;
+use crate::window::FpWindow;
 
 pub(super) const SHARD_BITS: u32 = 6;
 pub(super) const SHARDS: usize = 1 << SHARD_BITS;
@@ -38,6 +40,7 @@ pub(super) struct Counters {
     pub(super) reservations: AtomicU64,
     pub(super) pinned: AtomicU64,
     pub(super) objects: AtomicU64,
+    pub(super) admissions_skipped: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -79,6 +82,9 @@ pub(super) struct Inner {
     pub(super) region: Region,
     pub(super) alloc: Mutex<Allocator>,
     pub(super) shards: Box<[RwLock<Shard>]>,
+    pub(super) policy: EvictionPolicy,
+    /// The `on_reuse` admission's windows; `None` stores every commit.
+    pub(super) admission: Option<Box<[Mutex<FpWindow>]>>,
     pub(super) tick: AtomicU64,
     pub(super) capacity: u64,
     pub(super) high_bytes: u64,

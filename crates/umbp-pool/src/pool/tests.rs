@@ -180,16 +180,28 @@ fn background_eviction_brings_usage_to_low_watermark() {
 
 #[test]
 fn lookups_do_not_pin_or_refresh() {
+    for policy in crate::EvictionPolicy::ALL {
+        lookups_do_not_pin_or_refresh_with(policy);
+    }
+}
+
+fn lookups_do_not_pin_or_refresh_with(policy: crate::EvictionPolicy) {
     // A high watermark of 1.0 keeps the background evictor out: only the synchronous
-    // eviction of a full pool runs, so which keys go is decided by LRU order alone (with the
+    // eviction of a full pool runs, so which keys go is decided by the policy alone (with the
     // defaults the evictor could drop key 0 while the pool fills, before the lookups below).
-    let p = Pool::new(PoolConfig {
-        segment_bytes: 64 << 10,
-        prefault: false,
-        high_watermark: 1.0,
-        low_watermark: 0.5,
-        ..PoolConfig::with_capacity(1 << 20)
-    })
+    let p = Pool::with_options(
+        PoolConfig {
+            segment_bytes: 64 << 10,
+            prefault: false,
+            high_watermark: 1.0,
+            low_watermark: 0.5,
+            ..PoolConfig::with_capacity(1 << 20)
+        },
+        PoolOptions {
+            eviction_policy: policy,
+            ..PoolOptions::default()
+        },
+    )
     .unwrap();
     for i in 0..64 {
         p.put(key(i), &[1; 16 << 10]).unwrap();
@@ -198,13 +210,14 @@ fn lookups_do_not_pin_or_refresh() {
     assert!(p.exists_many(&[key(0)])[0]);
     assert_eq!(p.prefix_hits(&[key(0), key(1), key(999)]), 2);
     p.put(key(100), &[1; 16 << 10]).unwrap();
-    assert!(!p.contains(&key(0)));
+    assert!(!p.contains(&key(0)), "{policy}");
     assert_eq!(p.stats().pinned, 0);
-    // A pinned read does refresh: key 1 survives the next eviction, key 2 does not.
+    // A pinned read does refresh (LRU) or count a use (S3-FIFO): key 1 survives the next
+    // eviction, key 2 does not.
     drop(p.get(&key(1)).unwrap());
     p.put(key(101), &[1; 16 << 10]).unwrap();
-    assert!(p.contains(&key(1)));
-    assert!(!p.contains(&key(2)));
+    assert!(p.contains(&key(1)), "{policy}");
+    assert!(!p.contains(&key(2)), "{policy}");
 }
 
 #[test]
@@ -244,4 +257,81 @@ fn closed_pool_refuses_reservations() {
     let p = pool(1 << 20, 64 << 10);
     p.close();
     assert!(matches!(p.reserve(10), Err(PoolError::Closed)));
+}
+
+fn pool_with(policy: crate::EvictionPolicy, admission: crate::StoreAdmission) -> Pool {
+    Pool::with_options(
+        PoolConfig {
+            segment_bytes: 64 << 10,
+            prefault: false,
+            high_watermark: 1.0,
+            low_watermark: 0.5,
+            ..PoolConfig::with_capacity(1 << 20)
+        },
+        PoolOptions {
+            eviction_policy: policy,
+            store_admission: admission,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn s3fifo_keeps_reused_objects_through_a_one_off_scan_and_lru_does_not() {
+    use crate::{EvictionPolicy, StoreAdmission};
+    for policy in EvictionPolicy::ALL {
+        let p = pool_with(policy, StoreAdmission::All);
+        // 16 objects read once, then a scan of 256 one-offs through a pool of 64.
+        for i in 0..16 {
+            p.put(key(i), &[1; 16 << 10]).unwrap();
+        }
+        for i in 0..16 {
+            drop(p.get(&key(i)).unwrap());
+        }
+        for i in 1000..1256 {
+            p.put(key(i), &[2; 16 << 10]).unwrap();
+        }
+        let kept = (0..16).filter(|&i| p.contains(&key(i))).count();
+        let s = p.stats();
+        assert_eq!(s.eviction_policy, policy);
+        assert_eq!(s.evictions, s.evictions_small + s.evictions_main);
+        match policy {
+            EvictionPolicy::S3Fifo => {
+                assert_eq!(kept, 16);
+                assert_eq!(s.promotions, 16);
+                assert_eq!(s.evictions_main, 0);
+            }
+            EvictionPolicy::Lru => {
+                assert_eq!(kept, 0);
+                assert_eq!(s.evictions_small, 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn on_reuse_stores_a_key_the_second_time_it_is_seen() {
+    use crate::{EvictionPolicy, StoreAdmission};
+    let p = pool_with(EvictionPolicy::S3Fifo, StoreAdmission::OnReuse);
+    assert_eq!(p.put(key(1), &[1; 4096]).unwrap(), CommitOutcome::Skipped);
+    assert!(!p.contains(&key(1)));
+    assert_eq!(p.put(key(1), &[1; 4096]).unwrap(), CommitOutcome::Stored);
+    // The first missing key of a prefix lookup counts as seen; the keys after it do not.
+    assert_eq!(p.prefix_hits(&[key(1), key(2), key(3)]), 1);
+    let r = p.reserve(4096).unwrap();
+    assert_eq!(p.commit(r, key(2)), CommitOutcome::Stored);
+    assert_eq!(p.put(key(3), &[1; 4096]).unwrap(), CommitOutcome::Skipped);
+    // So does a read that missed.
+    assert!(p.get(&key(4)).is_none());
+    assert_eq!(p.put(key(4), &[1; 4096]).unwrap(), CommitOutcome::Stored);
+    let s = p.stats();
+    assert_eq!(s.store_admission, StoreAdmission::OnReuse);
+    assert_eq!(s.admissions_skipped, 2);
+    assert_eq!(s.objects, 3);
+    assert_eq!(
+        s.used_bytes,
+        3 * 4096,
+        "a skipped commit frees its reservation"
+    );
 }

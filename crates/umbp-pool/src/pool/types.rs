@@ -3,6 +3,7 @@
 
 use umbp_core::BlockKey;
 
+use crate::options::{EvictionPolicy, StoreAdmission};
 use crate::region::Placement;
 
 /// Why an object left the pool.
@@ -42,6 +43,9 @@ pub enum CommitOutcome {
     Stored,
     /// Another writer committed the key first; this object was discarded.
     AlreadyPresent,
+    /// The store admission did not admit the key (`on_reuse`: first time seen); this object
+    /// was discarded.
+    Skipped,
 }
 
 /// A snapshot of the pool's counters.
@@ -65,6 +69,23 @@ pub struct PoolStats {
     pub misses: u64,
     /// Objects evicted.
     pub evictions: u64,
+    /// The eviction policy.
+    pub eviction_policy: EvictionPolicy,
+    /// Objects evicted from S3-FIFO's small (probation) queue.
+    pub evictions_small: u64,
+    /// Objects evicted from the main queue (LRU's only one, S3-FIFO's main).
+    pub evictions_main: u64,
+    /// Objects the policy kept by moving them on instead of evicting them (S3-FIFO: used
+    /// objects leaving the small queue for main, or going round main again).
+    pub promotions: u64,
+    /// Commits of keys S3-FIFO had evicted recently (its ghost set): stored straight in main.
+    pub ghost_hits: u64,
+    /// The store admission.
+    pub store_admission: StoreAdmission,
+    /// Commits the admission skipped ([`CommitOutcome::Skipped`]).
+    pub admissions_skipped: u64,
+    /// Keys the `on_reuse` admission remembers as seen once.
+    pub admission_seen: u64,
     /// Bytes committed.
     pub bytes_in: u64,
     /// Bytes handed to pinned readers.

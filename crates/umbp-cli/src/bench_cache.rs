@@ -1,0 +1,216 @@
+//! `umbp bench cache`: replays a prefix workload (shared prefixes with Zipf popularity, and a
+//! burst of one-off prompts twice the pool's size) against the pool at several capacities,
+//! for every eviction policy and store admission, and prints token hit rates and bytes
+//! stored side by side.
+
+mod replay;
+mod workload;
+
+use anyhow::{ensure, Result};
+use serde_json::json;
+use umbp_pool::{EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
+
+use crate::common::{human_bytes, progress};
+use replay::{replay, Outcome, Shape};
+use workload::Workload;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Shared prefixes in the population.
+    #[arg(long, default_value_t = 512)]
+    prefixes: usize,
+    /// Blocks per shared prefix.
+    #[arg(long, default_value_t = 8)]
+    prefix_blocks: u32,
+    /// Unique blocks after the prefix in each shared-prefix request.
+    #[arg(long, default_value_t = 2)]
+    suffix_blocks: u32,
+    /// Zipf exponent of the prefixes' popularity.
+    #[arg(long, default_value_t = 1.0)]
+    zipf: f64,
+    /// Shared-prefix requests before the burst, and again after it.
+    #[arg(long, default_value_t = 4000)]
+    requests: usize,
+    /// The first shared-prefix requests after the burst that count as its recovery (the
+    /// `sh.burst` column: shared prefixes during the burst and this recovery).
+    #[arg(long, default_value_t = 512)]
+    recovery: usize,
+    /// Size of the burst of one-off prompts, in multiples of the pool's capacity.
+    #[arg(long, default_value_t = 2.0)]
+    burst: f64,
+    /// Blocks per one-off prompt.
+    #[arg(long, default_value_t = 16)]
+    oneoff_blocks: u32,
+    /// Share of the requests during the burst that are one-off prompts (the rest reuse
+    /// shared prefixes).
+    #[arg(long, default_value_t = 0.9)]
+    burst_share: f64,
+    /// Bytes per block.
+    #[arg(long, default_value_t = 8 << 10)]
+    block_bytes: u64,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u64,
+    /// Pool capacities, as fractions of the shared prefixes' working set.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![0.25, 0.5, 1.0])]
+    capacities: Vec<f64>,
+    /// Keys the `on_reuse` admission remembers.
+    #[arg(long, default_value_t = DEFAULT_ADMISSION_WINDOW)]
+    admission_window: usize,
+    /// Seed of the trace.
+    #[arg(long, default_value_t = 34)]
+    seed: u64,
+    /// Print one JSON object per row instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: &Args) -> Result<()> {
+    ensure!(
+        a.prefixes > 0 && a.prefix_blocks > 0,
+        "--prefixes and --prefix-blocks must be > 0"
+    );
+    ensure!(
+        a.block_bytes > 0 && a.oneoff_blocks > 0,
+        "--block-bytes and --oneoff-blocks must be > 0"
+    );
+    ensure!(
+        a.burst_share > 0.0 && a.burst_share <= 1.0,
+        "--burst-share must be in (0, 1]"
+    );
+    ensure!(
+        a.capacities.iter().all(|c| *c > 0.0),
+        "--capacities must be positive"
+    );
+    let working_set = a.prefixes as u64 * u64::from(a.prefix_blocks) * a.block_bytes;
+    println!(
+        "workload: {} shared prefixes x {} blocks (Zipf s={}), {} unique blocks per request, \
+         {} requests before and after a burst of one-off prompts ({} blocks each) totalling \
+         {}x the pool, {:.0}% of the burst's requests one-off, the {} shared requests after it \
+         its recovery; blocks of {} and {} tokens; shared working set {}; seed {}; on_reuse \
+         window {} keys",
+        a.prefixes,
+        a.prefix_blocks,
+        a.zipf,
+        a.suffix_blocks,
+        a.requests,
+        a.oneoff_blocks,
+        a.burst,
+        a.burst_share * 100.0,
+        a.recovery,
+        human_bytes(a.block_bytes),
+        a.block_tokens,
+        human_bytes(working_set),
+        a.seed,
+        a.admission_window,
+    );
+    if !a.json {
+        println!(
+            "{:>9} {:>7} {:>9} {:>8} {:>8} {:>8} {:>11} {:>9} {:>15} {:>7} {:>6}",
+            "capacity",
+            "policy",
+            "admission",
+            "hit tok",
+            "shared",
+            "sh.burst",
+            "stored",
+            "skipped",
+            "evicted s/main",
+            "ghost",
+            "secs"
+        );
+    }
+    for &frac in &a.capacities {
+        let capacity = ((working_set as f64 * frac) as u64).max(a.block_bytes * 64);
+        let oneoff_bytes = u64::from(a.oneoff_blocks) * a.block_bytes;
+        let w = Workload {
+            prefixes: a.prefixes,
+            zipf: a.zipf,
+            suffix_blocks: a.suffix_blocks,
+            oneoff_blocks: a.oneoff_blocks,
+            requests: a.requests,
+            oneoffs: ((capacity as f64 * a.burst) / oneoff_bytes as f64).ceil() as usize,
+            burst_share: a.burst_share,
+            recovery: a.recovery,
+            seed: a.seed,
+        };
+        let trace = w.trace();
+        let shape = Shape {
+            capacity_bytes: capacity,
+            block_bytes: a.block_bytes,
+            block_tokens: a.block_tokens,
+            prefix_blocks: a.prefix_blocks,
+            admission_window: a.admission_window,
+        };
+        progress!(
+            "capacity {frac}x ({}): {} requests, {} one-off prompts",
+            human_bytes(capacity),
+            trace.len(),
+            w.oneoffs
+        );
+        for policy in EvictionPolicy::ALL {
+            for admission in StoreAdmission::ALL {
+                let o = replay(&trace, shape, policy, admission)?;
+                print_row(a, frac, capacity, policy, admission, &o);
+            }
+        }
+    }
+    if !a.json {
+        println!(
+            "hit tok: tokens found / tokens asked, every request; shared: the same over the \
+             shared prefixes' tokens; sh.burst: shared, during the burst and its recovery; \
+             stored: bytes committed"
+        );
+    }
+    Ok(())
+}
+
+fn print_row(
+    a: &Args,
+    frac: f64,
+    capacity: u64,
+    policy: EvictionPolicy,
+    admission: StoreAdmission,
+    o: &Outcome,
+) {
+    let s = &o.stats;
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "bench": "cache",
+                "capacity_fraction": frac,
+                "capacity_bytes": capacity,
+                "eviction_policy": policy.as_str(),
+                "store_admission": admission.as_str(),
+                "token_hit_rate": o.hit_rate(),
+                "shared_prefix_hit_rate": o.shared_rate(),
+                "shared_prefix_hit_rate_burst": o.shared_burst_rate(),
+                "tokens": o.tokens,
+                "tokens_hit": o.tokens_hit,
+                "bytes_stored": s.bytes_in,
+                "admissions_skipped": s.admissions_skipped,
+                "evictions_small": s.evictions_small,
+                "evictions_main": s.evictions_main,
+                "promotions": s.promotions,
+                "ghost_hits": s.ghost_hits,
+                "seconds": o.seconds,
+            })
+        );
+        return;
+    }
+    println!(
+        "{:>9} {:>7} {:>9} {:>7.1}% {:>7.1}% {:>7.1}% {:>11} {:>9} {:>15} {:>7} {:>6.2}",
+        format!("{frac}x"),
+        policy.as_str(),
+        admission.as_str(),
+        o.hit_rate() * 100.0,
+        o.shared_rate() * 100.0,
+        o.shared_burst_rate() * 100.0,
+        human_bytes(s.bytes_in),
+        s.admissions_skipped,
+        format!("{}/{}", s.evictions_small, s.evictions_main),
+        s.ghost_hits,
+        o.seconds,
+    );
+}
