@@ -138,6 +138,8 @@ class EmbeddedStore:
         prefault_threads: int = ...,
         memfd: bool = ...,
         segment_bytes: int = ...,
+        eviction_policy: Literal["s3fifo", "lru"] = ...,
+        store_admission: Literal["all", "on_reuse"] = ...,
         num_workers: int = ...,
         timeout_ms: int = ...,
         cuda_copy_method: Literal["auto", "dma", "staged"] = ...,

@@ -3,6 +3,7 @@
 //! Option names in errors are the connector's (`capacity_bytes`, `dram_high_watermark`, ...),
 //! which the standalone server's environment variables map onto one to one.
 
+use crate::caching::{EvictionPolicy, StoreAdmission};
 use crate::{options, CoreError};
 
 pub use crate::sizes::{HugepageSize, GIB, MIB};
@@ -40,6 +41,10 @@ pub struct PoolConfig {
     pub backing: MemoryBacking,
     /// Size of the allocator's segments (0: derived from the capacity).
     pub segment_bytes: u64,
+    /// Which objects eviction takes first.
+    pub eviction_policy: EvictionPolicy,
+    /// Which committed objects are kept at all.
+    pub store_admission: StoreAdmission,
 }
 
 impl Default for PoolConfig {
@@ -60,6 +65,14 @@ impl Default for PoolConfig {
             prefault_threads: 0,
             backing: MemoryBacking::Anonymous,
             segment_bytes: 0,
+            eviction_policy: options::EVICTION_POLICY
+                .default_str()
+                .parse()
+                .expect("the schema's eviction policy parses"),
+            store_admission: options::STORE_ADMISSION
+                .default_str()
+                .parse()
+                .expect("the schema's store admission parses"),
         }
     }
 }
@@ -112,6 +125,13 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         PoolConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn the_caching_types_default_to_the_schema() {
+        let d = PoolConfig::default();
+        assert_eq!(d.eviction_policy, EvictionPolicy::default());
+        assert_eq!(d.store_admission, StoreAdmission::default());
     }
 
     #[test]

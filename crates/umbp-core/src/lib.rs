@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod address;
+pub mod caching;
 pub mod config;
 pub mod error;
 pub mod key;
@@ -28,6 +29,7 @@ pub mod outcome;
 mod sizes;
 pub mod strided;
 
+pub use caching::{EvictionPolicy, StoreAdmission};
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};
 pub use error::CoreError;
 pub use key::{BlockKey, KeyBuilder, RankTopology};

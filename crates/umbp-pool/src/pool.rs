@@ -42,10 +42,12 @@ impl Pool {
     /// Maps the pool's memory and starts its background evictor, with the default caching
     /// options ([`PoolOptions::default`]: S3-FIFO, every commit stored).
     pub fn new(cfg: PoolConfig) -> Result<Pool, PoolError> {
-        Pool::with_options(cfg, PoolOptions::default())
+        let opts = PoolOptions::of(&cfg);
+        Pool::with_options(cfg, opts)
     }
 
-    /// [`Pool::new`] with an eviction policy and a store admission.
+    /// [`Pool::new`] with the eviction policy, store admission and admission window of `opts`
+    /// (which win over `cfg`'s `eviction_policy` and `store_admission`).
     pub fn with_options(cfg: PoolConfig, opts: PoolOptions) -> Result<Pool, PoolError> {
         let region = Region::map(&cfg)?;
         let segment_bytes = cfg.effective_segment_bytes();

@@ -7,8 +7,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use umbp_copy::{Direction, JobHandle};
 use umbp_core::{
-    GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary, MemoryBacking, PoolConfig,
-    TensorView,
+    EvictionPolicy, GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary, MemoryBacking,
+    PoolConfig, StoreAdmission, TensorView,
 };
 use umbp_store::{
     CopyMethod, CudaOptions, EmbeddedStore as CoreStore, RemoteConfig, RemoteStats, StoreConfig,
@@ -104,7 +104,8 @@ impl EmbeddedStore {
     #[new]
     #[pyo3(signature = (capacity_bytes, *, high_watermark=None, low_watermark=None,
         use_hugepages=None, hugepage_size=None, numa_node=None, prefault=None,
-        prefault_threads=None, memfd=None, segment_bytes=None, num_workers=None, timeout_ms=None,
+        prefault_threads=None, memfd=None, segment_bytes=None, eviction_policy=None,
+        store_admission=None, num_workers=None, timeout_ms=None,
         cuda_copy_method=None, cuda_staging_bytes=None, cuda_max_ctas=None,
         cuda_pin_chunk_bytes=None, cuda_batch_blocks=None, remote_url=None, remote_ttl_s=None,
         remote_write=None, remote_timeout_ms=None, remote_write_backlog=None,
@@ -122,6 +123,8 @@ impl EmbeddedStore {
         prefault_threads: Option<usize>,
         memfd: Option<bool>,
         segment_bytes: Option<u64>,
+        eviction_policy: Option<&str>,
+        store_admission: Option<&str>,
         num_workers: Option<usize>,
         timeout_ms: Option<u64>,
         cuda_copy_method: Option<&str>,
@@ -158,6 +161,14 @@ impl EmbeddedStore {
                     None => pool.backing,
                 },
                 segment_bytes: segment_bytes.unwrap_or(pool.segment_bytes),
+                eviction_policy: match eviction_policy {
+                    Some(p) => p.parse::<EvictionPolicy>()?,
+                    None => pool.eviction_policy,
+                },
+                store_admission: match store_admission {
+                    Some(a) => a.parse::<StoreAdmission>()?,
+                    None => pool.store_admission,
+                },
             },
             num_workers: num_workers.unwrap_or(defaults.num_workers),
             timeout: timeout_ms.map_or(defaults.timeout, Duration::from_millis),
@@ -384,6 +395,14 @@ impl EmbeddedStore {
         d.set_item("segment_bytes", s.segment_bytes)?;
         d.set_item("free_segments", s.free_segments)?;
         d.set_item("metadata_bytes", s.metadata_bytes)?;
+        d.set_item("eviction_policy", s.eviction_policy.as_str())?;
+        d.set_item("evictions_small", s.evictions_small)?;
+        d.set_item("evictions_main", s.evictions_main)?;
+        d.set_item("promotions", s.promotions)?;
+        d.set_item("ghost_hits", s.ghost_hits)?;
+        d.set_item("store_admission", s.store_admission.as_str())?;
+        d.set_item("admissions_skipped", s.admissions_skipped)?;
+        d.set_item("admission_seen", s.admission_seen)?;
         let p = &s.placement;
         d.set_item(
             "hugepages_requested",

@@ -91,6 +91,9 @@ pub(crate) struct Gauges {
     pub(crate) evictions: u64,
     pub(crate) reservations: u64,
     pub(crate) pinned: u64,
+    pub(crate) ghost_hits: u64,
+    pub(crate) promotions: u64,
+    pub(crate) admissions_skipped: u64,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
 }
 
@@ -152,6 +155,24 @@ impl Metrics {
             "pool_evictions_total",
             "Objects evicted.",
             g.evictions,
+        );
+        counter(
+            &mut o,
+            "pool_promotions_total",
+            "Objects S3-FIFO moved from its small queue to its main queue (used again).",
+            g.promotions,
+        );
+        counter(
+            &mut o,
+            "pool_ghost_hits_total",
+            "Objects stored again soon after S3-FIFO evicted them (they enter the main queue).",
+            g.ghost_hits,
+        );
+        counter(
+            &mut o,
+            "pool_admissions_skipped_total",
+            "Stores not kept by store_admission=on_reuse (the key's first sighting).",
+            g.admissions_skipped,
         );
         if let Some(r) = &g.remote {
             for (name, help, v) in [

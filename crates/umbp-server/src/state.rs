@@ -53,6 +53,9 @@ impl State {
             g.evictions = p.evictions;
             g.reservations = p.reservations;
             g.pinned = p.pinned;
+            g.promotions = p.promotions;
+            g.ghost_hits = p.ghost_hits;
+            g.admissions_skipped = p.admissions_skipped;
         }
         g.remote = self.store.remote_stats();
         g

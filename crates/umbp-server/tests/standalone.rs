@@ -373,6 +373,8 @@ fn prometheus_metrics_are_served_on_loopback_only_when_asked() {
         "umbp_transfer_seconds_count{direction=\"store\"} 1",
         "umbp_lookup_seconds_bucket",
         "umbp_pool_evictions_total 0",
+        "umbp_pool_admissions_skipped_total 0",
+        "umbp_pool_ghost_hits_total 0",
     ] {
         assert!(m.contains(needle), "{needle} missing in\n{m}");
     }

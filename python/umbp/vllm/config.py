@@ -74,6 +74,8 @@ class ConnectorConfig:
     dram_hugepage_size: str
     dram_numa_node: int | None
     dram_prefault: bool
+    eviction_policy: str
+    store_admission: str
     remote_url: str | None
     remote_ttl_s: int
     remote_write: str

@@ -222,6 +222,8 @@ class EmbeddedRuntime:
             hugepage_size=cfg.dram_hugepage_size,
             numa_node=cfg.dram_numa_node,
             prefault=cfg.dram_prefault,
+            eviction_policy=cfg.eviction_policy,
+            store_admission=cfg.store_admission,
             num_workers=cfg.num_workers,
             timeout_ms=cfg.timeout_ms,
             remote_url=cfg.remote_url,

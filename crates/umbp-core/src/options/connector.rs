@@ -9,8 +9,8 @@ use serde_json::{Map, Value};
 
 use super::check::check_watermarks;
 use super::schema::{
-    spec, CAPACITY_BYTES, CUDA_STAGING_BYTES, ENDPOINT, KV_ROLES, MODE, SCHEMA,
-    TOTAL_CAPACITY_BYTES,
+    spec, CAPACITY_BYTES, CUDA_STAGING_BYTES, ENDPOINT, EVICTION_POLICY, KV_ROLES, MODE, SCHEMA,
+    STORE_ADMISSION, TOTAL_CAPACITY_BYTES,
 };
 use super::spec::{OptionSpec, Scope};
 use crate::sizes::MIB;
@@ -94,6 +94,10 @@ pub struct ConnectorOptions {
     pub dram_hugepage_size: String,
     pub dram_numa_node: Option<u32>,
     pub dram_prefault: bool,
+    /// `"s3fifo"` or `"lru"`.
+    pub eviction_policy: String,
+    /// `"all"` or `"on_reuse"`.
+    pub store_admission: String,
     /// The socket path (a `unix://` address is resolved to its path).
     pub endpoint: Option<String>,
     pub startup_timeout_ms: u64,
@@ -163,6 +167,13 @@ impl ConnectorOptions {
                             "is not accepted in standalone mode: the server owns the pool and \
                              its remote tier; start the server with --remote-url \
                              (UMBP_REMOTE_URL) and the other --remote-* flags"
+                        }
+                        Mode::Standalone
+                            if name == EVICTION_POLICY.name || name == STORE_ADMISSION.name =>
+                        {
+                            "is not accepted in standalone mode: the server owns the pool; \
+                             start it with --eviction-policy (UMBP_EVICTION_POLICY) or \
+                             --store-admission (UMBP_STORE_ADMISSION)"
                         }
                         Mode::Standalone => {
                             "is not accepted in standalone mode: the server owns \

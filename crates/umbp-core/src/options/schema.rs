@@ -327,6 +327,40 @@ pub const DRAM_PREFAULT: OptionSpec = OptionSpec {
          the store table below); false: pages are populated by the first copy that touches them.",
     )
 };
+/// The eviction policies (`umbp_core::caching::EvictionPolicy`).
+pub const EVICTION_POLICIES: &[&str] = &["s3fifo", "lru"];
+/// The store admissions (`umbp_core::caching::StoreAdmission`).
+pub const STORE_ADMISSIONS: &[&str] = &["all", "on_reuse"];
+
+/// `eviction_policy` (also the store's and the server's).
+pub const EVICTION_POLICY: OptionSpec = OptionSpec {
+    name: "eviction_policy",
+    scope: Scope::Embedded,
+    kind: Kind::Choice(EVICTION_POLICIES),
+    default: DefaultValue::Str("s3fifo"),
+    nullable: false,
+    default_doc: None,
+    doc: "Which objects eviction takes first. `\"s3fifo\"`: a small probation queue, a main \
+          queue of objects used again and a ghost set, so a burst of one-off prompts leaves \
+          without flushing the shared prefixes; `\"lru\"`: exact least recently used (see \
+          [benchmarks.md](benchmarks.md#eviction-policy-and-store-admission-umbp-bench-cache) for why \
+          `s3fifo` is the default).",
+    also_rejected: None,
+};
+/// `store_admission` (also the store's and the server's).
+pub const STORE_ADMISSION: OptionSpec = OptionSpec {
+    name: "store_admission",
+    scope: Scope::Embedded,
+    kind: Kind::Choice(STORE_ADMISSIONS),
+    default: DefaultValue::Str("all"),
+    nullable: false,
+    default_doc: None,
+    doc: "Which stored blocks the pool keeps. `\"all\"`: every one; `\"on_reuse\"`: a block \
+          the second time its key is stored or looked up within the last 2^20 keys seen (the \
+          first store is skipped and counted in `admissions_skipped`; writes far fewer bytes \
+          for a few points of hit rate).",
+    also_rejected: None,
+};
 /// `endpoint`.
 pub const ENDPOINT: OptionSpec = OptionSpec {
     name: "endpoint",
@@ -506,6 +540,8 @@ pub const SCHEMA: &[OptionSpec] = &[
     DRAM_HUGEPAGE_SIZE,
     DRAM_NUMA_NODE,
     DRAM_PREFAULT,
+    EVICTION_POLICY,
+    STORE_ADMISSION,
     REMOTE_URL,
     REMOTE_TTL_S,
     REMOTE_WRITE,

@@ -177,6 +177,9 @@ fn refusals_name_the_option_and_what_it_must_be() {
     );
     let e = refusal(json!({"endpoint": "/s.sock"}));
     assert!(e.contains("`endpoint`") && e.contains("standalone"), "{e}");
+    let e = refusal(json!({"mode": "standalone", "endpoint": "/s", "eviction_policy": "lru"}));
+    assert!(e.contains("--eviction-policy"), "{e}");
+    assert!(refusal(json!({"eviction_policy": "arc"})).contains("s3fifo"));
     let e = refusal(json!({"mode": "standalone", "endpoint": "/s", "dram_prefault": false}));
     assert!(
         e.contains("`dram_prefault`") && e.contains("UMBP_DRAM_"),

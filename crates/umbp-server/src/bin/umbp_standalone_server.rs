@@ -66,6 +66,14 @@ struct Args {
     /// Touch every page of the pool at start so copies never take page faults.
     #[arg(long, env = "UMBP_DRAM_PREFAULT", default_value_t = options::DRAM_PREFAULT.default_bool(), action = clap::ArgAction::Set, value_parser = parse_bool)]
     prefault: bool,
+    /// Which objects eviction takes first: s3fifo (a burst of one-off prompts leaves without
+    /// flushing the shared prefixes) or lru (exact least recently used).
+    #[arg(long = "eviction-policy", env = "UMBP_EVICTION_POLICY", default_value = options::EVICTION_POLICY.default_str(), value_parser = PossibleValuesParser::new(options::EVICTION_POLICIES))]
+    eviction_policy: String,
+    /// Which stored blocks the pool keeps: all, or on_reuse (the second time a key is stored
+    /// or looked up; the first store is skipped and counted).
+    #[arg(long = "store-admission", env = "UMBP_STORE_ADMISSION", default_value = options::STORE_ADMISSION.default_str(), value_parser = PossibleValuesParser::new(options::STORE_ADMISSIONS))]
+    store_admission: String,
     /// Copy worker threads, shared by every client.
     #[arg(long, env = "UMBP_NUM_WORKERS", default_value_t = DEFAULT_COPY_WORKERS)]
     workers: usize,
@@ -317,6 +325,14 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
             hugepage_size,
             numa_node: a.numa_node,
             prefault: a.prefault,
+            eviction_policy: a
+                .eviction_policy
+                .parse()
+                .context("--eviction-policy / UMBP_EVICTION_POLICY")?,
+            store_admission: a
+                .store_admission
+                .parse()
+                .context("--store-admission / UMBP_STORE_ADMISSION")?,
             ..PoolConfig::default()
         },
         num_workers: a.workers,
@@ -481,6 +497,8 @@ mod tests {
         ("hugepage_size", &options::DRAM_HUGEPAGE_SIZE),
         ("numa_node", &options::DRAM_NUMA_NODE),
         ("prefault", &options::DRAM_PREFAULT),
+        ("eviction_policy", &options::EVICTION_POLICY),
+        ("store_admission", &options::STORE_ADMISSION),
         ("timeout_ms", &options::TIMEOUT_MS),
         ("remote_url", &options::REMOTE_URL),
         ("remote_ttl_s", &options::REMOTE_TTL_S),
