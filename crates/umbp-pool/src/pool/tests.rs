@@ -189,20 +189,7 @@ fn lookups_do_not_pin_or_refresh_with(policy: crate::EvictionPolicy) {
     // A high watermark of 1.0 keeps the background evictor out: only the synchronous
     // eviction of a full pool runs, so which keys go is decided by the policy alone (with the
     // defaults the evictor could drop key 0 while the pool fills, before the lookups below).
-    let p = Pool::with_options(
-        PoolConfig {
-            segment_bytes: 64 << 10,
-            prefault: false,
-            high_watermark: 1.0,
-            low_watermark: 0.5,
-            ..PoolConfig::with_capacity(1 << 20)
-        },
-        PoolOptions {
-            eviction_policy: policy,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
+    let p = pool_with(policy, crate::StoreAdmission::All);
     for i in 0..64 {
         p.put(key(i), &[1; 16 << 10]).unwrap();
     }
@@ -259,6 +246,8 @@ fn closed_pool_refuses_reservations() {
     assert!(matches!(p.reserve(10), Err(PoolError::Closed)));
 }
 
+/// A 1 MiB pool of 64 KiB segments that only the synchronous eviction of a full pool evicts
+/// from (high watermark 1.0), with `policy` and `admission`.
 fn pool_with(policy: crate::EvictionPolicy, admission: crate::StoreAdmission) -> Pool {
     Pool::with_options(
         PoolConfig {
