@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 pub mod channel;
 pub mod completion;
 pub mod errors;
+pub mod outcomes;
 pub mod peer;
 
 use thiserror::Error;
