@@ -16,6 +16,12 @@
 //!   three are fields of the [`umbp_core::PoolConfig`] given to [`Pool::new`].
 //! * [`shared_fd`]: the standalone server's mapping of a client's KV cache (a sealed memfd the
 //!   client sends), after [`check_shareable_fd`].
+//!
+//! `unsafe` is denied everywhere but in [`Reservation`] and [`PinnedObject`] (`pool::handles`),
+//! which hand out slices of the arena on the strength of the allocator and the pins, and in
+//! tests that write raw memory. The system calls behind the arena are umbp-unix's.
+
+#![deny(unsafe_code)]
 
 pub mod alloc;
 mod error;

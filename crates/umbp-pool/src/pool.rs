@@ -6,6 +6,9 @@
 
 mod admit;
 mod evict;
+// The one module with `unsafe`: slices of the arena, valid by the allocator's and the pins'
+// invariants, which no wrapper below the pool can own.
+#[allow(unsafe_code)]
 mod handles;
 mod inner;
 mod types;
