@@ -53,6 +53,10 @@ pub enum Op {
     GetRandom,
     /// `shutdown` of a socket.
     Shutdown,
+    /// `mbind`.
+    Mbind,
+    /// `madvise(MADV_POPULATE_WRITE)`.
+    Populate,
 }
 
 impl Op {
@@ -83,6 +87,8 @@ impl Op {
             Op::PidfdOpen => "pidfd_open",
             Op::GetRandom => "getrandom",
             Op::Shutdown => "shutdown",
+            Op::Mbind => "mbind",
+            Op::Populate => "madvise(MADV_POPULATE_WRITE)",
         }
     }
 }

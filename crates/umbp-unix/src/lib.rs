@@ -10,12 +10,15 @@
 //! * [`socket`]: a non-blocking read or peek, a send without `SIGPIPE`, waiting on several
 //!   descriptors, buffer sizes;
 //! * [`mapping`]: owned `MAP_SHARED` mappings, unmapped on drop;
+//! * [`arena`]: owned mappings of a process's own memory (anonymous, huge pages, or a shared
+//!   file), bound to a NUMA node and populated up front;
 //! * [`process`]: a pidfd, the file-creation mask, random bytes;
 //! * [`clock`]: the host-wide monotonic clock and the page size.
 //!
 //! Built on `rustix`; every operation fails with [`UnixError`], which names the call and the
 //! errno.
 
+pub mod arena;
 pub mod clock;
 pub mod epoll;
 pub mod error;

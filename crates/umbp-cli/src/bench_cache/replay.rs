@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
-use umbp_pool::{EvictionPolicy, Pool, PoolOptions, PoolStats, StoreAdmission};
+use umbp_pool::{EvictionPolicy, Pool, PoolStats, StoreAdmission};
 
 use super::workload::{Phase, Request};
 
@@ -80,22 +80,18 @@ pub fn replay(
     policy: EvictionPolicy,
     admission: StoreAdmission,
 ) -> Result<Outcome> {
-    let pool = Pool::with_options(
-        PoolConfig {
-            capacity_bytes: shape.capacity_bytes,
-            // Only synchronous eviction: the replay is deterministic.
-            high_watermark: 1.0,
-            low_watermark: 0.9,
-            use_hugepages: false,
-            prefault: false,
-            ..PoolConfig::default()
-        },
-        PoolOptions {
-            eviction_policy: policy,
-            store_admission: admission,
-            admission_window: shape.admission_window,
-        },
-    )
+    let pool = Pool::new(PoolConfig {
+        capacity_bytes: shape.capacity_bytes,
+        // Only synchronous eviction: the replay is deterministic.
+        high_watermark: 1.0,
+        low_watermark: 0.9,
+        use_hugepages: false,
+        prefault: false,
+        eviction_policy: policy,
+        store_admission: admission,
+        admission_window: shape.admission_window,
+        ..PoolConfig::default()
+    })
     .context("creating the pool")?;
     let keys = Keys(KeyBuilder::new("bench-cache", RankTopology::default())?);
     let data = vec![0x5Au8; shape.block_bytes as usize];

@@ -9,9 +9,9 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use super::types::PoolEvent;
 use crate::alloc::Allocator;
 use crate::index::Shard;
-use crate::options::EvictionPolicy;
 use crate::region::Region;
 use crate::window::FpWindow;
+use umbp_core::caching::EvictionPolicy;
 
 pub(super) const SHARD_BITS: u32 = 6;
 pub(super) const SHARDS: usize = 1 << SHARD_BITS;

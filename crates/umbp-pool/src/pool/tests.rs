@@ -249,20 +249,15 @@ fn closed_pool_refuses_reservations() {
 /// A 1 MiB pool of 64 KiB segments that only the synchronous eviction of a full pool evicts
 /// from (high watermark 1.0), with `policy` and `admission`.
 fn pool_with(policy: crate::EvictionPolicy, admission: crate::StoreAdmission) -> Pool {
-    Pool::with_options(
-        PoolConfig {
-            segment_bytes: 64 << 10,
-            prefault: false,
-            high_watermark: 1.0,
-            low_watermark: 0.5,
-            ..PoolConfig::with_capacity(1 << 20)
-        },
-        PoolOptions {
-            eviction_policy: policy,
-            store_admission: admission,
-            ..PoolOptions::default()
-        },
-    )
+    Pool::new(PoolConfig {
+        segment_bytes: 64 << 10,
+        prefault: false,
+        high_watermark: 1.0,
+        low_watermark: 0.5,
+        eviction_policy: policy,
+        store_admission: admission,
+        ..PoolConfig::with_capacity(1 << 20)
+    })
     .unwrap()
 }
 
