@@ -304,6 +304,32 @@ def test_umbp_bench_pool_json(policy, most):
     assert out["lookup_keys_per_s"] > 0 and out["metadata_ratio"] < most
 
 
+def test_umbp_bench_cache_json():
+    """Both workloads, every policy and admission at each capacity; only the chat workload has
+    conversations, and only on_reuse skips stores. The replay is seeded and evicts
+    synchronously, so the same arguments give the same rates on every machine."""
+    r = subprocess.run(
+        [str(umbp_command()), "bench", "cache", "--prefixes", "64", "--requests", "400"]
+        + ["--recovery", "64", "--capacities", "0.5", "--conversations", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    got = {(x["workload"], x["eviction_policy"], x["store_admission"]) for x in rows}
+    assert got == {
+        (w, p, a)
+        for w in ("prefixes", "chat")
+        for p in ("lru", "s3fifo")
+        for a in ("all", "on_reuse")
+    }
+    for x in rows:
+        assert 0 < x["token_hit_rate"] < 1, x
+        assert (x["chat_context_hit_rate"] > 0) == (x["workload"] == "chat"), x
+        assert (x["admissions_skipped"] > 0) == (x["store_admission"] == "on_reuse"), x
+
+
 def test_umbp_bench_copy_json():
     out = run_umbp(
         "bench",
