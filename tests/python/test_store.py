@@ -182,7 +182,7 @@ def test_wait_timeout_and_cancel(kb):
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 def test_on_reuse_keeps_a_block_stored_the_second_time(kb, policy):
-    """store_admission="on_reuse": the first store of a key is skipped (answered "done",
+    """store_admission="on_reuse": the first store of a key is skipped (answered "skipped",
     counted), the second is kept and loads back byte-exact; stats name the policy."""
     s = umbp.EmbeddedStore(
         64 << 20, prefault=False, eviction_policy=policy, store_admission="on_reuse"
@@ -190,7 +190,7 @@ def test_on_reuse_keeps_a_block_stored_the_second_time(kb, policy):
     src, dst = KvCache(fill_seed=7), KvCache()
     ls, ld = attach(s, src), attach(s, dst)
     keys = kb.keys(0, hashes(range(6)))
-    assert s.store(ls, 0, list(range(6)), keys).wait() == ["done"] * 6
+    assert s.store(ls, 0, list(range(6)), keys).wait() == ["skipped"] * 6
     assert s.exists(keys) == [False] * 6
     assert s.stats()["admissions_skipped"] == 6
     assert s.store(ls, 0, list(range(6)), keys).wait() == ["done"] * 6

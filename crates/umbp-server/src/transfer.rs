@@ -264,6 +264,7 @@ fn key_status(r: &KeyOutcome, timed_out: bool) -> v1::KeyStatus {
         KeyOutcome::Cancelled if timed_out => S::TimedOut,
         KeyOutcome::Cancelled => S::Cancelled,
         KeyOutcome::Failed(_) => S::Failed,
+        KeyOutcome::Skipped => S::Skipped,
     }
 }
 

@@ -34,6 +34,7 @@ pub(crate) fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyOutc
             Ok(S::PoolFull) => KeyOutcome::PoolFull,
             Ok(S::Cancelled) => KeyOutcome::Cancelled,
             Ok(S::TimedOut) => KeyOutcome::TimedOut,
+            Ok(S::Skipped) => KeyOutcome::Skipped,
             // Its kind and message come in `errors`.
             Ok(S::Failed) => KeyOutcome::failed(FailureKind::Device, String::new()),
             _ => return Err(malformed(format!("the server answered key status {b}"))),
