@@ -5,7 +5,7 @@ such blocks without the TP rank: the first rank of each replica group stores the
 answer "skipped", the scheduler asks the server about one rank, and every rank restores from
 the one object. Byte-exact through the layout matrix (tests/kv_matrix.py's MLA forms) and
 through the connector's worker side with vLLM's own `MLAAttentionSpec` and `allocate_kv_cache`
-(vLLM CPU cannot run an MLA model at TP 2 here).
+(a real MLA engine at TP 2 is not tested yet).
 """
 
 from __future__ import annotations
