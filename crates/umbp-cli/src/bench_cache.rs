@@ -2,8 +2,11 @@
 //! burst of one-off prompts twice the pool's size) against the pool at several capacities,
 //! for every eviction policy and store admission, and prints token hit rates and bytes
 //! stored side by side; then the same with multi-turn conversations mixed in (`--chat-share`
-//! of the requests), whose earlier turns are reused after many other requests.
+//! of the requests), whose earlier turns are reused after many other requests; then the MLA
+//! rows: objects and bytes per cached token at TP 2/4/8 with every rank storing its copy and
+//! with MLA stored once.
 
+mod mla;
 mod replay;
 mod workload;
 
@@ -75,6 +78,12 @@ pub struct Args {
     /// Seed of the trace.
     #[arg(long, default_value_t = 34)]
     seed: u64,
+    /// MLA rows: tensor-parallel sizes (0 or none: no MLA rows).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![2u16, 4, 8])]
+    mla_tp: Vec<u16>,
+    /// MLA rows: blocks of the stored prefix (DeepSeek-V3's 1.07 MiB blocks of 16 tokens).
+    #[arg(long, default_value_t = 32)]
+    mla_blocks: u32,
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     json: bool,
@@ -202,6 +211,65 @@ pub fn run(a: &Args) -> Result<()> {
              shared prefixes' tokens; sh.burst: shared, during the burst and its recovery; \
              chat: the same over conversations' earlier turns; stored: bytes committed"
         );
+    }
+    mla_rows(a)
+}
+
+/// The MLA rows: a DeepSeek-V3-shaped prefix stored by TP ranks, before and after.
+fn mla_rows(a: &Args) -> Result<()> {
+    let tps: Vec<u16> = a.mla_tp.iter().copied().filter(|t| *t > 0).collect();
+    if tps.is_empty() {
+        return Ok(());
+    }
+    if !a.json {
+        println!(
+            "MLA ({} layers x {} B latent per token, blocks of {} tokens, a {}-block prefix \
+             stored by every rank's connector, then looked up and read by every rank):",
+            mla::LAYERS,
+            mla::LATENT_BYTES,
+            a.block_tokens,
+            a.mla_blocks
+        );
+        println!(
+            "{:>4} {:>12} {:>9} {:>9} {:>13} {:>8} {:>11}",
+            "tp", "keys", "objects", "obj/tok", "bytes/tok", "skipped", "bytes ratio"
+        );
+    }
+    for &tp in &tps {
+        let before = mla::mla_row(tp, false, a.mla_blocks, a.block_tokens)?;
+        let after = mla::mla_row(tp, true, a.mla_blocks, a.block_tokens)?;
+        let ratio = before.bytes_per_token() / after.bytes_per_token();
+        for r in [before, after] {
+            let keys = if r.once { "once (tp0)" } else { "per rank" };
+            if a.json {
+                println!(
+                    "{}",
+                    json!({
+                        "bench": "cache_mla",
+                        "tp": r.tp,
+                        "stored_once": r.once,
+                        "objects": r.objects,
+                        "bytes": r.bytes,
+                        "tokens": r.tokens,
+                        "objects_per_token": r.objects_per_token(),
+                        "bytes_per_token": r.bytes_per_token(),
+                        "skipped_stores": r.skipped,
+                        "bytes_ratio_before_after": ratio,
+                    })
+                );
+            } else {
+                println!(
+                    "{:>4} {:>12} {:>9} {:>9.4} {:>13.0} {:>8} {:>10.2}x",
+                    r.tp,
+                    keys,
+                    r.objects,
+                    r.objects_per_token(),
+                    r.bytes_per_token(),
+                    r.skipped,
+                    if r.once { ratio } else { 1.0 },
+                );
+            }
+        }
     }
     Ok(())
 }

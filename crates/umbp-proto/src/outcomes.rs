@@ -20,6 +20,7 @@ pub fn status_of(outcome: &KeyOutcome, timed_out: bool) -> v1::KeyStatus {
         KeyOutcome::Cancelled if timed_out => S::TimedOut,
         KeyOutcome::Cancelled => S::Cancelled,
         KeyOutcome::Failed(_) => S::Failed,
+        KeyOutcome::Skipped => S::Skipped,
     }
 }
 
@@ -65,6 +66,7 @@ pub fn decode(
             Ok(S::PoolFull) => KeyOutcome::PoolFull,
             Ok(S::Cancelled) => KeyOutcome::Cancelled,
             Ok(S::TimedOut) => KeyOutcome::TimedOut,
+            Ok(S::Skipped) => KeyOutcome::Skipped,
             // Its kind and message come in `errors`; a failed key without one is a device
             // failure the server did not explain.
             Ok(S::Failed) => KeyOutcome::failed(FailureKind::Device, ""),
@@ -98,6 +100,7 @@ mod tests {
             KeyOutcome::PoolFull,
             KeyOutcome::Cancelled,
             KeyOutcome::TimedOut,
+            KeyOutcome::Skipped,
             KeyOutcome::failed(FailureKind::Device, "the copy engine faulted"),
             KeyOutcome::failed(FailureKind::Server, "the server went away"),
         ]
@@ -128,11 +131,11 @@ mod tests {
         assert!(e.contains("1 statuses for 2 keys"), "{e}");
         let e = decode(&[250], Vec::new(), 1).unwrap_err();
         assert!(e.contains("key status 250"), "{e}");
-        let (statuses, mut errors) = encode(&every_outcome()[6..7], false);
+        let (statuses, mut errors) = encode(&every_outcome()[7..8], false);
         errors[0].kind = "cosmic_ray".into();
         let e = decode(&statuses, errors, 1).unwrap_err();
         assert!(e.contains("cosmic_ray"), "{e}");
-        let (statuses, mut errors) = encode(&every_outcome()[6..7], false);
+        let (statuses, mut errors) = encode(&every_outcome()[7..8], false);
         errors[0].index = 7;
         let e = decode(&statuses, errors, 1).unwrap_err();
         assert!(e.contains("key 7 of 1"), "{e}");

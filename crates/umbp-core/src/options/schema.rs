@@ -359,8 +359,8 @@ pub const STORE_ADMISSION: OptionSpec = OptionSpec {
     default_doc: None,
     doc: "Which stored blocks the pool keeps. `\"all\"`: every one; `\"on_reuse\"`: a block \
           the second time its key is stored or looked up within the last 2^20 keys seen (the \
-          first store is skipped and counted in `admissions_skipped`; writes far fewer bytes \
-          for a few points of hit rate).",
+          first store is skipped: its blocks answer `\"skipped\"`, counted in \
+          `admissions_skipped`; writes far fewer bytes for a few points of hit rate).",
     also_rejected: None,
 };
 /// `endpoint`.
