@@ -124,18 +124,63 @@ def mamba2_model(tmp_path_factory) -> str:
     return _save_random(lambda: GraniteMoeHybridForCausalLM(cfg), tok, out)
 
 
-def _save_random(make, tok, out) -> str:
+@pytest.fixture(scope="session")
+def mla_model(tmp_path_factory) -> str:
+    """A tiny DeepSeek-V2-shaped MLA model: two dense layers (no MoE layer), 4 heads, no
+    q_lora, random bf16 weights. vLLM CPU's reference MLA backend (`CPU_MLA`) takes only a
+    576-wide latent (kv_lora_rank 512 + qk_rope_head_dim 64) and 16-token blocks, and turns
+    vLLM's own prefix caching and chunked prefill off."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from umbp.demo.tiny_model import _tokenizer
+
+    out = tmp_path_factory.mktemp("model") / "tiny-deepseek-v2"
+    tok = _tokenizer(8192)
+    cfg = DeepseekV2Config(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        first_k_dense_replace=2,  # every layer dense: no MoE
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        n_shared_experts=1,
+        max_position_embeddings=8192,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    # Attention weights of the usual scale (1/sqrt(fan-in)): at 0.2 the 512-wide latent's
+    # up-projections saturate the softmax, and vLLM CPU's two prefill paths (with and without
+    # a cached context) round apart enough to flip the next token.
+    return _save_random(
+        lambda: DeepseekV2ForCausalLM(cfg),
+        tok,
+        out,
+        std=lambda name, p: p.shape[1] ** -0.5 if "self_attn" in name else 0.2,
+    )
+
+
+def _save_random(make, tok, out, std=lambda name, p: 0.2) -> str:
     """The model `make()` builds, seeded, with wide random bf16 weights (greedy outputs depend
-    visibly on the whole prompt), saved with the tokenizer; the config says bf16 (vLLM CPU's
-    state kernels need it)."""
+    visibly on the whole prompt; `std(name, param)` is each matrix's spread), saved with the
+    tokenizer; the config says bf16 (vLLM CPU's state kernels need it)."""
     import torch
 
     torch.manual_seed(0)
     model = make()
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, std(name, p))
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     c = json.loads((out / "config.json").read_text())

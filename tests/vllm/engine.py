@@ -5,20 +5,22 @@ session and kills the whole group afterwards (vLLM's helper processes can outliv
 
     python engine.py '<scenario json>'
 
-Scenario keys: model, max_num_batched_tokens, mamba_ssm_cache_dtype, num_gpu_blocks_override
-(vLLM's KV cache size in blocks), connector (kv_connector_extra_config, or null for no
-connector), kv_role, module_path (use kv_connector_module_path instead of the plugin), tp, max_tokens,
-kv_events (an ipc:// endpoint to publish KV events to), steps: a list of
-{"generate": [prompt, ...]}, {"reset": bool reset_external}, {"signal": path},
-{"wait_for": path}, {"sleep": seconds}, {"events": seconds to wait for KV events},
-{"shutdown": true} (shuts the engine down, connector included, and records the seconds it
-took; with VLLM_ENABLE_V1_MULTIPROCESSING=0 that is the engine's own shutdown, in this
-process), {"evict_state": {"prompt": p, "tokens": n, "state_group": i}} (in every worker,
-evicts from UMBP's pool the state stored after the first n tokens of an already generated
-prompt p in the i-th state group, behind the engine's back; records per worker the token
-counts with state in every state group, before and after; needs
-VLLM_ALLOW_INSECURE_SERIALIZATION=1 and an embedded-mode engine). A step that raises (e.g.
-the engine died) ends the scenario; the result then has "error".
+Scenario keys: model, max_model_len, max_num_batched_tokens, mamba_ssm_cache_dtype,
+num_gpu_blocks_override (vLLM's KV cache size in blocks), connector (kv_connector_extra_config,
+or null for no connector), kv_role, module_path (use kv_connector_module_path instead of the
+plugin), tp, max_tokens, kv_events (an ipc:// endpoint to publish KV events to), log_stats
+(vLLM's stat logging on, for the "metrics" step), steps: a list of {"generate": [prompt, ...]},
+{"reset": bool reset_external}, {"signal": path}, {"wait_for": path}, {"sleep": seconds},
+{"metrics": true} (the connector's counters as vLLM summed them over its workers:
+{"vllm:umbp_...": value}; needs log_stats), {"events": seconds to wait for KV events},
+{"shutdown": true} (shuts the engine down, connector included, and records the seconds it took;
+with VLLM_ENABLE_V1_MULTIPROCESSING=0 that is the engine's own shutdown, in this process),
+{"evict_state": {"prompt": p, "tokens": n, "state_group": i}} (in every worker, evicts from
+UMBP's pool the state stored after the first n tokens of an already generated prompt p in the
+i-th state group, behind the engine's back; records per worker the token counts with state in
+every state group, before and after; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 and an
+embedded-mode engine). A step that raises (e.g. the engine died) ends the scenario; the result
+then has "error".
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> None:
         seed=0,
         enforce_eager=True,
         tensor_parallel_size=sc.get("tp", 1),
+        disable_log_stats=not sc.get("log_stats", False),
     )
     for key in ("max_num_batched_tokens", "mamba_ssm_cache_dtype", "num_gpu_blocks_override"):
         if sc.get(key):
@@ -126,6 +129,12 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
         elif "sleep" in step:
             time.sleep(step["sleep"])
             out["steps"].append(None)
+        elif "metrics" in step:
+            counters: dict[str, float] = {}
+            for m in llm.get_metrics():
+                if m.name.startswith("vllm:umbp_") and hasattr(m, "value"):
+                    counters[m.name] = counters.get(m.name, 0) + m.value
+            out["steps"].append(counters)
         elif "shutdown" in step:
             t = time.time()
             llm.llm_engine.engine_core.shutdown()
