@@ -29,6 +29,8 @@ mod window;
 
 pub use error::PoolError;
 pub use options::{EvictionPolicy, PoolOptions, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
-pub use pool::{CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation};
+pub use pool::{
+    CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,
+};
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};

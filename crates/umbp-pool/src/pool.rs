@@ -1,12 +1,11 @@
 //! The pool: region + allocator + sharded index + eviction + stats + events.
 //!
-//! The shared state is in `inner`, the caller's handles in `handles`, eviction and the
+//! The shared state is in `inner`, the caller's handles with it, eviction and the
 //! evictor thread in `evict`, and the public value types in `types`; this file is the
 //! [`Pool`] API.
 
 mod admit;
 mod evict;
-mod handles;
 mod inner;
 mod types;
 
@@ -25,9 +24,10 @@ use crate::policy::PolicyCounters;
 use crate::region::{Placement, Region};
 use crate::PoolError;
 use evict::evictor_loop;
+pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
-pub use handles::{PinnedObject, Reservation};
+pub use inner::{PinnedObject, Reservation};
 pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause};
 
 /// The host-DRAM object pool. Cheap to share behind an `Arc`; objects, reservations and pins
@@ -64,7 +64,8 @@ impl Pool {
         }
         let alloc = Allocator::new(segment_bytes, num_segments);
         let capacity = alloc.capacity();
-        let inner = Arc::new(Inner {
+        let inner = Arc::new_cyclic(|me| Inner {
+            me: me.clone(),
             region,
             alloc: Mutex::new(alloc),
             shards: (0..SHARDS)
@@ -81,6 +82,7 @@ impl Pool {
             wake: Mutex::new(false),
             wake_cv: Condvar::new(),
             closed: AtomicBool::new(false),
+            spill: Default::default(),
         });
         let weak = Arc::downgrade(&inner);
         let evictor = std::thread::Builder::new()
@@ -174,7 +176,7 @@ impl Pool {
             // First evict in the policy's order; if the bytes freed that way do not help
             // (fragmentation), empty whole segments, first to evict first.
             if policy_freed < footprint + inner.alloc.lock().segment_bytes() {
-                let freed = inner.evict(footprint, RemoveCause::Evicted);
+                let freed = inner.evict(footprint, RemoveCause::Evicted, false);
                 policy_freed += freed.max(1);
                 if freed > 0 {
                     continue;
@@ -402,6 +404,7 @@ impl Pool {
             idx,
             offset,
             len,
+            spilled: 0,
         })
     }
 
@@ -464,7 +467,17 @@ impl Pool {
             return 0;
         }
         self.inner
-            .evict(used - self.inner.low_bytes, RemoveCause::Evicted)
+            .evict(used - self.inner.low_bytes, RemoveCause::Evicted, true)
+    }
+
+    /// Hands every object the watermark eviction takes (the background evictor and
+    /// [`evict_to_low_watermark`](Self::evict_to_low_watermark); not the just-enough eviction
+    /// of a reservation that cannot wait) to `hook`, pinned: the object leaves lookups at once
+    /// and its memory is freed when the hook's receiver drops the pin (after writing it to a
+    /// disk tier, say). Until then its bytes are not counted against the high watermark again,
+    /// so the evictor does not evict more for them. The hook must not block.
+    pub fn set_spill(&self, hook: Option<SpillFn>) {
+        *self.inner.spill.hook.write() = hook;
     }
 
     /// A stream of stored / removed events. At most `capacity` events wait unread; past that,
