@@ -137,7 +137,9 @@ impl Record {
         let key = BlockKey::from_bytes(r[0..KEY].try_into().ok()?);
         let offset = u64::from_le_bytes(r[KEY..KEY + 8].try_into().ok()?);
         let len = u64::from_le_bytes(r[KEY + 8..KEY + 16].try_into().ok()?);
-        offset.is_multiple_of(ALIGN).then_some(Record { key, offset, len })
+        offset
+            .is_multiple_of(ALIGN)
+            .then_some(Record { key, offset, len })
     }
 }
 

@@ -183,6 +183,7 @@ impl EmbeddedStore {
                 batch_blocks: cuda_batch_blocks.unwrap_or(cuda.batch_blocks),
                 ..cuda
             },
+            disk: None,
             remote: match remote_url {
                 None => None,
                 Some(url) => {

@@ -36,6 +36,8 @@ pub(crate) struct StoreShared {
     pub(crate) pinner: Mutex<Option<Arc<PoolPinner>>>,
     /// The remote tier, when configured.
     pub(crate) remote: Option<RemoteTier>,
+    /// The disk tier, when configured.
+    pub(crate) disk: Option<Arc<umbp_disk::DiskTier>>,
 }
 
 impl StoreShared {
@@ -146,6 +148,11 @@ impl StoreShared {
         if !self.closed.swap(true, Ordering::AcqRel) {
             if let Some(r) = &self.remote {
                 r.close();
+            }
+            if let Some(d) = &self.disk {
+                // Objects still queued are dropped (their pins released) before the pool goes.
+                self.pool.set_spill(None);
+                d.close();
             }
             self.engine.close();
             for m in self.cuda.lock().values() {

@@ -337,6 +337,7 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
         },
         num_workers: a.workers,
         timeout: Duration::from_millis(a.timeout_ms),
+        disk: None,
         remote: remote_url.map(|url| RemoteConfig {
             url,
             ttl: (a.remote_ttl_s > 0).then(|| Duration::from_secs(a.remote_ttl_s)),

@@ -1,0 +1,144 @@
+//! The disk tier under the pool: objects the pool's watermark eviction takes are written
+//! behind to disk (pinned until written), and keys a lookup misses in the pool are read back
+//! from disk into the pool before the lookup answers.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use umbp_core::BlockKey;
+use umbp_disk::{DiskConfig, DiskError, DiskTier, ObjectBytes, Sink};
+use umbp_pool::{PinnedObject, Pool};
+
+/// An evicted pool object on its way to disk: its memory is freed when this is dropped.
+struct Spilled(PinnedObject);
+
+impl ObjectBytes for Spilled {
+    fn bytes(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+/// Opens the tier and hands it every object the pool's watermark eviction takes.
+pub(crate) fn open(cfg: DiskConfig, pool: &Arc<Pool>) -> Result<Arc<DiskTier>, DiskError> {
+    let disk = Arc::new(DiskTier::open(cfg)?);
+    let d = Arc::downgrade(&disk);
+    pool.set_spill(Some(Arc::new(move |key, obj| {
+        if let Some(d) = d.upgrade() {
+            // Never waits: a full backlog drops (counted), which frees the object now.
+            d.enqueue(key, Box::new(Spilled(obj)));
+        }
+    })));
+    Ok(disk)
+}
+
+/// The sink promoted objects go to: the pool, without evicting (what does not fit in its
+/// free room misses: evicting would push out what the same lookup just counted).
+fn into_pool(pool: &Arc<Pool>) -> Sink {
+    let pool = Arc::clone(pool);
+    Arc::new(move |key: &BlockKey, bytes: &[u8]| {
+        if pool.contains(key) {
+            return true;
+        }
+        let Ok(mut r) = pool.try_reserve(bytes.len() as u64) else {
+            return false;
+        };
+        r.as_mut_slice().copy_from_slice(bytes);
+        pool.commit(r, *key);
+        true
+    })
+}
+
+/// Reads the leading `keys` the disk holds into the pool; how many from the first it did.
+pub(crate) fn promote_prefix(
+    disk: &DiskTier,
+    pool: &Arc<Pool>,
+    keys: &[BlockKey],
+    deadline: Instant,
+) -> usize {
+    disk.promote_prefix(keys, deadline, into_pool(pool))
+}
+
+/// Reads every one of `keys` the disk holds into the pool; which it did.
+pub(crate) fn promote_present(
+    disk: &DiskTier,
+    pool: &Arc<Pool>,
+    keys: &[BlockKey],
+    deadline: Instant,
+) -> Vec<bool> {
+    disk.promote_present(keys, deadline, into_pool(pool))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use umbp_core::{KeyBuilder, PoolConfig, RankTopology};
+
+    use crate::{DiskConfig, EmbeddedStore, StoreConfig};
+
+    fn store(dir: &std::path::Path) -> EmbeddedStore {
+        let mut disk = DiskConfig::new(dir, 64 << 20);
+        disk.segment_bytes = 1 << 20;
+        disk.io_threads = 2;
+        EmbeddedStore::new(StoreConfig {
+            pool: PoolConfig {
+                segment_bytes: 64 << 10,
+                prefault: false,
+                high_watermark: 0.5,
+                low_watermark: 0.25,
+                ..PoolConfig::with_capacity(4 << 20)
+            },
+            disk: Some(disk),
+            ..StoreConfig::default()
+        })
+        .unwrap()
+    }
+
+    fn tmpdir(tag: &str) -> std::path::PathBuf {
+        let d = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!(
+            "../../target/test-disk/store-{tag}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d.canonicalize().unwrap()
+    }
+
+    #[test]
+    fn evicted_objects_come_back_from_disk_byte_exact_and_survive_a_restart() {
+        let d = tmpdir("evict");
+        let kb = KeyBuilder::new("disk-test", RankTopology::default()).unwrap();
+        let keys: Vec<_> = (0..120u32)
+            .map(|i| kb.key(0, &i.to_le_bytes()).unwrap())
+            .collect();
+        let obj = |i: usize| vec![(i * 7 % 251) as u8; 32 << 10];
+        {
+            let s = store(&d);
+            for (i, k) in keys.iter().enumerate() {
+                s.pool().put(*k, &obj(i)).unwrap();
+            }
+            s.pool().evict_to_low_watermark();
+            assert!(s.flush_disk(Duration::from_secs(10)));
+            let ds = s.disk_stats().unwrap();
+            assert!(ds.writes > 0, "{ds:?}");
+            assert!(!s.pool().contains(&keys[0]), "key 0 was evicted");
+            // A lookup promotes the evicted prefix back into the pool before it answers.
+            let hits = s.prefix_hits(&keys[..10]).unwrap();
+            assert_eq!(hits, 10);
+            for (i, k) in keys[..10].iter().enumerate() {
+                assert_eq!(s.pool().get(k).unwrap().as_slice(), &obj(i)[..]);
+            }
+            s.close();
+        }
+        // A new store on the same directory (a restart) finds them on disk.
+        let s = store(&d);
+        assert!(s.disk_stats().unwrap().rebuilt_objects > 0);
+        assert_eq!(s.exists(&keys[..3]).unwrap(), vec![true; 3]);
+        assert_eq!(s.pool().get(&keys[2]).unwrap().as_slice(), &obj(2)[..]);
+        // Clearing the store clears the disk: nothing comes back.
+        s.clear().unwrap();
+        assert_eq!(s.prefix_hits(&keys[..3]).unwrap(), 0);
+        s.close();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
