@@ -18,11 +18,16 @@ Shared by the CPU tests (tests/python/test_layouts.py) and the GPU tests
   group as ``_reshape_kv_cache_tensors`` did.
 * ``SPLIT``: a manager block split into ``r`` kernel blocks (``create_kv_cache_views`` with a
   ``kernel_block_size``: ``[r × B, H, N, C]``), as with FlashInfer and ``--block-size 128``.
+
+``round_trip_replicated`` is the MLA case of tensor parallelism: every TP rank holds the same
+latent cache, the first rank stores each block once under keys without the TP rank, and every
+rank restores it from that one object (tests/python/test_mla_replicas.py, with a real server).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 
 import torch
 
@@ -79,6 +84,7 @@ class Cache:
         head_size: int,
         dtype: torch.dtype,
         split: int = 4,
+        mapped: bool = False,
     ) -> None:
         es = torch.empty((), dtype=dtype).element_size()
         self.form, self.blocks, self.device, self.es = form, blocks, device, es
@@ -94,7 +100,7 @@ class Cache:
                 rows, states = blocks * split, block_size // split
             self._dims = (layers, rows, heads, states, content)
             self._order = order
-            self.raw = torch.empty(math.prod(self._dims), dtype=torch.int8, device=device)
+            self.raw = self._alloc(math.prod(self._dims), mapped)
             self.layers = [v.view(dtype) for v in self._views(self.raw)]
             self.page = heads * states * content * (rows // blocks)
         elif form in ("KV2", "MLA3"):
@@ -104,12 +110,20 @@ class Cache:
             else:
                 shape = (layers, blocks, block_size, head_size)
             self._dims = shape
-            self.raw = torch.empty(math.prod(shape) * es, dtype=torch.int8, device=device)
+            self.raw = self._alloc(math.prod(shape) * es, mapped)
             typed = self.raw.view(dtype).view(shape)
             self.layers = [typed[layer] for layer in range(layers)]
             self.page = math.prod(shape[1:]) * es // blocks
         else:
             raise ValueError(form)
+
+    def _alloc(self, nbytes: int, mapped: bool) -> torch.Tensor:
+        """The backing allocation; ``mapped``: a mapping of its own (CPU), as the standalone
+        client needs to share it with a server (a small heap allocation may share pages)."""
+        if not mapped:
+            return torch.empty(nbytes, dtype=torch.int8, device=self.device)
+        self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return torch.frombuffer(self._mapping, dtype=torch.int8)
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         dims = self._dims
@@ -178,3 +192,48 @@ def round_trip(store: umbp.EmbeddedStore, cache: Cache, seed: int = 1) -> dict[s
             f"restore (first at byte {int(diff[0])})"
         )
     return store.layout_summary(lid)[0]
+
+
+def round_trip_replicated(
+    stores: list, caches: list[Cache], namespace: str, seed: int = 1
+) -> list[str]:
+    """MLA at TP ``len(caches)``: every rank's cache holds the same bytes; rank 0 stores random
+    blocks under keys without the TP rank (``tp=0`` for all), the other ranks store nothing;
+    every cache is overwritten (each rank with other bytes) and every rank restores the blocks
+    from the one object into other block ids. Checks each rank's entire allocation; returns
+    rank 0's store statuses."""
+    cache = caches[0]
+    n = min(12, cache.blocks // 3)
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(cache.blocks, generator=gen).tolist()
+    src, dst = perm[:n], perm[n : 2 * n]
+    cache.fill(seed)
+    for c in caches[1:]:
+        c.raw.copy_(cache.raw)
+    stored = cache.read_blocks(src)
+    keys = umbp.KeyBuilder(namespace, tp=0).keys(
+        0, [b.to_bytes(8, "little") + bytes(8) for b in src]
+    )
+    layouts = [
+        register_tensor_layout(st, [c.describe()], [c.blocks], layout_name=c.form)
+        for st, c in zip(stores, caches)
+    ]
+    statuses = stores[0].store(layouts[0], 0, src, keys).wait(60_000)
+    for rank, c in enumerate(caches):
+        c.fill(seed + 1000 + rank)
+    for rank, (st, c, lid) in enumerate(zip(stores, caches, layouts)):
+        expect = c.raw.clone()
+        idx = torch.as_tensor(dst, device=c.device)
+        for v, s in zip(c.byte_views(expect), stored):
+            v[idx] = s
+        got = st.load(lid, 0, dst, keys).wait(60_000)
+        assert got == ["done"] * n, f"rank {rank}: {got}"
+        if c.device == "cuda":
+            torch.cuda.synchronize()
+        if not torch.equal(c.raw, expect):
+            diff = (c.raw != expect).nonzero().flatten()
+            raise AssertionError(
+                f"{c.form} rank {rank}: {diff.numel()} of {c.raw.numel()} bytes differ after "
+                f"the restore (first at byte {int(diff[0])})"
+            )
+    return statuses

@@ -32,8 +32,10 @@ from umbp.errors import (
     UmbpError,
 )
 
-#: Per-key statuses a finished embedded transfer reports.
-STATUSES = ("done", "already_present", "missing", "pool_full", "cancelled", "failed")
+#: Per-key statuses a finished embedded transfer reports ("skipped": a store the pool's
+#: `store_admission` kept no copy of; the vLLM connector also answers it for blocks another rank
+#: of a replica group stores, MLA's latents stored once).
+STATUSES = ("done", "already_present", "missing", "pool_full", "cancelled", "failed", "skipped")
 
 #: Per-key statuses a finished transfer of either mode may report ("timed_out", standalone
 #: only: not done within the transfer's deadline, cancelled by the server).
@@ -45,6 +47,7 @@ TRANSFER_STATUSES = (
     "cancelled",
     "timed_out",
     "failed",
+    "skipped",
 )
 
 __all__ = [

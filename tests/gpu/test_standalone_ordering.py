@@ -127,7 +127,11 @@ def test_store_copies_what_the_stream_wrote_and_load_is_in_place_when_done(tmp_p
     """`default-stream`: the engine computes on CUDA's default stream (handle 0), as vLLM 0.33's
     engine thread did in the run that restored wrong KV (issue 28); `own-stream`: on a stream
     of its own."""
-    p, sock = start_server(tmp_path, "8GiB")
+    # Room for all four rounds (4 × 1000 blocks of 2 MiB at most): this test is about ordering,
+    # not eviction. With 8 GiB the last round's blocks were evicted before their load under
+    # the default S3-FIFO policy (a new object that nobody read yet leaves first, and the
+    # earlier rounds' blocks had been read), and read "missing".
+    p, sock = start_server(tmp_path, "10GiB")
     try:
         e = Engine(sock)
         if on == "default-stream":

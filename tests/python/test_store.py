@@ -182,7 +182,7 @@ def test_wait_timeout_and_cancel(kb):
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 def test_on_reuse_keeps_a_block_stored_the_second_time(kb, policy):
-    """store_admission="on_reuse": the first store of a key is skipped (answered "done",
+    """store_admission="on_reuse": the first store of a key is skipped (answered "skipped",
     counted), the second is kept and loads back byte-exact; stats name the policy."""
     s = umbp.EmbeddedStore(
         64 << 20, prefault=False, eviction_policy=policy, store_admission="on_reuse"
@@ -190,7 +190,7 @@ def test_on_reuse_keeps_a_block_stored_the_second_time(kb, policy):
     src, dst = KvCache(fill_seed=7), KvCache()
     ls, ld = attach(s, src), attach(s, dst)
     keys = kb.keys(0, hashes(range(6)))
-    assert s.store(ls, 0, list(range(6)), keys).wait() == ["done"] * 6
+    assert s.store(ls, 0, list(range(6)), keys).wait() == ["skipped"] * 6
     assert s.exists(keys) == [False] * 6
     assert s.stats()["admissions_skipped"] == 6
     assert s.store(ls, 0, list(range(6)), keys).wait() == ["done"] * 6
@@ -302,6 +302,35 @@ def test_umbp_bench_pool_json(policy, most):
         policy,
     )
     assert out["lookup_keys_per_s"] > 0 and out["metadata_ratio"] < most
+
+
+def test_umbp_bench_cache_json():
+    """Both workloads, every policy and admission at each capacity; only the chat workload has
+    conversations, and only on_reuse skips stores. The replay is seeded and evicts
+    synchronously, so the same arguments give the same rates on every machine."""
+    r = subprocess.run(
+        [str(umbp_command()), "bench", "cache", "--prefixes", "64", "--requests", "400"]
+        + ["--recovery", "64", "--capacities", "0.5", "--conversations", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    mla = [x for x in rows if x["bench"] == "cache_mla"]
+    assert mla and all(x["bytes_ratio_before_after"] == x["tp"] for x in mla), mla
+    rows = [x for x in rows if x["bench"] == "cache"]
+    got = {(x["workload"], x["eviction_policy"], x["store_admission"]) for x in rows}
+    assert got == {
+        (w, p, a)
+        for w in ("prefixes", "chat")
+        for p in ("lru", "s3fifo")
+        for a in ("all", "on_reuse")
+    }
+    for x in rows:
+        assert 0 < x["token_hit_rate"] < 1, x
+        assert (x["chat_context_hit_rate"] > 0) == (x["workload"] == "chat"), x
+        assert (x["admissions_skipped"] > 0) == (x["store_admission"] == "on_reuse"), x
 
 
 def test_umbp_bench_copy_json():

@@ -1,8 +1,12 @@
 //! `umbp bench cache`: replays a prefix workload (shared prefixes with Zipf popularity, and a
 //! burst of one-off prompts twice the pool's size) against the pool at several capacities,
 //! for every eviction policy and store admission, and prints token hit rates and bytes
-//! stored side by side.
+//! stored side by side; then the same with multi-turn conversations mixed in (`--chat-share`
+//! of the requests), whose earlier turns are reused after many other requests; then the MLA
+//! rows: objects and bytes per cached token at TP 2/4/8 with every rank storing its copy and
+//! with MLA stored once.
 
+mod mla;
 mod replay;
 mod workload;
 
@@ -57,9 +61,29 @@ pub struct Args {
     /// Keys the `on_reuse` admission remembers.
     #[arg(long, default_value_t = DEFAULT_ADMISSION_WINDOW)]
     admission_window: usize,
+    /// Share of the (non-burst) requests that are a conversation's next turn in the second
+    /// workload, "chat" (0: run the first workload only).
+    #[arg(long, default_value_t = 0.5)]
+    chat_share: f64,
+    /// Conversations going on at once in the chat workload: a conversation's next turn comes
+    /// after about this many requests divided by the chat share.
+    #[arg(long, default_value_t = 64)]
+    conversations: usize,
+    /// Turns per conversation.
+    #[arg(long, default_value_t = 8)]
+    turns: u32,
+    /// New blocks per turn (the question and the answer).
+    #[arg(long, default_value_t = 4)]
+    turn_blocks: u32,
     /// Seed of the trace.
     #[arg(long, default_value_t = 34)]
     seed: u64,
+    /// MLA rows: tensor-parallel sizes (0 or none: no MLA rows).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![2u16, 4, 8])]
+    mla_tp: Vec<u16>,
+    /// MLA rows: blocks of the stored prefix (DeepSeek-V3's 1.07 MiB blocks of 16 tokens).
+    #[arg(long, default_value_t = 32)]
+    mla_blocks: u32,
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     json: bool,
@@ -82,13 +106,22 @@ pub fn run(a: &Args) -> Result<()> {
         a.capacities.iter().all(|c| *c > 0.0),
         "--capacities must be positive"
     );
+    ensure!(
+        (0.0..1.0).contains(&a.chat_share),
+        "--chat-share must be in [0, 1)"
+    );
+    ensure!(
+        a.conversations > 0 && a.turns > 0 && a.turn_blocks > 0,
+        "--conversations, --turns and --turn-blocks must be > 0"
+    );
     let working_set = a.prefixes as u64 * u64::from(a.prefix_blocks) * a.block_bytes;
     println!(
         "workload: {} shared prefixes x {} blocks (Zipf s={}), {} unique blocks per request, \
          {} requests before and after a burst of one-off prompts ({} blocks each) totalling \
          {}x the pool, {:.0}% of the burst's requests one-off, the {} shared requests after it \
          its recovery; blocks of {} and {} tokens; shared working set {}; seed {}; on_reuse \
-         window {} keys",
+         window {} keys; chat workload: {:.0}% of the non-burst requests a turn of one of {} \
+         conversations ({} turns of {} new blocks each)",
         a.prefixes,
         a.prefix_blocks,
         a.zipf,
@@ -103,16 +136,22 @@ pub fn run(a: &Args) -> Result<()> {
         human_bytes(working_set),
         a.seed,
         a.admission_window,
+        a.chat_share * 100.0,
+        a.conversations,
+        a.turns,
+        a.turn_blocks,
     );
     if !a.json {
         println!(
-            "{:>9} {:>7} {:>9} {:>8} {:>8} {:>8} {:>11} {:>9} {:>15} {:>7} {:>6}",
+            "{:>8} {:>9} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>11} {:>9} {:>15} {:>7} {:>6}",
+            "workload",
             "capacity",
             "policy",
             "admission",
             "hit tok",
             "shared",
             "sh.burst",
+            "chat",
             "stored",
             "skipped",
             "evicted s/main",
@@ -120,38 +159,49 @@ pub fn run(a: &Args) -> Result<()> {
             "secs"
         );
     }
-    for &frac in &a.capacities {
-        let capacity = ((working_set as f64 * frac) as u64).max(a.block_bytes * 64);
-        let oneoff_bytes = u64::from(a.oneoff_blocks) * a.block_bytes;
-        let w = Workload {
-            prefixes: a.prefixes,
-            zipf: a.zipf,
-            suffix_blocks: a.suffix_blocks,
-            oneoff_blocks: a.oneoff_blocks,
-            requests: a.requests,
-            oneoffs: ((capacity as f64 * a.burst) / oneoff_bytes as f64).ceil() as usize,
-            burst_share: a.burst_share,
-            recovery: a.recovery,
-            seed: a.seed,
-        };
-        let trace = w.trace();
-        let shape = Shape {
-            capacity_bytes: capacity,
-            block_bytes: a.block_bytes,
-            block_tokens: a.block_tokens,
-            prefix_blocks: a.prefix_blocks,
-            admission_window: a.admission_window,
-        };
-        progress!(
-            "capacity {frac}x ({}): {} requests, {} one-off prompts",
-            human_bytes(capacity),
-            trace.len(),
-            w.oneoffs
-        );
-        for policy in EvictionPolicy::ALL {
-            for admission in StoreAdmission::ALL {
-                let o = replay(&trace, shape, policy, admission)?;
-                print_row(a, frac, capacity, policy, admission, &o);
+    let workloads: &[(&str, f64)] = if a.chat_share > 0.0 {
+        &[("prefixes", 0.0), ("chat", a.chat_share)]
+    } else {
+        &[("prefixes", 0.0)]
+    };
+    for &(name, chat_share) in workloads {
+        for &frac in &a.capacities {
+            let capacity = ((working_set as f64 * frac) as u64).max(a.block_bytes * 64);
+            let oneoff_bytes = u64::from(a.oneoff_blocks) * a.block_bytes;
+            let w = Workload {
+                prefixes: a.prefixes,
+                zipf: a.zipf,
+                suffix_blocks: a.suffix_blocks,
+                oneoff_blocks: a.oneoff_blocks,
+                requests: a.requests,
+                oneoffs: ((capacity as f64 * a.burst) / oneoff_bytes as f64).ceil() as usize,
+                burst_share: a.burst_share,
+                recovery: a.recovery,
+                chat_share,
+                conversations: a.conversations,
+                turns: a.turns,
+                turn_blocks: a.turn_blocks,
+                seed: a.seed,
+            };
+            let trace = w.trace();
+            let shape = Shape {
+                capacity_bytes: capacity,
+                block_bytes: a.block_bytes,
+                block_tokens: a.block_tokens,
+                prefix_blocks: a.prefix_blocks,
+                admission_window: a.admission_window,
+            };
+            progress!(
+                "{name}, capacity {frac}x ({}): {} requests, {} one-off prompts",
+                human_bytes(capacity),
+                trace.len(),
+                w.oneoffs
+            );
+            for policy in EvictionPolicy::ALL {
+                for admission in StoreAdmission::ALL {
+                    let o = replay(&trace, shape, policy, admission)?;
+                    print_row(a, name, frac, capacity, policy, admission, &o);
+                }
             }
         }
     }
@@ -159,14 +209,74 @@ pub fn run(a: &Args) -> Result<()> {
         println!(
             "hit tok: tokens found / tokens asked, every request; shared: the same over the \
              shared prefixes' tokens; sh.burst: shared, during the burst and its recovery; \
-             stored: bytes committed"
+             chat: the same over conversations' earlier turns; stored: bytes committed"
         );
+    }
+    mla_rows(a)
+}
+
+/// The MLA rows: a DeepSeek-V3-shaped prefix stored by TP ranks, before and after.
+fn mla_rows(a: &Args) -> Result<()> {
+    let tps: Vec<u16> = a.mla_tp.iter().copied().filter(|t| *t > 0).collect();
+    if tps.is_empty() {
+        return Ok(());
+    }
+    if !a.json {
+        println!(
+            "MLA ({} layers x {} B latent per token, blocks of {} tokens, a {}-block prefix \
+             stored by every rank's connector, then looked up and read by every rank):",
+            mla::LAYERS,
+            mla::LATENT_BYTES,
+            a.block_tokens,
+            a.mla_blocks
+        );
+        println!(
+            "{:>4} {:>12} {:>9} {:>9} {:>13} {:>8} {:>11}",
+            "tp", "keys", "objects", "obj/tok", "bytes/tok", "skipped", "bytes ratio"
+        );
+    }
+    for &tp in &tps {
+        let before = mla::mla_row(tp, false, a.mla_blocks, a.block_tokens)?;
+        let after = mla::mla_row(tp, true, a.mla_blocks, a.block_tokens)?;
+        let ratio = before.bytes_per_token() / after.bytes_per_token();
+        for r in [before, after] {
+            let keys = if r.once { "once (tp0)" } else { "per rank" };
+            if a.json {
+                println!(
+                    "{}",
+                    json!({
+                        "bench": "cache_mla",
+                        "tp": r.tp,
+                        "stored_once": r.once,
+                        "objects": r.objects,
+                        "bytes": r.bytes,
+                        "tokens": r.tokens,
+                        "objects_per_token": r.objects_per_token(),
+                        "bytes_per_token": r.bytes_per_token(),
+                        "skipped_stores": r.skipped,
+                        "bytes_ratio_before_after": ratio,
+                    })
+                );
+            } else {
+                println!(
+                    "{:>4} {:>12} {:>9} {:>9.4} {:>13.0} {:>8} {:>10.2}x",
+                    r.tp,
+                    keys,
+                    r.objects,
+                    r.objects_per_token(),
+                    r.bytes_per_token(),
+                    r.skipped,
+                    if r.once { ratio } else { 1.0 },
+                );
+            }
+        }
     }
     Ok(())
 }
 
 fn print_row(
     a: &Args,
+    workload: &str,
     frac: f64,
     capacity: u64,
     policy: EvictionPolicy,
@@ -179,6 +289,7 @@ fn print_row(
             "{}",
             json!({
                 "bench": "cache",
+                "workload": workload,
                 "capacity_fraction": frac,
                 "capacity_bytes": capacity,
                 "eviction_policy": policy.as_str(),
@@ -186,6 +297,7 @@ fn print_row(
                 "token_hit_rate": o.hit_rate(),
                 "shared_prefix_hit_rate": o.shared_rate(),
                 "shared_prefix_hit_rate_burst": o.shared_burst_rate(),
+                "chat_context_hit_rate": o.chat_rate(),
                 "tokens": o.tokens,
                 "tokens_hit": o.tokens_hit,
                 "bytes_stored": s.bytes_in,
@@ -200,13 +312,15 @@ fn print_row(
         return;
     }
     println!(
-        "{:>9} {:>7} {:>9} {:>7.1}% {:>7.1}% {:>7.1}% {:>11} {:>9} {:>15} {:>7} {:>6.2}",
+        "{:>8} {:>9} {:>7} {:>9} {:>7.1}% {:>7.1}% {:>7.1}% {:>7.1}% {:>11} {:>9} {:>15} {:>7} {:>6.2}",
+        workload,
         format!("{frac}x"),
         policy.as_str(),
         admission.as_str(),
         o.hit_rate() * 100.0,
         o.shared_rate() * 100.0,
         o.shared_burst_rate() * 100.0,
+        o.chat_rate() * 100.0,
         human_bytes(s.bytes_in),
         s.admissions_skipped,
         format!("{}/{}", s.evictions_small, s.evictions_main),

@@ -4,7 +4,7 @@ use std::time::Instant;
 use anyhow::{ensure, Result};
 use serde_json::json;
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
-use umbp_pool::{EvictionPolicy, Pool, PoolOptions};
+use umbp_pool::{EvictionPolicy, Pool};
 
 use crate::common::progress;
 
@@ -71,13 +71,10 @@ pub fn run(a: &Args) -> Result<()> {
         a.objects,
         a.object_bytes
     );
-    let pool = Arc::new(Pool::with_options(
-        PoolConfig::with_capacity(capacity),
-        PoolOptions {
-            eviction_policy: a.eviction_policy,
-            ..PoolOptions::default()
-        },
-    )?);
+    let pool = Arc::new(Pool::new(PoolConfig {
+        eviction_policy: a.eviction_policy,
+        ..PoolConfig::with_capacity(capacity)
+    })?);
     let placement = pool.placement().clone();
     let prefault_s_per_gib = placement.prefault_seconds / (capacity as f64 / (1u64 << 30) as f64);
     let all = keys("bench-pool", a.objects)?;

@@ -559,8 +559,8 @@ fn store_batch(
             KeyOutcome::AlreadyPresent
         } else if !pool.admit(&job.keys[i]) {
             // The pool's store admission keeps no copy of this key yet (`on_reuse`): no
-            // reservation and no copy; the store itself succeeded.
-            KeyOutcome::Done
+            // reservation and no copy; nothing failed.
+            KeyOutcome::Skipped
         } else {
             match pool.reserve(job.plan.object_bytes()) {
                 Ok(res) => {
@@ -593,9 +593,8 @@ fn store_batch(
             Ok(()) => match pool.commit(res, job.keys[i]) {
                 CommitOutcome::Stored => KeyOutcome::Done,
                 CommitOutcome::AlreadyPresent => KeyOutcome::AlreadyPresent,
-                // The pool's store admission kept no copy (first sighting under `on_reuse`):
-                // the store itself succeeded.
-                CommitOutcome::Skipped => KeyOutcome::Done,
+                // The pool's store admission kept no copy (first sighting under `on_reuse`).
+                CommitOutcome::Skipped => KeyOutcome::Skipped,
             },
             Err(e) => KeyOutcome::Failed(e.into()),
         };

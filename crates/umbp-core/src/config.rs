@@ -3,7 +3,7 @@
 //! Option names in errors are the connector's (`capacity_bytes`, `dram_high_watermark`, ...),
 //! which the standalone server's environment variables map onto one to one.
 
-use crate::caching::{EvictionPolicy, StoreAdmission};
+use crate::caching::{EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
 use crate::{options, CoreError};
 
 pub use crate::sizes::{HugepageSize, GIB, MIB};
@@ -45,6 +45,10 @@ pub struct PoolConfig {
     pub eviction_policy: EvictionPolicy,
     /// Which committed objects are kept at all.
     pub store_admission: StoreAdmission,
+    /// How many distinct keys `on_reuse` remembers as seen once (oldest forgotten first): a
+    /// key reused after more other keys than this were seen is skipped again. Not a connector
+    /// option; [`DEFAULT_ADMISSION_WINDOW`] unless a benchmark sets it.
+    pub admission_window: usize,
 }
 
 impl Default for PoolConfig {
@@ -73,6 +77,7 @@ impl Default for PoolConfig {
                 .default_str()
                 .parse()
                 .expect("the schema's store admission parses"),
+            admission_window: DEFAULT_ADMISSION_WINDOW,
         }
     }
 }
@@ -132,6 +137,7 @@ mod tests {
         let d = PoolConfig::default();
         assert_eq!(d.eviction_policy, EvictionPolicy::default());
         assert_eq!(d.store_admission, StoreAdmission::default());
+        assert_eq!(d.admission_window, DEFAULT_ADMISSION_WINDOW);
     }
 
     #[test]

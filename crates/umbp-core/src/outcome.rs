@@ -226,6 +226,10 @@ pub enum KeyOutcome {
     TimedOut,
     /// Failed, for the reason named.
     Failed(KeyFailure),
+    /// Store not kept, by design rather than failure: the pool's store admission did not
+    /// admit the key yet (`on_reuse`, first sighting), or (answered by the vLLM connector)
+    /// another rank of the worker's replica group stores the block (MLA stored once).
+    Skipped,
 }
 
 impl KeyOutcome {
@@ -245,12 +249,17 @@ impl KeyOutcome {
             KeyOutcome::Cancelled => "cancelled",
             KeyOutcome::TimedOut => "timed_out",
             KeyOutcome::Failed(_) => "failed",
+            KeyOutcome::Skipped => "skipped",
         }
     }
 
-    /// Whether the key's transfer succeeded (a store of a present key counts).
+    /// Whether the key's transfer succeeded (a store of a present key counts, and so does one
+    /// the store admission skipped: nothing went wrong).
     pub fn is_ok(&self) -> bool {
-        matches!(self, KeyOutcome::Done | KeyOutcome::AlreadyPresent)
+        matches!(
+            self,
+            KeyOutcome::Done | KeyOutcome::AlreadyPresent | KeyOutcome::Skipped
+        )
     }
 
     /// Why the key failed, when it did.
@@ -304,6 +313,8 @@ mod tests {
         let failed: Vec<_> = failures(&all).map(|(i, f)| (i, f.to_string())).collect();
         assert_eq!(failed, [(1, "gone".to_string())]);
         assert!(KeyOutcome::AlreadyPresent.is_ok());
+        assert!(KeyOutcome::Skipped.is_ok());
+        assert_eq!(KeyOutcome::Skipped.name(), "skipped");
         assert!(!KeyOutcome::TimedOut.is_ok());
     }
 

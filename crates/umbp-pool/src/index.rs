@@ -5,8 +5,8 @@ use hashbrown::HashTable;
 use umbp_core::BlockKey;
 
 use crate::alloc::Slot;
-use crate::options::EvictionPolicy;
 use crate::policy::{new_policy, PolicyCounters, ShardPolicy, QUEUES};
+use umbp_core::caching::EvictionPolicy;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum EntryState {

@@ -12,15 +12,20 @@
 //!   of stored/removed key events.
 //! * [`EvictionPolicy`]: which objects eviction takes first (scan-resistant S3-FIFO, the
 //!   default, or exact LRU), one file per policy behind one trait; [`StoreAdmission`]: store
-//!   every commit, or only keys seen before (`on_reuse`). Both are [`PoolOptions`] of
-//!   [`Pool::with_options`].
+//!   every commit, or only keys seen before (`on_reuse`, within `admission_window` keys). All
+//!   three are fields of the [`umbp_core::PoolConfig`] given to [`Pool::new`].
 //! * [`shared_fd`]: the standalone server's mapping of a client's KV cache (a sealed memfd the
 //!   client sends), after [`check_shareable_fd`].
+//!
+//! `unsafe` is denied everywhere but in [`Reservation`] and [`PinnedObject`] (`pool::handles`),
+//! which hand out slices of the arena on the strength of the allocator and the pins, and in
+//! tests that write raw memory. The system calls behind the arena are umbp-unix's.
+
+#![deny(unsafe_code)]
 
 pub mod alloc;
 mod error;
 mod index;
-mod options;
 mod policy;
 mod pool;
 pub mod region;
@@ -28,9 +33,9 @@ pub mod shared_fd;
 mod window;
 
 pub use error::PoolError;
-pub use options::{EvictionPolicy, PoolOptions, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
 pub use pool::{
     CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,
 };
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};
+pub use umbp_core::caching::{EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};

@@ -19,7 +19,7 @@ pub(crate) mod s3fifo;
 
 pub(crate) use api::{PolicyCounters, ShardPolicy, QUEUES};
 
-use crate::options::EvictionPolicy;
+use umbp_core::caching::EvictionPolicy;
 
 /// A new shard's policy.
 pub(crate) fn new_policy(kind: EvictionPolicy) -> Box<dyn ShardPolicy> {

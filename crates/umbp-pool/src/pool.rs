@@ -6,6 +6,10 @@
 
 mod admit;
 mod evict;
+// The one module with `unsafe`: the handles' slices of the arena, valid by the allocator's
+// and the pins' invariants, which no wrapper below the pool can own (with the shared state
+// and the spill hook, which hands out handles).
+#[allow(unsafe_code)]
 mod inner;
 mod types;
 
@@ -19,7 +23,6 @@ use umbp_core::{BlockKey, CoreError, PoolConfig};
 
 use crate::alloc::Allocator;
 use crate::index::Shard;
-use crate::options::PoolOptions;
 use crate::policy::PolicyCounters;
 use crate::region::{Placement, Region};
 use crate::PoolError;
@@ -39,16 +42,9 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Maps the pool's memory and starts its background evictor, with the default caching
-    /// options ([`PoolOptions::default`]: S3-FIFO, every commit stored).
+    /// Maps the pool's memory and starts its background evictor; `cfg` also sets the caching
+    /// (`eviction_policy`, `store_admission`, `admission_window`).
     pub fn new(cfg: PoolConfig) -> Result<Pool, PoolError> {
-        let opts = PoolOptions::of(&cfg);
-        Pool::with_options(cfg, opts)
-    }
-
-    /// [`Pool::new`] with the eviction policy, store admission and admission window of `opts`
-    /// (which win over `cfg`'s `eviction_policy` and `store_admission`).
-    pub fn with_options(cfg: PoolConfig, opts: PoolOptions) -> Result<Pool, PoolError> {
         let region = Region::map(&cfg)?;
         let segment_bytes = cfg.effective_segment_bytes();
         let num_segments = (region.len() as u64 / segment_bytes) as u32;
@@ -69,10 +65,10 @@ impl Pool {
             region,
             alloc: Mutex::new(alloc),
             shards: (0..SHARDS)
-                .map(|_| RwLock::new(Shard::new(opts.eviction_policy)))
+                .map(|_| RwLock::new(Shard::new(cfg.eviction_policy)))
                 .collect(),
-            policy: opts.eviction_policy,
-            admission: admit::windows(&opts),
+            policy: cfg.eviction_policy,
+            admission: admit::windows(&cfg),
             tick: AtomicU64::new(1),
             capacity,
             high_bytes: (capacity as f64 * cfg.high_watermark) as u64,
@@ -527,9 +523,9 @@ impl Pool {
             promotions: policy.promotions,
             ghost_hits: policy.ghost_hits,
             store_admission: if inner.admission.is_some() {
-                crate::options::StoreAdmission::OnReuse
+                umbp_core::caching::StoreAdmission::OnReuse
             } else {
-                crate::options::StoreAdmission::All
+                umbp_core::caching::StoreAdmission::All
             },
             admissions_skipped: r(&c.admissions_skipped),
             admission_seen,

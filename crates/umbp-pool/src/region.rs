@@ -5,26 +5,21 @@
 //! region then falls back to normal pages with transparent huge pages advised, logs a warning,
 //! and records what was asked and what was got in its [`Placement`].
 
-use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::Path;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use umbp_core::{CoreError, HugepageSize, MemoryBacking, PoolConfig};
+use umbp_unix::arena::Arena;
+use umbp_unix::{memfd, Op, UnixError};
 
 use crate::PoolError;
 
 const PAGE: u64 = 4096;
 const THP_ALIGN: usize = 2 << 20;
-const MADV_POPULATE_WRITE: i32 = 23;
 /// Bytes one prefault step covers.
 const PREFAULT_CHUNK: usize = 64 << 20;
-const MAP_HUGE_SHIFT: i32 = 26;
-const MPOL_BIND: i32 = 2;
-const MPOL_MF_STRICT: u32 = 1;
-const MPOL_MF_MOVE: u32 = 2;
 
 /// Where and how the pool's memory was placed: what was asked and what was got.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,20 +42,13 @@ pub struct Placement {
     pub prefault_seconds: f64,
 }
 
-/// One mapping of pool memory. Unmapped on drop.
+/// One mapping of pool memory (a [`umbp_unix::arena::Arena`]). Unmapped on drop.
 #[derive(Debug)]
 pub struct Region {
-    base: NonNull<u8>,
-    len: usize,
+    arena: Arena,
     fd: Option<OwnedFd>,
     placement: Placement,
 }
-
-// SAFETY: the region is plain memory owned by this value; it is only unmapped in `drop`, which
-// needs exclusive ownership. Concurrent access to its bytes is coordinated by the pool.
-unsafe impl Send for Region {}
-// SAFETY: as above; `&Region` hands out only the base address and length.
-unsafe impl Sync for Region {}
 
 fn round_up(v: u64, to: u64) -> u64 {
     v.div_ceil(to) * to
@@ -290,106 +278,34 @@ impl Region {
         let len = usize::try_from(bytes).map_err(|_| PoolError::Map {
             bytes,
             what: "size",
-            source: std::io::Error::from_raw_os_error(libc::EOVERFLOW),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "larger than this machine's address space",
+            ),
         })?;
-        let huge_flag = |shift_bits: u32| -> i32 {
-            match huge {
-                Some(s) => (s.bytes().trailing_zeros() as i32) << shift_bits,
-                None => 0,
+        let failed = |e: UnixError| map_error(bytes, e);
+        let huge_page = huge.map(HugepageSize::bytes);
+        let (arena, fd) = match cfg.backing {
+            // Normal pages are over-mapped by 2 MiB and trimmed to a 2 MiB boundary, so
+            // transparent huge pages can back all of them.
+            MemoryBacking::Anonymous => {
+                let arena = match huge_page {
+                    Some(p) => Arena::anonymous_huge(len, p),
+                    None => Arena::anonymous_aligned(len, THP_ALIGN),
+                };
+                (arena.map_err(failed)?, None)
             }
-        };
-        let fd = match cfg.backing {
-            MemoryBacking::Anonymous => None,
             MemoryBacking::Memfd => {
-                let name = CString::new("umbp-pool").expect("no NUL");
-                let mut flags = libc::MFD_CLOEXEC;
-                if huge.is_some() {
-                    flags |= libc::MFD_HUGETLB | huge_flag(MAP_HUGE_SHIFT as u32) as u32;
-                }
-                // SAFETY: `name` is a valid NUL-terminated string; flags are plain bits.
-                let raw = unsafe { libc::memfd_create(name.as_ptr(), flags) };
-                if raw < 0 {
-                    return Err(PoolError::Map {
-                        bytes,
-                        what: "memfd_create",
-                        source: std::io::Error::last_os_error(),
-                    });
-                }
-                // SAFETY: `raw` is a fresh descriptor that nothing else owns.
-                let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-                // SAFETY: `fd` is a valid memfd; ftruncate only sets its size.
-                if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
-                    return Err(PoolError::Map {
-                        bytes,
-                        what: "ftruncate",
-                        source: std::io::Error::last_os_error(),
-                    });
-                }
-                Some(fd)
+                let fd =
+                    memfd::create_unsealable(c"umbp-pool", bytes, huge_page).map_err(failed)?;
+                (Arena::shared(&fd, len).map_err(failed)?, Some(fd))
             }
-        };
-        let (flags, raw_fd) = match &fd {
-            None => {
-                let mut f = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-                if huge.is_some() {
-                    f |= libc::MAP_HUGETLB | huge_flag(MAP_HUGE_SHIFT as u32);
-                } else {
-                    f |= libc::MAP_NORESERVE;
-                }
-                (f, -1)
-            }
-            Some(fd) => (libc::MAP_SHARED, fd.as_raw_fd()),
-        };
-        // Normal-page anonymous memory is over-mapped by 2 MiB and trimmed to a 2 MiB boundary,
-        // so transparent huge pages can back all of it.
-        let align_slack = if huge.is_none() && fd.is_none() {
-            THP_ALIGN
-        } else {
-            0
-        };
-        // SAFETY: a fresh mapping at an address of the kernel's choosing; no existing memory is
-        // touched. The result is checked against MAP_FAILED.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len + align_slack,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                raw_fd,
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(PoolError::Map {
-                bytes,
-                what: "mmap",
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        let ptr = if align_slack > 0 {
-            let head = (raw as *mut u8).align_offset(THP_ALIGN);
-            // SAFETY: `head < THP_ALIGN = align_slack`, so both trimmed pieces lie inside the
-            // mapping just created, and the kept part `[head, head + len)` is untouched.
-            unsafe {
-                if head > 0 {
-                    libc::munmap(raw, head);
-                }
-                let tail = align_slack - head;
-                if tail > 0 {
-                    libc::munmap(raw.cast::<u8>().add(head + len).cast(), tail);
-                }
-                raw.cast::<u8>().add(head).cast::<libc::c_void>()
-            }
-        } else {
-            raw
         };
         if huge.is_none() {
-            // SAFETY: advising the mapping just created; failure is harmless and ignored.
-            unsafe { libc::madvise(ptr, len, libc::MADV_HUGEPAGE) };
+            arena.advise_hugepage();
         }
         Ok(Region {
-            base: NonNull::new(ptr.cast()).expect("mmap returned a non-null address"),
-            len,
+            arena,
             fd,
             placement: Placement {
                 bytes,
@@ -405,33 +321,14 @@ impl Region {
     }
 
     fn bind(&mut self, node: u32) -> Result<(), PoolError> {
-        let mut mask = [0u64; 16];
-        let word = (node / 64) as usize;
-        if word >= mask.len() {
+        if node >= 1024 {
             return Err(
                 CoreError::option("dram_numa_node", format!("node {node} is beyond 1023")).into(),
             );
         }
-        mask[word] = 1u64 << (node % 64);
-        // SAFETY: mbind on our own mapping with a mask buffer of `mask.len() * 64` bits.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_mbind,
-                self.base.as_ptr(),
-                self.len,
-                MPOL_BIND,
-                mask.as_ptr(),
-                (mask.len() * 64) as libc::c_ulong,
-                MPOL_MF_STRICT | MPOL_MF_MOVE,
-            )
-        };
-        if rc != 0 {
-            return Err(PoolError::Map {
-                bytes: self.len as u64,
-                what: "mbind (dram_numa_node)",
-                source: std::io::Error::last_os_error(),
-            });
-        }
+        self.arena
+            .bind_to_node(node)
+            .map_err(|e| map_error(self.arena.len() as u64, e))?;
         self.placement.numa_node = Some(node);
         Ok(())
     }
@@ -445,12 +342,12 @@ impl Region {
             .placement
             .hugepages_used
             .map_or(PAGE, HugepageSize::bytes) as usize;
-        let chunks = self.len.div_ceil(PREFAULT_CHUNK);
+        let chunks = self.arena.len().div_ceil(PREFAULT_CHUNK);
         let threads = threads.clamp(1, chunks.max(1));
         let next = AtomicU64::new(0);
         let done = AtomicU64::new(0);
-        let base = self.base.as_ptr() as usize;
-        let len = self.len;
+        let arena = &self.arena;
+        let len = arena.len();
         let total = len as u64;
         let loud = total >= (1 << 30);
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -471,17 +368,8 @@ impl Region {
                     }
                     let at = c * PREFAULT_CHUNK;
                     let n = PREFAULT_CHUNK.min(len - at);
-                    // SAFETY: `[at, at + n)` lies inside our mapping; populating does not
-                    // change its contents.
-                    let rc = unsafe {
-                        libc::madvise((base + at) as *mut libc::c_void, n, MADV_POPULATE_WRITE)
-                    };
-                    if rc != 0 {
-                        for p in (at..at + n).step_by(page) {
-                            // SAFETY: inside the mapping; the pool is not yet shared, so
-                            // nothing else writes it.
-                            unsafe { std::ptr::write_volatile((base + p) as *mut u8, 0) };
-                        }
+                    if arena.populate_write(at, n).is_err() {
+                        arena.touch_pages(at, n, page);
                     }
                     done.fetch_add(n as u64, Ordering::Relaxed);
                 }));
@@ -516,17 +404,17 @@ impl Region {
 
     /// Address of the first byte.
     pub fn base(&self) -> *mut u8 {
-        self.base.as_ptr()
+        self.arena.as_ptr()
     }
 
     /// Bytes mapped.
     pub fn len(&self) -> usize {
-        self.len
+        self.arena.len()
     }
 
     /// Whether the region is empty (never, once mapped).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.arena.is_empty()
     }
 
     /// The memfd behind the region, for sharing with other processes.
@@ -540,15 +428,22 @@ impl Region {
     }
 }
 
-impl Drop for Region {
-    fn drop(&mut self) {
-        // SAFETY: unmapping exactly the mapping created in `map_raw`; nothing can use it after
-        // drop because the pool owns the region for as long as any object refers to it.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+/// A failed mapping call as the pool reports it: the call (named as before the calls moved to
+/// umbp-unix) and its errno.
+fn map_error(bytes: u64, e: UnixError) -> PoolError {
+    PoolError::Map {
+        bytes,
+        what: match e.op() {
+            Op::Ftruncate => "ftruncate",
+            Op::Mbind => "mbind (dram_numa_node)",
+            op => op.name(),
+        },
+        source: e.to_io(),
     }
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod tests {
     use super::*;
 

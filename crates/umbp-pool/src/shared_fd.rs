@@ -186,6 +186,7 @@ impl ServerMapping {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)]
 mod tests {
     use std::os::fd::{AsFd, OwnedFd};
 

@@ -5,8 +5,7 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
 use umbp_pool::{
-    CommitOutcome, EvictionPolicy, PinnedObject, Pool, PoolError, PoolEvent, PoolOptions,
-    StoreAdmission,
+    CommitOutcome, EvictionPolicy, PinnedObject, Pool, PoolError, PoolEvent, StoreAdmission,
 };
 
 fn key(i: u8) -> BlockKey {
@@ -45,28 +44,20 @@ fn ops(sizes: &'static [usize]) -> impl Strategy<Value = Vec<Op>> {
     proptest::collection::vec(op, 1..300)
 }
 
-fn new_pool(opts: PoolOptions) -> Pool {
+/// The model's pool with `eviction_policy` and `store_admission` (the default admission
+/// window, which the model never fills).
+fn config(eviction_policy: EvictionPolicy, store_admission: StoreAdmission) -> PoolConfig {
     // High watermark 1.0: the background evictor never runs, so every eviction is one the
     // model can predict (synchronous, or EvictToLow).
-    Pool::with_options(
-        PoolConfig {
-            capacity_bytes: 1 << 20,
-            segment_bytes: 64 << 10,
-            high_watermark: 1.0,
-            low_watermark: 0.5,
-            prefault: false,
-            ..PoolConfig::default()
-        },
-        opts,
-    )
-    .unwrap()
-}
-
-fn opts(eviction_policy: EvictionPolicy, store_admission: StoreAdmission) -> PoolOptions {
-    PoolOptions {
+    PoolConfig {
+        capacity_bytes: 1 << 20,
+        segment_bytes: 64 << 10,
+        high_watermark: 1.0,
+        low_watermark: 0.5,
+        prefault: false,
         eviction_policy,
         store_admission,
-        ..PoolOptions::default()
+        ..PoolConfig::default()
     }
 }
 
@@ -102,14 +93,14 @@ impl Model {
     }
 }
 
-/// Runs `ops` against a pool with `opts` and the model; `exact_lru`: every eviction must be
+/// Runs `ops` against a pool of `cfg` and the model; `exact_lru`: every eviction must be
 /// the least recently used unpinned key (LRU with one object size). Every policy: no pinned
 /// or absent key is evicted, and the pool is never full while an unpinned object is left.
-fn run(ops: Vec<Op>, opts: PoolOptions, exact_lru: bool) -> Result<(), TestCaseError> {
-    let pool = new_pool(opts);
+fn run(ops: Vec<Op>, cfg: PoolConfig, exact_lru: bool) -> Result<(), TestCaseError> {
+    let on_reuse = cfg.store_admission == StoreAdmission::OnReuse;
+    let pool = Pool::new(cfg).unwrap();
     let events = pool.subscribe(1 << 16);
     let mut m = Model::default();
-    let on_reuse = opts.store_admission == StoreAdmission::OnReuse;
     let mut skipped = 0;
     for (seq, op) in ops.into_iter().enumerate() {
         match op {
@@ -216,40 +207,40 @@ proptest! {
     /// One object size: eviction must be exact LRU over unpinned objects.
     #[test]
     fn uniform_sizes_match_the_model_with_exact_lru(ops in ops(&[30_000])) {
-        run(ops, opts(EvictionPolicy::Lru, StoreAdmission::All), true)?;
+        run(ops, config(EvictionPolicy::Lru, StoreAdmission::All), true)?;
     }
 
     /// Mixed sizes, spans included: contents, presence, pins and accounting match the model.
     #[test]
     fn mixed_sizes_match_the_model(ops in ops(&[100, 5_000, 30_000, 64 << 10, 150_000])) {
-        run(ops, opts(EvictionPolicy::Lru, StoreAdmission::All), false)?;
+        run(ops, config(EvictionPolicy::Lru, StoreAdmission::All), false)?;
     }
 
     /// S3-FIFO keeps the pool's invariants: pinned objects stay, contents and accounting match.
     /// (Its order is checked against a reference S3-FIFO in the policy's own tests.)
     #[test]
     fn s3fifo_uniform_sizes_match_the_model(ops in ops(&[30_000])) {
-        run(ops, opts(EvictionPolicy::S3Fifo, StoreAdmission::All), false)?;
+        run(ops, config(EvictionPolicy::S3Fifo, StoreAdmission::All), false)?;
     }
 
     #[test]
     fn s3fifo_mixed_sizes_match_the_model(
         ops in ops(&[100, 5_000, 30_000, 64 << 10, 150_000]),
     ) {
-        run(ops, opts(EvictionPolicy::S3Fifo, StoreAdmission::All), false)?;
+        run(ops, config(EvictionPolicy::S3Fifo, StoreAdmission::All), false)?;
     }
 
     /// `on_reuse` stores exactly the keys seen before, and LRU stays exact under it.
     #[test]
     fn on_reuse_admission_matches_the_model_with_exact_lru(ops in ops(&[30_000])) {
-        run(ops, opts(EvictionPolicy::Lru, StoreAdmission::OnReuse), true)?;
+        run(ops, config(EvictionPolicy::Lru, StoreAdmission::OnReuse), true)?;
     }
 
     #[test]
     fn s3fifo_with_on_reuse_matches_the_model(
         ops in ops(&[100, 5_000, 30_000, 64 << 10, 150_000]),
     ) {
-        run(ops, opts(EvictionPolicy::S3Fifo, StoreAdmission::OnReuse), false)?;
+        run(ops, config(EvictionPolicy::S3Fifo, StoreAdmission::OnReuse), false)?;
     }
 }
 

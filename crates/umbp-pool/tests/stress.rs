@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
-use umbp_pool::{EvictionPolicy, PinnedObject, Pool, PoolError, PoolOptions, StoreAdmission};
+use umbp_pool::{EvictionPolicy, PinnedObject, Pool, PoolError, StoreAdmission};
 
 const THREADS: usize = 8;
 const OPS_PER_THREAD: usize = 125_000;
@@ -42,32 +42,24 @@ fn verify(k: u64, bytes: &[u8]) {
 
 #[test]
 fn eight_threads_a_million_operations_every_byte_checked() {
-    stress(PoolOptions {
-        eviction_policy: EvictionPolicy::Lru,
-        ..PoolOptions::default()
-    });
+    stress(EvictionPolicy::Lru, StoreAdmission::default());
 }
 
 #[test]
 fn s3fifo_on_reuse_under_eight_threads_every_byte_checked() {
-    stress(PoolOptions {
-        eviction_policy: EvictionPolicy::S3Fifo,
-        store_admission: StoreAdmission::OnReuse,
-        ..PoolOptions::default()
-    });
+    stress(EvictionPolicy::S3Fifo, StoreAdmission::OnReuse);
 }
 
-fn stress(opts: PoolOptions) {
+fn stress(eviction_policy: EvictionPolicy, store_admission: StoreAdmission) {
     let pool = Arc::new(
-        Pool::with_options(
-            PoolConfig {
-                capacity_bytes: 16 << 20,
-                segment_bytes: 256 << 10,
-                prefault: true,
-                ..PoolConfig::default()
-            },
-            opts,
-        )
+        Pool::new(PoolConfig {
+            capacity_bytes: 16 << 20,
+            segment_bytes: 256 << 10,
+            prefault: true,
+            eviction_policy,
+            store_admission,
+            ..PoolConfig::default()
+        })
         .unwrap(),
     );
     let kb = KeyBuilder::new("stress", RankTopology::default()).unwrap();

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 pub mod channel;
 pub mod completion;
 pub mod errors;
+pub mod outcomes;
 pub mod peer;
 
 use thiserror::Error;
@@ -25,8 +26,10 @@ pub mod v1 {
 }
 
 /// Version of the protocol (bumped on incompatible changes; the server refuses other versions
-/// at attach). 2: every refusal carries its [`umbp_core::ErrorKind`] (see [`errors`]).
-pub const PROTOCOL: u32 = 2;
+/// at attach). 2: every refusal carries its [`umbp_core::ErrorKind`] (see [`errors`]). 3: a
+/// key's status may be `KEY_STATUS_SKIPPED` (the store admission kept no copy), which a
+/// protocol-2 client would refuse as malformed.
+pub const PROTOCOL: u32 = 3;
 
 /// Bytes of a block key on the wire.
 pub const KEY_BYTES: usize = 64;

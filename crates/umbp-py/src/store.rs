@@ -169,6 +169,7 @@ impl EmbeddedStore {
                     Some(a) => a.parse::<StoreAdmission>()?,
                     None => pool.store_admission,
                 },
+                admission_window: pool.admission_window,
             },
             num_workers: num_workers.unwrap_or(defaults.num_workers),
             timeout: timeout_ms.map_or(defaults.timeout, Duration::from_millis),

@@ -214,22 +214,8 @@ impl State {
         timed_out: bool,
     ) -> v1::TransferReply {
         let copy_micros = s.submitted.elapsed().as_micros() as u64;
-        let mut statuses = Vec::with_capacity(results.len());
-        let mut errors = Vec::new();
-        let mut ok = 0u64;
-        for (i, res) in results.iter().enumerate() {
-            statuses.push(key_status(res, timed_out) as u8);
-            if res.is_ok() {
-                ok += 1;
-            }
-            if let KeyOutcome::Failed(f) = res {
-                errors.push(v1::KeyError {
-                    index: i as u32,
-                    kind: f.kind.name().into(),
-                    message: f.message.clone(),
-                });
-            }
-        }
+        let (statuses, errors) = umbp_proto::outcomes::encode(results, timed_out);
+        let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
         let done = results.iter().filter(|r| **r == KeyOutcome::Done).count() as u64;
         let bytes = done * s.object_bytes;
         let m = match s.dir {
@@ -250,20 +236,6 @@ impl State {
             server_micros: elapsed.as_micros() as u64,
             copy_micros,
         }
-    }
-}
-
-fn key_status(r: &KeyOutcome, timed_out: bool) -> v1::KeyStatus {
-    use v1::KeyStatus as S;
-    match r {
-        KeyOutcome::Pending | KeyOutcome::TimedOut => S::TimedOut,
-        KeyOutcome::Done => S::Done,
-        KeyOutcome::AlreadyPresent => S::AlreadyPresent,
-        KeyOutcome::Missing => S::Missing,
-        KeyOutcome::PoolFull => S::PoolFull,
-        KeyOutcome::Cancelled if timed_out => S::TimedOut,
-        KeyOutcome::Cancelled => S::Cancelled,
-        KeyOutcome::Failed(_) => S::Failed,
     }
 }
 

@@ -65,6 +65,10 @@ pub enum Op {
     Flock,
     /// `fstatvfs`.
     Statvfs,
+    /// `mbind`.
+    Mbind,
+    /// `madvise(MADV_POPULATE_WRITE)`.
+    Populate,
 }
 
 impl Op {
@@ -101,6 +105,8 @@ impl Op {
             Op::Fdatasync => "fdatasync",
             Op::Flock => "flock",
             Op::Statvfs => "fstatvfs",
+            Op::Mbind => "mbind",
+            Op::Populate => "madvise(MADV_POPULATE_WRITE)",
         }
     }
 }

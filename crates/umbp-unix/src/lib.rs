@@ -10,6 +10,8 @@
 //! * [`socket`]: a non-blocking read or peek, a send without `SIGPIPE`, waiting on several
 //!   descriptors, buffer sizes;
 //! * [`mapping`]: owned `MAP_SHARED` mappings, unmapped on drop;
+//! * [`arena`]: owned mappings of a process's own memory (anonymous, huge pages, or a shared
+//!   file), bound to a NUMA node and populated up front;
 //! * [`process`]: a pidfd, the file-creation mask, random bytes;
 //! * [`file`]: files opened for direct I/O (`O_DIRECT`, past the page cache), positioned
 //!   reads and writes, space reservation, advisory locks and the file system's free space;
@@ -18,6 +20,7 @@
 //! Built on `rustix`; every operation fails with [`UnixError`], which names the call and the
 //! errno.
 
+pub mod arena;
 pub mod clock;
 pub mod epoll;
 pub mod error;

@@ -19,7 +19,30 @@ const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 /// that takes seals, sized `len` bytes; of huge pages of `huge_page` bytes (a power of two)
 /// when given.
 pub fn create(name: &CStr, len: u64, huge_page: Option<u64>) -> Result<OwnedFd, UnixError> {
-    let mut flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+    create_with(
+        name,
+        len,
+        huge_page,
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+}
+
+/// [`create`] without `MFD_ALLOW_SEALING`: a memfd no holder can ever seal (the pool's own
+/// memory, which clients map but must not be able to freeze or fix in size).
+pub fn create_unsealable(
+    name: &CStr,
+    len: u64,
+    huge_page: Option<u64>,
+) -> Result<OwnedFd, UnixError> {
+    create_with(name, len, huge_page, MemfdFlags::CLOEXEC)
+}
+
+fn create_with(
+    name: &CStr,
+    len: u64,
+    huge_page: Option<u64>,
+    mut flags: MemfdFlags,
+) -> Result<OwnedFd, UnixError> {
     if let Some(h) = huge_page {
         flags |=
             MemfdFlags::HUGETLB | MemfdFlags::from_bits_retain(h.trailing_zeros() << HUGE_SHIFT);
@@ -159,6 +182,11 @@ mod tests {
         assert!(seals(&unsealed).unwrap().is_empty());
         add_seals(&unsealed, Seals::SHRINK).unwrap();
         assert!(seals(&unsealed).unwrap().contains(Seals::SHRINK));
+        // Without MFD_ALLOW_SEALING the kernel reports F_SEAL_SEAL and refuses any seal.
+        let never = create_unsealable(c"umbp-test", 4096, None).unwrap();
+        assert_eq!(seals(&never).unwrap(), Seals::SEAL);
+        assert!(add_seals(&never, Seals::SHRINK).is_err());
+        assert_eq!(file_info(&never).unwrap().size, 4096);
 
         let (r, _w) = std::io::pipe().unwrap();
         let e = seals(&r).unwrap_err();

@@ -274,6 +274,19 @@ def topology_ranks(topo: Topology) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def key_ranks(topo: Topology) -> list[tuple[int, int, int, int]]:
+    """The distinct ranks the engine's keys carry, in worker order: `topology_ranks`, with
+    every TP rank of a replica group (`Topology.tp_replicas`, MLA) keyed as the group's first.
+    A block hits when the server holds it under each of these: the scheduler asks about one
+    rank of each replica group."""
+    out: list[tuple[int, int, int, int]] = []
+    for tp, pcp, dcp, pp in topology_ranks(topo):
+        r = (topo.key_tp(tp), pcp, dcp, pp)
+        if r not in out:
+            out.append(r)
+    return out
+
+
 class StandaloneRuntime:
     """Standalone mode: the node's `umbp_standalone_server` owns the pool. Each worker
     attaches, registers its KV cache (CUDA IPC, or its host pages shared through a memfd on CPU
@@ -321,7 +334,13 @@ class StandaloneRuntime:
 
     def lookup_client(self) -> ServerLookups:
         client = self._connect("scheduler")
-        return ServerLookups(client, self.topo.namespace, topology_ranks(self.topo))
+        if self.topo.tp_replicas > 1:
+            logger.info(
+                "umbp: the KV of every %d consecutive TP ranks is identical (MLA): one object "
+                "per block for each group of them, stored by its first rank",
+                self.topo.tp_replicas,
+            )
+        return ServerLookups(client, self.topo.namespace, key_ranks(self.topo))
 
     def scheduler_shutdown(self) -> None:
         if self.client is not None:

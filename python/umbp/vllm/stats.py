@@ -49,6 +49,12 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "released the KV cache's memory.",
     ),
     (
+        "store_skipped_blocks",
+        "vllm:umbp_store_skipped_blocks",
+        "KV blocks not kept by design: the pool's store_admission skipped them (on_reuse), "
+        "or another TP rank holding the same KV (MLA) stored them; counted per rank.",
+    ),
+    (
         "store_failed_blocks",
         "vllm:umbp_store_failed_blocks",
         "KV blocks whose store failed (server gone, copy error, cancelled).",
@@ -190,18 +196,25 @@ class StatsCollector:
                 s.count("load_failed_blocks", len(statuses) - used)
             done = used
         elif self.count_blocks:
+            skipped = sum(1 for st in statuses if st == "skipped")
             present = sum(1 for st in statuses if st == "already_present")
             dropped = sum(1 for st in statuses if st == "pool_full")
             s.count("store_blocks", done)
+            s.count("store_skipped_blocks", skipped)
             s.count("store_present_blocks", present)
             s.count("store_dropped_blocks", dropped)
-            s.count("store_failed_blocks", len(statuses) - done - present - dropped)
+            s.count("store_failed_blocks", len(statuses) - done - present - dropped - skipped)
         size = getattr(job, "object_bytes", 0) or 0
         if done and size:
             s.count(f"{kind}_bytes", done * size)
         elapsed = getattr(job, "elapsed_s", None)
         if elapsed is not None:
             s.observe_seconds(f"{kind}_seconds", elapsed)
+
+    def replica_skipped(self, blocks: int) -> None:
+        """Counts blocks this rank left to the first rank of its replica group (MLA in
+        standalone mode); each such rank counts its own (worker 0 stores, never skips)."""
+        self.stats.count("store_skipped_blocks", blocks)
 
     def failed_loads(self, blocks: int) -> None:
         """Counts loads that were planned but could not start (vLLM recomputes them)."""

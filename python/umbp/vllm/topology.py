@@ -49,10 +49,22 @@ class Topology:
         return tuple(g for g in self.load_groups if g not in self.state_groups)
 
     nnodes: int = 1  # hosts the engine's workers are spread over
+    # Consecutive TP ranks whose KV is identical (MLA: all of them) and that share one object
+    # per block in the node's pool (standalone mode): their keys carry the first rank of the
+    # group, that rank stores, the others skip, and all of them load it. 1: every rank its own.
+    tp_replicas: int = 1
 
     @property
     def workers(self) -> int:
         return self.tp_size * self.pcp_size
+
+    def key_tp(self, tp: int) -> int:
+        """The TP rank the keys of TP rank `tp` carry: the first of its replica group."""
+        return tp - tp % self.tp_replicas
+
+    def stores_blocks(self, tp: int) -> bool:
+        """Whether TP rank `tp` stores blocks (one rank of each replica group does)."""
+        return tp % self.tp_replicas == 0
 
     @property
     def workers_per_host(self) -> int:
@@ -161,11 +173,15 @@ def engine_topology(
             "without the connector or without the drafter"
         )
     namespace = cfg.key_namespace or derive_namespace(vllm_config, kv_cache_config)
+    pcp = getattr(pc, "prefill_context_parallel_size", 1) or 1
+    replicas = 1
+    if cfg.mode == "standalone":  # embedded mode: a pool per worker, each holds its own copy
+        replicas = tp_replicas(kv_cache_config, groups, pc.tensor_parallel_size, pcp, dcp)
     return Topology(
         namespace=namespace,
         tag=socket_tag(namespace, cfg.lookup_instance),
         tp_size=pc.tensor_parallel_size,
-        pcp_size=getattr(pc, "prefill_context_parallel_size", 1),
+        pcp_size=pcp,
         dcp_size=dcp,
         dp_rank=dp_index(pc),
         block_size=block_size,
@@ -177,15 +193,42 @@ def engine_topology(
         eagle_drop=eagle_drops_last_block(vllm_config) and not hash_lookahead_tokens(vllm_config),
         per_request_failures=len(groups) > 1,
         nnodes=int(getattr(pc, "nnodes", 1) or 1),
+        tp_replicas=replicas,
     )
+
+
+def tp_replicas(kv_cache_config: Any, groups: list[Any], tp: int, pcp: int, dcp: int) -> int:
+    """How many consecutive TP ranks hold identical KV in every layer of every group.
+
+    vLLM says so itself (`KVCacheConfig.kv_tp_replicas`, 0.32 and later: from each layer
+    spec's `max_tp_shards`, 1 for multi-head latent attention, so MLA's latent cache is the
+    same on all TP ranks); the scheduler's config is a copy of a worker's, so both sides agree.
+    A vLLM without the field: a model whose every layer is `MLAAttentionSpec` (DeepSeek
+    V2/V3, Kimi K2). With context parallelism (DCP splits MLA's tokens across the ranks, PCP
+    is untested with it) every rank keeps its own objects, as vLLM's own offloading connector
+    does."""
+    if tp <= 1 or pcp > 1 or dcp > 1:
+        return 1
+    given = getattr(kv_cache_config, "kv_tp_replicas", None)
+    if given is not None:
+        given = int(given)
+        return given if given >= 1 and tp % given == 0 else 1
+    specs = [s for g in groups for s in layer_specs(g.kv_cache_spec)]
+    if specs and all(any(c.__name__ == "MLAAttentionSpec" for c in type(s).__mro__) for s in specs):
+        return tp
+    return 1
+
+
+def layer_specs(spec: Any) -> list[Any]:
+    """The per-layer specs of a group's spec (`UniformTypeKVCacheSpecs`), or the spec."""
+    inner = getattr(spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, dict) and inner else [spec]
 
 
 def state_specs(spec: Any) -> list[Any]:
     """The layer specs of `spec` (or `spec` itself) that describe recurrent state (vLLM's
     `MambaSpec`: Mamba, gated delta nets, short convolutions)."""
-    inner = getattr(spec, "kv_cache_specs", None)
-    specs = list(inner.values()) if isinstance(inner, dict) and inner else [spec]
-    return [s for s in specs if any(c.__name__ == "MambaSpec" for c in type(s).__mro__)]
+    return [s for s in layer_specs(spec) if any(c.__name__ == "MambaSpec" for c in type(s).__mro__)]
 
 
 def state_spec_name(spec: Any) -> str | None:

@@ -106,6 +106,24 @@ def gpu_headroom_advice(cache_config: Any, staging_bytes: int, total_bytes: int)
     )
 
 
+class _Skipped:
+    """A store this rank leaves to another rank of its replica group (the keys are shared):
+    finished at once, every block "skipped"."""
+
+    done = True
+    elapsed_s = None
+    object_bytes = 0
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def poll(self) -> list[str]:
+        return ["skipped"] * self.n
+
+    def wait(self, timeout_ms: int | None = None) -> list[str]:
+        return self.poll()
+
+
 class _Dropped:
     """A store not made (the KV memory was released): finished at once, every block dropped
     (as a full pool drops them)."""
@@ -177,7 +195,12 @@ class WorkerSide:
         self.tp, self.pcp, self.dcp = ranks.tp, ranks.pcp, ranks.dcp
         self.ranks = ranks
         self.worker = ranks.worker(topo)
-        self.keys = umbp.KeyBuilder(topo.namespace, tp=self.tp, pcp=self.pcp, dcp=self.dcp)
+        # Ranks of one replica group (MLA, standalone mode) share their keys: the first of
+        # them stores each block, every one of them loads it.
+        self.keys = umbp.KeyBuilder(
+            topo.namespace, tp=topo.key_tp(self.tp), pcp=self.pcp, dcp=self.dcp
+        )
+        self.stores_blocks = topo.stores_blocks(self.tp)
         self.store: Store | None = None
         self.server: umbp.LookupServer | None = None
         self.layout = -1
@@ -393,6 +416,9 @@ class WorkerSide:
                 self.stores[t.store_id] = _Dropped(len(t.block_ids))
             return
         for t in meta.stores:
+            if not self.stores_blocks:  # another rank of the replica group stores them
+                self.stores[t.store_id] = _Skipped(len(t.block_ids))
+                continue
             self.stores[t.store_id] = self.store.store(
                 self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
             )
@@ -425,7 +451,10 @@ class WorkerSide:
         finished = {sid: 1 for sid, job in self.stores.items() if job.done}
         for sid in finished:
             job = self.stores.pop(sid)
-            self.collector.transfer("store", job, job.poll() or [])
+            if isinstance(job, _Skipped):
+                self.collector.replica_skipped(job.n)
+            else:
+                self.collector.transfer("store", job, job.poll() or [])
         return UMBPWorkerMetadata(finished_stores=finished) if finished else None
 
     def take_stats(self) -> UMBPConnectorStats | None:

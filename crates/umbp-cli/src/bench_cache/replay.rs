@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
-use umbp_pool::{EvictionPolicy, Pool, PoolOptions, PoolStats, StoreAdmission};
+use umbp_pool::{EvictionPolicy, Pool, PoolStats, StoreAdmission};
 
 use super::workload::{Phase, Request};
 
@@ -30,6 +30,9 @@ pub struct Outcome {
     /// The same during the burst and its recovery.
     pub shared_burst: u64,
     pub shared_burst_hit: u64,
+    /// Tokens of conversations' earlier turns asked for, and found.
+    pub chat: u64,
+    pub chat_hit: u64,
     pub stats: PoolStats,
     pub seconds: f64,
 }
@@ -43,6 +46,9 @@ impl Outcome {
     }
     pub fn shared_burst_rate(&self) -> f64 {
         ratio(self.shared_burst_hit, self.shared_burst)
+    }
+    pub fn chat_rate(&self) -> f64 {
+        ratio(self.chat_hit, self.chat)
     }
 }
 
@@ -64,6 +70,9 @@ impl Keys {
     fn unique(&self, u: u64) -> BlockKey {
         self.hashed(2, u)
     }
+    fn conversation(&self, c: u32, b: u32) -> BlockKey {
+        self.hashed(3, u64::from(c) << 32 | u64::from(b))
+    }
     fn hashed(&self, tag: u8, v: u64) -> BlockKey {
         let mut h = [0u8; 32];
         h[0] = tag;
@@ -80,22 +89,18 @@ pub fn replay(
     policy: EvictionPolicy,
     admission: StoreAdmission,
 ) -> Result<Outcome> {
-    let pool = Pool::with_options(
-        PoolConfig {
-            capacity_bytes: shape.capacity_bytes,
-            // Only synchronous eviction: the replay is deterministic.
-            high_watermark: 1.0,
-            low_watermark: 0.9,
-            use_hugepages: false,
-            prefault: false,
-            ..PoolConfig::default()
-        },
-        PoolOptions {
-            eviction_policy: policy,
-            store_admission: admission,
-            admission_window: shape.admission_window,
-        },
-    )
+    let pool = Pool::new(PoolConfig {
+        capacity_bytes: shape.capacity_bytes,
+        // Only synchronous eviction: the replay is deterministic.
+        high_watermark: 1.0,
+        low_watermark: 0.9,
+        use_hugepages: false,
+        prefault: false,
+        eviction_policy: policy,
+        store_admission: admission,
+        admission_window: shape.admission_window,
+        ..PoolConfig::default()
+    })
     .context("creating the pool")?;
     let keys = Keys(KeyBuilder::new("bench-cache", RankTopology::default())?);
     let data = vec![0x5Au8; shape.block_bytes as usize];
@@ -107,6 +112,8 @@ pub fn replay(
         shared_hit: 0,
         shared_burst: 0,
         shared_burst_hit: 0,
+        chat: 0,
+        chat_hit: 0,
         stats: pool.stats(),
         seconds: 0.0,
     };
@@ -117,11 +124,15 @@ pub fn replay(
         } else {
             0
         };
-        let n = (pb + r.unique) as usize;
+        let context = r.turn.map_or(0, |t| t.context);
+        let n = (pb + context + r.unique) as usize;
         let base = next_unique;
-        next_unique += u64::from(r.unique);
-        let key = |i: usize| match r.prefix {
-            Some(p) if i < pb as usize => keys.prefix(p, i as u32),
+        if r.turn.is_none() {
+            next_unique += u64::from(r.unique);
+        }
+        let key = |i: usize| match (r.prefix, r.turn) {
+            (Some(p), _) if i < pb as usize => keys.prefix(p, i as u32),
+            (_, Some(t)) => keys.conversation(t.conversation, i as u32),
             _ => keys.unique(base + (i - pb as usize) as u64),
         };
         let hits = pool.prefix_hits_with(n, key);
@@ -135,6 +146,10 @@ pub fn replay(
         let t = shape.block_tokens;
         o.tokens += n as u64 * t;
         o.tokens_hit += hits as u64 * t;
+        if r.turn.is_some() {
+            o.chat += u64::from(context) * t;
+            o.chat_hit += hits.min(context as usize) as u64 * t;
+        }
         if r.prefix.is_some() {
             let shared = u64::from(pb) * t;
             let shared_hit = hits.min(pb as usize) as u64 * t;

@@ -1,6 +1,7 @@
 //! The synthetic prefix workload of `umbp bench cache`: a population of shared prefixes with
-//! Zipf popularity, each request one prefix plus a unique suffix, and a burst of unique
-//! one-off prompts in the middle of the trace.
+//! Zipf popularity, each request one prefix plus a unique suffix, optionally multi-turn
+//! conversations (each turn the whole conversation so far plus its new blocks), and a burst
+//! of unique one-off prompts in the middle of the trace.
 
 /// A seeded generator (splitmix64): the same seed gives the same trace on every machine.
 #[derive(Debug, Clone)]
@@ -68,12 +69,59 @@ pub enum Phase {
 }
 
 /// One request: `prefix` (a shared prefix's index) followed by `unique` blocks no other
-/// request has, or a one-off prompt (`prefix` is `None`).
+/// request has, a conversation's turn (`turn`: its earlier turns' blocks, then `unique` new
+/// ones), or a one-off prompt (neither).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
     pub phase: Phase,
     pub prefix: Option<u32>,
+    pub turn: Option<Turn>,
     pub unique: u32,
+}
+
+/// A turn of conversation `conversation`, after `context` blocks of its earlier turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Turn {
+    pub conversation: u32,
+    pub context: u32,
+}
+
+/// The conversations going on at once: a turn goes to one of them, drawn uniformly, and a
+/// conversation that had its last turn is replaced by a new one.
+#[derive(Debug, Clone)]
+struct Conversations {
+    /// (id, turns so far) of each conversation going on.
+    live: Vec<(u32, u32)>,
+    next_id: u32,
+    turns: u32,
+    turn_blocks: u32,
+}
+
+impl Conversations {
+    fn new(n: usize, turns: u32, turn_blocks: u32) -> Self {
+        Conversations {
+            live: (0..n as u32).map(|id| (id, 0)).collect(),
+            next_id: n as u32,
+            turns,
+            turn_blocks,
+        }
+    }
+
+    fn next(&mut self, rng: &mut Rng) -> Turn {
+        let i = (rng.next_u64() % self.live.len() as u64) as usize;
+        let (id, done) = self.live[i];
+        let t = Turn {
+            conversation: id,
+            context: done * self.turn_blocks,
+        };
+        self.live[i] = if done + 1 == self.turns {
+            self.next_id += 1;
+            (self.next_id - 1, 0)
+        } else {
+            (id, done + 1)
+        };
+        t
+    }
 }
 
 /// The workload's parameters.
@@ -91,6 +139,13 @@ pub struct Workload {
     pub burst_share: f64,
     /// Shared-prefix requests after the burst that count as its recovery.
     pub recovery: usize,
+    /// Share of the non-burst requests that are a conversation's turn instead of a shared
+    /// prefix (0: none).
+    pub chat_share: f64,
+    /// Conversations going on at once, turns per conversation, new blocks per turn.
+    pub conversations: usize,
+    pub turns: u32,
+    pub turn_blocks: u32,
     pub seed: u64,
 }
 
@@ -99,10 +154,27 @@ impl Workload {
     pub fn trace(&self) -> Vec<Request> {
         let mut rng = Rng::new(self.seed);
         let zipf = Zipf::new(self.prefixes, self.zipf);
-        let shared = |phase, rng: &mut Rng| Request {
-            phase,
-            prefix: Some(zipf.sample(rng) as u32),
-            unique: self.suffix_blocks,
+        let mut chats = Conversations::new(
+            self.conversations.max(1),
+            self.turns.max(1),
+            self.turn_blocks,
+        );
+        let mut shared = |phase, rng: &mut Rng| {
+            if self.chat_share > 0.0 && rng.unit() < self.chat_share {
+                Request {
+                    phase,
+                    prefix: None,
+                    turn: Some(chats.next(rng)),
+                    unique: self.turn_blocks,
+                }
+            } else {
+                Request {
+                    phase,
+                    prefix: Some(zipf.sample(rng) as u32),
+                    turn: None,
+                    unique: self.suffix_blocks,
+                }
+            }
         };
         let mut out = Vec::new();
         for _ in 0..self.requests {
@@ -114,6 +186,7 @@ impl Workload {
                 out.push(Request {
                     phase: Phase::Burst,
                     prefix: None,
+                    turn: None,
                     unique: self.oneoff_blocks,
                 });
                 left -= 1;
@@ -161,6 +234,10 @@ mod tests {
             oneoffs: 20,
             burst_share: 0.5,
             recovery: 10,
+            chat_share: 0.0,
+            conversations: 4,
+            turns: 3,
+            turn_blocks: 2,
             seed: 3,
         };
         let t = w.trace();
@@ -175,5 +252,42 @@ mod tests {
         assert!(t
             .iter()
             .all(|r| r.prefix.is_some() || r.phase == Phase::Burst));
+        assert!(t.iter().all(|r| r.turn.is_none()));
+    }
+
+    #[test]
+    fn conversations_grow_turn_by_turn_and_end() {
+        let w = Workload {
+            prefixes: 10,
+            zipf: 1.0,
+            suffix_blocks: 2,
+            oneoff_blocks: 8,
+            requests: 200,
+            oneoffs: 0,
+            burst_share: 0.5,
+            recovery: 10,
+            chat_share: 0.5,
+            conversations: 4,
+            turns: 3,
+            turn_blocks: 2,
+            seed: 9,
+        };
+        let t = w.trace();
+        let turns: Vec<Turn> = t.iter().filter_map(|r| r.turn).collect();
+        assert!(turns.len() > 150 && turns.len() < 250, "{}", turns.len());
+        assert!(t.iter().all(|r| r.prefix.is_some() != r.turn.is_some()));
+        // Each conversation's turns come with context 0, 2, 4 in that order, then it ends.
+        let mut seen = std::collections::HashMap::<u32, Vec<u32>>::new();
+        for x in &turns {
+            seen.entry(x.conversation).or_default().push(x.context);
+        }
+        assert!(seen.len() > 4);
+        for ctx in seen.values() {
+            assert!(ctx.len() <= 3, "{ctx:?}");
+            assert!(
+                ctx.iter().enumerate().all(|(i, c)| *c == 2 * i as u32),
+                "{ctx:?}"
+            );
+        }
     }
 }

@@ -7,50 +7,18 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
-use umbp_core::{ErrorKind, FailureKind, KeyFailure, KeyOutcome};
+use umbp_core::{ErrorKind, KeyOutcome};
 use umbp_proto::v1;
 
 use crate::error::{ClientError, Result};
 
+/// The outcomes of a transfer of `n` keys from the server's reply.
 pub(crate) fn decode_reply(r: v1::TransferReply, n: usize) -> Result<Vec<KeyOutcome>> {
-    use v1::KeyStatus as S;
-    let malformed = |message: String| ClientError::Refused {
+    umbp_proto::outcomes::decode(&r.statuses, r.errors, n).map_err(|message| ClientError::Refused {
         call: "transfer",
         kind: ErrorKind::Internal,
         message,
-    };
-    if r.statuses.len() != n {
-        return Err(malformed(format!(
-            "the server answered {} statuses for {n} keys",
-            r.statuses.len()
-        )));
-    }
-    let mut out = Vec::with_capacity(n);
-    for &b in &r.statuses {
-        out.push(match S::try_from(b as i32) {
-            Ok(S::Done) => KeyOutcome::Done,
-            Ok(S::AlreadyPresent) => KeyOutcome::AlreadyPresent,
-            Ok(S::Missing) => KeyOutcome::Missing,
-            Ok(S::PoolFull) => KeyOutcome::PoolFull,
-            Ok(S::Cancelled) => KeyOutcome::Cancelled,
-            Ok(S::TimedOut) => KeyOutcome::TimedOut,
-            // Its kind and message come in `errors`.
-            Ok(S::Failed) => KeyOutcome::failed(FailureKind::Device, String::new()),
-            _ => return Err(malformed(format!("the server answered key status {b}"))),
-        });
-    }
-    for e in r.errors {
-        let kind = FailureKind::from_name(&e.kind).ok_or_else(|| {
-            malformed(format!(
-                "the server named key failure {:?}, which this client does not know",
-                e.kind
-            ))
-        })?;
-        if let Some(s) = out.get_mut(e.index as usize) {
-            *s = KeyOutcome::Failed(KeyFailure::new(kind, e.message));
-        }
-    }
-    Ok(out)
+    })
 }
 
 /// A transfer's answer as every waiter reads it: the outcomes, or the kind and message of the

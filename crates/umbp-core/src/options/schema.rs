@@ -342,9 +342,11 @@ pub const EVICTION_POLICY: OptionSpec = OptionSpec {
     default_doc: None,
     doc: "Which objects eviction takes first. `\"s3fifo\"`: a small probation queue, a main \
           queue of objects used again and a ghost set, so a burst of one-off prompts leaves \
-          without flushing the shared prefixes; `\"lru\"`: exact least recently used (see \
-          [benchmarks.md](benchmarks.md#eviction-policy-and-store-admission-umbp-bench-cache) for why \
-          `s3fifo` is the default).",
+          without flushing the shared prefixes, but a new block nobody reads while about a tenth \
+          of the pool is written after it leaves first; `\"lru\"`: exact least recently used, \
+          better where conversations come back after long gaps (see \
+          [benchmarks.md](benchmarks.md#eviction-policy-and-store-admission-umbp-bench-cache) for \
+          both workloads and why `s3fifo` is the default).",
     also_rejected: None,
 };
 /// `store_admission` (also the store's and the server's).
@@ -357,8 +359,8 @@ pub const STORE_ADMISSION: OptionSpec = OptionSpec {
     default_doc: None,
     doc: "Which stored blocks the pool keeps. `\"all\"`: every one; `\"on_reuse\"`: a block \
           the second time its key is stored or looked up within the last 2^20 keys seen (the \
-          first store is skipped and counted in `admissions_skipped`; writes far fewer bytes \
-          for a few points of hit rate).",
+          first store is skipped: its blocks answer `\"skipped\"`, counted in \
+          `admissions_skipped`; writes far fewer bytes for a few points of hit rate).",
     also_rejected: None,
 };
 /// `endpoint`.

@@ -6,15 +6,16 @@ use std::sync::atomic::Ordering;
 use parking_lot::Mutex;
 
 use super::inner::{shard_of, Inner, SHARDS};
-use crate::options::{PoolOptions, StoreAdmission};
 use crate::window::FpWindow;
+use umbp_core::caching::StoreAdmission;
+use umbp_core::PoolConfig;
 
 /// The `on_reuse` windows, one per shard; `admission_window` keys in all.
-pub(super) fn windows(opts: &PoolOptions) -> Option<Box<[Mutex<FpWindow>]>> {
-    match opts.store_admission {
+pub(super) fn windows(cfg: &PoolConfig) -> Option<Box<[Mutex<FpWindow>]>> {
+    match cfg.store_admission {
         StoreAdmission::All => None,
         StoreAdmission::OnReuse => {
-            let per_shard = opts.admission_window.div_ceil(SHARDS);
+            let per_shard = cfg.admission_window.div_ceil(SHARDS);
             Some(
                 (0..SHARDS)
                     .map(|_| Mutex::new(FpWindow::new(per_shard)))

@@ -12,8 +12,8 @@ use super::inner::{Inner, PinnedObject, SpillFn, EVICT_BATCH};
 use super::types::{PoolEvent, RemoveCause};
 use crate::alloc::Slot;
 use crate::index::EntryState;
-use crate::options::EvictionPolicy;
 use crate::policy::{plan, QUEUES};
+use umbp_core::caching::EvictionPolicy;
 
 impl Inner {
     pub(super) fn wake_evictor(&self) {

@@ -15,9 +15,9 @@ use umbp_core::BlockKey;
 use super::types::PoolEvent;
 use crate::alloc::{Allocator, Slot};
 use crate::index::Shard;
-use crate::options::EvictionPolicy;
 use crate::region::Region;
 use crate::window::FpWindow;
+use umbp_core::caching::EvictionPolicy;
 
 pub(super) const SHARD_BITS: u32 = 6;
 pub(super) const SHARDS: usize = 1 << SHARD_BITS;

@@ -112,6 +112,9 @@ fn pinned_objects_survive_remove_and_clear() {
     for i in 10..400 {
         let _ = p.put(key(i), &[0xEE; 4096]);
     }
+    // The background evictor stops here, so the counts below are not taken mid-eviction
+    // (it could remove an entry between `check_invariants`' two reads).
+    p.close();
     assert_eq!(pin.as_slice(), &[7u8; 4096][..]);
     p.clear();
     assert_eq!(pin.as_slice(), &[7u8; 4096][..]);
@@ -249,20 +252,15 @@ fn closed_pool_refuses_reservations() {
 /// A 1 MiB pool of 64 KiB segments that only the synchronous eviction of a full pool evicts
 /// from (high watermark 1.0), with `policy` and `admission`.
 fn pool_with(policy: crate::EvictionPolicy, admission: crate::StoreAdmission) -> Pool {
-    Pool::with_options(
-        PoolConfig {
-            segment_bytes: 64 << 10,
-            prefault: false,
-            high_watermark: 1.0,
-            low_watermark: 0.5,
-            ..PoolConfig::with_capacity(1 << 20)
-        },
-        PoolOptions {
-            eviction_policy: policy,
-            store_admission: admission,
-            ..PoolOptions::default()
-        },
-    )
+    Pool::new(PoolConfig {
+        segment_bytes: 64 << 10,
+        prefault: false,
+        high_watermark: 1.0,
+        low_watermark: 0.5,
+        eviction_policy: policy,
+        store_admission: admission,
+        ..PoolConfig::with_capacity(1 << 20)
+    })
     .unwrap()
 }
 

@@ -3,8 +3,8 @@
 
 use umbp_core::BlockKey;
 
-use crate::options::{EvictionPolicy, StoreAdmission};
 use crate::region::Placement;
+use umbp_core::caching::{EvictionPolicy, StoreAdmission};
 
 /// Why an object left the pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
