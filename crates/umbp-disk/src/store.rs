@@ -437,6 +437,15 @@ impl Store {
         self.index.write().remove(key).is_some()
     }
 
+    /// Forgets every key `matches` accepts (their bytes stay until their segments are dropped);
+    /// how many.
+    pub fn remove_where(&self, matches: impl Fn(&BlockKey) -> bool) -> u64 {
+        let mut index = self.index.write();
+        let before = index.len();
+        index.retain(|k, _| !matches(k));
+        (before - index.len()) as u64
+    }
+
     /// Drops every segment and starts an empty one; how many objects were dropped.
     pub fn clear(&self) -> u64 {
         let mut a = self.active.lock();

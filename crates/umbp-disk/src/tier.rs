@@ -115,6 +115,14 @@ impl DiskTier {
         self.store.remove(key)
     }
 
+    /// Forgets the objects of the key namespace with id `namespace_id`; how many. Only the
+    /// index forgets them: their bytes stay in their segments until those are dropped, and a
+    /// restart's index rebuild finds them again (see docs/disk.md).
+    pub fn clear_namespace(&self, namespace_id: &[u8; 16]) -> u64 {
+        self.store
+            .remove_where(|k| k.namespace_id() == *namespace_id)
+    }
+
     /// Forgets every object (their segments are deleted); how many there were.
     pub fn clear(&self) -> u64 {
         self.store.clear()

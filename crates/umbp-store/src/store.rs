@@ -385,13 +385,17 @@ impl EmbeddedStore {
     }
 
     /// Removes the objects of one key namespace (the string keys were built from) from the
-    /// pool, and from the remote tier when there is one; returns how many left the pool. Other
-    /// namespaces are untouched.
+    /// pool, from the disk tier's index and from the remote tier when there are ones; returns
+    /// how many left the pool. Other namespaces are untouched. The disk keeps their bytes
+    /// until their segments are dropped: a restart finds them again.
     pub fn clear_namespace(&self, namespace: &str) -> Result<u64, StoreError> {
         self.check_open()?;
         let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
         // The remote first: a lookup between the two would fetch back what the pool lost.
         self.clear_remote_namespace(&id);
+        if let Some(d) = &self.shared.disk {
+            d.clear_namespace(&id);
+        }
         Ok(self.shared.pool.clear_namespace(&id))
     }
 
