@@ -472,6 +472,14 @@ impl Store {
         self.closed.store(true, Ordering::Release);
     }
 
+    /// Lets another tier open the directory (once no thread writes any more): a closed store
+    /// may be kept alive by its owners' handles.
+    pub fn release_lock(&self) {
+        if let Err(e) = file::unlock(&self._lock) {
+            self.warn(&format!("disk tier: releasing the directory's lock: {e}"));
+        }
+    }
+
     /// A snapshot of the counters and sizes.
     pub fn stats(&self) -> DiskStats {
         DiskStats {

@@ -147,6 +147,7 @@ impl DiskTier {
             let _ = t.join();
         }
         self.store.close();
+        self.store.release_lock();
     }
 }
 

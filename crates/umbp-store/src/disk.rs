@@ -135,6 +135,12 @@ mod tests {
         assert!(s.disk_stats().unwrap().rebuilt_objects > 0);
         assert_eq!(s.exists(&keys[..3]).unwrap(), vec![true; 3]);
         assert_eq!(s.pool().get(&keys[2]).unwrap().as_slice(), &obj(2)[..]);
+        // Clearing another namespace leaves these; clearing theirs forgets them on disk too.
+        s.clear_namespace("disk-test-other").unwrap();
+        assert_eq!(s.exists(&keys[3..4]).unwrap(), vec![true]);
+        s.clear_namespace("disk-test").unwrap();
+        assert_eq!(s.exists(&keys[3..6]).unwrap(), vec![false; 3]);
+        assert_eq!(s.disk_stats().unwrap().objects, 0);
         // Clearing the store clears the disk: nothing comes back.
         s.clear().unwrap();
         assert_eq!(s.prefix_hits(&keys[..3]).unwrap(), 0);

@@ -120,6 +120,11 @@ pub fn try_lock_exclusive(fd: impl AsFd) -> Result<bool, UnixError> {
     }
 }
 
+/// Releases a lock [`try_lock_exclusive`] took (closing the descriptor releases it too).
+pub fn unlock(fd: impl AsFd) -> Result<(), UnixError> {
+    rustix::fs::flock(fd, FlockOperation::Unlock).map_err(|e| UnixError::os(Op::Flock, e))
+}
+
 /// Space of the file system a descriptor lies on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FsSpace {
