@@ -140,7 +140,8 @@ def test_a_corrupted_segment_is_a_miss_never_wrong_bytes(tmp_path):
         seg.write_bytes(bytes(data))
     s = small_store(d)
     try:
-        assert s.disk_stats()["rebuilt_objects"] == on_disk
+        # Closing wrote the pool's objects too.
+        assert s.disk_stats()["rebuilt_objects"] >= on_disk
         assert check_present_bytes(s, caches) == 0
         ds = s.disk_stats()
         assert ds["corrupt"] >= 1 and ds["hits"] == 0, ds
@@ -206,7 +207,7 @@ def store_seed(client, buf, seed):
     )
 
 
-def test_a_restarted_server_finds_what_the_last_one_spilled_to_disk(tmp_path):
+def test_a_restarted_server_finds_everything_the_last_one_held(tmp_path):
     binary = server_binary()
     if not binary.is_file():
         pytest.skip(f"no umbp_standalone_server at {binary}")
@@ -246,7 +247,9 @@ def test_a_restarted_server_finds_what_the_last_one_spilled_to_disk(tmp_path):
         server.capacity = "16MiB"
         server.start()
         st = server.stats()
-        assert st["objects"] == 0 and st["disk"]["rebuilt_objects"] == spilled, st["disk"]
+        # What was spilled, and what the pool held, written when SIGTERM closed it.
+        stored = len(seeds) * peer.BLOCKS
+        assert st["objects"] == 0 and st["disk"]["rebuilt_objects"] == stored, st["disk"]
         dst = peer.own_buffer()
         c = umbp.StandaloneClient(server.endpoint, startup_timeout_ms=10000, client_name="r")
         found = 0
@@ -267,8 +270,8 @@ def test_a_restarted_server_finds_what_the_last_one_spilled_to_disk(tmp_path):
                     if outcome == "done":
                         assert np.array_equal(dst[:, b, :], want[:, b, :]), (seed, b)
                         found += 1
-        assert found == spilled, (found, spilled)
-        assert server.stats()["disk"]["hits"] == spilled
+        assert found == stored, (found, stored)
+        assert server.stats()["disk"]["hits"] == stored
     finally:
         server.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)

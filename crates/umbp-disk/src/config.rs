@@ -33,6 +33,10 @@ pub struct DiskConfig {
     pub read_timeout: Duration,
     /// Direct I/O (`O_DIRECT`); off, or on a file system without it, the page cache is used.
     pub direct_io: bool,
+    /// How long closing the store may spend writing the pool's objects the disk does not
+    /// hold yet, so a clean restart finds them (zero: none are written; objects still queued
+    /// are dropped).
+    pub close_write: Duration,
 }
 
 impl DiskConfig {
@@ -47,6 +51,7 @@ impl DiskConfig {
             write_bytes_per_s: 0,
             read_timeout: Duration::from_millis(500),
             direct_io: true,
+            close_write: Duration::from_secs(30),
         }
     }
 

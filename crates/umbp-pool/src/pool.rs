@@ -433,6 +433,16 @@ impl Pool {
         self.clear_where(|k| k.namespace_id() == *namespace_id)
     }
 
+    /// The keys of every object in the pool now (a snapshot, shard by shard).
+    pub fn keys(&self) -> Vec<BlockKey> {
+        let mut out = Vec::new();
+        for shard in self.inner.shards.iter() {
+            let s = shard.read();
+            out.extend(s.live_ids().into_iter().map(|idx| s.entry(idx).key));
+        }
+        out
+    }
+
     fn clear_where(&self, matches: impl Fn(&BlockKey) -> bool) -> u64 {
         let inner = &self.inner;
         let mut removed = 0;

@@ -150,7 +150,9 @@ impl StoreShared {
                 r.close();
             }
             if let Some(d) = &self.disk {
-                // Objects still queued are dropped (their pins released) before the pool goes.
+                // The pool's objects go to disk (within the budget) for the next start; then
+                // objects still queued are dropped (their pins released) before the pool goes.
+                crate::disk::write_pool(d, &self.pool);
                 self.pool.set_spill(None);
                 d.close();
             }
