@@ -509,8 +509,8 @@ pub const DISK_DIR: OptionSpec = OptionSpec {
           pool evicts are written behind to this directory, and lookups read what the pool \
           misses back from it (before the remote tier). Each worker uses its own subdirectory \
           `umbp-<tag>-dp<DP rank>-w<worker>` (the tag as in the lookup sockets' names), made \
-          when missing, and finds what an earlier run of the same engine left there. In \
-          standalone mode the server takes it (`--disk-dir`, `UMBP_DISK_DIR`).",
+          when missing, and finds what an earlier run of the same engine left there (a worker \
+          that closes cleanly writes its pool there too). In standalone mode the server takes it (`--disk-dir`, `UMBP_DISK_DIR`).",
     also_rejected: Some(
         "Not writable, or its file system has less room than `disk_capacity_bytes` (found when \
          the store starts).",
