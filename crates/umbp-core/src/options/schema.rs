@@ -520,13 +520,14 @@ pub const DISK_DIR: OptionSpec = OptionSpec {
 pub const DISK_CAPACITY_BYTES: OptionSpec = OptionSpec {
     name: "disk_capacity_bytes",
     scope: Scope::Embedded,
-    kind: at_least(8 * MIB, Unit::Bytes),
+    kind: at_least(32 * MIB, Unit::Bytes),
     default: DefaultValue::Int(64 * GIB),
     nullable: false,
     default_doc: None,
-    doc: "Bytes of `disk_dir` each worker's disk tier may fill (preallocated segment files; \
-          past it the oldest segment is dropped). With `disk_dir` only.",
-    also_rejected: Some("Fewer than two segments (capacity / 16, 16-256 MiB each)."),
+    doc: "Bytes of `disk_dir` each worker's disk tier may fill: segment files of capacity / 16 \
+          (16 to 256 MiB), preallocated, so start-up fails when the file system has less room; \
+          past it the oldest segment is dropped. With `disk_dir` only.",
+    also_rejected: None,
 };
 /// `disk_write_mb_per_s`.
 pub const DISK_WRITE_MB_PER_S: OptionSpec = OptionSpec {
