@@ -153,10 +153,18 @@ class EmbeddedStore:
         remote_timeout_ms: int = ...,
         remote_write_backlog: int = ...,
         remote_write_mb_per_s: int = ...,
+        disk_dir: str | os.PathLike[str] | None = ...,
+        disk_capacity_bytes: int = ...,
+        disk_write_mb_per_s: int = ...,
+        disk_segment_bytes: int = ...,
     ) -> None:
         """An argument left out takes the store's default, the one of the connector option of
         the same meaning (docs/configuration.md); the defaults live in the Rust schema only."""
         ...
+    def disk_stats(self) -> dict[str, int] | None:
+        """The disk tier's counters (None without `disk_dir`)."""
+    def flush_disk(self, timeout_ms: int = 10000) -> bool:
+        """Waits until every object evicted so far was written to disk (or dropped)."""
     def remote_stats(self) -> dict[str, int | bool] | None:
         """The remote tier's counters (None without `remote_url`)."""
     def flush_remote(self, timeout_ms: int = 10000) -> bool:

@@ -253,6 +253,9 @@ OPTION_ARGS = {
                 "remote_timeout_ms",
                 "remote_write_backlog",
                 "remote_write_mb_per_s",
+                "disk_dir",
+                "disk_capacity_bytes",
+                "disk_write_mb_per_s",
                 "cuda_staging_bytes",
             )
         },

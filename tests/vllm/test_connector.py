@@ -75,6 +75,28 @@ def test_restored_prefixes_give_identical_outputs(model, tmp_path):
     assert list(socket_dir(tmp_path).iterdir()) == []
 
 
+def test_a_restarted_embedded_engine_restores_from_its_disk_dir(model, tmp_path):
+    """Embedded mode with `disk_dir`: a worker that closes writes its pool to its private
+    subdirectory; the same engine started again restores every full block from disk."""
+    ps = prompts(2, shared=0, seed=31)
+    base = run_engine({"model": model, "connector": None, "steps": [{"generate": ps}]})
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    cfg = connector(tmp_path, disk_dir=str(disk), disk_capacity_bytes=64 << 20)
+    spec = {"model": model, "connector": cfg, "steps": [{"generate": ps}]}
+    first, second = run_engine(spec), run_engine(spec)
+    expected = [o["tokens"] for o in base["steps"][0]]
+    (before,), (after,) = first["steps"], second["steps"]
+    assert [o["tokens"] for o in before] == [o["tokens"] for o in after] == expected
+    assert [o["cached"] for o in before] == [0, 0]
+    for o in after:
+        assert o["cached"] == (o["prompt_tokens"] - 1) // BLOCK * BLOCK, after
+    # One worker: one private directory, named as its lookup socket.
+    (sub,) = disk.iterdir()
+    assert sub.name.startswith("umbp-") and sub.name.endswith("-dp0-w0"), sub.name
+    assert list(sub.glob("seg-*.dat")), list(sub.iterdir())
+
+
 def test_small_pool_evicts_and_outputs_stay_identical(model, tmp_path):
     ps = prompts(6, shared=0, seed=1)
     base = run_engine({"model": model, "connector": None, "steps": [{"generate": ps}]})

@@ -45,6 +45,7 @@ PROMPTS = {
     "stopped": prompts(3, seed=23),
     "fresh": prompts(3, shared=0, seed=24),
     "tp2": prompts(2, shared=0, seed=25),
+    "disk": prompts(2, shared=0, seed=26),
 }
 
 
@@ -150,6 +151,32 @@ def test_absent_server_fails_startup_after_startup_timeout(model, tmp_path):
     assert m.group(1) == ep
     print(f"startup failed after waiting {m.group(2)} ms (startup_timeout_ms=3000)")
     assert 2400 <= int(m.group(2)) <= 3600, m.group(0)
+
+
+def test_a_server_restarted_on_its_disk_dir_restores_an_engines_prefixes(model, tmp_path, baseline):
+    """A server with --disk-dir writes its pool to disk at SIGTERM; a new server on the same
+    directory answers a new engine's lookups from disk: the same outputs, every full block
+    restored."""
+    ps = PROMPTS["disk"]
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = ["--disk-dir", str(disk), "--disk-capacity", "256MiB"]
+    with running(tmp_path.name + "d", capacity="256MiB", extra_args=args) as s:
+        spec = {"model": model, "connector": standalone(s), "steps": [{"generate": ps}]}
+        first = run_engine(spec)
+        assert "error" not in first, first.get("error")
+        stored = s.stats()["objects"]
+        assert stored > 0
+        s.stop()  # SIGTERM: the pool goes to disk
+        s.start()
+        st = s.stats()
+        assert st["objects"] == 0 and st["disk"]["rebuilt_objects"] == stored, st["disk"]
+        second = run_engine(spec)
+        assert "error" not in second, second.get("error")
+        (before,), (after,) = first["steps"], second["steps"]
+        assert tokens(before) == tokens(after) == baseline["disk"]
+        assert [o["cached"] for o in after] == [full_blocks(o) for o in after], after
+        assert s.stats()["disk"]["hits"] > 0
 
 
 def test_killed_server_means_misses_and_a_restarted_one_is_used_again(

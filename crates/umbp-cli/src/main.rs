@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod bench_cache;
 mod bench_copy;
+mod bench_disk;
 mod bench_gpu;
 mod bench_host_route;
 mod bench_lookup;
@@ -67,6 +68,10 @@ enum Bench {
     /// The remote tier (Redis / Valkey): put and get rates of 0.5-2 MiB objects next to raw
     /// pipelined SET / GET of the same sizes, in the same run.
     Remote(bench_remote::Args),
+    /// The disk tier: write-behind and promote rates of 0.5-8 MiB objects next to raw
+    /// O_DIRECT writes and reads of the same sizes, in the same run; restart time of 100k
+    /// objects.
+    Disk(bench_disk::Args),
     /// One client process of `umbp bench server` (started by it; driven through stdin).
     #[command(hide = true)]
     ServerClient(bench_server::ClientArgs),
@@ -97,6 +102,7 @@ fn run() -> i32 {
         Command::Bench(Bench::Lookup(a)) => bench_lookup::run(&a),
         Command::Bench(Bench::Server(a)) => bench_server::run(&a),
         Command::Bench(Bench::Remote(a)) => bench_remote::run(&a),
+        Command::Bench(Bench::Disk(a)) => bench_disk::run(&a),
         Command::Bench(Bench::ServerClient(a)) => bench_server::run_client(&a),
         Command::Ping(a) => ops::ping(&a),
         Command::Stats(a) => ops::stats(&a),

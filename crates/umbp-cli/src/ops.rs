@@ -136,6 +136,29 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                     "backlog_bytes": r.backlog_bytes,
         })
     });
+    let disk = s.disk.as_ref().map(|d| {
+        json!({
+                    "capacity_bytes": d.capacity_bytes,
+                    "used_bytes": d.used_bytes,
+                    "objects": d.objects,
+                    "writes": d.writes,
+                    "bytes_written": d.bytes_written,
+                    "writes_dropped": d.writes_dropped,
+                    "write_errors": d.write_errors,
+                    "backlog_bytes": d.backlog_bytes,
+                    "lookup_keys": d.lookup_keys,
+                    "hits": d.hits,
+                    "misses": d.misses,
+                    "corrupt": d.corrupt,
+                    "read_errors": d.read_errors,
+                    "timeouts": d.timeouts,
+                    "bytes_read": d.bytes_read,
+                    "segments_evicted": d.segments_evicted,
+                    "rebuilt_objects": d.rebuilt_objects,
+                    "rebuild_us": d.rebuild_us,
+                    "direct_io": d.direct_io == 1,
+        })
+    });
     if a.json {
         println!(
             "{}",
@@ -170,6 +193,7 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "channel_transfers": s.channel_transfers,
                 "transfer_channels": s.transfer_channels,
                 "remote": remote,
+                "disk": disk,
             })
         );
         return Ok(());
@@ -254,6 +278,36 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 b(r.backlog_bytes)
             );
             println!("  errors               {}", r.errors);
+        }
+    }
+    match &s.disk {
+        None => println!("disk tier            off (--disk-dir)"),
+        Some(d) => {
+            println!(
+                "disk tier            {}{}",
+                b(d.used_bytes),
+                pct(d.used_bytes, d.capacity_bytes)
+            );
+            println!(
+                "  objects              {} ({} found at start-up in {} ms)",
+                d.objects,
+                d.rebuilt_objects,
+                d.rebuild_us / 1000
+            );
+            println!(
+                "  writes               {} ({}), {} dropped, {} errors, backlog {}",
+                d.writes,
+                b(d.bytes_written),
+                d.writes_dropped,
+                d.write_errors,
+                b(d.backlog_bytes)
+            );
+            println!(
+                "  lookups              {} keys asked, {} promoted, {} misses ({} corrupt), {} timed out, {} read errors",
+                d.lookup_keys, d.hits, d.misses, d.corrupt, d.timeouts, d.read_errors
+            );
+            println!("  read                 {}", b(d.bytes_read));
+            println!("  segments evicted     {}", d.segments_evicted);
         }
     }
     Ok(())

@@ -33,7 +33,9 @@ pub mod shared_fd;
 mod window;
 
 pub use error::PoolError;
-pub use pool::{CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation};
+pub use pool::{
+    CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,
+};
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};
 pub use umbp_core::caching::{EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};

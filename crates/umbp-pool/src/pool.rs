@@ -1,15 +1,15 @@
 //! The pool: region + allocator + sharded index + eviction + stats + events.
 //!
-//! The shared state is in `inner`, the caller's handles in `handles`, eviction and the
+//! The shared state is in `inner`, the caller's handles with it, eviction and the
 //! evictor thread in `evict`, and the public value types in `types`; this file is the
 //! [`Pool`] API.
 
 mod admit;
 mod evict;
-// The one module with `unsafe`: slices of the arena, valid by the allocator's and the pins'
-// invariants, which no wrapper below the pool can own.
+// The one module with `unsafe`: the handles' slices of the arena, valid by the allocator's
+// and the pins' invariants, which no wrapper below the pool can own (with the shared state
+// and the spill hook, which hands out handles).
 #[allow(unsafe_code)]
-mod handles;
 mod inner;
 mod types;
 
@@ -27,9 +27,10 @@ use crate::policy::PolicyCounters;
 use crate::region::{Placement, Region};
 use crate::PoolError;
 use evict::evictor_loop;
+pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
-pub use handles::{PinnedObject, Reservation};
+pub use inner::{PinnedObject, Reservation};
 pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause};
 
 /// The host-DRAM object pool. Cheap to share behind an `Arc`; objects, reservations and pins
@@ -59,7 +60,8 @@ impl Pool {
         }
         let alloc = Allocator::new(segment_bytes, num_segments);
         let capacity = alloc.capacity();
-        let inner = Arc::new(Inner {
+        let inner = Arc::new_cyclic(|me| Inner {
+            me: me.clone(),
             region,
             alloc: Mutex::new(alloc),
             shards: (0..SHARDS)
@@ -76,6 +78,7 @@ impl Pool {
             wake: Mutex::new(false),
             wake_cv: Condvar::new(),
             closed: AtomicBool::new(false),
+            spill: Default::default(),
         });
         let weak = Arc::downgrade(&inner);
         let evictor = std::thread::Builder::new()
@@ -169,7 +172,7 @@ impl Pool {
             // First evict in the policy's order; if the bytes freed that way do not help
             // (fragmentation), empty whole segments, first to evict first.
             if policy_freed < footprint + inner.alloc.lock().segment_bytes() {
-                let freed = inner.evict(footprint, RemoveCause::Evicted);
+                let freed = inner.evict(footprint, RemoveCause::Evicted, false);
                 policy_freed += freed.max(1);
                 if freed > 0 {
                     continue;
@@ -397,6 +400,7 @@ impl Pool {
             idx,
             offset,
             len,
+            spilled: 0,
         })
     }
 
@@ -429,6 +433,16 @@ impl Pool {
         self.clear_where(|k| k.namespace_id() == *namespace_id)
     }
 
+    /// The keys of every object in the pool now (a snapshot, shard by shard).
+    pub fn keys(&self) -> Vec<BlockKey> {
+        let mut out = Vec::new();
+        for shard in self.inner.shards.iter() {
+            let s = shard.read();
+            out.extend(s.live_ids().into_iter().map(|idx| s.entry(idx).key));
+        }
+        out
+    }
+
     fn clear_where(&self, matches: impl Fn(&BlockKey) -> bool) -> u64 {
         let inner = &self.inner;
         let mut removed = 0;
@@ -459,7 +473,17 @@ impl Pool {
             return 0;
         }
         self.inner
-            .evict(used - self.inner.low_bytes, RemoveCause::Evicted)
+            .evict(used - self.inner.low_bytes, RemoveCause::Evicted, true)
+    }
+
+    /// Hands every object the watermark eviction takes (the background evictor and
+    /// [`evict_to_low_watermark`](Self::evict_to_low_watermark); not the just-enough eviction
+    /// of a reservation that cannot wait) to `hook`, pinned: the object leaves lookups at once
+    /// and its memory is freed when the hook's receiver drops the pin (after writing it to a
+    /// disk tier, say). Until then its bytes are not counted against the high watermark again,
+    /// so the evictor does not evict more for them. The hook must not block.
+    pub fn set_spill(&self, hook: Option<SpillFn>) {
+        *self.inner.spill.hook.write() = hook;
     }
 
     /// A stream of stored / removed events. At most `capacity` events wait unread; past that,

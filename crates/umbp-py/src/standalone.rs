@@ -297,6 +297,7 @@ impl StandaloneClient {
             placement,
             cuda_imports,
             remote,
+            disk,
             channel_transfers,
             transfer_channels,
         } = s;
@@ -353,6 +354,36 @@ impl StandaloneClient {
             })
             .transpose()?;
         d.set_item("remote", remote)?;
+        let disk = disk
+            .map(|x| {
+                crate::store::disk_stats_dict(
+                    py,
+                    &umbp_store::DiskStats {
+                        capacity_bytes: x.capacity_bytes,
+                        used_bytes: x.used_bytes,
+                        objects: x.objects,
+                        writes: x.writes,
+                        bytes_written: x.bytes_written,
+                        writes_dropped: x.writes_dropped,
+                        write_errors: x.write_errors,
+                        backlog_bytes: x.backlog_bytes,
+                        lookup_keys: x.lookup_keys,
+                        hits: x.hits,
+                        misses: x.misses,
+                        corrupt: x.corrupt,
+                        read_errors: x.read_errors,
+                        timeouts: x.timeouts,
+                        bytes_read: x.bytes_read,
+                        segments_evicted: x.segments_evicted,
+                        objects_evicted: x.objects_evicted,
+                        rebuilt_objects: x.rebuilt_objects,
+                        rebuild_us: x.rebuild_us,
+                        direct_io: x.direct_io,
+                    },
+                )
+            })
+            .transpose()?;
+        d.set_item("disk", disk)?;
         Ok(d)
     }
 

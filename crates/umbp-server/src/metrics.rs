@@ -95,6 +95,101 @@ pub(crate) struct Gauges {
     pub(crate) promotions: u64,
     pub(crate) admissions_skipped: u64,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
+    pub(crate) disk: Option<umbp_store::DiskStats>,
+}
+
+/// The disk tier's series (with --disk-dir).
+fn disk_series(
+    o: &mut String,
+    d: &umbp_store::DiskStats,
+    gauge: impl Fn(&mut String, &str, &str, u64),
+    counter: impl Fn(&mut String, &str, &str, u64),
+) {
+    for (name, help, v) in [
+        ("disk_objects", "Objects the disk tier holds.", d.objects),
+        (
+            "disk_bytes",
+            "Bytes the disk tier's segment files take.",
+            d.used_bytes,
+        ),
+        (
+            "disk_capacity_bytes",
+            "The disk tier's configured size (--disk-capacity).",
+            d.capacity_bytes,
+        ),
+        (
+            "disk_backlog_bytes",
+            "Bytes of evicted objects waiting to be written to disk.",
+            d.backlog_bytes,
+        ),
+    ] {
+        gauge(o, name, help, v);
+    }
+    for (name, help, v) in [
+        (
+            "disk_writes_total",
+            "Objects written to the disk tier.",
+            d.writes,
+        ),
+        (
+            "disk_written_bytes_total",
+            "Bytes of objects written to the disk tier.",
+            d.bytes_written,
+        ),
+        (
+            "disk_drops_total",
+            "Evicted objects not written (backlog full or closing).",
+            d.writes_dropped,
+        ),
+        (
+            "disk_lookup_keys_total",
+            "Keys the pool missed that were asked of the disk tier.",
+            d.lookup_keys,
+        ),
+        (
+            "disk_promotions_total",
+            "Objects read back from disk into the pool.",
+            d.hits,
+        ),
+        (
+            "disk_misses_total",
+            "Keys the disk tier did not hold or could not hand over.",
+            d.misses,
+        ),
+        (
+            "disk_misses_corrupt_total",
+            "Objects whose header, key, length or checksum was wrong (misses).",
+            d.corrupt,
+        ),
+        (
+            "disk_timeouts_total",
+            "Disk reads not finished by the lookup's deadline (misses).",
+            d.timeouts,
+        ),
+        (
+            "disk_read_bytes_total",
+            "Bytes read back from disk.",
+            d.bytes_read,
+        ),
+        (
+            "disk_errors_total",
+            "Disk reads and writes that failed with an I/O error.",
+            d.read_errors + d.write_errors,
+        ),
+        (
+            "disk_segments_evicted_total",
+            "Disk segments dropped to make room, oldest first.",
+            d.segments_evicted,
+        ),
+    ] {
+        counter(o, name, help, v);
+    }
+    gauge(
+        o,
+        "disk_rebuilt_objects",
+        "Objects found on disk at start-up.",
+        d.rebuilt_objects,
+    );
 }
 
 impl Metrics {
@@ -251,6 +346,9 @@ impl Metrics {
                 "Bytes waiting to be written to the remote tier.",
                 r.backlog_bytes,
             );
+        }
+        if let Some(d) = &g.disk {
+            disk_series(&mut o, d, gauge, counter);
         }
         gauge(&mut o, "sessions", "Attached client sessions.", g.sessions);
         gauge(

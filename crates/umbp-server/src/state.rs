@@ -58,6 +58,7 @@ impl State {
             g.admissions_skipped = p.admissions_skipped;
         }
         g.remote = self.store.remote_stats();
+        g.disk = self.store.disk_stats();
         g
     }
 

@@ -19,6 +19,8 @@ pub struct StoreConfig {
     pub cuda: CudaOptions,
     /// A remote tier behind the pool (off when `None`).
     pub remote: Option<RemoteConfig>,
+    /// A disk tier under the pool (off when `None`).
+    pub disk: Option<umbp_disk::DiskConfig>,
 }
 
 impl Default for StoreConfig {
@@ -29,6 +31,7 @@ impl Default for StoreConfig {
             timeout: Duration::from_millis(options::TIMEOUT_MS.default_u64()),
             cuda: CudaOptions::default(),
             remote: None,
+            disk: None,
         }
     }
 }
@@ -51,6 +54,12 @@ impl StoreConfig {
                 RemoteError::Setting { name, why } => CoreError::option(name, why),
                 RemoteError::Url { .. } => CoreError::option("remote_url", e.to_string()),
                 other => CoreError::option("remote_url", other.to_string()),
+            })?;
+        }
+        if let Some(d) = &self.disk {
+            d.validate().map_err(|e| match e {
+                umbp_disk::DiskError::Setting { name, why } => CoreError::option(name, why),
+                other => CoreError::option("disk_dir", other.to_string()),
             })?;
         }
         Ok(())

@@ -39,6 +39,9 @@ pub enum StoreError {
     /// The remote tier's configuration is unusable.
     #[error(transparent)]
     Remote(#[from] RemoteError),
+    /// The disk tier cannot start.
+    #[error(transparent)]
+    Disk(#[from] umbp_disk::DiskError),
     /// Host memory to register is not mapped readable and writable in this process.
     #[error("cannot register host memory {addr:#x}+{len}: {reason}; pass the address and byte size of a live, writable allocation (e.g. a tensor's data_ptr() and its storage's nbytes())")]
     Unmapped {
@@ -61,6 +64,7 @@ impl StoreError {
             StoreError::Copy(e) => e.kind(),
             StoreError::Cuda(e) => e.kind(),
             StoreError::Remote(e) => e.kind(),
+            StoreError::Disk(e) => e.kind(),
             StoreError::UnknownLayout(_) => ErrorKind::NotFound,
             StoreError::ForeignRegion(_) | StoreError::Unmapped { .. } => ErrorKind::Registration,
             StoreError::Closed | StoreError::SessionReleased(_) => ErrorKind::Closed,

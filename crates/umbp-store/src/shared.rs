@@ -36,6 +36,8 @@ pub(crate) struct StoreShared {
     pub(crate) pinner: Mutex<Option<Arc<PoolPinner>>>,
     /// The remote tier, when configured.
     pub(crate) remote: Option<RemoteTier>,
+    /// The disk tier, when configured.
+    pub(crate) disk: Option<Arc<umbp_disk::DiskTier>>,
 }
 
 impl StoreShared {
@@ -146,6 +148,13 @@ impl StoreShared {
         if !self.closed.swap(true, Ordering::AcqRel) {
             if let Some(r) = &self.remote {
                 r.close();
+            }
+            if let Some(d) = &self.disk {
+                // The pool's objects go to disk (within the budget) for the next start; then
+                // objects still queued are dropped (their pins released) before the pool goes.
+                crate::disk::write_pool(d, &self.pool);
+                self.pool.set_spill(None);
+                d.close();
             }
             self.engine.close();
             for m in self.cuda.lock().values() {

@@ -59,9 +59,14 @@ impl EmbeddedStore {
             Some(rc) => Some(RemoteTier::start(rc, Arc::clone(&pool))?),
             None => None,
         };
+        let disk = match cfg.disk {
+            Some(dc) => Some(crate::disk::open(dc, &pool)?),
+            None => None,
+        };
         let shared = Arc::new(StoreShared {
             pool,
             remote,
+            disk,
             engine,
             next_layout: AtomicU32::new(1),
             next_session: AtomicU64::new(1),
@@ -129,6 +134,16 @@ impl EmbeddedStore {
     pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
         self.check_open()?;
         let mut found = self.shared.pool.exists_many(keys);
+        if let Some(d) = &self.shared.disk {
+            let missing: Vec<usize> = (0..keys.len()).filter(|i| !found[*i]).collect();
+            if !missing.is_empty() {
+                let ks: Vec<BlockKey> = missing.iter().map(|i| keys[*i]).collect();
+                let got = crate::disk::promote_present(d, &self.shared.pool, &ks, d.deadline());
+                for (i, got) in missing.into_iter().zip(got) {
+                    found[i] = got;
+                }
+            }
+        }
         if let Some(r) = &self.shared.remote {
             r.note_hits(
                 keys.iter()
@@ -180,7 +195,13 @@ impl EmbeddedStore {
         deadline: Option<std::time::Instant>,
     ) -> Result<usize, StoreError> {
         self.check_open()?;
-        let local = self.shared.pool.prefix_hits_with(n, &key);
+        let mut local = self.shared.pool.prefix_hits_with(n, &key);
+        if let (Some(d), true) = (&self.shared.disk, local < n) {
+            // DRAM, then disk, then the remote tier.
+            let rest: Vec<BlockKey> = (local..n).map(&key).collect();
+            let until = deadline.unwrap_or_else(|| d.deadline());
+            local += crate::disk::promote_prefix(d, &self.shared.pool, &rest, until);
+        }
         let Some(r) = &self.shared.remote else {
             return Ok(local);
         };
@@ -208,6 +229,17 @@ impl EmbeddedStore {
     /// at most `timeout`; whether it did (true without a remote tier).
     pub fn flush_remote(&self, timeout: Duration) -> bool {
         self.shared.remote.as_ref().is_none_or(|r| r.flush(timeout))
+    }
+
+    /// The disk tier's counters (`None` without one).
+    pub fn disk_stats(&self) -> Option<umbp_disk::DiskStats> {
+        self.shared.disk.as_ref().map(|d| d.stats())
+    }
+
+    /// Waits until the disk tier has written every object handed to it so far (or dropped
+    /// it), at most `timeout`; whether it did (true without a disk tier).
+    pub fn flush_disk(&self, timeout: Duration) -> bool {
+        self.shared.disk.as_ref().is_none_or(|d| d.flush(timeout))
     }
 
     /// Registers CUDA device memory of device `device` (e.g. a KV cache tensor's `data_ptr()`
@@ -332,9 +364,14 @@ impl EmbeddedStore {
         self.shared.timeout
     }
 
-    /// Removes every object; returns how many. [`StoreError::Closed`] after `close`.
+    /// Removes every object (the disk tier's too); returns how many left the pool.
+    /// [`StoreError::Closed`] after `close`.
     pub fn clear(&self) -> Result<u64, StoreError> {
         self.check_open()?;
+        // The disk first: a lookup between the two would promote back what the pool lost.
+        if let Some(d) = &self.shared.disk {
+            d.clear();
+        }
         Ok(self.shared.pool.clear())
     }
 
@@ -348,13 +385,17 @@ impl EmbeddedStore {
     }
 
     /// Removes the objects of one key namespace (the string keys were built from) from the
-    /// pool, and from the remote tier when there is one; returns how many left the pool. Other
-    /// namespaces are untouched.
+    /// pool, from the disk tier's index and from the remote tier when there are ones; returns
+    /// how many left the pool. Other namespaces are untouched. The disk keeps their bytes
+    /// until their segments are dropped: a restart finds them again.
     pub fn clear_namespace(&self, namespace: &str) -> Result<u64, StoreError> {
         self.check_open()?;
         let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
         // The remote first: a lookup between the two would fetch back what the pool lost.
         self.clear_remote_namespace(&id);
+        if let Some(d) = &self.shared.disk {
+            d.clear_namespace(&id);
+        }
         Ok(self.shared.pool.clear_namespace(&id))
     }
 

@@ -53,6 +53,18 @@ pub enum Op {
     GetRandom,
     /// `shutdown` of a socket.
     Shutdown,
+    /// `open` of a file.
+    Open,
+    /// `pwrite`.
+    Pwrite,
+    /// `fallocate`.
+    Fallocate,
+    /// `fdatasync`.
+    Fdatasync,
+    /// `flock`.
+    Flock,
+    /// `fstatvfs`.
+    Statvfs,
     /// `mbind`.
     Mbind,
     /// `madvise(MADV_POPULATE_WRITE)`.
@@ -87,6 +99,12 @@ impl Op {
             Op::PidfdOpen => "pidfd_open",
             Op::GetRandom => "getrandom",
             Op::Shutdown => "shutdown",
+            Op::Open => "open",
+            Op::Pwrite => "pwrite",
+            Op::Fallocate => "fallocate",
+            Op::Fdatasync => "fdatasync",
+            Op::Flock => "flock",
+            Op::Statvfs => "fstatvfs",
             Op::Mbind => "mbind",
             Op::Populate => "madvise(MADV_POPULATE_WRITE)",
         }
@@ -166,14 +184,17 @@ impl UnixError {
             return ErrorKind::InvalidArgument;
         };
         match errno {
-            libc::ENOMEM | libc::EMFILE | libc::ENFILE | libc::ENOSPC | libc::EFBIG => {
-                ErrorKind::Resource
-            }
+            libc::ENOMEM
+            | libc::EMFILE
+            | libc::ENFILE
+            | libc::ENOSPC
+            | libc::EFBIG
+            | libc::EDQUOT => ErrorKind::Resource,
             libc::ETIMEDOUT => ErrorKind::Timeout,
             libc::EPIPE | libc::ECONNRESET | libc::ENOTCONN | libc::ECONNREFUSED | libc::EAGAIN => {
                 ErrorKind::Unavailable
             }
-            libc::EPERM | libc::EACCES => ErrorKind::Denied,
+            libc::EPERM | libc::EACCES | libc::EROFS => ErrorKind::Denied,
             libc::EINVAL | libc::EBADF | libc::ENOTSOCK | libc::ENOSYS => {
                 ErrorKind::InvalidArgument
             }

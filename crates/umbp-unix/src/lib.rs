@@ -13,6 +13,8 @@
 //! * [`arena`]: owned mappings of a process's own memory (anonymous, huge pages, or a shared
 //!   file), bound to a NUMA node and populated up front;
 //! * [`process`]: a pidfd, the file-creation mask, random bytes;
+//! * [`file`]: files opened for direct I/O (`O_DIRECT`, past the page cache), positioned
+//!   reads and writes, space reservation, advisory locks and the file system's free space;
 //! * [`clock`]: the host-wide monotonic clock and the page size.
 //!
 //! Built on `rustix`; every operation fails with [`UnixError`], which names the call and the
@@ -24,6 +26,7 @@ pub mod epoll;
 pub mod error;
 pub mod eventfd;
 pub mod fdpass;
+pub mod file;
 pub mod futex;
 pub mod mapping;
 pub mod memfd;

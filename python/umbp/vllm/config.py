@@ -82,6 +82,9 @@ class ConnectorConfig:
     remote_timeout_ms: int
     remote_write_backlog: int
     remote_write_mb_per_s: int
+    disk_dir: str | None
+    disk_capacity_bytes: int
+    disk_write_mb_per_s: int
     cuda_staging_bytes: int
     # standalone
     endpoint: str | None

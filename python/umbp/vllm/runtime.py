@@ -119,8 +119,9 @@ class Runtime(Protocol):
         ...
 
     # Worker side.
-    def open_store(self) -> Store:
-        """This worker's store (the worker registers its KV cache with it)."""
+    def open_store(self, worker: int) -> Store:
+        """The store of worker `worker` (its index in the engine; the worker registers its KV
+        cache with it)."""
         ...
 
     def serve_lookups(self, store: Store, ranks: Ranks) -> umbp.LookupServer | None:
@@ -206,7 +207,14 @@ class EmbeddedRuntime:
 
     # -- worker side -------------------------------------------------------------------------
 
-    def open_store(self) -> umbp.EmbeddedStore:
+    def disk_dir(self, worker: int) -> str | None:
+        """Worker `worker`'s private disk tier directory under `disk_dir` (None: no tier)."""
+        if self.cfg.disk_dir is None:
+            return None
+        name = f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}-w{worker}"
+        return os.path.join(os.path.abspath(self.cfg.disk_dir), name)
+
+    def open_store(self, worker: int) -> umbp.EmbeddedStore:
         cfg, topo = self.cfg, self.topo
         capacity = cfg.worker_capacity(topo.workers)
         if cfg.dram_prefault and not cfg.dram_use_hugepages:
@@ -232,6 +240,9 @@ class EmbeddedRuntime:
             remote_timeout_ms=cfg.remote_timeout_ms,
             remote_write_backlog=cfg.remote_write_backlog,
             remote_write_mb_per_s=cfg.remote_write_mb_per_s,
+            disk_dir=self.disk_dir(worker),
+            disk_capacity_bytes=cfg.disk_capacity_bytes,
+            disk_write_mb_per_s=cfg.disk_write_mb_per_s,
             cuda_staging_bytes=cfg.cuda_staging_bytes,
         )
         self.capacity = capacity
@@ -348,7 +359,7 @@ class StandaloneRuntime:
 
     # -- worker side -------------------------------------------------------------------------
 
-    def open_store(self) -> ServerStore:
+    def open_store(self, worker: int) -> ServerStore:
         return ServerStore(self._connect("worker"))
 
     def serve_lookups(self, store: Store, ranks: Ranks) -> None:

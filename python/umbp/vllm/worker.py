@@ -239,7 +239,7 @@ class WorkerSide:
         return handle
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.store = self.runtime.open_store()
+        self.store = self.runtime.open_store(self.worker)
         self.kv_caches = dict(kv_caches)
         self._register_memory(kv_caches)
         if self.cuda_device is not None:

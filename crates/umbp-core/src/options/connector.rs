@@ -108,6 +108,9 @@ pub struct ConnectorOptions {
     pub remote_timeout_ms: u64,
     pub remote_write_backlog: u64,
     pub remote_write_mb_per_s: u64,
+    pub disk_dir: Option<String>,
+    pub disk_capacity_bytes: u64,
+    pub disk_write_mb_per_s: u64,
     pub cuda_staging_bytes: u64,
 }
 
@@ -167,6 +170,12 @@ impl ConnectorOptions {
                             "is not accepted in standalone mode: the server owns the pool and \
                              its remote tier; start the server with --remote-url \
                              (UMBP_REMOTE_URL) and the other --remote-* flags"
+                        }
+                        Mode::Standalone if name.starts_with("disk_") => {
+                            "is not accepted in standalone mode: the server owns the pool and \
+                             its disk tier; start the server with --disk-dir (UMBP_DISK_DIR), \
+                             --disk-capacity (UMBP_DISK_CAPACITY) and --disk-write-mb-per-s \
+                             (UMBP_DISK_WRITE_MB_PER_S)"
                         }
                         Mode::Standalone
                             if name == EVICTION_POLICY.name || name == STORE_ADMISSION.name =>

@@ -497,6 +497,51 @@ pub const REMOTE_WRITE_MB_PER_S: OptionSpec = OptionSpec {
     also_rejected: None,
 };
 
+/// `disk_dir`.
+pub const DISK_DIR: OptionSpec = OptionSpec {
+    name: "disk_dir",
+    scope: Scope::Embedded,
+    kind: Kind::Text(TextRule::Directory),
+    default: DefaultValue::Unset,
+    nullable: true,
+    default_doc: Some("— (off)"),
+    doc: "A local disk tier under each worker's pool (see [disk.md](disk.md)): objects the \
+          pool evicts are written behind to this directory, and lookups read what the pool \
+          misses back from it (before the remote tier). Each worker uses its own subdirectory \
+          `umbp-<tag>-dp<DP rank>-w<worker>` (the tag as in the lookup sockets' names), made \
+          when missing, and finds what an earlier run of the same engine left there (a worker \
+          that closes cleanly writes its pool there too). In standalone mode the server takes it (`--disk-dir`, `UMBP_DISK_DIR`).",
+    also_rejected: Some(
+        "Not writable, or its file system has less room than `disk_capacity_bytes` (found when \
+         the store starts).",
+    ),
+};
+/// `disk_capacity_bytes`.
+pub const DISK_CAPACITY_BYTES: OptionSpec = OptionSpec {
+    name: "disk_capacity_bytes",
+    scope: Scope::Embedded,
+    kind: at_least(32 * MIB, Unit::Bytes),
+    default: DefaultValue::Int(64 * GIB),
+    nullable: false,
+    default_doc: None,
+    doc: "Bytes of `disk_dir` each worker's disk tier may fill: segment files of capacity / 16 \
+          (16 to 256 MiB), preallocated, so start-up fails when the file system has less room; \
+          past it the oldest segment is dropped. With `disk_dir` only.",
+    also_rejected: None,
+};
+/// `disk_write_mb_per_s`.
+pub const DISK_WRITE_MB_PER_S: OptionSpec = OptionSpec {
+    name: "disk_write_mb_per_s",
+    scope: Scope::Embedded,
+    kind: at_least(0, Unit::Count),
+    default: DefaultValue::Int(0),
+    nullable: false,
+    default_doc: Some("0 (no limit)"),
+    doc: "Upper bound of the disk tier's write rate, in MB/s (10^6 bytes), per worker; \
+          what the backlog cannot hold is not written (counted as `writes_dropped`).",
+    also_rejected: None,
+};
+
 /// `cuda_staging_bytes`.
 pub const CUDA_STAGING_BYTES: OptionSpec = OptionSpec {
     name: "cuda_staging_bytes",
@@ -550,6 +595,9 @@ pub const SCHEMA: &[OptionSpec] = &[
     REMOTE_TIMEOUT_MS,
     REMOTE_WRITE_BACKLOG,
     REMOTE_WRITE_MB_PER_S,
+    DISK_DIR,
+    DISK_CAPACITY_BYTES,
+    DISK_WRITE_MB_PER_S,
     CUDA_STAGING_BYTES,
     ENDPOINT,
     STARTUP_TIMEOUT_MS,

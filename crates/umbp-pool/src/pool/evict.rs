@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use umbp_core::BlockKey;
 
-use super::inner::{Inner, EVICT_BATCH};
+use super::inner::{Inner, PinnedObject, SpillFn, EVICT_BATCH};
 use super::types::{PoolEvent, RemoveCause};
 use crate::alloc::Slot;
 use crate::index::EntryState;
@@ -52,7 +52,13 @@ impl Inner {
     /// Each round asks the policy which queue to take from ([`plan`]), collects a batch of
     /// candidates of that queue from every shard and evicts them merged by rank, so the order
     /// is the policy's over the whole pool (exact for LRU).
-    pub(super) fn evict(&self, target: u64, cause: RemoveCause) -> u64 {
+    /// With `spill`, evicted objects go to the spill hook when one is set.
+    pub(super) fn evict(&self, target: u64, cause: RemoveCause, spill: bool) -> u64 {
+        let hook = if spill {
+            self.spill.hook.read().clone()
+        } else {
+            None
+        };
         let mut freed = 0u64;
         let mut cands: Vec<(u64, u32)> = Vec::new();
         let mut merged: Vec<(u64, usize, u32)> = Vec::new();
@@ -69,7 +75,8 @@ impl Inner {
                     continue;
                 }
                 let want = (target - freed).min(quota);
-                let got = self.evict_round(queue, want, cause, &mut cands, &mut merged);
+                let got =
+                    self.evict_round(queue, want, cause, hook.as_ref(), &mut cands, &mut merged);
                 if got > 0 {
                     freed += got;
                     progressed = true;
@@ -90,6 +97,7 @@ impl Inner {
         queue: usize,
         want: u64,
         cause: RemoveCause,
+        hook: Option<&SpillFn>,
         cands: &mut Vec<(u64, u32)>,
         merged: &mut Vec<(u64, usize, u32)>,
     ) -> u64 {
@@ -117,6 +125,34 @@ impl Inner {
                 continue;
             }
             let key = shard.entry(idx).key;
+            if let Some(hook) = hook {
+                // Pinned before removal: the entry is doomed, its slot freed by the last unpin.
+                let e = shard.entry(idx);
+                let (offset, len, bytes) = (e.slot.offset, e.len, e.slot.bytes);
+                shard.pin(idx);
+                let freed_now = shard.remove(idx, true);
+                debug_assert!(freed_now.is_none());
+                drop(shard);
+                self.counters.pinned.fetch_add(1, Ordering::Relaxed);
+                self.spill.pending.fetch_add(bytes, Ordering::Relaxed);
+                freed += bytes;
+                self.finish_removals(Vec::new(), vec![(key, cause)]);
+                let Some(inner) = self.me.upgrade() else {
+                    continue;
+                };
+                hook(
+                    key,
+                    PinnedObject {
+                        inner,
+                        shard: si as u32,
+                        idx,
+                        offset,
+                        len,
+                        spilled: bytes,
+                    },
+                );
+                continue;
+            }
             let slot = shard
                 .remove(idx, true)
                 .expect("unpinned entries free at once");
@@ -185,9 +221,14 @@ pub(super) fn evictor_loop(weak: Weak<Inner>) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        let used = inner.alloc.lock().used();
+        // Spilled objects not yet written are on their way out: not counted again.
+        let used = inner
+            .alloc
+            .lock()
+            .used()
+            .saturating_sub(inner.spill.pending.load(Ordering::Relaxed));
         if used > inner.high_bytes {
-            let freed = inner.evict(used - inner.low_bytes, RemoveCause::Evicted);
+            let freed = inner.evict(used - inner.low_bytes, RemoveCause::Evicted, true);
             log::debug!("umbp: evicted {freed} bytes to reach the low watermark");
         }
         {

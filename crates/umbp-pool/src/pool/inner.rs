@@ -1,13 +1,19 @@
 //! The state every handle shares: the region, allocator and index shards, the counters
-//! behind [`PoolStats`](super::PoolStats) and the event hub subscribers hang off.
+//! behind [`PoolStats`](super::PoolStats), the event hub subscribers hang off and the spill
+//! hook; and the handles a caller holds: a [`Reservation`] (room being written, freed if
+//! dropped uncommitted) and a [`PinnedObject`] (a committed object kept from eviction while
+//! it lives). One file, since the spill hook hands out handles.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 
+use std::sync::Arc;
+
 use parking_lot::{Condvar, Mutex, RwLock};
+use umbp_core::BlockKey;
 
 use super::types::PoolEvent;
-use crate::alloc::Allocator;
+use crate::alloc::{Allocator, Slot};
 use crate::index::Shard;
 use crate::region::Region;
 use crate::window::FpWindow;
@@ -77,6 +83,25 @@ impl EventHub {
     }
 }
 
+/// Where the background evictor hands evicted objects (a disk tier's write-behind queue).
+pub type SpillFn = Arc<dyn Fn(BlockKey, PinnedObject) + Send + Sync>;
+
+/// The spill hook, when set, and the bytes of spilled objects not yet released.
+#[derive(Default)]
+pub(super) struct Spill {
+    pub(super) hook: RwLock<Option<SpillFn>>,
+    pub(super) pending: AtomicU64,
+}
+
+impl std::fmt::Debug for Spill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spill")
+            .field("hooked", &self.hook.read().is_some())
+            .field("pending", &self.pending.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
 #[derive(Debug)]
 pub(super) struct Inner {
     pub(super) region: Region,
@@ -94,4 +119,121 @@ pub(super) struct Inner {
     pub(super) wake: Mutex<bool>,
     pub(super) wake_cv: Condvar,
     pub(super) closed: AtomicBool,
+    pub(super) spill: Spill,
+    /// This pool itself, for handles made inside it (spilled objects).
+    pub(super) me: std::sync::Weak<Inner>,
+}
+
+/// Room for one object, exclusively owned by its writer until [`Pool::commit`]. Dropping it
+/// uncommitted returns the room to the pool.
+#[derive(Debug)]
+pub struct Reservation {
+    pub(super) inner: Arc<Inner>,
+    pub(super) slot: Option<Slot>,
+    pub(super) len: u64,
+}
+
+// SAFETY: a reservation refers to memory no one else can reach until it is committed.
+unsafe impl Send for Reservation {}
+
+impl Reservation {
+    /// Object size in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the object is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of the object's first byte.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        let slot = self.slot.expect("live reservation");
+        // SAFETY: the slot lies inside the region (the allocator hands out offsets below its
+        // capacity, which is at most the region's length).
+        unsafe { self.inner.region.base().add(slot.offset as usize) }
+    }
+
+    /// The object's bytes, for writing.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let len = self.len as usize;
+        let ptr = self.as_mut_ptr();
+        // SAFETY: `len <= slot.bytes`, the slot is inside the region, and the reservation is
+        // its only user until commit; `&mut self` prevents aliasing through this handle.
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.inner.alloc.lock().free(slot);
+        }
+        self.inner
+            .counters
+            .reservations
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A committed object that cannot be evicted or freed while this handle lives.
+#[derive(Debug)]
+pub struct PinnedObject {
+    pub(super) inner: Arc<Inner>,
+    pub(super) shard: u32,
+    pub(super) idx: u32,
+    pub(super) offset: u64,
+    pub(super) len: u64,
+    /// Bytes of an evicted object handed to the spill hook (0 for other pins): released from
+    /// the evictor's count of spills in flight when this pin goes.
+    pub(super) spilled: u64,
+}
+
+// SAFETY: the pinned bytes are immutable while pinned; the handle only reads them.
+unsafe impl Send for PinnedObject {}
+// SAFETY: as above.
+unsafe impl Sync for PinnedObject {}
+
+impl PinnedObject {
+    /// Object size in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the object is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of the first byte.
+    pub fn as_ptr(&self) -> *const u8 {
+        // SAFETY: the object's slot lies inside the region.
+        unsafe { self.inner.region.base().add(self.offset as usize) }
+    }
+
+    /// The object's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: committed objects are never written again, and the pin keeps the slot from
+        // being freed or reused while `self` lives.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len as usize) }
+    }
+}
+
+impl Drop for PinnedObject {
+    fn drop(&mut self) {
+        let freed = self.inner.shards[self.shard as usize]
+            .write()
+            .unpin(self.idx);
+        self.inner.counters.pinned.fetch_sub(1, Ordering::Relaxed);
+        if self.spilled > 0 {
+            self.inner
+                .spill
+                .pending
+                .fetch_sub(self.spilled, Ordering::Relaxed);
+        }
+        if let Some(slot) = freed {
+            self.inner.alloc.lock().free(slot);
+        }
+    }
 }

@@ -322,3 +322,39 @@ fn on_reuse_stores_a_key_the_second_time_it_is_seen() {
         "a skipped commit frees its reservation"
     );
 }
+
+#[test]
+fn watermark_eviction_hands_objects_to_the_spill_hook_pinned() {
+    use std::sync::{Arc, Mutex as StdMutex};
+    let p = Pool::new(PoolConfig {
+        segment_bytes: 64 << 10,
+        prefault: false,
+        high_watermark: 0.5,
+        low_watermark: 0.25,
+        ..PoolConfig::with_capacity(4 << 20)
+    })
+    .unwrap();
+    let held: Arc<StdMutex<Vec<(BlockKey, PinnedObject)>>> = Arc::default();
+    let h = Arc::clone(&held);
+    p.set_spill(Some(Arc::new(move |k, obj| {
+        h.lock().unwrap().push((k, obj))
+    })));
+    for i in 0..100u64 {
+        p.put(key(i), &[i as u8; 16 << 10]).unwrap();
+    }
+    p.evict_to_low_watermark();
+    let spilled = std::mem::take(&mut *held.lock().unwrap());
+    assert!(!spilled.is_empty());
+    let used_pinned = p.stats().used_bytes;
+    for (k, obj) in &spilled {
+        // Out of lookups, bytes intact while the pin lives.
+        assert!(!p.contains(k));
+        let i = (0..100).find(|i| key(*i) == *k).unwrap();
+        assert!(obj.as_slice().iter().all(|b| *b == i as u8));
+    }
+    drop(spilled);
+    // The last pins freed the memory.
+    assert!(p.stats().used_bytes < used_pinned);
+    p.set_spill(None);
+    p.check_invariants();
+}

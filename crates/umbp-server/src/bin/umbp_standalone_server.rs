@@ -150,6 +150,22 @@ struct Args {
         default_value_t = options::REMOTE_WRITE_MB_PER_S.default_u64()
     )]
     remote_write_mb_per_s: u64,
+    /// A local disk tier under the pool in this existing directory (off when unset): evicted
+    /// objects are written behind to it, lookups read what the pool misses back from it, and
+    /// a restarted server finds what the last one wrote. One server per directory. See
+    /// docs/disk.md.
+    #[arg(long = "disk-dir", env = "UMBP_DISK_DIR")]
+    disk_dir: Option<std::path::PathBuf>,
+    /// Bytes of --disk-dir the disk tier may fill (suffixes as --capacity).
+    #[arg(long = "disk-capacity", env = "UMBP_DISK_CAPACITY", default_value_t = schema_bytes(&options::DISK_CAPACITY_BYTES), value_parser = parse_bytes)]
+    disk_capacity: ByteCount,
+    /// Upper bound of the disk tier's write rate in MB/s (0: none).
+    #[arg(
+        long = "disk-write-mb-per-s",
+        env = "UMBP_DISK_WRITE_MB_PER_S",
+        default_value_t = options::DISK_WRITE_MB_PER_S.default_u64()
+    )]
+    disk_write_mb_per_s: u64,
     /// GPU memory per direction for the CUDA copy path's staging slots (two slots; 2 × this
     /// per GPU the server copies for, allocated when the first client registers CUDA memory of
     /// that GPU; suffixes as --capacity). 0: the copy engines only. See docs/benchmarks.md.
@@ -337,6 +353,7 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
         },
         num_workers: a.workers,
         timeout: Duration::from_millis(a.timeout_ms),
+        disk: disk_config(a)?,
         remote: remote_url.map(|url| RemoteConfig {
             url,
             ttl: (a.remote_ttl_s > 0).then(|| Duration::from_secs(a.remote_ttl_s)),
@@ -366,6 +383,30 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
     cfg.max_message_bytes = a.max_message_bytes as usize;
     cfg.busy_poll = Duration::from_micros(a.busy_poll_us);
     Ok(cfg)
+}
+
+/// The disk tier's settings, checked with the flags' names (None without --disk-dir).
+fn disk_config(a: &Args) -> anyhow::Result<Option<umbp_store::DiskConfig>> {
+    let Some(dir) = &a.disk_dir else {
+        return Ok(None);
+    };
+    anyhow::ensure!(
+        dir.is_dir(),
+        "--disk-dir / UMBP_DISK_DIR {}: not an existing directory; create it (on a local NVMe \
+         file system) or point the flag at one",
+        dir.display()
+    );
+    let dir = std::path::absolute(dir)
+        .with_context(|| format!("--disk-dir / UMBP_DISK_DIR {}", dir.display()))?;
+    let mut d = umbp_store::DiskConfig::new(dir, a.disk_capacity.0);
+    d.write_bytes_per_s = a.disk_write_mb_per_s.saturating_mul(1_000_000);
+    d.validate().map_err(|e| {
+        anyhow::anyhow!(
+            "{e} (flags --disk-dir, --disk-capacity, --disk-write-mb-per-s or their UMBP_DISK_* \
+             variables)"
+        )
+    })?;
+    Ok(Some(d))
 }
 
 async fn signalled() {
@@ -438,7 +479,14 @@ fn run(args: &Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the server's runtime")?;
-    rt.block_on(umbp_server::serve(cfg, signalled()))?;
+    let disk = cfg.store.disk.as_ref().map(|d| d.dir.clone());
+    rt.block_on(umbp_server::serve(cfg, signalled()))
+        .map_err(|e| match (&e, disk) {
+            (umbp_server::ServerError::Store(umbp_store::StoreError::Disk(_)), Some(dir)) => {
+                anyhow::anyhow!("{e} (--disk-dir / UMBP_DISK_DIR {})", dir.display())
+            }
+            _ => e.into(),
+        })?;
     // Blocking release threads still finishing are not waited for past this point.
     rt.shutdown_timeout(Duration::from_secs(1));
     Ok(())
@@ -506,6 +554,9 @@ mod tests {
         ("remote_timeout_ms", &options::REMOTE_TIMEOUT_MS),
         ("remote_write_backlog", &options::REMOTE_WRITE_BACKLOG),
         ("remote_write_mb_per_s", &options::REMOTE_WRITE_MB_PER_S),
+        ("disk_dir", &options::DISK_DIR),
+        ("disk_capacity", &options::DISK_CAPACITY_BYTES),
+        ("disk_write_mb_per_s", &options::DISK_WRITE_MB_PER_S),
         ("cuda_staging_bytes", &options::CUDA_STAGING_BYTES),
     ];
 

@@ -1,0 +1,104 @@
+//! The tier's counters.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A snapshot of the disk tier's counters (totals since start-up unless said otherwise).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DiskStats {
+    /// The configured size in bytes.
+    pub capacity_bytes: u64,
+    /// Bytes the segment files take now.
+    pub used_bytes: u64,
+    /// Objects the index holds now.
+    pub objects: u64,
+    /// Objects written.
+    pub writes: u64,
+    /// Bytes of objects written (without headers and padding).
+    pub bytes_written: u64,
+    /// Objects not written because the backlog was full or the tier closing.
+    pub writes_dropped: u64,
+    /// Objects not written because of an I/O error (disk full, directory gone, ...).
+    pub write_errors: u64,
+    /// Bytes of objects waiting to be written now.
+    pub backlog_bytes: u64,
+    /// Keys asked of the disk by lookups.
+    pub lookup_keys: u64,
+    /// Objects read back and handed over (promoted).
+    pub hits: u64,
+    /// Keys the disk did not hold (or could not hand over).
+    pub misses: u64,
+    /// Objects whose header, key, length or checksum was wrong (misses, dropped from the
+    /// index).
+    pub corrupt: u64,
+    /// Reads that failed with an I/O error (misses).
+    pub read_errors: u64,
+    /// Keys whose read had not finished by the lookup's deadline (misses).
+    pub timeouts: u64,
+    /// Bytes read back.
+    pub bytes_read: u64,
+    /// Segments dropped to make room (oldest first).
+    pub segments_evicted: u64,
+    /// Objects dropped with them.
+    pub objects_evicted: u64,
+    /// Objects found on disk at start-up.
+    pub rebuilt_objects: u64,
+    /// Microseconds the start-up index rebuild took.
+    pub rebuild_us: u64,
+    /// 1 when files are read and written with direct I/O (`O_DIRECT`).
+    pub direct_io: u64,
+}
+
+/// The live counters behind [`DiskStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub writes: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub writes_dropped: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub backlog_bytes: AtomicU64,
+    pub lookup_keys: AtomicU64,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub corrupt: AtomicU64,
+    pub read_errors: AtomicU64,
+    pub timeouts: AtomicU64,
+    pub bytes_read: AtomicU64,
+    pub segments_evicted: AtomicU64,
+    pub objects_evicted: AtomicU64,
+    pub rebuilt_objects: AtomicU64,
+    pub rebuild_us: AtomicU64,
+}
+
+/// Adds `n` to a counter.
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn backlog_bytes_set(&self, bytes: u64) {
+        self.backlog_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> DiskStats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        DiskStats {
+            writes: g(&self.writes),
+            bytes_written: g(&self.bytes_written),
+            writes_dropped: g(&self.writes_dropped),
+            write_errors: g(&self.write_errors),
+            backlog_bytes: g(&self.backlog_bytes),
+            lookup_keys: g(&self.lookup_keys),
+            hits: g(&self.hits),
+            misses: g(&self.misses),
+            corrupt: g(&self.corrupt),
+            read_errors: g(&self.read_errors),
+            timeouts: g(&self.timeouts),
+            bytes_read: g(&self.bytes_read),
+            segments_evicted: g(&self.segments_evicted),
+            objects_evicted: g(&self.objects_evicted),
+            rebuilt_objects: g(&self.rebuilt_objects),
+            rebuild_us: g(&self.rebuild_us),
+            ..DiskStats::default()
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! The running tier ([`DiskTier`]): the store, its writer threads (write-behind) and its
+//! reader threads (promotion), and the calls its owner makes.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use umbp_core::BlockKey;
+
+use crate::behind::{Behind, ObjectBytes, Queued};
+use crate::buf::AlignedBuf;
+use crate::config::DiskConfig;
+use crate::error::DiskError;
+use crate::promote::{Readers, Sink};
+use crate::stats::DiskStats;
+use crate::store::Store;
+
+/// A running disk tier. Dropping it (or [`DiskTier::close`]) stops its threads.
+#[derive(Debug)]
+pub struct DiskTier {
+    store: Arc<Store>,
+    behind: Arc<Behind>,
+    readers: Arc<Readers>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl DiskTier {
+    /// Opens the tier on `cfg.dir`: checks the settings, the directory (created when
+    /// missing; writable; not used by another process) and the space, rebuilds the index from
+    /// the files found (the time it takes is logged and in [`DiskStats::rebuild_us`]) and
+    /// starts `io_threads` writers and as many readers.
+    pub fn open(cfg: DiskConfig) -> Result<DiskTier, DiskError> {
+        let threads = cfg.io_threads;
+        let store = Arc::new(Store::open(cfg)?);
+        let tier = DiskTier {
+            store,
+            behind: Arc::new(Behind::new()),
+            readers: Arc::new(Readers::new()),
+            threads: Mutex::new(Vec::new()),
+        };
+        for i in 0..threads {
+            let (s, b) = (Arc::clone(&tier.store), Arc::clone(&tier.behind));
+            tier.spawn(format!("umbp-disk-w{i}"), "writer", move || b.writer(&s))?;
+            let (s, r) = (Arc::clone(&tier.store), Arc::clone(&tier.readers));
+            tier.spawn(format!("umbp-disk-r{i}"), "reader", move || r.reader(&s))?;
+        }
+        Ok(tier)
+    }
+
+    fn spawn(
+        &self,
+        name: String,
+        what: &'static str,
+        f: impl FnOnce() + Send + 'static,
+    ) -> Result<(), DiskError> {
+        let h = std::thread::Builder::new()
+            .name(name)
+            .spawn(f)
+            .map_err(|source| DiskError::Thread { what, source })?;
+        self.threads.lock().push(h);
+        Ok(())
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &DiskConfig {
+        &self.store.cfg
+    }
+
+    /// Queues `key`'s object for writing behind the caller; never waits. Objects past the
+    /// backlog are dropped (counted).
+    pub fn enqueue(&self, key: BlockKey, obj: Box<dyn ObjectBytes>) -> Queued {
+        self.behind.enqueue(&self.store, key, obj)
+    }
+
+    /// Writes `key`'s object now on the calling thread; `Ok(false)` when the disk has it.
+    pub fn write_now(&self, key: &BlockKey, data: &[u8]) -> Result<bool, DiskError> {
+        self.store.write(key, data, &mut AlignedBuf::new())
+    }
+
+    /// Whether the disk holds `key` (index only; reads nothing).
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.store.contains(key)
+    }
+
+    /// Which of `keys` the disk holds (index only).
+    pub fn contains_many(&self, keys: &[BlockKey]) -> Vec<bool> {
+        self.store.contains_many(keys)
+    }
+
+    /// When a lookup that starts now must be answered.
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.store.cfg.read_timeout
+    }
+
+    /// Reads the leading `keys` the disk holds, in parallel, handing each checked object to
+    /// `sink`; waits until `deadline` at most. Returns how many keys from the first were
+    /// promoted.
+    pub fn promote_prefix(&self, keys: &[BlockKey], deadline: Instant, sink: Sink) -> usize {
+        let got = self
+            .readers
+            .promote(&self.store, keys, true, deadline, sink);
+        got.iter().take_while(|p| **p).count()
+    }
+
+    /// Reads every one of `keys` the disk holds, handing each checked object to `sink`; waits
+    /// until `deadline` at most. Returns, per key, whether it was promoted.
+    pub fn promote_present(&self, keys: &[BlockKey], deadline: Instant, sink: Sink) -> Vec<bool> {
+        self.readers
+            .promote(&self.store, keys, false, deadline, sink)
+    }
+
+    /// Forgets `key`; whether the disk held it.
+    pub fn remove(&self, key: &BlockKey) -> bool {
+        self.store.remove(key)
+    }
+
+    /// Forgets the objects of the key namespace with id `namespace_id`; how many. Only the
+    /// index forgets them: their bytes stay in their segments until those are dropped, and a
+    /// restart's index rebuild finds them again (see docs/disk.md).
+    pub fn clear_namespace(&self, namespace_id: &[u8; 16]) -> u64 {
+        self.store
+            .remove_where(|k| k.namespace_id() == *namespace_id)
+    }
+
+    /// Forgets every object (their segments are deleted); how many there were.
+    pub fn clear(&self) -> u64 {
+        self.store.clear()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> DiskStats {
+        self.store.stats()
+    }
+
+    /// Waits until every queued object is written (or dropped), at most `timeout`.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        self.behind.flush(timeout)
+    }
+
+    /// Stops the threads; queued objects not yet written are dropped (counted).
+    pub fn close(&self) {
+        self.behind.stop(&self.store);
+        self.readers.stop();
+        let threads = std::mem::take(&mut *self.threads.lock());
+        for t in threads {
+            let _ = t.join();
+        }
+        self.store.close();
+        self.store.release_lock();
+    }
+}
+
+impl Drop for DiskTier {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

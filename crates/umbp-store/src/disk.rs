@@ -1,0 +1,204 @@
+//! The disk tier under the pool: objects the pool's watermark eviction takes are written
+//! behind to disk (pinned until written), and keys a lookup misses in the pool are read back
+//! from disk into the pool before the lookup answers.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use umbp_core::BlockKey;
+use umbp_disk::{DiskConfig, DiskError, DiskTier, ObjectBytes, Sink};
+use umbp_pool::{PinnedObject, Pool};
+
+/// An evicted pool object on its way to disk: its memory is freed when this is dropped.
+struct Spilled(PinnedObject);
+
+impl ObjectBytes for Spilled {
+    fn bytes(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+/// Opens the tier and hands it every object the pool's watermark eviction takes.
+pub(crate) fn open(cfg: DiskConfig, pool: &Arc<Pool>) -> Result<Arc<DiskTier>, DiskError> {
+    let disk = Arc::new(DiskTier::open(cfg)?);
+    let d = Arc::downgrade(&disk);
+    pool.set_spill(Some(Arc::new(move |key, obj| {
+        if let Some(d) = d.upgrade() {
+            // Never waits: a full backlog drops (counted), which frees the object now.
+            d.enqueue(key, Box::new(Spilled(obj)));
+        }
+    })));
+    Ok(disk)
+}
+
+/// Writes the pool's objects the disk does not hold yet, on the calling thread, until the
+/// tier's `close_write` budget is spent (after the write-behind queue has drained); how many.
+/// Run at close, so a clean restart finds what the pool held.
+pub(crate) fn write_pool(disk: &DiskTier, pool: &Pool) -> u64 {
+    let budget = disk.config().close_write;
+    if budget.is_zero() {
+        return 0;
+    }
+    let t = Instant::now();
+    let deadline = t + budget;
+    disk.flush(budget);
+    let mut written = 0u64;
+    for key in pool.keys() {
+        if Instant::now() >= deadline {
+            log::warn!(
+                "umbp: disk tier: closing wrote {written} of the pool's objects before its \
+                 {budget:?} budget ran out; the rest are not on disk"
+            );
+            break;
+        }
+        if disk.contains(&key) {
+            continue;
+        }
+        let Some(obj) = pool.peek(&key) else { continue };
+        match disk.write_now(&key, obj.as_slice()) {
+            Ok(true) => written += 1,
+            Ok(false) => {}
+            Err(e) => {
+                log::warn!("umbp: disk tier: closing stopped writing the pool: {e}");
+                break;
+            }
+        }
+    }
+    log::info!(
+        "umbp: disk tier: closing wrote {written} objects of the pool in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+    written
+}
+
+/// The sink promoted objects go to: the pool, without evicting (what does not fit in its
+/// free room misses: evicting would push out what the same lookup just counted).
+fn into_pool(pool: &Arc<Pool>) -> Sink {
+    let pool = Arc::clone(pool);
+    Arc::new(move |key: &BlockKey, bytes: &[u8]| {
+        if pool.contains(key) {
+            return true;
+        }
+        let Ok(mut r) = pool.try_reserve(bytes.len() as u64) else {
+            return false;
+        };
+        r.as_mut_slice().copy_from_slice(bytes);
+        pool.commit(r, *key);
+        true
+    })
+}
+
+/// Reads the leading `keys` the disk holds into the pool; how many from the first it did.
+pub(crate) fn promote_prefix(
+    disk: &DiskTier,
+    pool: &Arc<Pool>,
+    keys: &[BlockKey],
+    deadline: Instant,
+) -> usize {
+    disk.promote_prefix(keys, deadline, into_pool(pool))
+}
+
+/// Reads every one of `keys` the disk holds into the pool; which it did.
+pub(crate) fn promote_present(
+    disk: &DiskTier,
+    pool: &Arc<Pool>,
+    keys: &[BlockKey],
+    deadline: Instant,
+) -> Vec<bool> {
+    disk.promote_present(keys, deadline, into_pool(pool))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use umbp_core::{KeyBuilder, PoolConfig, RankTopology};
+
+    use crate::{DiskConfig, EmbeddedStore, StoreConfig};
+
+    fn store(dir: &std::path::Path) -> EmbeddedStore {
+        let mut disk = DiskConfig::new(dir, 64 << 20);
+        disk.segment_bytes = 1 << 20;
+        disk.io_threads = 2;
+        EmbeddedStore::new(StoreConfig {
+            pool: PoolConfig {
+                segment_bytes: 64 << 10,
+                prefault: false,
+                high_watermark: 0.5,
+                low_watermark: 0.25,
+                ..PoolConfig::with_capacity(4 << 20)
+            },
+            disk: Some(disk),
+            ..StoreConfig::default()
+        })
+        .unwrap()
+    }
+
+    fn tmpdir(tag: &str) -> std::path::PathBuf {
+        let d = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!(
+            "../../target/test-disk/store-{tag}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d.canonicalize().unwrap()
+    }
+
+    #[test]
+    fn evicted_objects_come_back_from_disk_byte_exact_and_survive_a_restart() {
+        let d = tmpdir("evict");
+        let kb = KeyBuilder::new("disk-test", RankTopology::default()).unwrap();
+        let keys: Vec<_> = (0..120u32)
+            .map(|i| kb.key(0, &i.to_le_bytes()).unwrap())
+            .collect();
+        let obj = |i: usize| vec![(i * 7 % 251) as u8; 32 << 10];
+        let in_pool_only;
+        {
+            let s = store(&d);
+            for (i, k) in keys.iter().enumerate() {
+                s.pool().put(*k, &obj(i)).unwrap();
+            }
+            s.pool().evict_to_low_watermark();
+            assert!(s.flush_disk(Duration::from_secs(10)));
+            let ds = s.disk_stats().unwrap();
+            assert!(ds.writes > 0, "{ds:?}");
+            assert!(!s.pool().contains(&keys[0]), "key 0 was evicted");
+            // A lookup promotes the evicted prefix back into the pool before it answers.
+            let hits = s.prefix_hits(&keys[..10]).unwrap();
+            assert_eq!(hits, 10);
+            for (i, k) in keys[..10].iter().enumerate() {
+                assert_eq!(s.pool().get(k).unwrap().as_slice(), &obj(i)[..]);
+            }
+            let disk = s.shared.disk.as_ref().unwrap();
+            in_pool_only = keys
+                .iter()
+                .copied()
+                .filter(|k| s.pool().contains(k) && !disk.contains(k))
+                .collect::<Vec<_>>();
+            assert!(!in_pool_only.is_empty());
+            // Closing writes what the pool holds.
+            s.close();
+        }
+        // A new store on the same directory (a restart) finds them on disk, the pool's last
+        // objects too.
+        let s = store(&d);
+        assert!(s.disk_stats().unwrap().rebuilt_objects > 0);
+        assert_eq!(s.exists(&keys[..3]).unwrap(), vec![true; 3]);
+        assert_eq!(
+            s.exists(&in_pool_only).unwrap(),
+            vec![true; in_pool_only.len()]
+        );
+        assert_eq!(s.pool().get(&keys[2]).unwrap().as_slice(), &obj(2)[..]);
+        // Clearing another namespace leaves these; clearing theirs forgets them on disk too.
+        s.clear_namespace("disk-test-other").unwrap();
+        assert_eq!(s.exists(&keys[3..4]).unwrap(), vec![true]);
+        s.clear_namespace("disk-test").unwrap();
+        assert_eq!(s.exists(&keys[3..6]).unwrap(), vec![false; 3]);
+        assert_eq!(s.disk_stats().unwrap().objects, 0);
+        // Clearing the store clears the disk: nothing comes back.
+        s.clear().unwrap();
+        assert_eq!(s.prefix_hits(&keys[..3]).unwrap(), 0);
+        s.close();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
