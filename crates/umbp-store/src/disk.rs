@@ -169,9 +169,18 @@ mod tests {
             for (i, k) in keys[..10].iter().enumerate() {
                 assert_eq!(s.pool().get(k).unwrap().as_slice(), &obj(i)[..]);
             }
+            // Objects put since are in the pool only (the background evictor, racing the
+            // explicit eviction above, may have emptied the pool of the others).
+            let fresh: Vec<_> = (1000..1004u32)
+                .map(|i| kb.key(0, &i.to_le_bytes()).unwrap())
+                .collect();
+            for (j, k) in fresh.iter().enumerate() {
+                s.pool().put(*k, &obj(1000 + j)).unwrap();
+            }
             let disk = s.shared.disk.as_ref().unwrap();
             in_pool_only = keys
                 .iter()
+                .chain(&fresh)
                 .copied()
                 .filter(|k| s.pool().contains(k) && !disk.contains(k))
                 .collect::<Vec<_>>();
