@@ -311,7 +311,41 @@ def remote(d: dict, plt):
     return fig
 
 
+def disk(d: dict, plt):
+    r = d["result"]
+    rows = r["sizes"]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.6), dpi=120, sharey=True)
+    for ax, (raw, tier, ratio, title) in zip(
+        axes,
+        (
+            ("raw_write_gbps", "write_behind_gbps", "write_ratio", "writes: write-behind vs raw"),
+            ("raw_read_gbps", "promote_gbps", "promote_ratio", "reads: promote vs raw"),
+        ),
+    ):
+        _paired_bars(
+            ax,
+            [f"{x['object_bytes'] >> 10} KiB" for x in rows],
+            ([x[raw] for x in rows], "tab:gray", "raw O_DIRECT"),
+            ([x[tier] for x in rows], "tab:blue", "UMBP disk tier"),
+            ratios=[x[ratio] for x in rows],
+        )
+        ax.set_title(title, fontsize=9)
+    top = max(max(x["raw_write_gbps"], x["raw_read_gbps"], x["write_behind_gbps"], x["promote_gbps"])
+              for x in rows)  # fmt: skip
+    axes[0].set_ylim(0, 1.3 * top)
+    axes[0].set_ylabel("GB/s, median of rounds (label: tier / raw)")
+    axes[0].legend(fontsize=7, loc="upper right")
+    rs = r["restart"]
+    fig.suptitle(
+        f"Disk tier, {d['machine']}, {d['date']}; index of {rs['objects']:,} objects rebuilt in "
+        f"{rs['rebuild_ms']:.0f} ms",
+        fontsize=9,
+    )
+    return fig
+
+
 KINDS = {
+    "disk": disk,
     "ttft": ttft,
     "remote": remote,
     "demo-ttft": demo_ttft,
