@@ -284,64 +284,56 @@ def demo_ttft(d: dict, plt):
     return fig
 
 
-def remote(d: dict, plt):
-    rows = d["result"]["results"]
+def _tier_vs_raw(plt, rows, panels, raw_label, tier_label, suptitle):
+    """Two panels (writes, reads) of a tier's GB/s beside the raw ceiling's per object size;
+    `panels`: (raw key, tier key, ratio key, title) each."""
     fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.6), dpi=120, sharey=True)
-    for ax, (raw, tier, ratio, title) in zip(
-        axes,
+    for ax, (raw, tier, ratio, title) in zip(axes, panels):
+        _paired_bars(
+            ax,
+            [f"{r['object_bytes'] >> 10} KiB" for r in rows],
+            ([r[raw] for r in rows], "tab:gray", raw_label),
+            ([r[tier] for r in rows], "tab:blue", tier_label),
+            ratios=[r[ratio] for r in rows],
+        )
+        ax.set_title(title, fontsize=9)
+    top = max(r[k] for r in rows for p in panels for k in p[:2])
+    axes[0].set_ylim(0, 1.3 * top)
+    axes[0].set_ylabel("GB/s, median of rounds (label: tier / raw)")
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(suptitle, fontsize=9)
+    return fig
+
+
+def remote(d: dict, plt):
+    return _tier_vs_raw(
+        plt,
+        d["result"]["results"],
         (
             ("raw_set_gbps", "tier_put_gbps", "put_vs_raw", "writes: tier put vs raw SET"),
             ("raw_get_gbps", "tier_get_gbps", "get_vs_raw", "reads: tier get vs raw GET"),
         ),
-    ):
-        _paired_bars(
-            ax,
-            [f"{r['object_bytes'] >> 10} KiB" for r in rows],
-            ([r[raw] for r in rows], "tab:gray", "raw pipelined Redis"),
-            ([r[tier] for r in rows], "tab:blue", "UMBP remote tier"),
-            ratios=[r[ratio] for r in rows],
-        )
-        ax.set_title(title, fontsize=9)
-    top = max(max(r["raw_set_gbps"], r["raw_get_gbps"], r["tier_put_gbps"], r["tier_get_gbps"])
-              for r in rows)  # fmt: skip
-    axes[0].set_ylim(0, 1.3 * top)
-    axes[0].set_ylabel("GB/s, median of rounds (label: tier / raw)")
-    axes[0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"Remote tier, {d['machine']}, {d['date']}", fontsize=9)
-    return fig
+        "raw pipelined Redis",
+        "UMBP remote tier",
+        f"Remote tier, {d['machine']}, {d['date']}",
+    )
 
 
 def disk(d: dict, plt):
     r = d["result"]
-    rows = r["sizes"]
-    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.6), dpi=120, sharey=True)
-    for ax, (raw, tier, ratio, title) in zip(
-        axes,
+    rs = r["restart"]
+    return _tier_vs_raw(
+        plt,
+        r["sizes"],
         (
             ("raw_write_gbps", "write_behind_gbps", "write_ratio", "writes: write-behind vs raw"),
             ("raw_read_gbps", "promote_gbps", "promote_ratio", "reads: promote vs raw"),
         ),
-    ):
-        _paired_bars(
-            ax,
-            [f"{x['object_bytes'] >> 10} KiB" for x in rows],
-            ([x[raw] for x in rows], "tab:gray", "raw O_DIRECT"),
-            ([x[tier] for x in rows], "tab:blue", "UMBP disk tier"),
-            ratios=[x[ratio] for x in rows],
-        )
-        ax.set_title(title, fontsize=9)
-    top = max(max(x["raw_write_gbps"], x["raw_read_gbps"], x["write_behind_gbps"], x["promote_gbps"])
-              for x in rows)  # fmt: skip
-    axes[0].set_ylim(0, 1.3 * top)
-    axes[0].set_ylabel("GB/s, median of rounds (label: tier / raw)")
-    axes[0].legend(fontsize=7, loc="upper right")
-    rs = r["restart"]
-    fig.suptitle(
+        "raw O_DIRECT",
+        "UMBP disk tier",
         f"Disk tier, {d['machine']}, {d['date']}; index of {rs['objects']:,} objects rebuilt in "
         f"{rs['rebuild_ms']:.0f} ms",
-        fontsize=9,
     )
-    return fig
 
 
 KINDS = {
