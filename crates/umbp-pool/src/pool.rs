@@ -468,13 +468,7 @@ impl Pool {
     /// Evicts objects (in the policy's order) until occupancy is at the low watermark, now, on
     /// the caller's thread. Returns the bytes freed.
     pub fn evict_to_low_watermark(&self) -> u64 {
-        // As the background evictor: spilled objects not yet written are on their way out.
-        let used = self
-            .inner
-            .alloc
-            .lock()
-            .used()
-            .saturating_sub(self.inner.spill.pending.load(Ordering::Relaxed));
+        let used = self.inner.used_for_watermarks();
         if used <= self.inner.low_bytes {
             return 0;
         }

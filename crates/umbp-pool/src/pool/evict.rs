@@ -16,6 +16,15 @@ use crate::policy::{plan, QUEUES};
 use umbp_core::caching::EvictionPolicy;
 
 impl Inner {
+    /// Bytes the watermarks count: those allocated, less spilled objects still being written
+    /// (on their way out, so not evicted for twice).
+    pub(super) fn used_for_watermarks(&self) -> u64 {
+        self.alloc
+            .lock()
+            .used()
+            .saturating_sub(self.spill.pending.load(Ordering::Relaxed))
+    }
+
     pub(super) fn wake_evictor(&self) {
         *self.wake.lock() = true;
         self.wake_cv.notify_one();
@@ -221,12 +230,7 @@ pub(super) fn evictor_loop(weak: Weak<Inner>) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        // Spilled objects not yet written are on their way out: not counted again.
-        let used = inner
-            .alloc
-            .lock()
-            .used()
-            .saturating_sub(inner.spill.pending.load(Ordering::Relaxed));
+        let used = inner.used_for_watermarks();
         if used > inner.high_bytes {
             let freed = inner.evict(used - inner.low_bytes, RemoveCause::Evicted, true);
             log::debug!("umbp: evicted {freed} bytes to reach the low watermark");
