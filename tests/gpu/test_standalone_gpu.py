@@ -247,3 +247,48 @@ def test_connector_store_through_the_server_is_ordered_after_the_engine_stream(t
         store.close()
     finally:
         stop_server(p)
+
+
+@pytest.mark.parametrize("form", ["MLA", "MLA3"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mla_is_stored_once_and_every_rank_restores_it_from_cuda(tmp_path, form, tp):
+    """MLA at TP 2 and 4 on the GPU: `tp` clients (ranks) with their own CUDA caches holding
+    the same latent bytes; rank 0 stores each block once under keys without the TP rank, every
+    rank's cache is overwritten and restored from that one object over CUDA IPC, and each
+    rank's whole allocation is compared byte for byte (tests/kv_matrix.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import kv_matrix
+
+    import umbp
+
+    layers = 8
+    p, sock = start_server(tmp_path, "2GiB")
+    clients = []
+    try:
+        caches = [
+            kv_matrix.Cache(
+                form,
+                device="cuda",
+                layers=layers,
+                blocks=96,
+                heads=1,
+                block_size=64,
+                head_size=576,  # DeepSeek's latent: 512 + 64 RoPE values per token
+                dtype=torch.bfloat16,
+            )
+            for _ in range(tp)
+        ]
+        for rank, c in enumerate(caches):
+            client = umbp.StandaloneClient(str(sock), client_name=f"mla rank {rank}")
+            client.register_cuda_memory(c.raw.data_ptr(), c.raw.numel())
+            clients.append(client)
+        statuses = kv_matrix.round_trip_replicated(clients, caches, f"gpu-mla-{form}-tp{tp}")
+        assert statuses == ["done"] * len(statuses)
+        st = clients[0].stats()
+        # One object per block, not one per rank.
+        assert st["objects"] == len(statuses), st
+        assert st["used_bytes"] < 2 * len(statuses) * layers * caches[0].page, st
+    finally:
+        for c in clients:
+            c.close()
+        stop_server(p)

@@ -5,11 +5,14 @@ such blocks without the TP rank: the first rank of each replica group stores the
 answer "skipped", the scheduler asks the server about one rank, and every rank restores from
 the one object. Byte-exact through the layout matrix (tests/kv_matrix.py's MLA forms) and
 through the connector's worker side with vLLM's own `MLAAttentionSpec` and `allocate_kv_cache`
-(a real MLA engine at TP 2 is not tested yet).
+(a real MLA engine at TP 2 runs in tests/vllm/test_standalone.py). In embedded mode each
+worker keeps its own pool, and the remote tier behind them gets one object per block, written
+by the first rank only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -252,3 +255,92 @@ def test_connector_stores_mla_once_at_tp2_and_every_rank_restores_it(
             w.shutdown()
         lookups.client.clear()
         sched.scheduler_shutdown()
+
+
+def test_embedded_remote_tier_gets_one_object_per_block_at_tp2(tmp_path):
+    """Embedded mode at TP 2 with an MLA cache and a real Redis: each worker stores into its
+    own pool, only rank 0 writes the remote tier (one object per block, not one per rank);
+    two fresh workers (empty pools, as on another node) both restore every byte from it."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from redis_cluster import redis_cluster
+
+    from umbp.vllm.runtime import EmbeddedRuntime
+
+    tp = 2
+    kcc = kv_cache_config(mla_spec(), "LBHNC", tp=2)
+    replicas = tp_replicas(kcc, kcc.kv_cache_groups, tp, 1, 1)
+    assert replicas == 2
+    t = dataclasses.replace(topo(tp, replicas, "mla-embedded-remote"), replicas_share_pool=False)
+    assert [t.stores_blocks(r) for r in range(tp)] == [True, True]
+    assert [t.writes_shared(r) for r in range(tp)] == [True, False]
+    src, dst = [3, 7, 11, 20, 300], [0, 5, 13, 22, 600]
+    hashes = b"".join(i.to_bytes(8, "little") * 4 for i in src)
+    g = torch.Generator().manual_seed(11)
+
+    def engine(cluster, node: str):
+        (tmp_path / node).mkdir()
+        cfg = ConnectorConfig.parse(
+            {
+                "total_capacity_bytes": 64 << 20,
+                "dram_prefault": False,
+                "lookup_dir": str(tmp_path / node),
+                "remote_url": cluster.url,
+                "remote_timeout_ms": 5000,
+            },
+            "kv_both",
+        )
+        workers, bufs = [], []
+        for rank in range(tp):
+            c = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC)
+            first = next(iter(c.values()))
+            bufs.append(torch.empty(0, dtype=torch.int8).set_(first.untyped_storage()))
+            w = WorkerSide(cfg, t, EmbeddedRuntime(cfg, t), kcc, Ranks(tp=rank))
+            w.register_kv_caches(c)
+            workers.append((w, c))
+        return cfg, workers, bufs
+
+    with redis_cluster(1) as cluster:
+        _, node_a, bufs_a = engine(cluster, "a")
+        try:
+            bufs_a[0].copy_(
+                torch.randint(-128, 128, bufs_a[0].shape, generator=g, dtype=torch.int8)
+            )
+            bufs_a[1].copy_(bufs_a[0])  # MLA: every rank holds the same latent cache
+            before = bufs_a[0].clone()
+            store = Transfer(group=0, block_ids=src, hashes=hashes, hash_len=32, store_id=1)
+            for w, _ in node_a:
+                w.wait_for_save(UMBPConnectorMetadata(stores=[store]))
+            for w, _ in node_a:  # both ranks keep a copy in their own pool
+                assert w.stores[1].wait(30_000) == ["done"] * len(src)
+                assert w.store.flush_remote(10_000)
+            writes = [w.store.remote_stats()["writes"] for w, _ in node_a]
+            assert writes == [len(src), 0], writes
+            assert len(cluster.keys()) == len(src)  # one object per block, not one per rank
+        finally:
+            for w, _ in node_a:
+                w.shutdown()
+
+        cfg, node_b, bufs_b = engine(cluster, "b")
+        lookups = EmbeddedRuntime(cfg, t).lookup_client()
+        try:
+            for w, _ in node_b:
+                assert w.store.stats()["objects"] == 0
+            # The scheduler asks both workers: each fetches the shared objects into its pool.
+            assert lookups.prefix_hits(0, hashes, 32) == len(src)
+            for (w, c), b in zip(node_b, bufs_b):
+                b.copy_(torch.randint(-128, 128, b.shape, generator=g, dtype=torch.int8))
+                expect = b.clone()
+                for tensor in c.values():
+                    tb = tensor.view(torch.int8)
+                    off = tb.data_ptr() - b.data_ptr()
+                    ev = torch.as_strided(expect, tb.shape, tb.stride(), off)
+                    bv = torch.as_strided(before, tb.shape, tb.stride(), off)
+                    ev[dst] = bv[src]
+                load = Transfer(group=0, block_ids=dst, hashes=hashes, hash_len=32, req_id="r")
+                w.start_load_kv(UMBPConnectorMetadata(loads=[load]))
+                assert not w.take_load_errors()
+                assert torch.equal(b, expect), f"rank {w.tp}: restored cache differs"
+                assert w.store.remote_stats()["hits"] == len(src)
+        finally:
+            for w, _ in node_b:
+                w.shutdown()

@@ -20,17 +20,21 @@ pub enum WritePolicy {
     /// An object the second time a lookup hits it in the pool (hits of one key less than a
     /// second apart count once: vLLM looks a waiting request up again every step).
     OnReuse,
+    /// Never: the tier only reads what other nodes (or other ranks) wrote. The vLLM connector
+    /// gives it to the ranks of an MLA replica group but the first, whose objects they share.
+    Never,
 }
 
 impl WritePolicy {
-    /// Parses `eager` or `on_reuse`.
+    /// Parses `eager`, `on_reuse` or `never`.
     pub fn parse(s: &str) -> Result<WritePolicy, RemoteError> {
         match s {
             "eager" => Ok(WritePolicy::Eager),
             "on_reuse" => Ok(WritePolicy::OnReuse),
+            "never" => Ok(WritePolicy::Never),
             other => Err(RemoteError::Setting {
                 name: "remote_write",
-                why: format!("{other:?} is neither \"eager\" nor \"on_reuse\""),
+                why: format!("{other:?} is not \"eager\", \"on_reuse\" or \"never\""),
             }),
         }
     }
@@ -40,6 +44,7 @@ impl WritePolicy {
         match self {
             WritePolicy::Eager => "eager",
             WritePolicy::OnReuse => "on_reuse",
+            WritePolicy::Never => "never",
         }
     }
 }
@@ -141,5 +146,19 @@ impl RemoteConfig {
             })?;
         }
         Target::parse(&self.url)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_write_policy_the_schema_offers_parses_and_names_itself() {
+        for &name in options::REMOTE_WRITES {
+            assert_eq!(WritePolicy::parse(name).unwrap().name(), name);
+        }
+        let e = WritePolicy::parse("lazy").unwrap_err().to_string();
+        assert!(e.contains("remote_write") && e.contains("never"), "{e}");
     }
 }

@@ -93,6 +93,7 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
                         WritePolicy::OnReuse => {
                             inner.candidates.lock().insert(key, Reuse::default())
                         }
+                        WritePolicy::Never => {}
                     }
                 }
                 WriterMsg::Pool(PoolEvent::Removed { key, .. }) => {

@@ -119,9 +119,8 @@ class Runtime(Protocol):
         ...
 
     # Worker side.
-    def open_store(self, worker: int) -> Store:
-        """The store of worker `worker` (its index in the engine; the worker registers its KV
-        cache with it)."""
+    def open_store(self, ranks: Ranks) -> Store:
+        """The store of the worker at `ranks` (the worker registers its KV cache with it)."""
         ...
 
     def serve_lookups(self, store: Store, ranks: Ranks) -> umbp.LookupServer | None:
@@ -214,8 +213,19 @@ class EmbeddedRuntime:
         name = f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}-w{worker}"
         return os.path.join(os.path.abspath(self.cfg.disk_dir), name)
 
-    def open_store(self, worker: int) -> umbp.EmbeddedStore:
+    def open_store(self, ranks: Ranks) -> umbp.EmbeddedStore:
         cfg, topo = self.cfg, self.topo
+        worker = ranks.worker(topo)
+        remote_write = cfg.remote_write
+        if cfg.remote_url is not None and not topo.writes_shared(ranks.tp):
+            # MLA: this rank's blocks are the first rank's, which writes the shared objects.
+            remote_write = "never"
+        elif cfg.remote_url is not None and topo.tp_replicas > 1:
+            logger.info(
+                "umbp: the KV of every %d consecutive TP ranks is identical (MLA): the remote "
+                "tier gets one object per block, written by the first rank of each group",
+                topo.tp_replicas,
+            )
         capacity = cfg.worker_capacity(topo.workers)
         if cfg.dram_prefault and not cfg.dram_use_hugepages:
             # Every worker of this engine on this host prefaults a pool: check their sum.
@@ -236,7 +246,7 @@ class EmbeddedRuntime:
             timeout_ms=cfg.timeout_ms,
             remote_url=cfg.remote_url,
             remote_ttl_s=cfg.remote_ttl_s,
-            remote_write=cfg.remote_write,
+            remote_write=remote_write,
             remote_timeout_ms=cfg.remote_timeout_ms,
             remote_write_backlog=cfg.remote_write_backlog,
             remote_write_mb_per_s=cfg.remote_write_mb_per_s,
@@ -254,7 +264,7 @@ class EmbeddedRuntime:
             store,
             path,
             self.topo.namespace,
-            tp=ranks.tp,
+            tp=self.topo.key_tp(ranks.tp),
             pcp=ranks.pcp,
             dcp=ranks.dcp,
             describe=f"pid {os.getpid()} tp{ranks.tp} pcp{ranks.pcp} dcp{ranks.dcp}",
@@ -359,7 +369,7 @@ class StandaloneRuntime:
 
     # -- worker side -------------------------------------------------------------------------
 
-    def open_store(self, worker: int) -> ServerStore:
+    def open_store(self, ranks: Ranks) -> ServerStore:
         return ServerStore(self._connect("worker"))
 
     def serve_lookups(self, store: Store, ranks: Ranks) -> None:

@@ -49,10 +49,13 @@ class Topology:
         return tuple(g for g in self.load_groups if g not in self.state_groups)
 
     nnodes: int = 1  # hosts the engine's workers are spread over
-    # Consecutive TP ranks whose KV is identical (MLA: all of them) and that share one object
-    # per block in the node's pool (standalone mode): their keys carry the first rank of the
-    # group, that rank stores, the others skip, and all of them load it. 1: every rank its own.
+    # Consecutive TP ranks whose KV is identical (MLA: all of them). Their keys carry the first
+    # rank of the group, so they name one object per block. 1: every rank its own.
     tp_replicas: int = 1
+    # Whether the ranks of a replica group share one pool (standalone mode: the server's): the
+    # first rank stores, the others skip, all of them load. Embedded mode: every rank keeps its
+    # own pool and stores into it, and only the first writes to the remote tier.
+    replicas_share_pool: bool = True
 
     @property
     def workers(self) -> int:
@@ -63,7 +66,13 @@ class Topology:
         return tp - tp % self.tp_replicas
 
     def stores_blocks(self, tp: int) -> bool:
-        """Whether TP rank `tp` stores blocks (one rank of each replica group does)."""
+        """Whether TP rank `tp` stores blocks in its pool (every rank with a pool of its own;
+        of a replica group sharing one, the first)."""
+        return not self.replicas_share_pool or self.writes_shared(tp)
+
+    def writes_shared(self, tp: int) -> bool:
+        """Whether TP rank `tp` writes the objects its replica group shares (the first rank
+        does): the node pool in standalone mode, the remote tier in both modes."""
         return tp % self.tp_replicas == 0
 
     @property
@@ -174,9 +183,7 @@ def engine_topology(
         )
     namespace = cfg.key_namespace or derive_namespace(vllm_config, kv_cache_config)
     pcp = getattr(pc, "prefill_context_parallel_size", 1) or 1
-    replicas = 1
-    if cfg.mode == "standalone":  # embedded mode: a pool per worker, each holds its own copy
-        replicas = tp_replicas(kv_cache_config, groups, pc.tensor_parallel_size, pcp, dcp)
+    replicas = tp_replicas(kv_cache_config, groups, pc.tensor_parallel_size, pcp, dcp)
     return Topology(
         namespace=namespace,
         tag=socket_tag(namespace, cfg.lookup_instance),
@@ -194,6 +201,7 @@ def engine_topology(
         per_request_failures=len(groups) > 1,
         nnodes=int(getattr(pc, "nnodes", 1) or 1),
         tp_replicas=replicas,
+        replicas_share_pool=cfg.mode == "standalone",
     )
 
 

@@ -195,8 +195,9 @@ class WorkerSide:
         self.tp, self.pcp, self.dcp = ranks.tp, ranks.pcp, ranks.dcp
         self.ranks = ranks
         self.worker = ranks.worker(topo)
-        # Ranks of one replica group (MLA, standalone mode) share their keys: the first of
-        # them stores each block, every one of them loads it.
+        # Ranks of one replica group (MLA) share their keys: in standalone mode the first of
+        # them stores each block and every one loads it; in embedded mode each stores into its
+        # own pool and the first alone writes the remote tier's shared objects.
         self.keys = umbp.KeyBuilder(
             topo.namespace, tp=topo.key_tp(self.tp), pcp=self.pcp, dcp=self.dcp
         )
@@ -239,7 +240,7 @@ class WorkerSide:
         return handle
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.store = self.runtime.open_store(self.worker)
+        self.store = self.runtime.open_store(self.ranks)
         self.kv_caches = dict(kv_caches)
         self._register_memory(kv_caches)
         if self.cuda_device is not None:

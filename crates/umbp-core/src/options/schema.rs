@@ -409,7 +409,7 @@ pub const KV_CACHE_EXPORT: OptionSpec = OptionSpec {
 };
 
 /// The `remote_write` policies.
-pub const REMOTE_WRITES: &[&str] = &["eager", "on_reuse"];
+pub const REMOTE_WRITES: &[&str] = &["eager", "on_reuse", "never"];
 
 /// `remote_url`.
 pub const REMOTE_URL: OptionSpec = OptionSpec {
@@ -454,7 +454,9 @@ pub const REMOTE_WRITE: OptionSpec = OptionSpec {
     default_doc: None,
     doc: "When objects go to the remote tier: `\"eager\"` every stored object; `\"on_reuse\"` \
           an object the second time a lookup hits it in the pool (spares the network for \
-          one-off prefixes).",
+          one-off prefixes); `\"never\"` only reads what other nodes wrote. With MLA at \
+          tensor parallelism the ranks share one object per block, written by the first rank \
+          of each replica group only (the others read it).",
     also_rejected: None,
 };
 /// `remote_timeout_ms`.

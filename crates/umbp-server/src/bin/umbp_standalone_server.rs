@@ -132,8 +132,8 @@ struct Args {
     /// maxmemory-policy evicts).
     #[arg(long = "remote-ttl-s", env = "UMBP_REMOTE_TTL_S", default_value_t = options::REMOTE_TTL_S.default_u64(), value_parser = schema_range(&options::REMOTE_TTL_S))]
     remote_ttl_s: u64,
-    /// When objects go to the remote tier: eager (every stored object) or on_reuse (the second
-    /// time a lookup hits it).
+    /// When objects go to the remote tier: eager (every stored object), on_reuse (the second
+    /// time a lookup hits it) or never (this server only reads what others wrote).
     #[arg(long = "remote-write", env = "UMBP_REMOTE_WRITE", default_value = options::REMOTE_WRITE.default_str(), value_parser = PossibleValuesParser::new(options::REMOTE_WRITES))]
     remote_write: String,
     /// How long a lookup waits for the remote tier, in ms (also each connect and answer).
