@@ -657,6 +657,10 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         rebuilt_objects,
         rebuild_us,
         direct_io,
+        eager_queued,
+        eager_gone,
+        already_present,
+        removed,
     } = *s;
     let d = PyDict::new(py);
     for (k, v) in [
@@ -680,6 +684,10 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         ("rebuilt_objects", rebuilt_objects),
         ("rebuild_us", rebuild_us),
         ("direct_io", direct_io),
+        ("eager_queued", eager_queued),
+        ("eager_gone", eager_gone),
+        ("already_present", already_present),
+        ("removed", removed),
     ] {
         d.set_item(k, v)?;
     }
