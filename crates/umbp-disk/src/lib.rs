@@ -47,6 +47,8 @@ pub use tier::DiskTier;
 #[cfg(test)]
 mod eager_tests;
 #[cfg(test)]
+mod full_tests;
+#[cfg(test)]
 mod model_tests;
 #[cfg(test)]
 mod tests;
