@@ -157,6 +157,8 @@ class EmbeddedStore:
         disk_capacity_bytes: int = ...,
         disk_write_mb_per_s: int = ...,
         disk_segment_bytes: int = ...,
+        disk_write: Literal["on_evict", "eager"] = ...,
+        disk_close_write_s: int = ...,
     ) -> None:
         """An argument left out takes the store's default, the one of the connector option of
         the same meaning (docs/configuration.md); the defaults live in the Rust schema only."""
@@ -164,7 +166,7 @@ class EmbeddedStore:
     def disk_stats(self) -> dict[str, int] | None:
         """The disk tier's counters (None without `disk_dir`)."""
     def flush_disk(self, timeout_ms: int = 10000) -> bool:
-        """Waits until every object evicted so far was written to disk (or dropped)."""
+        """Waits until every object queued for disk so far was written (or dropped)."""
     def remote_stats(self) -> dict[str, int | bool] | None:
         """The remote tier's counters (None without `remote_url`)."""
     def flush_remote(self, timeout_ms: int = 10000) -> bool:
@@ -209,8 +211,8 @@ class EmbeddedStore:
     ) -> Transfer:
         """`stream` (CUDA layouts): the copies wait for the work already queued on it."""
     def evict(self, keys: Keys) -> int:
-        """Drops `keys` from the pool as its eviction would (a remote tier keeps its copies);
-        how many were in the pool."""
+        """Drops `keys` from this store, the pool and the disk tier (a remote tier keeps its
+        copies); how many were in the pool."""
     def clear(self) -> int: ...
     def stats(self) -> dict[str, object]: ...
     def close(self) -> None: ...

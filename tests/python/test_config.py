@@ -256,6 +256,8 @@ OPTION_ARGS = {
                 "disk_dir",
                 "disk_capacity_bytes",
                 "disk_write_mb_per_s",
+                "disk_write",
+                "disk_close_write_s",
                 "cuda_staging_bytes",
             )
         },

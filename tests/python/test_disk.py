@@ -2,6 +2,8 @@
 directory, and real `umbp_standalone_server` processes started with --disk-dir, stopped and
 started again on the same directory."""
 
+import contextlib
+import errno
 import shutil
 import socket
 import subprocess
@@ -275,3 +277,206 @@ def test_a_restarted_server_finds_everything_the_last_one_held(tmp_path):
     finally:
         server.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_eager_writes_reach_disk_before_eviction_and_evict_forgets_both_copies(tmp_path):
+    s = small_store(tmp_path / "disk", disk_write="eager")
+    try:
+        caches = {}
+        for seed in range(2):  # 1 MiB: below the high watermark, nothing is evicted
+            src = KvCache(fill_seed=seed + 1)
+            s.register_memory(src.base, src.buf.nbytes)
+            lid = s.register_layout(src.layout())
+            assert s.store(lid, 0, list(range(BLOCKS)), seed_keys(seed)).wait() == ["done"] * BLOCKS
+            caches[seed] = src
+        wait_until(lambda: s.disk_stats()["eager_queued"] == 2 * BLOCKS, what="eager queueing")
+        assert s.flush_disk(30_000)
+        ds = s.disk_stats()
+        assert ds["writes"] == ds["objects"] == 2 * BLOCKS, ds
+        assert s.stats()["evictions"] == 0 and s.stats()["objects"] == 2 * BLOCKS
+        # evict drops the pool's and the disk's copies: nothing promotes them back.
+        keys0 = seed_keys(0)
+        assert s.evict(keys0) == BLOCKS
+        assert s.exists(keys0) == [False] * BLOCKS
+        assert s.disk_stats()["removed"] == BLOCKS
+        assert check_present_bytes(s, caches) == BLOCKS  # seed 1, from the pool
+    finally:
+        s.close()
+
+
+def test_disk_write_and_close_budget_options_are_checked_and_refused_in_standalone_mode():
+    cfg = ConnectorConfig.parse({"disk_write": "eager", "disk_close_write_s": 0})
+    assert (cfg.disk_write, cfg.disk_close_write_s) == ("eager", 0)
+    default = ConnectorConfig.parse({})
+    assert (default.disk_write, default.disk_close_write_s) == ("on_evict", 30)
+    with pytest.raises(ConfigError, match="disk_write"):
+        ConnectorConfig.parse({"disk_write": "always"})
+    with pytest.raises(ConfigError, match="disk_close_write_s"):
+        ConnectorConfig.parse({"disk_close_write_s": 4000})
+    for name, flag in [
+        ("disk_write", "--disk-write"),
+        ("disk_close_write_s", "--disk-close-write-s"),
+    ]:
+        value = "eager" if name == "disk_write" else 5
+        with pytest.raises(ConfigError, match=flag):
+            ConnectorConfig.parse({"mode": "standalone", "endpoint": "/x.sock", name: value})
+
+
+def load_found(client, seeds):
+    """Loads every block of `seeds` the server finds (promoting from disk), checking its
+    bytes; returns how many it loaded."""
+    dst = peer.own_buffer()
+    found = 0
+    client.register_memory(dst.ctypes.data, dst.nbytes)
+    lid = client.register_layout(peer.layout(dst))
+    for seed in seeds:
+        blocks = [b for b, p in enumerate(client.exists(peer.keys(seed))) if p]
+        if not blocks:
+            continue
+        dst[:] = 0
+        h = peer.hashes(seed)
+        subset = umbp.KeyBuilder(peer.NAMESPACE, tp=0).keys(0, [h[b] for b in blocks])
+        got = client.load(lid, 0, blocks, subset).wait()
+        want = peer.pattern(seed)
+        for b, outcome in zip(blocks, got, strict=True):
+            if outcome == "done":
+                assert np.array_equal(dst[:, b, :], want[:, b, :]), (seed, b)
+                found += 1
+    return found
+
+
+@pytest.mark.parametrize(
+    ("write", "extra", "stop", "survive"),
+    [
+        ("on_evict", [], "kill", False),  # only evicted objects reach disk: none here
+        ("eager", [], "kill", True),  # every stored object is on disk before the crash
+        ("on_evict", ["--disk-close-write-s", "0"], "term", False),  # no writes on close
+    ],
+)
+def test_what_a_stopped_server_leaves_on_disk(tmp_path, write, extra, stop, survive):
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(f"no umbp_standalone_server at {binary}")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    sock_dir = short_dir(tmp_path.name + write[:2] + stop)
+    args = ["--disk-dir", str(disk), "--disk-capacity", "64MiB", "--disk-write", write, *extra]
+    server = Server(binary, sock_dir, capacity="16MiB", extra_args=args)
+    seeds = range(1, 5)  # 2 MiB in a 16 MiB pool: nothing is evicted
+    stored = len(seeds) * peer.BLOCKS
+    try:
+        server.start()
+        buf = peer.own_buffer()
+        with umbp.StandaloneClient(server.endpoint, startup_timeout_ms=10000, client_name="w") as c:
+            c.register_memory(buf.ctypes.data, buf.nbytes)
+            for seed in seeds:
+                store_seed(c, buf, seed)
+        if write == "eager":
+            wait_until(lambda: server.stats()["disk"]["writes"] == stored, what="eager writes")
+        assert server.stats()["disk"]["writes"] == (stored if write == "eager" else 0)
+        if stop == "kill":
+            server.kill()
+        else:
+            server.stop()
+        server.start()
+        assert server.stats()["disk"]["rebuilt_objects"] == (stored if survive else 0)
+        with umbp.StandaloneClient(server.endpoint, startup_timeout_ms=10000, client_name="r") as c:
+            assert load_found(c, seeds) == (stored if survive else 0)
+    finally:
+        server.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size):
+    """A tmpfs of `size` mounted on `path` (root only); skips the test where mounting is not
+    allowed."""
+    path.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill ({r.stderr.strip()}); run as root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_file_system(path):
+    """Writes `path` until its file system is full; the bytes written."""
+    chunk = b"\x5a" * (64 << 10)
+    n = 0
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                n += f.write(chunk)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return n
+
+
+def test_a_server_whose_file_system_fills_up_keeps_serving_exact_bytes(tmp_path):
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(f"no umbp_standalone_server at {binary}")
+    sock_dir = short_dir(tmp_path.name + "full")
+    with small_tmpfs(tmp_path / "fs", "80m") as fs:
+        disk = fs / "tier"
+        disk.mkdir()
+        # 64 MiB: four preallocated 16 MiB segments; the first is made at start-up. (Room
+        # for two more after the filler goes: a restart makes a fresh segment, and at the
+        # capacity that would drop the oldest, the one this test reads.)
+        args = ["--high-watermark", "0.5", "--low-watermark", "0.25", "--disk-dir", str(disk)]
+        args += ["--disk-capacity", "64MiB", "--disk-write", "eager"]
+        server = Server(binary, sock_dir, capacity="4MiB", extra_args=args)
+        try:
+            server.start()
+            buf = peer.own_buffer()
+            with umbp.StandaloneClient(
+                server.endpoint, startup_timeout_ms=10000, client_name="w"
+            ) as c:
+                c.register_memory(buf.ctypes.data, buf.nbytes)
+                early = range(1, 5)
+                for seed in early:
+                    store_seed(c, buf, seed)
+                wait_until(
+                    lambda: server.stats()["disk"]["writes"] == len(early) * peer.BLOCKS,
+                    what="the first writes",
+                )
+                # Something else takes the rest of the file system.
+                assert fill_file_system(fs / "filler") > 0
+                # 20 MiB more through the pool: the first segment fills, no second can be made.
+                late = range(5, 45)
+                for seed in late:
+                    store_seed(c, buf, seed)
+                wait_until(
+                    lambda: server.stats()["disk"]["backlog_bytes"] == 0, what="the backlog drained"
+                )
+                d = server.stats()["disk"]
+                assert d["write_errors"] >= 1, d
+                assert d["writes"] < (len(early) + len(late)) * peer.BLOCKS, d
+                assert d["corrupt"] == 0 and d["read_errors"] == 0, d
+                # Every lookup answers: hits load exact bytes (checked), the rest miss. (The
+                # tiny pool may evict promoted blocks before they load: counted misses.)
+                assert load_found(c, [*early, *late]) > 0
+                assert server.stats()["disk"]["hits"] > 0
+            log = server.log.read_text()
+            assert "disk tier: a write failed" in log and "No space left on device" in log, log
+            assert server.proc.poll() is None, "the server is still running"
+            # With room again, a restarted server (a pool that holds all it promotes) finds
+            # every object written before the file system filled, byte-exact.
+            (fs / "filler").unlink()
+            server.stop()
+            server.capacity = "32MiB"
+            server.start()
+            assert server.stats()["disk"]["rebuilt_objects"] >= len(early) * peer.BLOCKS
+            with umbp.StandaloneClient(
+                server.endpoint, startup_timeout_ms=10000, client_name="r"
+            ) as c:
+                assert load_found(c, early) == len(early) * peer.BLOCKS
+        finally:
+            server.stop()
+            shutil.rmtree(sock_dir, ignore_errors=True)

@@ -157,6 +157,10 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                     "rebuilt_objects": d.rebuilt_objects,
                     "rebuild_us": d.rebuild_us,
                     "direct_io": d.direct_io == 1,
+                    "eager_queued": d.eager_queued,
+                    "eager_gone": d.eager_gone,
+                    "already_present": d.already_present,
+                    "removed": d.removed,
         })
     });
     if a.json {
@@ -308,6 +312,11 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
             );
             println!("  read                 {}", b(d.bytes_read));
             println!("  segments evicted     {}", d.segments_evicted);
+            println!(
+                "  eager                {} queued on store ({} left the pool first), {} evicted already on disk",
+                d.eager_queued, d.eager_gone, d.already_present
+            );
+            println!("  removed              {}", d.removed);
         }
     }
     Ok(())

@@ -1,5 +1,12 @@
 //! Write-behind: a queue of objects bounded in bytes, drained by writer threads at a rate
 //! that may be bounded. Enqueueing never waits; what does not fit is dropped and counted.
+//!
+//! An entry holds either the object's bytes (an evicted pool object, pinned until written) or
+//! only its key and length (an eager write on commit: the writer asks the tier's [`Source`]
+//! for the bytes when it gets to it, so waiting objects stay evictable; one evicted meanwhile
+//! comes back with its bytes through the eviction path and replaces the key-only entry).
+//! Removing keys ([`Behind::cancel`]) takes them out of the queue, and a key being written at
+//! that moment is dropped from the index once its write ends.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
@@ -32,6 +39,10 @@ impl ObjectBytes for Arc<[u8]> {
     }
 }
 
+/// Where key-only entries get their bytes: the object of a key, pinned, or `None` when it is
+/// gone (evicted or removed).
+pub type Source = Arc<dyn Fn(&BlockKey) -> Option<Box<dyn ObjectBytes>> + Send + Sync>;
+
 /// What became of an object handed to the write-behind queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Queued {
@@ -43,15 +54,33 @@ pub enum Queued {
     Dropped,
 }
 
+/// An entry's object: its bytes, or only its length (fetched from the [`Source`] when written).
+enum Obj {
+    Bytes(Box<dyn ObjectBytes>),
+    Key(u64),
+}
+
+impl Obj {
+    fn len(&self) -> u64 {
+        match self {
+            Obj::Bytes(b) => b.bytes().len() as u64,
+            Obj::Key(len) => *len,
+        }
+    }
+}
+
 struct Pending {
     key: BlockKey,
-    obj: Box<dyn ObjectBytes>,
+    obj: Obj,
 }
 
 #[derive(Default)]
 struct State {
     items: VecDeque<Pending>,
+    /// Keys queued or being written.
     keys: HashSet<BlockKey>,
+    /// Keys being written that were removed meanwhile: dropped from the index once written.
+    cancelled: HashSet<BlockKey>,
     bytes: u64,
     in_flight: usize,
     stop: bool,
@@ -64,6 +93,8 @@ pub(crate) struct Behind {
     idle: Condvar,
     /// When the rate allows the next write to start.
     next_start: Mutex<Instant>,
+    /// Where key-only entries get their bytes.
+    source: parking_lot::RwLock<Option<Source>>,
 }
 
 impl std::fmt::Debug for Behind {
@@ -83,21 +114,63 @@ impl Behind {
             work: Condvar::new(),
             idle: Condvar::new(),
             next_start: Mutex::new(Instant::now()),
+            source: parking_lot::RwLock::new(None),
         }
     }
 
-    /// Queues `key`'s object, or drops it when the backlog would pass its bound.
+    /// Sets where key-only entries get their bytes.
+    pub fn set_source(&self, source: Option<Source>) {
+        *self.source.write() = source;
+    }
+
+    /// Queues `key`'s object of bytes `obj`, or drops it when the backlog would pass its
+    /// bound. A key-only entry of the same key takes the bytes (and keeps its place).
     pub fn enqueue(&self, store: &Store, key: BlockKey, obj: Box<dyn ObjectBytes>) -> Queued {
         if store.contains(&key) {
             return Queued::Present;
         }
-        let len = obj.bytes().len() as u64;
         let mut s = self.state.lock();
+        if s.keys.contains(&key) {
+            let st = &mut *s;
+            if let Some(p) = st
+                .items
+                .iter_mut()
+                .find(|p| p.key == key && matches!(p.obj, Obj::Key(_)))
+            {
+                st.bytes = st.bytes - p.obj.len() + obj.bytes().len() as u64;
+                p.obj = Obj::Bytes(obj);
+                store.c.backlog_bytes_set(st.bytes);
+                return Queued::Queued;
+            }
+            return Queued::Present;
+        }
+        self.push(store, s, key, Obj::Bytes(obj))
+    }
+
+    /// Queues `key`'s object of `len` bytes by key only: the writer asks the source for its
+    /// bytes when it gets to it. Dropped when the backlog would pass its bound.
+    pub fn enqueue_key(&self, store: &Store, key: BlockKey, len: u64) -> Queued {
+        if store.contains(&key) {
+            return Queued::Present;
+        }
+        let s = self.state.lock();
         if s.keys.contains(&key) {
             return Queued::Present;
         }
+        self.push(store, s, key, Obj::Key(len))
+    }
+
+    fn push(
+        &self,
+        store: &Store,
+        mut s: parking_lot::MutexGuard<'_, State>,
+        key: BlockKey,
+        obj: Obj,
+    ) -> Queued {
+        let len = obj.len();
         if s.stop || s.bytes + len > store.cfg.write_backlog_bytes {
             drop(s);
+            drop(obj);
             add(&store.c.writes_dropped, 1);
             return Queued::Dropped;
         }
@@ -110,25 +183,81 @@ impl Behind {
         Queued::Queued
     }
 
+    /// Takes the keys `matches` accepts out of the queue (their objects are released); keys
+    /// being written now are dropped from the index once written. Returns how many entries
+    /// left the queue.
+    pub fn cancel(&self, store: &Store, matches: impl Fn(&BlockKey) -> bool) -> u64 {
+        let mut s = self.state.lock();
+        let before = s.items.len();
+        let mut gone = Vec::new();
+        let mut freed = 0;
+        s.items.retain_mut(|p| {
+            if matches(&p.key) {
+                freed += p.obj.len();
+                gone.push(p.key);
+                false
+            } else {
+                true
+            }
+        });
+        let n = (before - s.items.len()) as u64;
+        s.bytes -= freed;
+        for k in &gone {
+            s.keys.remove(k);
+        }
+        // What is left of the matching keys is being written.
+        let writing: Vec<BlockKey> = s.keys.iter().filter(|k| matches(k)).copied().collect();
+        s.cancelled.extend(writing);
+        store.c.backlog_bytes_set(s.bytes);
+        if s.items.is_empty() && s.in_flight == 0 {
+            self.idle.notify_all();
+        }
+        n
+    }
+
     /// One writer thread: writes queued objects until stopped.
     pub fn writer(&self, store: &Store) {
         let mut buf = AlignedBuf::new();
         loop {
-            let p = {
+            let (key, len, obj) = {
                 let mut s = self.state.lock();
-                while s.items.is_empty() && !s.stop {
-                    self.work.wait(&mut s);
+                loop {
+                    while s.items.is_empty() && !s.stop {
+                        self.work.wait(&mut s);
+                    }
+                    if s.stop {
+                        return;
+                    }
+                    let p = s.items.pop_front().expect("not empty");
+                    let len = p.obj.len();
+                    // A key-only entry's bytes, pinned under the queue's lock: an eviction of
+                    // the object meanwhile waits for the lock and then queues its bytes anew.
+                    let obj = match p.obj {
+                        Obj::Bytes(b) => Some(b),
+                        Obj::Key(_) => self.source.read().as_ref().and_then(|f| f(&p.key)),
+                    };
+                    match obj {
+                        Some(obj) => {
+                            s.in_flight += 1;
+                            break (p.key, len, obj);
+                        }
+                        None => {
+                            // Gone from the pool (evicted, and queued again by the eviction,
+                            // or removed): nothing to write.
+                            s.bytes -= len;
+                            s.keys.remove(&p.key);
+                            store.c.backlog_bytes_set(s.bytes);
+                            add(&store.c.eager_gone, 1);
+                            if s.items.is_empty() && s.in_flight == 0 {
+                                self.idle.notify_all();
+                            }
+                        }
+                    }
                 }
-                if s.stop {
-                    return;
-                }
-                let p = s.items.pop_front().expect("not empty");
-                s.in_flight += 1;
-                p
             };
-            let data = p.obj.bytes();
+            let data = obj.bytes();
             self.pace(store.cfg.write_bytes_per_s, data.len() as u64);
-            match store.write(&p.key, data, &mut buf) {
+            match store.write(&key, data, &mut buf) {
                 Ok(_) => {}
                 Err(DiskError::TooLarge { .. } | DiskError::Closed) => {
                     add(&store.c.writes_dropped, 1)
@@ -136,11 +265,14 @@ impl Behind {
                 // Counted and logged by the store.
                 Err(_) => {}
             }
-            let len = data.len() as u64;
-            drop(p.obj);
+            drop(obj);
             let mut s = self.state.lock();
             s.bytes -= len;
-            s.keys.remove(&p.key);
+            s.keys.remove(&key);
+            if s.cancelled.remove(&key) {
+                // Removed while being written.
+                store.remove(&key);
+            }
             s.in_flight -= 1;
             store.c.backlog_bytes_set(s.bytes);
             if s.items.is_empty() && s.in_flight == 0 {
@@ -187,7 +319,7 @@ impl Behind {
         let items = std::mem::take(&mut s.items);
         let n = items.len() as u64;
         for p in items {
-            s.bytes -= p.obj.bytes().len() as u64;
+            s.bytes -= p.obj.len();
             s.keys.remove(&p.key);
         }
         store.c.backlog_bytes_set(s.bytes);

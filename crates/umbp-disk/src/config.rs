@@ -8,9 +8,50 @@ use crate::format::ALIGN;
 
 /// Smallest capacity: a handful of the smallest segments.
 pub const MIN_CAPACITY: u64 = 8 << 20;
+/// Longest close budget (`close_write`), in seconds.
+pub const MAX_CLOSE_WRITE_S: u64 = 3600;
 /// The default segment size's bounds: capacity / 16, between these.
 const SEGMENT_MIN: u64 = 16 << 20;
 const SEGMENT_MAX: u64 = 256 << 20;
+
+/// When objects go to disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DiskWrite {
+    /// When the pool evicts them (write-behind): the disk holds what outlived DRAM.
+    #[default]
+    OnEvict,
+    /// When they are committed (still written behind, never waited for), and on eviction
+    /// those the queue could not take: a crash loses only the last moments' objects.
+    Eager,
+}
+
+impl DiskWrite {
+    /// The spellings, as the option and the flag take them.
+    pub const NAMES: &'static [&'static str] = &["on_evict", "eager"];
+
+    /// The spelling of this value.
+    pub fn name(self) -> &'static str {
+        match self {
+            DiskWrite::OnEvict => "on_evict",
+            DiskWrite::Eager => "eager",
+        }
+    }
+}
+
+impl std::str::FromStr for DiskWrite {
+    type Err = DiskError;
+
+    fn from_str(s: &str) -> Result<Self, DiskError> {
+        match s {
+            "on_evict" => Ok(DiskWrite::OnEvict),
+            "eager" => Ok(DiskWrite::Eager),
+            other => Err(DiskError::Setting {
+                name: "disk_write",
+                why: format!("must be \"on_evict\" or \"eager\", got {other:?}"),
+            }),
+        }
+    }
+}
 
 /// Settings of a disk tier.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +78,9 @@ pub struct DiskConfig {
     /// hold yet, so a clean restart finds them (zero: none are written; objects still queued
     /// are dropped).
     pub close_write: Duration,
+    /// When objects go to disk: on eviction (the default) or eagerly on commit. The tier
+    /// itself only offers both queues; its owner (the store) follows the pool's commits.
+    pub write: DiskWrite,
 }
 
 impl DiskConfig {
@@ -52,6 +96,7 @@ impl DiskConfig {
             read_timeout: Duration::from_millis(500),
             direct_io: true,
             close_write: Duration::from_secs(30),
+            write: DiskWrite::OnEvict,
         }
     }
 
@@ -124,6 +169,15 @@ impl DiskConfig {
                 ),
             );
         }
+        if self.close_write > Duration::from_secs(MAX_CLOSE_WRITE_S) {
+            return bad(
+                "disk_close_write_s",
+                format!(
+                    "{} s must be between 0 (do not write on close) and {MAX_CLOSE_WRITE_S}",
+                    self.close_write.as_secs()
+                ),
+            );
+        }
         Ok(())
     }
 }
@@ -163,6 +217,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("two segments"));
+        assert_eq!("eager".parse::<DiskWrite>().unwrap(), DiskWrite::Eager);
+        assert!("lazy"
+            .parse::<DiskWrite>()
+            .unwrap_err()
+            .to_string()
+            .starts_with("disk_write"));
         c.capacity_bytes = 1 << 30;
         c.io_threads = 0;
         assert!(c

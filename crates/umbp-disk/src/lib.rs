@@ -6,9 +6,11 @@
 //!   record to the segment's index file (`seg-<id>.idx`) after its bytes are on disk.
 //! - **I/O.** Direct I/O (`O_DIRECT`) through aligned buffers, by `io_threads` writer threads
 //!   and as many readers, with positioned reads and writes (`umbp_unix::file`); a file system
-//!   that refuses `O_DIRECT` (tmpfs) falls back to the page cache, logged.
-//! - **Write-behind.** [`DiskTier::enqueue`] never waits: a queue bounded in bytes, drained at
-//!   an optionally bounded rate; what does not fit is dropped and counted.
+//!   that refuses `O_DIRECT` (tmpfs before Linux 6.6) falls back to the page cache, logged.
+//! - **Write-behind.** [`DiskTier::enqueue`] (an evicted object) and [`DiskTier::enqueue_key`]
+//!   (an eager write on commit, by key: the bytes are fetched when written) never wait: a
+//!   queue bounded in bytes, drained at an optionally bounded rate; what does not fit is
+//!   dropped and counted. An object the disk holds already is not written again.
 //! - **Promotion.** [`DiskTier::promote_prefix`] reads keys in parallel, checks each object
 //!   (header, key, length, checksum: any mismatch is a miss, counted and dropped from the
 //!   index) and hands the bytes to the caller's sink, within a deadline.
@@ -35,13 +37,17 @@ mod stats;
 mod store;
 mod tier;
 
-pub use behind::{ObjectBytes, Queued};
+pub use behind::{ObjectBytes, Queued, Source};
 pub use buf::AlignedBuf;
-pub use config::{DiskConfig, MIN_CAPACITY};
+pub use config::{DiskConfig, DiskWrite, MIN_CAPACITY};
 pub use error::DiskError;
 pub use promote::Sink;
 pub use stats::DiskStats;
 pub use tier::DiskTier;
+#[cfg(test)]
+mod eager_tests;
+#[cfg(test)]
+mod full_tests;
 #[cfg(test)]
 mod model_tests;
 #[cfg(test)]

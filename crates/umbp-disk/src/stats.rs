@@ -46,6 +46,16 @@ pub struct DiskStats {
     pub rebuild_us: u64,
     /// 1 when files are read and written with direct I/O (`O_DIRECT`).
     pub direct_io: u64,
+    /// Objects queued for writing when committed (eager writes, `disk_write = "eager"`).
+    pub eager_queued: u64,
+    /// Eagerly queued objects that had left the pool before their write (evicted ones are
+    /// queued again by the eviction; removed ones are not written).
+    pub eager_gone: u64,
+    /// Objects handed over (evicted) that the disk held or had queued already: released at
+    /// once, not written again.
+    pub already_present: u64,
+    /// Objects removed from the disk tier by `evict`, `clear_namespace` or `clear`.
+    pub removed: u64,
 }
 
 /// The live counters behind [`DiskStats`].
@@ -67,6 +77,10 @@ pub(crate) struct Counters {
     pub objects_evicted: AtomicU64,
     pub rebuilt_objects: AtomicU64,
     pub rebuild_us: AtomicU64,
+    pub eager_queued: AtomicU64,
+    pub eager_gone: AtomicU64,
+    pub already_present: AtomicU64,
+    pub removed: AtomicU64,
 }
 
 /// Adds `n` to a counter.
@@ -98,6 +112,10 @@ impl Counters {
             objects_evicted: g(&self.objects_evicted),
             rebuilt_objects: g(&self.rebuilt_objects),
             rebuild_us: g(&self.rebuild_us),
+            eager_queued: g(&self.eager_queued),
+            eager_gone: g(&self.eager_gone),
+            already_present: g(&self.already_present),
+            removed: g(&self.removed),
             ..DiskStats::default()
         }
     }

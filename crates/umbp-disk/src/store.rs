@@ -467,6 +467,11 @@ impl Store {
         n
     }
 
+    /// Whether [`Store::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// Refuses writes from now on.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);

@@ -41,10 +41,10 @@ pub(crate) fn small(dir: &Path) -> DiskConfig {
 }
 
 /// What a test sink was handed, by key.
-type Kept = Arc<Mutex<HashMap<BlockKey, Vec<u8>>>>;
+pub(crate) type Kept = Arc<Mutex<HashMap<BlockKey, Vec<u8>>>>;
 
 /// A sink that keeps what it is handed.
-fn keeper() -> (Sink, Kept) {
+pub(crate) fn keeper() -> (Sink, Kept) {
     let got = Arc::new(Mutex::new(HashMap::new()));
     let g = Arc::clone(&got);
     let sink: Sink = Arc::new(move |k: &BlockKey, b: &[u8]| {

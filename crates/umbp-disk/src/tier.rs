@@ -1,6 +1,7 @@
 //! The running tier ([`DiskTier`]): the store, its writer threads (write-behind) and its
 //! reader threads (promotion), and the calls its owner makes.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -8,12 +9,12 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use umbp_core::BlockKey;
 
-use crate::behind::{Behind, ObjectBytes, Queued};
+use crate::behind::{Behind, ObjectBytes, Queued, Source};
 use crate::buf::AlignedBuf;
 use crate::config::DiskConfig;
 use crate::error::DiskError;
 use crate::promote::{Readers, Sink};
-use crate::stats::DiskStats;
+use crate::stats::{add, DiskStats};
 use crate::store::Store;
 
 /// A running disk tier. Dropping it (or [`DiskTier::close`]) stops its threads.
@@ -67,10 +68,36 @@ impl DiskTier {
         &self.store.cfg
     }
 
-    /// Queues `key`'s object for writing behind the caller; never waits. Objects past the
-    /// backlog are dropped (counted).
+    /// Queues `key`'s object (an evicted one) for writing behind the caller; never waits.
+    /// Objects past the backlog are dropped (counted); one the disk holds or has queued
+    /// already is released at once (counted in [`DiskStats::already_present`]).
     pub fn enqueue(&self, key: BlockKey, obj: Box<dyn ObjectBytes>) -> Queued {
-        self.behind.enqueue(&self.store, key, obj)
+        let q = self.behind.enqueue(&self.store, key, obj);
+        if q == Queued::Present {
+            add(&self.store.c.already_present, 1);
+        }
+        q
+    }
+
+    /// Queues `key`'s object of `len` bytes by key only (an eager write on commit); the writer
+    /// takes its bytes from the [`Source`] when it gets to it. Never waits; past the backlog
+    /// it is dropped (counted).
+    pub fn enqueue_key(&self, key: BlockKey, len: u64) -> Queued {
+        let q = self.behind.enqueue_key(&self.store, key, len);
+        if q == Queued::Queued {
+            add(&self.store.c.eager_queued, 1);
+        }
+        q
+    }
+
+    /// Sets where key-only entries ([`DiskTier::enqueue_key`]) get their bytes.
+    pub fn set_source(&self, source: Option<Source>) {
+        self.behind.set_source(source);
+    }
+
+    /// Whether the tier was closed.
+    pub fn is_closed(&self) -> bool {
+        self.store.is_closed()
     }
 
     /// Writes `key`'s object now on the calling thread; `Ok(false)` when the disk has it.
@@ -110,22 +137,45 @@ impl DiskTier {
             .promote(&self.store, keys, false, deadline, sink)
     }
 
-    /// Forgets `key`; whether the disk held it.
+    /// Forgets `key` (a queued write of it is cancelled); whether the disk held it. As
+    /// [`DiskTier::remove_many`].
     pub fn remove(&self, key: &BlockKey) -> bool {
-        self.store.remove(key)
+        self.remove_many(std::slice::from_ref(key)) == 1
     }
 
-    /// Forgets the objects of the key namespace with id `namespace_id`; how many. Only the
-    /// index forgets them: their bytes stay in their segments until those are dropped, and a
-    /// restart's index rebuild finds them again (see docs/disk.md).
+    /// Forgets `keys` (queued writes of them are cancelled); how many the disk held. Only
+    /// the index forgets them: their bytes stay in their segments until those are dropped,
+    /// and a restart's index rebuild finds them again (see docs/disk.md).
+    pub fn remove_many(&self, keys: &[BlockKey]) -> u64 {
+        if keys.is_empty() {
+            return 0;
+        }
+        let set: HashSet<BlockKey> = keys.iter().copied().collect();
+        self.behind.cancel(&self.store, |k| set.contains(k));
+        let n = set.iter().filter(|k| self.store.remove(k)).count() as u64;
+        add(&self.store.c.removed, n);
+        n
+    }
+
+    /// Forgets the objects of the key namespace with id `namespace_id` (queued writes of them
+    /// are cancelled); how many. Only the index forgets them: their bytes stay in their
+    /// segments until those are dropped, and a restart's index rebuild finds them again (see
+    /// docs/disk.md).
     pub fn clear_namespace(&self, namespace_id: &[u8; 16]) -> u64 {
-        self.store
-            .remove_where(|k| k.namespace_id() == *namespace_id)
+        let ns = |k: &BlockKey| k.namespace_id() == *namespace_id;
+        self.behind.cancel(&self.store, ns);
+        let n = self.store.remove_where(ns);
+        add(&self.store.c.removed, n);
+        n
     }
 
-    /// Forgets every object (their segments are deleted); how many there were.
+    /// Forgets every object (queued writes are cancelled, the segments deleted); how many
+    /// there were.
     pub fn clear(&self) -> u64 {
-        self.store.clear()
+        self.behind.cancel(&self.store, |_| true);
+        let n = self.store.clear();
+        add(&self.store.c.removed, n);
+        n
     }
 
     /// A snapshot of the counters.
@@ -146,6 +196,7 @@ impl DiskTier {
         for t in threads {
             let _ = t.join();
         }
+        self.behind.set_source(None);
         self.store.close();
         self.store.release_lock();
     }

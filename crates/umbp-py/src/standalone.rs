@@ -379,6 +379,10 @@ impl StandaloneClient {
                         rebuilt_objects: x.rebuilt_objects,
                         rebuild_us: x.rebuild_us,
                         direct_io: x.direct_io,
+                        eager_queued: x.eager_queued,
+                        eager_gone: x.eager_gone,
+                        already_present: x.already_present,
+                        removed: x.removed,
                     },
                 )
             })

@@ -11,8 +11,8 @@ use umbp_core::{
     MemoryBacking, PoolConfig, StoreAdmission, TensorView,
 };
 use umbp_store::{
-    CopyMethod, CudaOptions, DiskConfig, DiskStats, EmbeddedStore as CoreStore, RemoteConfig,
-    RemoteStats, StoreConfig, StoreError, WritePolicy,
+    CopyMethod, CudaOptions, DiskConfig, DiskStats, DiskWrite, EmbeddedStore as CoreStore,
+    RemoteConfig, RemoteStats, StoreConfig, StoreError, WritePolicy,
 };
 
 use crate::errors::{Error, Result};
@@ -110,7 +110,8 @@ impl EmbeddedStore {
         cuda_pin_chunk_bytes=None, cuda_batch_blocks=None, remote_url=None, remote_ttl_s=None,
         remote_write=None, remote_timeout_ms=None, remote_write_backlog=None,
         remote_write_mb_per_s=None, disk_dir=None, disk_capacity_bytes=None,
-        disk_write_mb_per_s=None, disk_segment_bytes=None))]
+        disk_write_mb_per_s=None, disk_segment_bytes=None, disk_write=None,
+        disk_close_write_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -143,6 +144,8 @@ impl EmbeddedStore {
         disk_capacity_bytes: Option<u64>,
         disk_write_mb_per_s: Option<u64>,
         disk_segment_bytes: Option<u64>,
+        disk_write: Option<&str>,
+        disk_close_write_s: Option<u64>,
     ) -> Result<Self> {
         let defaults = StoreConfig::default();
         let pool = defaults.pool;
@@ -189,15 +192,26 @@ impl EmbeddedStore {
                 batch_blocks: cuda_batch_blocks.unwrap_or(cuda.batch_blocks),
                 ..cuda
             },
-            disk: disk_dir.map(|dir| {
-                let mut d = DiskConfig::new(
-                    dir,
-                    disk_capacity_bytes.unwrap_or(options::DISK_CAPACITY_BYTES.default_u64()),
-                );
-                d.write_bytes_per_s = disk_write_mb_per_s.unwrap_or(0).saturating_mul(1_000_000);
-                d.segment_bytes = disk_segment_bytes.unwrap_or(0);
-                d
-            }),
+            disk: match disk_dir {
+                None => None,
+                Some(dir) => {
+                    let mut d = DiskConfig::new(
+                        dir,
+                        disk_capacity_bytes.unwrap_or(options::DISK_CAPACITY_BYTES.default_u64()),
+                    );
+                    d.write_bytes_per_s =
+                        disk_write_mb_per_s.unwrap_or(0).saturating_mul(1_000_000);
+                    d.segment_bytes = disk_segment_bytes.unwrap_or(0);
+                    d.write = disk_write
+                        .unwrap_or(options::DISK_WRITE.default_str())
+                        .parse::<DiskWrite>()
+                        .map_err(StoreError::from)?;
+                    d.close_write = Duration::from_secs(
+                        disk_close_write_s.unwrap_or(options::DISK_CLOSE_WRITE_S.default_u64()),
+                    );
+                    Some(d)
+                }
+            },
             remote: match remote_url {
                 None => None,
                 Some(url) => {
@@ -357,8 +371,8 @@ impl EmbeddedStore {
         )
     }
 
-    /// Drops `keys` from the pool as its eviction would (a remote tier keeps its copies);
-    /// returns how many were in the pool.
+    /// Drops `keys` from this store: the pool and the disk tier (a remote tier keeps its
+    /// copies); returns how many were in the pool.
     fn evict(&self, py: Python<'_>, keys: &Keys) -> Result<u64> {
         let s = self.live()?;
         Ok(without_gil(py, || s.evict(&keys.keys))?)
@@ -657,6 +671,10 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         rebuilt_objects,
         rebuild_us,
         direct_io,
+        eager_queued,
+        eager_gone,
+        already_present,
+        removed,
     } = *s;
     let d = PyDict::new(py);
     for (k, v) in [
@@ -680,6 +698,10 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         ("rebuilt_objects", rebuilt_objects),
         ("rebuild_us", rebuild_us),
         ("direct_io", direct_io),
+        ("eager_queued", eager_queued),
+        ("eager_gone", eager_gone),
+        ("already_present", already_present),
+        ("removed", removed),
     ] {
         d.set_item(k, v)?;
     }

@@ -119,7 +119,7 @@ fn disk_series(
         ),
         (
             "disk_backlog_bytes",
-            "Bytes of evicted objects waiting to be written to disk.",
+            "Bytes of objects waiting to be written to disk.",
             d.backlog_bytes,
         ),
     ] {
@@ -138,7 +138,7 @@ fn disk_series(
         ),
         (
             "disk_drops_total",
-            "Evicted objects not written (backlog full or closing).",
+            "Objects not written to disk (backlog full or closing).",
             d.writes_dropped,
         ),
         (
@@ -180,6 +180,26 @@ fn disk_series(
             "disk_segments_evicted_total",
             "Disk segments dropped to make room, oldest first.",
             d.segments_evicted,
+        ),
+        (
+            "disk_eager_queued_total",
+            "Objects queued for the disk tier when stored (--disk-write eager).",
+            d.eager_queued,
+        ),
+        (
+            "disk_eager_gone_total",
+            "Eagerly queued objects that left the pool before their write.",
+            d.eager_gone,
+        ),
+        (
+            "disk_already_present_total",
+            "Evicted objects the disk tier held already: freed at once, not written again.",
+            d.already_present,
+        ),
+        (
+            "disk_removed_total",
+            "Objects removed from the disk tier by evict or clear.",
+            d.removed,
         ),
     ] {
         counter(o, name, help, v);

@@ -170,6 +170,10 @@ impl Store for Service {
                 rebuilt_objects: d.rebuilt_objects,
                 rebuild_us: d.rebuild_us,
                 direct_io: d.direct_io,
+                eager_queued: d.eager_queued,
+                eager_gone: d.eager_gone,
+                already_present: d.already_present,
+                removed: d.removed,
             }),
             remote: s.store.remote_stats().map(|r| v1::RemoteStats {
                 lookup_keys: r.lookup_keys,

@@ -1,15 +1,25 @@
 //! The disk tier under the pool: objects the pool's watermark eviction takes are written
 //! behind to disk (pinned until written), and keys a lookup misses in the pool are read back
-//! from disk into the pool before the lookup answers.
+//! from disk into the pool before the lookup answers. With `DiskWrite::Eager` every object
+//! committed is queued too (by key: pinned only while written), so the evictor finds most on
+//! disk already and frees them at once.
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
 use umbp_core::BlockKey;
-use umbp_disk::{DiskConfig, DiskError, DiskTier, ObjectBytes, Sink};
-use umbp_pool::{PinnedObject, Pool};
+use umbp_disk::{DiskConfig, DiskError, DiskTier, DiskWrite, ObjectBytes, Sink};
+use umbp_pool::{PinnedObject, Pool, PoolEvent};
 
-/// An evicted pool object on its way to disk: its memory is freed when this is dropped.
+/// Commits the eager forwarder may lag behind before the pool drops (and counts, in
+/// `events_dropped`) the next: those objects are written on eviction instead.
+const EAGER_EVENTS: usize = 65_536;
+/// How often the eager forwarder looks whether the tier closed.
+const EAGER_POLL: Duration = Duration::from_millis(100);
+
+/// A pool object on its way to disk (evicted, or committed and pinned while written): its
+/// pin ends, and an evicted one's memory is freed, when this is dropped.
 struct Spilled(PinnedObject);
 
 impl ObjectBytes for Spilled {
@@ -18,17 +28,56 @@ impl ObjectBytes for Spilled {
     }
 }
 
-/// Opens the tier and hands it every object the pool's watermark eviction takes.
+/// Opens the tier and hands it every object the pool's watermark eviction takes, and with
+/// eager writes every object committed.
 pub(crate) fn open(cfg: DiskConfig, pool: &Arc<Pool>) -> Result<Arc<DiskTier>, DiskError> {
+    let eager = cfg.write == DiskWrite::Eager;
     let disk = Arc::new(DiskTier::open(cfg)?);
     let d = Arc::downgrade(&disk);
     pool.set_spill(Some(Arc::new(move |key, obj| {
         if let Some(d) = d.upgrade() {
-            // Never waits: a full backlog drops (counted), which frees the object now.
+            // Never waits: a full backlog drops (counted), which frees the object now; one
+            // the disk holds already is freed now too.
             d.enqueue(key, Box::new(Spilled(obj)));
         }
     })));
+    if eager {
+        let p = Arc::downgrade(pool);
+        disk.set_source(Some(Arc::new(move |key: &BlockKey| {
+            let obj = p.upgrade()?.peek(key)?;
+            Some(Box::new(Spilled(obj)) as Box<dyn ObjectBytes>)
+        })));
+        let events = pool.subscribe(EAGER_EVENTS);
+        let d = Arc::downgrade(&disk);
+        std::thread::Builder::new()
+            .name("umbp-disk-eager".into())
+            .spawn(move || forward_commits(&events, &d))
+            .map_err(|source| DiskError::Thread {
+                what: "eager writer",
+                source,
+            })?;
+    }
     Ok(disk)
+}
+
+/// The eager forwarder: queues each object the pool stores, by key, until the tier closes or
+/// the pool goes.
+fn forward_commits(events: &Receiver<PoolEvent>, disk: &Weak<DiskTier>) {
+    loop {
+        let ev = match events.recv_timeout(EAGER_POLL) {
+            Ok(ev) => Some(ev),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
+        let Some(d) = disk.upgrade() else { return };
+        if d.is_closed() {
+            return;
+        }
+        if let Some(PoolEvent::Stored { key, bytes }) = ev {
+            // Promotions from disk are present already: not queued.
+            d.enqueue_key(key, bytes);
+        }
+    }
 }
 
 /// Writes the pool's objects the disk does not hold yet, on the calling thread, until the
@@ -114,12 +163,17 @@ mod tests {
 
     use umbp_core::{KeyBuilder, PoolConfig, RankTopology};
 
-    use crate::{DiskConfig, EmbeddedStore, StoreConfig};
+    use crate::{DiskConfig, DiskWrite, EmbeddedStore, StoreConfig};
 
     fn store(dir: &std::path::Path) -> EmbeddedStore {
+        store_with(dir, |_| {})
+    }
+
+    fn store_with(dir: &std::path::Path, f: impl FnOnce(&mut DiskConfig)) -> EmbeddedStore {
         let mut disk = DiskConfig::new(dir, 64 << 20);
         disk.segment_bytes = 1 << 20;
         disk.io_threads = 2;
+        f(&mut disk);
         EmbeddedStore::new(StoreConfig {
             pool: PoolConfig {
                 segment_bytes: 64 << 10,
@@ -208,6 +262,76 @@ mod tests {
         s.clear().unwrap();
         assert_eq!(s.prefix_hits(&keys[..3]).unwrap(), 0);
         s.close();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    fn wait_until(what: &str, cond: impl Fn() -> bool) {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(std::time::Instant::now() < end, "{what}: not within 10 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn eager_writes_reach_disk_before_eviction_which_then_writes_nothing_again() {
+        let d = tmpdir("eager");
+        let kb = KeyBuilder::new("disk-eager", RankTopology::default()).unwrap();
+        let keys: Vec<_> = (0..40u32)
+            .map(|i| kb.key(0, &i.to_le_bytes()).unwrap())
+            .collect();
+        let obj = |i: usize| vec![(i * 13 % 251) as u8; 32 << 10];
+        let s = store_with(&d, |c| c.write = DiskWrite::Eager);
+        // 1.25 MiB: below the high watermark (2 MiB), nothing is evicted.
+        for (i, k) in keys.iter().enumerate() {
+            s.pool().put(*k, &obj(i)).unwrap();
+        }
+        wait_until("eager queueing", || {
+            s.disk_stats().unwrap().eager_queued == 40
+        });
+        assert!(s.flush_disk(Duration::from_secs(10)));
+        let ds = s.disk_stats().unwrap();
+        assert_eq!((ds.writes, ds.objects, ds.writes_dropped), (40, 40, 0));
+        assert_eq!(s.pool().stats().evictions, 0);
+        assert!(keys.iter().all(|k| s.pool().contains(k)));
+        // Eviction finds them on disk: freed at once, not written again.
+        s.pool().evict_to_low_watermark();
+        assert!(s.flush_disk(Duration::from_secs(10)));
+        let ds = s.disk_stats().unwrap();
+        assert!(ds.already_present >= 8, "{ds:?}");
+        assert_eq!(ds.writes, 40);
+        assert!(!s.pool().contains(&keys[0]));
+        assert_eq!(s.prefix_hits(&keys[..4]).unwrap(), 4);
+        assert_eq!(s.pool().get(&keys[1]).unwrap().as_slice(), &obj(1)[..]);
+        // `evict` forgets the pool's and the disk's copies: lookups miss.
+        assert_eq!(s.evict(&keys[..4]).unwrap(), 4);
+        assert_eq!(s.exists(&keys[..4]).unwrap(), vec![false; 4]);
+        assert_eq!(s.prefix_hits(&keys[..4]).unwrap(), 0);
+        assert_eq!(s.disk_stats().unwrap().removed, 4);
+        assert_eq!(s.exists(&keys[4..6]).unwrap(), vec![true; 2]);
+        s.close();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_zero_close_budget_writes_nothing_on_close() {
+        let d = tmpdir("close0");
+        let kb = KeyBuilder::new("disk-close", RankTopology::default()).unwrap();
+        let keys: Vec<_> = (0..10u32)
+            .map(|i| kb.key(0, &i.to_le_bytes()).unwrap())
+            .collect();
+        for budget in [Duration::ZERO, Duration::from_secs(30)] {
+            let s = store_with(&d, |c| c.close_write = budget);
+            s.clear().unwrap();
+            for k in &keys {
+                s.pool().put(*k, &[7u8; 32 << 10]).unwrap();
+            }
+            s.close();
+            let s = store(&d);
+            let found = s.disk_stats().unwrap().rebuilt_objects;
+            assert_eq!(found, if budget.is_zero() { 0 } else { 10 }, "{budget:?}");
+            s.close();
+        }
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -25,7 +25,7 @@ pub use session::{RegionOffset, RelativeLayer, Session, SessionRelease};
 pub use store::EmbeddedStore;
 pub use umbp_copy::{JobFinished, JobSet, MoveError};
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
-pub use umbp_disk::{DiskConfig, DiskError, DiskStats};
+pub use umbp_disk::{DiskConfig, DiskError, DiskStats, DiskWrite};
 pub use umbp_remote::{
     secret_file_from_env as remote_secret_file_from_env, RemoteConfig, RemoteError, RemoteStats,
     WritePolicy,

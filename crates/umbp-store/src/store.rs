@@ -375,13 +375,24 @@ impl EmbeddedStore {
         Ok(self.shared.pool.clear())
     }
 
-    /// Drops `keys` from the pool as its eviction would: a remote tier keeps its copies (a later
-    /// lookup may fetch them back). Returns how many were in the pool. A pinned object leaves
-    /// lookups at once and its space is freed when the transfer using it ends.
-    /// [`StoreError::Closed`] after `close`.
+    /// Drops `keys` from this store: from the pool and from the disk tier (its index, and
+    /// writes of them still queued), so lookups here miss them. A remote tier keeps its copies
+    /// (other nodes share it; a later lookup may fetch them back). Returns how many were in
+    /// the pool. A pinned object leaves lookups at once and its space is freed when the
+    /// transfer using it ends. [`StoreError::Closed`] after `close`.
     pub fn evict(&self, keys: &[BlockKey]) -> Result<u64, StoreError> {
         self.check_open()?;
-        Ok(keys.iter().filter(|k| self.shared.pool.remove(k)).count() as u64)
+        // The disk first: a lookup between the two would promote back what the pool lost;
+        // and again after: the evictor may have handed it one of them meanwhile.
+        let forget_on_disk = || {
+            if let Some(d) = &self.shared.disk {
+                d.remove_many(keys);
+            }
+        };
+        forget_on_disk();
+        let n = keys.iter().filter(|k| self.shared.pool.remove(k)).count() as u64;
+        forget_on_disk();
+        Ok(n)
     }
 
     /// Removes the objects of one key namespace (the string keys were built from) from the

@@ -85,6 +85,8 @@ class ConnectorConfig:
     disk_dir: str | None
     disk_capacity_bytes: int
     disk_write_mb_per_s: int
+    disk_write: str
+    disk_close_write_s: int
     cuda_staging_bytes: int
     # standalone
     endpoint: str | None

@@ -253,6 +253,8 @@ class EmbeddedRuntime:
             disk_dir=self.disk_dir(worker),
             disk_capacity_bytes=cfg.disk_capacity_bytes,
             disk_write_mb_per_s=cfg.disk_write_mb_per_s,
+            disk_write=cfg.disk_write,
+            disk_close_write_s=cfg.disk_close_write_s,
             cuda_staging_bytes=cfg.cuda_staging_bytes,
         )
         self.capacity = capacity

@@ -111,6 +111,9 @@ pub struct ConnectorOptions {
     pub disk_dir: Option<String>,
     pub disk_capacity_bytes: u64,
     pub disk_write_mb_per_s: u64,
+    /// `"on_evict"` or `"eager"`.
+    pub disk_write: String,
+    pub disk_close_write_s: u64,
     pub cuda_staging_bytes: u64,
 }
 
@@ -174,8 +177,9 @@ impl ConnectorOptions {
                         Mode::Standalone if name.starts_with("disk_") => {
                             "is not accepted in standalone mode: the server owns the pool and \
                              its disk tier; start the server with --disk-dir (UMBP_DISK_DIR), \
-                             --disk-capacity (UMBP_DISK_CAPACITY) and --disk-write-mb-per-s \
-                             (UMBP_DISK_WRITE_MB_PER_S)"
+                             --disk-capacity (UMBP_DISK_CAPACITY), --disk-write-mb-per-s \
+                             (UMBP_DISK_WRITE_MB_PER_S), --disk-write (UMBP_DISK_WRITE) and \
+                             --disk-close-write-s (UMBP_DISK_CLOSE_WRITE_S)"
                         }
                         Mode::Standalone
                             if name == EVICTION_POLICY.name || name == STORE_ADMISSION.name =>

@@ -543,6 +543,41 @@ pub const DISK_WRITE_MB_PER_S: OptionSpec = OptionSpec {
           what the backlog cannot hold is not written (counted as `writes_dropped`).",
     also_rejected: None,
 };
+/// `disk_write`'s values.
+pub const DISK_WRITES: &[&str] = &["on_evict", "eager"];
+/// `disk_write`.
+pub const DISK_WRITE: OptionSpec = OptionSpec {
+    name: "disk_write",
+    scope: Scope::Embedded,
+    kind: Kind::Choice(DISK_WRITES),
+    default: DefaultValue::Str("on_evict"),
+    nullable: false,
+    default_doc: None,
+    doc: "When objects go to the disk tier: `\"on_evict\"` when the pool evicts them; \
+          `\"eager\"` also as soon as they are stored (still written behind within the backlog \
+          and `disk_write_mb_per_s`, never waited for; the evictor then frees objects on disk at \
+          once), so a crash or power loss loses only the last moments' objects, at the price \
+          of writing every stored object once. See [disk.md](disk.md#eager-or-on-eviction).",
+    also_rejected: None,
+};
+/// `disk_close_write_s`.
+pub const DISK_CLOSE_WRITE_S: OptionSpec = OptionSpec {
+    name: "disk_close_write_s",
+    scope: Scope::Embedded,
+    kind: Kind::Int {
+        min: 0,
+        max: 3600,
+        unit: Unit::Seconds,
+    },
+    default: DefaultValue::Int(30),
+    nullable: false,
+    default_doc: None,
+    doc: "How long closing a store (a clean engine or server stop) may spend writing the pool's \
+          objects the disk tier lacks, so a restart finds them; past it the rest are not \
+          written (logged with the count). 0: nothing is written on close (objects still \
+          queued are dropped).",
+    also_rejected: None,
+};
 
 /// `cuda_staging_bytes`.
 pub const CUDA_STAGING_BYTES: OptionSpec = OptionSpec {
@@ -600,6 +635,8 @@ pub const SCHEMA: &[OptionSpec] = &[
     DISK_DIR,
     DISK_CAPACITY_BYTES,
     DISK_WRITE_MB_PER_S,
+    DISK_WRITE,
+    DISK_CLOSE_WRITE_S,
     CUDA_STAGING_BYTES,
     ENDPOINT,
     STARTUP_TIMEOUT_MS,

@@ -166,6 +166,14 @@ struct Args {
         default_value_t = options::DISK_WRITE_MB_PER_S.default_u64()
     )]
     disk_write_mb_per_s: u64,
+    /// When objects go to the disk tier: on_evict (when the pool evicts them) or eager (also
+    /// as soon as they are stored, written behind; a crash loses only the last moments').
+    #[arg(long = "disk-write", env = "UMBP_DISK_WRITE", default_value = options::DISK_WRITE.default_str(), value_parser = PossibleValuesParser::new(options::DISK_WRITES))]
+    disk_write: String,
+    /// Seconds a clean stop may spend writing the pool's objects the disk tier lacks (0: none
+    /// are written on stop).
+    #[arg(long = "disk-close-write-s", env = "UMBP_DISK_CLOSE_WRITE_S", default_value_t = options::DISK_CLOSE_WRITE_S.default_u64(), value_parser = schema_range(&options::DISK_CLOSE_WRITE_S))]
+    disk_close_write_s: u64,
     /// GPU memory per direction for the CUDA copy path's staging slots (two slots; 2 × this
     /// per GPU the server copies for, allocated when the first client registers CUDA memory of
     /// that GPU; suffixes as --capacity). 0: the copy engines only. See docs/benchmarks.md.
@@ -400,10 +408,15 @@ fn disk_config(a: &Args) -> anyhow::Result<Option<umbp_store::DiskConfig>> {
         .with_context(|| format!("--disk-dir / UMBP_DISK_DIR {}", dir.display()))?;
     let mut d = umbp_store::DiskConfig::new(dir, a.disk_capacity.0);
     d.write_bytes_per_s = a.disk_write_mb_per_s.saturating_mul(1_000_000);
+    d.write = a
+        .disk_write
+        .parse()
+        .context("--disk-write / UMBP_DISK_WRITE")?;
+    d.close_write = std::time::Duration::from_secs(a.disk_close_write_s);
     d.validate().map_err(|e| {
         anyhow::anyhow!(
-            "{e} (flags --disk-dir, --disk-capacity, --disk-write-mb-per-s or their UMBP_DISK_* \
-             variables)"
+            "{e} (flags --disk-dir, --disk-capacity, --disk-write-mb-per-s, --disk-write, \
+             --disk-close-write-s or their UMBP_DISK_* variables)"
         )
     })?;
     Ok(Some(d))
@@ -557,6 +570,8 @@ mod tests {
         ("disk_dir", &options::DISK_DIR),
         ("disk_capacity", &options::DISK_CAPACITY_BYTES),
         ("disk_write_mb_per_s", &options::DISK_WRITE_MB_PER_S),
+        ("disk_write", &options::DISK_WRITE),
+        ("disk_close_write_s", &options::DISK_CLOSE_WRITE_S),
         ("cuda_staging_bytes", &options::CUDA_STAGING_BYTES),
     ];
 
