@@ -197,9 +197,11 @@ class EmbeddedStore:
         keys: Keys,
         *,
         stream: int | None = None,
+        admit_now: bool = False,
     ) -> Transfer:
         """`stream` (CUDA layouts): `torch.cuda.current_stream().cuda_stream`; the copies run
-        after the work already queued on it."""
+        after the work already queued on it. `admit_now`: kept on each key's first sighting
+        even under `store_admission="on_reuse"` (counted in `admissions_forced`)."""
     def load(
         self,
         layout_id: int,
@@ -284,8 +286,16 @@ class StandaloneClient:
         """`ranks`: (tp, pcp, dcp, pp) each; `hashes` packed, `hash_bytes` each. Returns the
         per-block answers (empty with `prefix_only`) and the leading blocks all ranks hold."""
     def store(
-        self, layout_id: int, group: int, block_ids: Sequence[int], keys: Keys
-    ) -> Transfer: ...
+        self,
+        layout_id: int,
+        group: int,
+        block_ids: Sequence[int],
+        keys: Keys,
+        *,
+        admit_now: bool = False,
+    ) -> Transfer:
+        """`admit_now`: kept on each key's first sighting even under the server's
+        `--store-admission on_reuse`."""
     def load(
         self, layout_id: int, group: int, block_ids: Sequence[int], keys: Keys
     ) -> Transfer: ...

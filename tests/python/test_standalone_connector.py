@@ -110,6 +110,24 @@ def test_hits_need_every_rank(server):  # noqa: F811
     r1.store.close()
 
 
+def test_a_store_admitted_now_passes_the_servers_on_reuse_admission(tmp_path):
+    """The connector's "now" store hint in standalone mode: `admit_now` travels with the
+    store (protocol 4) and the server keeps the blocks on first sighting under
+    `--store-admission on_reuse`; a store without it is skipped there."""
+    from standalone_server import running
+
+    with running(tmp_path.name, extra_args=["--store-admission", "on_reuse"]) as srv:
+        r = Rank(srv.endpoint)
+        try:
+            assert r.put(1).wait() == ["skipped"] * peer.BLOCKS
+            t = r.store.store(r.layout, 0, list(range(peer.BLOCKS)), r.keys(2), admit_now=True)
+            assert t.wait() == ["done"] * peer.BLOCKS
+            assert r.store.client.stats()["objects"] == peer.BLOCKS
+            assert r.get(2).wait() == ["done"] * peer.BLOCKS
+        finally:
+            r.store.close()
+
+
 def test_a_dead_server_fails_transfers_and_a_new_one_is_used_by_itself(server):  # noqa: F811
     r = Rank(server.endpoint)
     r.buf[:] = peer.pattern(3)

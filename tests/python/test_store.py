@@ -204,6 +204,24 @@ def test_on_reuse_keeps_a_block_stored_the_second_time(kb, policy):
     s.close()
 
 
+def test_a_store_admitted_now_is_kept_on_first_sighting_under_on_reuse(kb):
+    """`admit_now=True` (a request's store hint "now"): kept on the key's first sighting,
+    counted in `admissions_forced`; a store without it is still skipped."""
+    s = umbp.EmbeddedStore(64 << 20, prefault=False, store_admission="on_reuse")
+    src, dst = KvCache(fill_seed=9), KvCache()
+    ls, ld = attach(s, src), attach(s, dst)
+    policy, now = kb.keys(0, hashes(range(4))), kb.keys(0, hashes(range(4, 8)))
+    assert s.store(ls, 0, [0, 1, 2, 3], policy).wait() == ["skipped"] * 4
+    assert s.store(ls, 0, [4, 5, 6, 7], now, admit_now=True).wait() == ["done"] * 4
+    assert s.exists(now) == [True] * 4 and s.exists(policy) == [False] * 4
+    assert s.load(ld, 0, [20, 21, 22, 23], now).wait() == ["done"] * 4
+    for b in range(4):
+        assert src.block(4 + b) == dst.block(20 + b)
+    st = s.stats()
+    assert (st["admissions_skipped"], st["admissions_forced"], st["objects"]) == (4, 4, 4)
+    s.close()
+
+
 def test_eviction_under_pressure_keeps_serving(kb):
     s = umbp.EmbeddedStore(4 << 20, num_workers=2, prefault=False, segment_bytes=256 << 10)
     src = KvCache(fill_seed=5)  # 8 KiB objects

@@ -6,10 +6,12 @@ session and kills the whole group afterwards (vLLM's helper processes can outliv
     python engine.py '<scenario json>'
 
 Scenario keys: model, max_model_len, max_num_batched_tokens, mamba_ssm_cache_dtype,
+scheduling_policy,
 num_gpu_blocks_override (vLLM's KV cache size in blocks), connector (kv_connector_extra_config,
 or null for no connector), kv_role, module_path (use kv_connector_module_path instead of the
 plugin), tp, max_tokens, kv_events (an ipc:// endpoint to publish KV events to), log_stats
-(vLLM's stat logging on, for the "metrics" step), steps: a list of {"generate": [prompt, ...]},
+(vLLM's stat logging on, for the "metrics" step), steps: a list of {"generate": [prompt, ...]}
+(a prompt may be {"prompt": text, "priority": n, "kv_transfer_params": {...}}),
 {"reset": bool reset_external}, {"signal": path}, {"wait_for": path}, {"sleep": seconds},
 {"metrics": true} (the connector's counters as vLLM summed them over its workers:
 {"vllm:umbp_...": value}; needs log_stats), {"events": seconds to wait for KV events},
@@ -46,7 +48,12 @@ def main() -> None:
         tensor_parallel_size=sc.get("tp", 1),
         disable_log_stats=not sc.get("log_stats", False),
     )
-    for key in ("max_num_batched_tokens", "mamba_ssm_cache_dtype", "num_gpu_blocks_override"):
+    for key in (
+        "max_num_batched_tokens",
+        "mamba_ssm_cache_dtype",
+        "num_gpu_blocks_override",
+        "scheduling_policy",
+    ):
         if sc.get(key):
             kwargs[key] = sc[key]
     if sc.get("connector") is not None:
@@ -94,9 +101,10 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
     for step in sc["steps"]:
         if "generate" in step:
             res = []
-            for p in step["generate"]:
+            for item in step["generate"]:
+                p, psp, kw = prompt_args(item, sp)
                 t = time.time()
-                o = llm.generate([p], sp, use_tqdm=False)[0]
+                o = llm.generate([p], psp, use_tqdm=False, **kw)[0]
                 prompt_ids[p] = list(o.prompt_token_ids)
                 res.append(
                     {
@@ -151,6 +159,18 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
                 llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
                 time.sleep(0.25)
             out["steps"].append(list(events))
+
+
+def prompt_args(item, sp):
+    """A "generate" item's prompt, its sampling parameters (with its `kv_transfer_params`)
+    and `LLM.generate`'s other arguments (its `priority`)."""
+    if isinstance(item, str):
+        return item, sp, {}
+    kw = {"priority": [item["priority"]]} if "priority" in item else {}
+    if "kv_transfer_params" in item:
+        sp = sp.clone()
+        sp.extra_args = {**(sp.extra_args or {}), "kv_transfer_params": item["kv_transfer_params"]}
+    return item["prompt"], sp, kw
 
 
 def evict_state(worker, token_ids: list[int], tokens: int, nth: int) -> dict:

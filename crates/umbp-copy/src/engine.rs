@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
-use umbp_core::{BlockKey, CopyRange, FailureKind, KeyOutcome, RangePlan};
+use umbp_core::{Admit, BlockKey, CopyRange, FailureKind, KeyOutcome, RangePlan};
 use umbp_pool::{CommitOutcome, Pool, PoolError};
 
 use crate::completion::Completion;
@@ -31,6 +31,8 @@ const CHUNK: usize = 8;
 #[derive(Debug)]
 pub(crate) struct JobState {
     direction: Direction,
+    /// How a store meets the pool's store admission (loads: always `Policy`).
+    admit: Admit,
     keys: Vec<BlockKey>,
     plan: RangePlan,
     /// Keys whose ranges failed validation, with the reason; they are never copied.
@@ -234,6 +236,25 @@ impl CopyEngine {
         plan: RangePlan,
         after: Option<OrderToken>,
     ) -> Result<JobHandle, CopyError> {
+        self.submit_as(direction, keys, plan, after, Admit::Policy)
+    }
+
+    /// Like [`CopyEngine::submit_after`], for a store that meets the pool's store admission
+    /// as `admit` says ([`Admit::Now`]: each key is stored on its first sighting, see
+    /// [`Pool::admit_as`]). A load asked for as [`Admit::Now`] is refused.
+    pub fn submit_as(
+        &self,
+        direction: Direction,
+        keys: Vec<BlockKey>,
+        plan: RangePlan,
+        after: Option<OrderToken>,
+        admit: Admit,
+    ) -> Result<JobHandle, CopyError> {
+        if direction == Direction::Load && admit == Admit::Now {
+            return Err(CopyError::InvalidRequest(
+                "a load was asked to be admitted now; admission applies to stores only".into(),
+            ));
+        }
         if keys.len() != plan.num_blocks() {
             return Err(CopyError::InvalidRequest(format!(
                 "{} keys for {} planned blocks; pass one key per block id",
@@ -256,6 +277,7 @@ impl CopyEngine {
         };
         let state = Arc::new(JobState {
             direction,
+            admit,
             keys,
             plan,
             invalid,
@@ -557,9 +579,9 @@ fn store_batch(
             KeyOutcome::failed(FailureKind::InvalidRange, why.clone())
         } else if pool.contains(&job.keys[i]) {
             KeyOutcome::AlreadyPresent
-        } else if !pool.admit(&job.keys[i]) {
+        } else if !pool.admit_as(&job.keys[i], job.admit) {
             // The pool's store admission keeps no copy of this key yet (`on_reuse`): no
-            // reservation and no copy; nothing failed.
+            // reservation and no copy; nothing failed. (`Admit::Now` is always admitted.)
             KeyOutcome::Skipped
         } else {
             match pool.reserve(job.plan.object_bytes()) {
@@ -590,7 +612,7 @@ fn store_batch(
     drop(copies);
     for ((at, i, res), outcome) in todo.into_iter().zip(outcomes) {
         results[at] = match outcome {
-            Ok(()) => match pool.commit(res, job.keys[i]) {
+            Ok(()) => match pool.commit_as(res, job.keys[i], job.admit) {
                 CommitOutcome::Stored => KeyOutcome::Done,
                 CommitOutcome::AlreadyPresent => KeyOutcome::AlreadyPresent,
                 // The pool's store admission kept no copy (first sighting under `on_reuse`).

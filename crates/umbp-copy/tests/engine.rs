@@ -462,3 +462,81 @@ fn device_memory_jobs_use_their_devices_mover_and_drop_their_token() {
     }
     dst.buf.clear();
 }
+
+#[test]
+fn a_store_admitted_now_is_kept_on_first_sighting_under_on_reuse() {
+    use umbp_core::{Admit, StoreAdmission};
+    let pool = Arc::new(
+        Pool::new(PoolConfig {
+            prefault: false,
+            store_admission: StoreAdmission::OnReuse,
+            ..PoolConfig::with_capacity(8 << 20)
+        })
+        .unwrap(),
+    );
+    let engine = CopyEngine::new(
+        Arc::clone(&pool),
+        Arc::new(MemoryRegistry::new()),
+        Arc::new(HostMover),
+        2,
+    )
+    .unwrap();
+    let kb = KeyBuilder::new("copy-admit", RankTopology::default()).unwrap();
+    let src = Cache::new(|i| (i * 7 % 253) as u8);
+    let mut dst = Cache::new(|_| 0);
+    let (rs, rd) = (register(&engine, &src), register(&engine, &dst));
+    let wait = |job: umbp_copy::JobHandle| job.wait(Duration::from_secs(10)).unwrap();
+    // As the policy says: a first sighting is skipped, nothing copied.
+    let policy = engine
+        .submit(
+            Direction::Store,
+            keys(&kb, &[0, 1]),
+            src.layout.plan(&[0, 1]).unwrap(),
+        )
+        .unwrap();
+    assert_eq!(wait(policy), vec![KeyOutcome::Skipped; 2]);
+    // Admitted now: stored on first sighting, byte for byte.
+    let now = engine
+        .submit_as(
+            Direction::Store,
+            keys(&kb, &[2, 3]),
+            src.layout.plan(&[2, 3]).unwrap(),
+            None,
+            Admit::Now,
+        )
+        .unwrap();
+    assert_eq!(wait(now), vec![KeyOutcome::Done; 2]);
+    let load = engine
+        .submit(
+            Direction::Load,
+            keys(&kb, &[2, 3]),
+            dst.layout.plan(&[12, 13]).unwrap(),
+        )
+        .unwrap();
+    assert_eq!(wait(load), vec![KeyOutcome::Done; 2]);
+    assert_eq!(src.block_bytes(2), dst.block_bytes(12));
+    assert_eq!(src.block_bytes(3), dst.block_bytes(13));
+    let s = pool.stats();
+    assert_eq!(
+        (s.objects, s.admissions_forced, s.admissions_skipped),
+        (2, 2, 2)
+    );
+    // A load cannot ask for admission.
+    let e = engine
+        .submit_as(
+            Direction::Load,
+            keys(&kb, &[2]),
+            dst.layout.plan(&[12]).unwrap(),
+            None,
+            Admit::Now,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("stores only"), "{e}");
+    for r in [rs, rd] {
+        engine
+            .registry()
+            .deregister(r, Duration::from_secs(1))
+            .unwrap();
+    }
+    dst.buf.clear();
+}

@@ -102,6 +102,20 @@ impl FromStr for StoreAdmission {
     }
 }
 
+/// How one store meets the pool's [`StoreAdmission`]. vLLM's connector asks for
+/// [`Admit::Now`] for requests marked to be stored at once (a priority at or below
+/// `store_priority_admit_at_most`, or `kv_transfer_params: {"umbp_store": "now"}`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Admit {
+    /// As the pool's store admission says (`on_reuse`: not on a key's first sighting).
+    #[default]
+    Policy,
+    /// Stored on the key's first sighting whatever the admission says; the sighting is
+    /// remembered as any other (counted in umbp-pool's `admissions_forced` when the
+    /// admission would have refused it).
+    Now,
+}
+
 /// Keys the `on_reuse` admission remembers by default (about 32 bytes each).
 pub const DEFAULT_ADMISSION_WINDOW: usize = 1 << 20;
 

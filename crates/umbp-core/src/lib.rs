@@ -29,7 +29,7 @@ pub mod outcome;
 mod sizes;
 pub mod strided;
 
-pub use caching::{EvictionPolicy, StoreAdmission};
+pub use caching::{Admit, EvictionPolicy, StoreAdmission};
 pub use config::{HugepageSize, MemoryBacking, PoolConfig};
 pub use error::CoreError;
 pub use key::{BlockKey, KeyBuilder, RankTopology};

@@ -38,4 +38,4 @@ pub use pool::{
 };
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};
-pub use umbp_core::caching::{EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
+pub use umbp_core::caching::{Admit, EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex, RwLock};
-use umbp_core::{BlockKey, CoreError, PoolConfig};
+use umbp_core::{Admit, BlockKey, CoreError, PoolConfig};
 
 use crate::alloc::Allocator;
 use crate::index::Shard;
@@ -187,13 +187,20 @@ impl Pool {
     /// Makes a reservation's object visible under `key`. The first committed writer of a key
     /// wins; a later one gets [`CommitOutcome::AlreadyPresent`] and its object is discarded,
     /// as is one the store admission refuses ([`CommitOutcome::Skipped`]).
-    pub fn commit(&self, mut res: Reservation, key: BlockKey) -> CommitOutcome {
+    pub fn commit(&self, res: Reservation, key: BlockKey) -> CommitOutcome {
+        self.commit_as(res, key, Admit::Policy)
+    }
+
+    /// [`Pool::commit`], meeting the store admission as `how` says: [`Admit::Now`] stores
+    /// the key on its first sighting (a request marked to be stored at once) and remembers
+    /// it; it is never [`CommitOutcome::Skipped`].
+    pub fn commit_as(&self, mut res: Reservation, key: BlockKey, how: Admit) -> CommitOutcome {
         let inner = &self.inner;
         let slot = res.slot.take().expect("live reservation");
         let len = res.len;
         drop(res);
         let fp = key.fingerprint();
-        if !inner.admit(fp) {
+        if !inner.admit_as(fp, how) {
             inner.alloc.lock().free(slot);
             return CommitOutcome::Skipped;
         }
@@ -230,6 +237,13 @@ impl Pool {
     /// before committing ask first, so that a refused key costs no reservation and no copy.
     pub fn admit(&self, key: &BlockKey) -> bool {
         self.inner.admit(key.fingerprint())
+    }
+
+    /// [`Pool::admit`] for a store asked for as `how`: [`Admit::Now`] is always admitted
+    /// (and remembered, counted in [`PoolStats::admissions_forced`] where `on_reuse` would
+    /// have refused it).
+    pub fn admit_as(&self, key: &BlockKey, how: Admit) -> bool {
+        self.inner.admit_as(key.fingerprint(), how)
     }
 
     /// Reserves, fills and commits in one call (copies `data`). A key the store admission
@@ -538,6 +552,7 @@ impl Pool {
                 umbp_core::caching::StoreAdmission::All
             },
             admissions_skipped: r(&c.admissions_skipped),
+            admissions_forced: r(&c.admissions_forced),
             admission_seen,
             bytes_in: r(&c.bytes_in),
             bytes_out: r(&c.bytes_out),

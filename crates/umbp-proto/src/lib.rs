@@ -28,8 +28,9 @@ pub mod v1 {
 /// Version of the protocol (bumped on incompatible changes; the server refuses other versions
 /// at attach). 2: every refusal carries its [`umbp_core::ErrorKind`] (see [`errors`]). 3: a
 /// key's status may be `KEY_STATUS_SKIPPED` (the store admission kept no copy), which a
-/// protocol-2 client would refuse as malformed.
-pub const PROTOCOL: u32 = 3;
+/// protocol-2 client would refuse as malformed. 4: a store may ask to be kept on first sighting
+/// (`TransferRequest.admit_now`), which a protocol-3 server would silently ignore.
+pub const PROTOCOL: u32 = 4;
 
 /// Bytes of a block key on the wire.
 pub const KEY_BYTES: usize = 64;

@@ -103,6 +103,7 @@ fn connector_option_schema(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
                     vec![],
                 ),
                 Kind::HugepageSize => ("hugepage_size", None, None, None, vec!["2MiB", "1GiB"]),
+                Kind::Priority => ("priority", None, None, None, vec![]),
             };
             d.set_item("type", ty)?;
             d.set_item("default", to_py(py, &s.default_json())?)?;

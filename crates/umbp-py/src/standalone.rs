@@ -19,7 +19,7 @@ use umbp_client::{
     ClientError, ClientOptions, ServerStats, StandaloneClient as CoreClient,
     Transfer as CoreTransfer,
 };
-use umbp_core::{KvLayout, LayerSpec, LayoutSummary, RankTopology};
+use umbp_core::{Admit, KvLayout, LayerSpec, LayoutSummary, RankTopology};
 use umbp_proto::Endpoint;
 
 use crate::errors::{Error, Result};
@@ -232,7 +232,9 @@ impl StandaloneClient {
     }
 
     /// Starts storing `block_ids` of cache group `group` of layout `layout_id` into the
-    /// server's pool under `keys`.
+    /// server's pool under `keys`. `admit_now` keeps each block on its key's first sighting
+    /// even under the server's `--store-admission on_reuse`.
+    #[pyo3(signature = (layout_id, group, block_ids, keys, *, admit_now=false))]
     fn store(
         &self,
         py: Python<'_>,
@@ -240,8 +242,10 @@ impl StandaloneClient {
         group: u32,
         block_ids: Vec<i64>,
         keys: &Keys,
+        admit_now: bool,
     ) -> Result<Transfer> {
-        self.start(py, true, (layout_id, group), block_ids, keys)
+        let admit = if admit_now { Admit::Now } else { Admit::Policy };
+        self.start(py, Some(admit), (layout_id, group), block_ids, keys)
     }
 
     /// Starts loading `keys` from the server's pool into `block_ids` of cache group `group`.
@@ -253,7 +257,7 @@ impl StandaloneClient {
         block_ids: Vec<i64>,
         keys: &Keys,
     ) -> Result<Transfer> {
-        self.start(py, false, (layout_id, group), block_ids, keys)
+        self.start(py, None, (layout_id, group), block_ids, keys)
     }
 
     /// Removes every object of the server's pool (every client's!), or those of key
@@ -464,7 +468,7 @@ impl StandaloneClient {
     fn start(
         &self,
         py: Python<'_>,
-        store: bool,
+        store: Option<Admit>,
         (layout_id, group): (u32, u32),
         block_ids: Vec<i64>,
         keys: &Keys,
@@ -475,10 +479,9 @@ impl StandaloneClient {
         let (t, object_bytes) = without_gil(py, || -> Result<(CoreTransfer, u64)> {
             let object_bytes = c.object_bytes(layout_id, group).unwrap_or(0);
             let ids = to_u64s(block_ids, "block ids")?;
-            let t = if store {
-                c.store(layout_id, group, &ids, &keys.keys)
-            } else {
-                c.load(layout_id, group, &ids, &keys.keys)
+            let t = match store {
+                Some(admit) => c.store_as(layout_id, group, &ids, &keys.keys, admit),
+                None => c.load(layout_id, group, &ids, &keys.keys),
             }?;
             Ok((t, object_bytes))
         })?;

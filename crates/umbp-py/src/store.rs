@@ -6,6 +6,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use umbp_copy::{Direction, JobHandle};
+use umbp_core::Admit;
 use umbp_core::{
     options, EvictionPolicy, GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary,
     MemoryBacking, PoolConfig, StoreAdmission, TensorView,
@@ -327,8 +328,10 @@ impl EmbeddedStore {
 
     /// Starts copying `block_ids` of cache group `group` into the pool under `keys`. For a CUDA
     /// layout, `stream` (`torch.cuda.current_stream().cuda_stream`) orders the copies after the
-    /// work already queued on that stream.
-    #[pyo3(signature = (layout_id, group, block_ids, keys, *, stream=None))]
+    /// work already queued on that stream. `admit_now` keeps each block on its key's first
+    /// sighting even under `store_admission="on_reuse"` (counted in `admissions_forced`).
+    #[pyo3(signature = (layout_id, group, block_ids, keys, *, stream=None, admit_now=false))]
+    #[allow(clippy::too_many_arguments)]
     fn store(
         &self,
         py: Python<'_>,
@@ -337,14 +340,16 @@ impl EmbeddedStore {
         block_ids: Vec<i64>,
         keys: &Keys,
         stream: Option<u64>,
+        admit_now: bool,
     ) -> Result<Transfer> {
+        let admit = if admit_now { Admit::Now } else { Admit::Policy };
         self.start(
             py,
             Direction::Store,
             (layout_id, group),
             block_ids,
             keys,
-            stream,
+            (stream, admit),
         )
     }
 
@@ -367,7 +372,7 @@ impl EmbeddedStore {
             (layout_id, group),
             block_ids,
             keys,
-            stream,
+            (stream, Admit::Policy),
         )
     }
 
@@ -448,6 +453,7 @@ impl EmbeddedStore {
         d.set_item("ghost_hits", s.ghost_hits)?;
         d.set_item("store_admission", s.store_admission.as_str())?;
         d.set_item("admissions_skipped", s.admissions_skipped)?;
+        d.set_item("admissions_forced", s.admissions_forced)?;
         d.set_item("admission_seen", s.admission_seen)?;
         let p = &s.placement;
         d.set_item(
@@ -563,7 +569,7 @@ impl EmbeddedStore {
         (layout_id, group): (u32, u32),
         block_ids: Vec<i64>,
         keys: &Keys,
-        stream: Option<u64>,
+        (stream, admit): (Option<u64>, Admit),
     ) -> Result<Transfer> {
         let handle = without_gil(py, || -> Result<JobHandle> {
             let ids = to_u64s(block_ids, "block ids")?;
@@ -574,7 +580,7 @@ impl EmbeddedStore {
             // `register_cuda_memory`; Python cannot check a raw handle.
             Ok(unsafe {
                 match direction {
-                    Direction::Store => s.store_on(layout_id, group, &ids, keys, stream),
+                    Direction::Store => s.store_as_on(layout_id, group, &ids, keys, stream, admit),
                     Direction::Load => s.load_on(layout_id, group, &ids, keys, stream),
                 }
             }?)

@@ -94,6 +94,7 @@ pub(crate) struct Gauges {
     pub(crate) ghost_hits: u64,
     pub(crate) promotions: u64,
     pub(crate) admissions_skipped: u64,
+    pub(crate) admissions_forced: u64,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
     pub(crate) disk: Option<umbp_store::DiskStats>,
 }
@@ -288,6 +289,13 @@ impl Metrics {
             "pool_admissions_skipped_total",
             "Stores not kept by store_admission=on_reuse (the key's first sighting).",
             g.admissions_skipped,
+        );
+        counter(
+            &mut o,
+            "pool_admissions_forced_total",
+            "Stores kept on the key's first sighting because the client asked (admit_now: a \
+             request's priority or umbp_store=now) where store_admission=on_reuse would not.",
+            g.admissions_forced,
         );
         if let Some(r) = &g.remote {
             for (name, help, v) in [

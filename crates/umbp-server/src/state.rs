@@ -56,6 +56,7 @@ impl State {
             g.promotions = p.promotions;
             g.ghost_hits = p.ghost_hits;
             g.admissions_skipped = p.admissions_skipped;
+            g.admissions_forced = p.admissions_forced;
         }
         g.remote = self.store.remote_stats();
         g.disk = self.store.disk_stats();

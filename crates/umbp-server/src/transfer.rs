@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tonic::Status;
 use umbp_copy::JobHandle;
-use umbp_core::{ErrorKind, KeyOutcome};
+use umbp_core::{Admit, ErrorKind, KeyOutcome};
 use umbp_proto::errors::status;
 use umbp_proto::{completion, v1};
 use umbp_store::StoreError;
@@ -133,6 +133,11 @@ fn start(
             ))))
         }
     };
+    if r.admit_now && dir == umbp_copy::Direction::Load {
+        return Err(st.refuse(invalid(
+            "admit_now is set on a load; it applies to stores only: send it false",
+        )));
+    }
     let completion = match r.completion_slot {
         0 => None,
         k => {
@@ -164,8 +169,16 @@ fn start(
         .and_then(|l| Ok(l.group(r.group).map_err(StoreError::from)?.object_bytes()))
         .map_err(|e| st.refuse(status_of(&e)))?;
     let submitted = Instant::now();
+    let admit = if r.admit_now {
+        Admit::Now
+    } else {
+        Admit::Policy
+    };
     let job = match dir {
-        umbp_copy::Direction::Store => cs.session.store(r.layout_id, r.group, &r.block_ids, keys),
+        umbp_copy::Direction::Store => {
+            cs.session
+                .store_as(r.layout_id, r.group, &r.block_ids, keys, admit)
+        }
         umbp_copy::Direction::Load => cs.session.load(r.layout_id, r.group, &r.block_ids, keys),
     }
     .map_err(|e| st.refuse(status_of(&e)))?;

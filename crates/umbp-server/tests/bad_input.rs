@@ -883,6 +883,7 @@ fn valid_bodies(sid: u64) -> Vec<(&'static str, Vec<u8>)> {
                 transfer_id: 3,
                 completion_slot: 2,
                 completion_seq: 9,
+                admit_now: false,
             }
             .encode_to_vec(),
         ),

@@ -374,6 +374,7 @@ fn prometheus_metrics_are_served_on_loopback_only_when_asked() {
         "umbp_lookup_seconds_bucket",
         "umbp_pool_evictions_total 0",
         "umbp_pool_admissions_skipped_total 0",
+        "umbp_pool_admissions_forced_total 0",
         "umbp_pool_ghost_hits_total 0",
     ] {
         assert!(m.contains(needle), "{needle} missing in\n{m}");
@@ -509,4 +510,54 @@ fn sigterm_stops_the_server_cleanly_under_load_and_clear_works_by_namespace() {
     );
     let (ok, failed) = worker.join().unwrap();
     assert!(ok > 0 && failed > 0, "ok {ok} failed {failed}");
+}
+
+#[test]
+fn a_store_admitted_now_is_kept_on_first_sighting_under_on_reuse() {
+    use std::io::{Read, Write};
+    use umbp_core::Admit;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let dir = tmpdir("admit-now");
+    let server = Server::start(
+        &dir.join("s.sock"),
+        &["--store-admission", "on_reuse", "--metrics-address", &addr],
+    );
+    let c = client(&server.endpoint);
+    let mut cache = cache(&c);
+    cache.fill(3);
+    let ids = [0, 1, 2, 3];
+    let policy = answered(c.store(cache.layout, 0, &ids, &keys("policy", 4)));
+    assert_eq!(policy.unwrap(), vec![KeyOutcome::Skipped; 4]);
+    let now = answered(c.store_as(cache.layout, 0, &ids, &keys("now", 4), Admit::Now));
+    assert_eq!(now.unwrap(), vec![KeyOutcome::Done; 4]);
+    assert_eq!(stats(&server.endpoint).objects, 4);
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut m = String::new();
+    s.read_to_string(&mut m).unwrap();
+    assert!(m.contains("umbp_pool_admissions_forced_total 4"), "{m}");
+    assert!(m.contains("umbp_pool_admissions_skipped_total 4"), "{m}");
+    // A load that asks for admission is refused by name.
+    let (rt, mut g) = raw(&server.endpoint);
+    let me = attach(&rt, &mut g);
+    let e = rt
+        .block_on(g.transfer(umbp_proto::v1::TransferRequest {
+            session_id: me.session_id,
+            direction: umbp_proto::v1::Direction::Load as i32,
+            block_ids: vec![0],
+            keys: keys("now", 1)[0].as_bytes().to_vec(),
+            admit_now: true,
+            ..Default::default()
+        }))
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("stores only"), "{e:?}");
+    drop(c);
+    assert!(server.stop().success());
 }

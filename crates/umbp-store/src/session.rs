@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use parking_lot::RwLock;
 use umbp_copy::{Direction, JobHandle, JobSet, MemoryKind, MemoryRegistry, RegionId};
-use umbp_core::{BlockKey, CoreError, GroupLayout, KvLayout, LayerSpec};
+use umbp_core::{Admit, BlockKey, CoreError, GroupLayout, KvLayout, LayerSpec};
 
 use crate::error::StoreError;
 use crate::ids::{LayoutId, SessionId};
@@ -411,6 +411,7 @@ impl Session {
 
     /// # Safety
     /// As [`crate::EmbeddedStore::store_on`] for `stream`.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn submit(
         &self,
         dir: Direction,
@@ -419,6 +420,7 @@ impl Session {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
         stream: Option<u64>,
+        admit: Admit,
     ) -> Result<JobHandle, StoreError> {
         self.check_live()?;
         // Held until the job is checked against the registry and holds its regions (see
@@ -433,7 +435,7 @@ impl Session {
         // SAFETY: forwarded contract.
         let job = unsafe {
             self.shared.submit(
-                dir, layout_id, &l.layout, l.cuda, group, block_ids, keys, stream,
+                dir, layout_id, &l.layout, l.cuda, group, block_ids, keys, stream, admit,
             )
         }?;
         self.jobs.insert(&job);
@@ -455,7 +457,35 @@ impl Session {
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
         // SAFETY: forwarded contract.
-        unsafe { self.submit(Direction::Store, layout, group, block_ids, keys, stream) }
+        unsafe { self.store_as_on(layout, group, block_ids, keys, stream, Admit::Policy) }
+    }
+
+    /// [`Session::store_on`], meeting the pool's store admission as `admit` says
+    /// ([`Admit::Now`]: kept on each key's first sighting even under `on_reuse`).
+    ///
+    /// # Safety
+    /// As [`crate::EmbeddedStore::store_on`] for `stream`.
+    pub unsafe fn store_as_on(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        stream: Option<u64>,
+        admit: Admit,
+    ) -> Result<JobHandle, StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.submit(
+                Direction::Store,
+                layout,
+                group,
+                block_ids,
+                keys,
+                stream,
+                admit,
+            )
+        }
     }
 
     /// Starts loading `keys` into `block_ids`, like [`crate::EmbeddedStore::load_on`]. The
@@ -472,7 +502,17 @@ impl Session {
         stream: Option<u64>,
     ) -> Result<JobHandle, StoreError> {
         // SAFETY: forwarded contract.
-        unsafe { self.submit(Direction::Load, layout, group, block_ids, keys, stream) }
+        unsafe {
+            self.submit(
+                Direction::Load,
+                layout,
+                group,
+                block_ids,
+                keys,
+                stream,
+                Admit::Policy,
+            )
+        }
     }
 
     /// [`Session::store_on`] without a stream.
@@ -485,6 +525,19 @@ impl Session {
     ) -> Result<JobHandle, StoreError> {
         // SAFETY: no stream.
         unsafe { self.store_on(layout, group, block_ids, keys, None) }
+    }
+
+    /// [`Session::store_as_on`] without a stream.
+    pub fn store_as(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        admit: Admit,
+    ) -> Result<JobHandle, StoreError> {
+        // SAFETY: no stream.
+        unsafe { self.store_as_on(layout, group, block_ids, keys, None, admit) }
     }
 
     /// [`Session::load_on`] without a stream.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use umbp_copy::{CopyEngine, Direction, JobHandle, MemoryKind};
-use umbp_core::{BlockKey, CoreError, KvLayout};
+use umbp_core::{Admit, BlockKey, CoreError, KvLayout};
 use umbp_cuda::CudaOptions;
 use umbp_cuda::{CudaMover, Device, PoolPinner};
 use umbp_pool::Pool;
@@ -75,6 +75,7 @@ impl StoreShared {
         block_ids: &[u64],
         keys: Vec<BlockKey>,
         stream: Option<u64>,
+        admit: Admit,
     ) -> Result<JobHandle, StoreError> {
         self.check_open()?;
         let plan = layout.group(group)?.plan(block_ids)?;
@@ -99,7 +100,7 @@ impl StoreShared {
             }
         }
         // A job that is refused drops its token, which goes back to its mover.
-        Ok(self.engine.submit_after(dir, keys, plan, token)?)
+        Ok(self.engine.submit_as(dir, keys, plan, token, admit)?)
     }
 
     /// The CUDA mover of `device`, created (and installed in the engine) by the first call for

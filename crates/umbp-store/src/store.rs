@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use umbp_copy::{CopyEngine, HostMover, JobHandle, MemoryRegistry, RegionId};
-use umbp_core::{BlockKey, KvLayout};
+use umbp_core::{Admit, BlockKey, KvLayout};
 use umbp_cuda::CudaMover;
 use umbp_cuda::{CudaStats, PinStatus};
 use umbp_pool::{Pool, PoolEvent, PoolStats};
@@ -281,6 +281,27 @@ impl EmbeddedStore {
         unsafe {
             self.default
                 .store_on(layout, group, block_ids, keys, stream)
+        }
+    }
+
+    /// [`EmbeddedStore::store_on`], meeting the pool's store admission as `admit` says
+    /// ([`Admit::Now`]: kept on each key's first sighting even under `on_reuse`).
+    ///
+    /// # Safety
+    /// As [`EmbeddedStore::store_on`].
+    pub unsafe fn store_as_on(
+        &self,
+        layout: LayoutId,
+        group: u32,
+        block_ids: &[u64],
+        keys: Vec<BlockKey>,
+        stream: Option<u64>,
+        admit: Admit,
+    ) -> Result<JobHandle, StoreError> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.default
+                .store_as_on(layout, group, block_ids, keys, stream, admit)
         }
     }
 

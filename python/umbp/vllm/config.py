@@ -56,6 +56,8 @@ class ConnectorConfig:
     self_describing_kv_events: bool
     enable_lookup: bool
     save_decode_cache: bool
+    store_priority_skip_above: int | None
+    store_priority_admit_at_most: int | None
     lazy_offload: bool
     lazy_offload_max_blocks: int | None
     enable_partial_hash_hits: bool

@@ -27,6 +27,9 @@ class Transfer:
     req_id: str = ""
     store_id: int = -1
     load_async: bool = False
+    # Stores: kept on each key's first sighting even under an `on_reuse` store admission (the
+    # request's priority or its `kv_transfer_params` asked for it).
+    admit_now: bool = False
 
 
 @dataclass

@@ -88,6 +88,7 @@ class Store(Protocol):
         keys: umbp.Keys,
         *,
         stream: int | None = None,
+        admit_now: bool = False,
     ) -> TransferHandle: ...
 
     def load(

@@ -7,7 +7,11 @@
   Store sources are pinned in vLLM's block pool (`touch`) until every worker reports the
   store finished (`update_connector_output`), so `request_finished` never has to delay;
 - with KV events enabled, stored objects are published once every worker holds them, and
-  removals found by rechecking them.
+  removals found by rechecking them;
+- a request's store hint (`store_hint`): its `kv_transfer_params` `{"umbp_store": "skip" |
+  "now" | "default"}`, else its priority against `store_priority_skip_above` /
+  `store_priority_admit_at_most`. "skip" plans none of its stores (its loads still happen);
+  "now" sends them to be kept on first sighting under an `on_reuse` store admission.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("umbp.vllm")
 
+#: The `kv_transfer_params` key of a request's store hint, and the values it takes.
+STORE_HINT_KEY = "umbp_store"
+STORE_HINTS = ("default", "now", "skip")
+#: Distinct bad hint values warned about (each once), at most.
+_BAD_HINTS_WARNED = 64
+
 
 @dataclass
 class _RequestState:
@@ -51,6 +61,7 @@ class _RequestState:
     # State groups: (group, boundary in blocks) stored or restored, not to be stored again.
     state_done: set[tuple[int, int]] = field(default_factory=set)
     lookup_counted: bool = False  # its first lookup's answer is in the stats
+    hint: str | None = None  # its store hint, once decided (`SchedulerSide.store_hint`)
 
 
 @dataclass
@@ -124,6 +135,7 @@ class SchedulerSide:
         self.async_lookups: dict[str, _AsyncLookup] = {}
         self.lookup_pool: ThreadPoolExecutor | None = None
         self.collector = StatsCollector()
+        self.bad_hints: set[str] = set()  # bad `umbp_store` values already warned about
 
     def shutdown(self) -> None:
         if self.lookup_pool is not None:
@@ -304,6 +316,48 @@ class SchedulerSide:
 
     # -- stores ----------------------------------------------------------------------------
 
+    def store_hint(self, request: Request) -> str:
+        """What to do with `request`'s stores: "skip" (none), "now" (kept on first sighting
+        under an `on_reuse` admission) or "default" (as the pool's admission says). Its
+        `kv_transfer_params`' `umbp_store` wins ("default" too, over its priority); else its
+        priority against the `store_priority_*` options. A bad `umbp_store` value is warned
+        about once and ignored."""
+        params = getattr(request, "kv_transfer_params", None)
+        asked = params.get(STORE_HINT_KEY) if isinstance(params, dict) else None
+        if asked is not None:
+            if isinstance(asked, str) and asked in STORE_HINTS:
+                return asked
+            self._warn_bad_hint(request.request_id, asked)
+        priority = getattr(request, "priority", 0)
+        if not isinstance(priority, int):
+            return "default"
+        skip_above = self.cfg.store_priority_skip_above
+        if skip_above is not None and priority > skip_above:
+            return "skip"
+        admit_at_most = self.cfg.store_priority_admit_at_most
+        if admit_at_most is not None and priority <= admit_at_most:
+            return "now"
+        return "default"
+
+    def _warn_bad_hint(self, rid: str, value: Any) -> None:
+        key = repr(value)[:80]
+        if key in self.bad_hints or len(self.bad_hints) >= _BAD_HINTS_WARNED:
+            return
+        self.bad_hints.add(key)
+        logger.warning(
+            "umbp: request %s: kv_transfer_params %r: %s is not one of %s; ignored (this "
+            "value is not warned about again)",
+            rid,
+            STORE_HINT_KEY,
+            key,
+            ", ".join(repr(h) for h in STORE_HINTS),
+        )
+
+    def _hint(self, state: _RequestState) -> str:
+        if state.hint is None:
+            state.hint = self.store_hint(state.request)
+        return state.hint
+
     def _scheduled(self, so: SchedulerOutput):
         """(req_id, new block ids per group or None, resumed, computed tokens before the step)."""
         for r in so.scheduled_new_reqs:
@@ -352,6 +406,7 @@ class SchedulerSide:
             if full <= first:
                 continue
             state.stored_upto = full
+            hint = self._hint(state)
             hashes = list(req.block_hashes[first:full])
             for g in self.topo.attention_groups:  # what a hash-addressed store can serve
                 if g >= len(state.block_ids):
@@ -364,12 +419,16 @@ class SchedulerSide:
                 keep = [i for i, b in enumerate(block_ids) if b != 0]
                 if not keep:
                     continue
+                if hint == "skip":  # not stored, as if already done
+                    self.collector.stats.count("store_hint_skipped_blocks", len(keep))
+                    continue
                 st = self._add_store(
                     meta,
                     g,
                     [self.block_pool.blocks[block_ids[i]] for i in keep],
                     [hashes[i] for i in keep],
                     rid,
+                    admit_now=hint == "now",
                 )
                 if self.cfg.self_describing_kv_events and self.events_enabled:
                     self._describe(st, req, [first + i for i in keep])
@@ -404,8 +463,13 @@ class SchedulerSide:
                     (self.block_pool.blocks[block_id], req.block_hashes[k - 1])
                 )
                 state.state_done.add((g, k))
+            hint = self._hint(state)
             for g, pairs in by_group.items():
-                self._add_store(meta, g, [b for b, _ in pairs], [h for _, h in pairs], rid)
+                if hint == "skip":
+                    self.collector.stats.count("store_hint_skipped_blocks", len(pairs))
+                    continue
+                blocks, hashes = [b for b, _ in pairs], [h for _, h in pairs]
+                self._add_store(meta, g, blocks, hashes, rid, admit_now=hint == "now")
 
     def _add_store(
         self,
@@ -415,8 +479,10 @@ class SchedulerSide:
         hashes: list[bytes],
         rid: str,
         evict_first: bool = False,
+        admit_now: bool = False,
     ) -> _InFlightStore:
-        """Pins `blocks` until every worker has stored them, and queues their store."""
+        """Pins `blocks` until every worker has stored them, and queues their store
+        (`admit_now`: kept on first sighting under an `on_reuse` admission)."""
         assert self.block_pool is not None
         self.block_pool.touch(blocks)
         packed, hash_len = pack_hashes(hashes)
@@ -428,7 +494,10 @@ class SchedulerSide:
             hash_len=hash_len,
             req_id=rid,
             store_id=sid,
+            admit_now=admit_now,
         )
+        if admit_now:
+            self.collector.stats.count("store_hint_now_blocks", len(blocks))
         st = _InFlightStore(
             blocks=blocks, remaining=self.topo.workers, transfer=t, evict_first=evict_first
         )

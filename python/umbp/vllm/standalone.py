@@ -179,17 +179,22 @@ class ServerStore:
 
     # Transfers.
 
-    def _submit(self, store: bool, layout: int, group: int, block_ids, keys, stream):
+    def _submit(self, store: tuple[bool, bool], layout: int, group: int, block_ids, keys, stream):
+        """`store`: (whether it is a store, whether it is admitted now)."""
         if stream is not None and self.cuda_device is not None:
             return self._submit_after_stream(store, layout, group, block_ids, keys, stream)
         return self._submit_now(store, layout, group, block_ids, keys)
 
-    def _submit_now(self, store: bool, layout: int, group: int, block_ids, keys):
+    def _submit_now(self, store: tuple[bool, bool], layout: int, group: int, block_ids, keys):
         # A server that cannot take it answers every block "failed" (the client's rule).
-        call = self.client.store if store else self.client.load
-        return call(layout, group, block_ids, keys)
+        is_store, admit_now = store
+        if not is_store:
+            return self.client.load(layout, group, block_ids, keys)
+        return self.client.store(layout, group, block_ids, keys, admit_now=admit_now)
 
-    def _submit_after_stream(self, store: bool, layout: int, group: int, block_ids, keys, stream):
+    def _submit_after_stream(
+        self, store: tuple[bool, bool], layout: int, group: int, block_ids, keys, stream
+    ):
         """The server copies on streams of its own, so what the engine queued before (the
         forward pass that wrote a store's blocks, the readers of a load's blocks) must be
         finished first. Rather than block the engine's thread on its stream, an event is
@@ -210,11 +215,21 @@ class ServerStore:
 
         return _AfterStream(self.submitter.submit(after_stream), len(block_ids))
 
-    def store(self, layout: int, group: int, block_ids, keys, *, stream: int | None = None):
-        return self._submit(True, layout, group, block_ids, keys, stream)
+    def store(
+        self,
+        layout: int,
+        group: int,
+        block_ids,
+        keys,
+        *,
+        stream: int | None = None,
+        admit_now: bool = False,
+    ):
+        # `admit_now`: kept on first sighting even under the server's `on_reuse` admission.
+        return self._submit((True, admit_now), layout, group, block_ids, keys, stream)
 
     def load(self, layout: int, group: int, block_ids, keys, *, stream: int | None = None):
-        return self._submit(False, layout, group, block_ids, keys, stream)
+        return self._submit((False, False), layout, group, block_ids, keys, stream)
 
     def close(self) -> None:
         # Never waits on a stalled server (the client skips its detach then), nor on a

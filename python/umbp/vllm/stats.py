@@ -55,6 +55,18 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "or another TP rank holding the same KV (MLA) stored them; counted per rank.",
     ),
     (
+        "store_hint_skipped_blocks",
+        "vllm:umbp_store_hint_skipped_blocks",
+        "KV blocks not stored because their request's store hint said so: a priority above "
+        "store_priority_skip_above, or kv_transfer_params umbp_store=skip (counted per engine).",
+    ),
+    (
+        "store_hint_now_blocks",
+        "vllm:umbp_store_hint_now_blocks",
+        "KV blocks sent to be kept on first sighting, past an on_reuse store admission: a "
+        "priority at or below store_priority_admit_at_most, or umbp_store=now (per engine).",
+    ),
+    (
         "store_failed_blocks",
         "vllm:umbp_store_failed_blocks",
         "KV blocks whose store failed (server gone, copy error, cancelled).",

@@ -421,7 +421,12 @@ class WorkerSide:
                 self.stores[t.store_id] = _Skipped(len(t.block_ids))
                 continue
             self.stores[t.store_id] = self.store.store(
-                self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
+                self.layout,
+                t.group,
+                t.block_ids,
+                self._keys(t),
+                stream=self._stream(),
+                admit_now=t.admit_now,
             )
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use umbp_core::{BlockKey, ErrorKind, KeyOutcome};
+use umbp_core::{Admit, BlockKey, ErrorKind, KeyOutcome};
 use umbp_proto::completion::{self, ALL_DONE, PENDING, REPLIED, WAIT_SLICE};
 use umbp_proto::v1;
 
@@ -36,7 +36,26 @@ impl StandaloneClient {
         block_ids: &[u64],
         keys: &[BlockKey],
     ) -> Result<Transfer> {
-        self.start(v1::Direction::Store, layout, group, block_ids, keys)
+        self.store_as(layout, group, block_ids, keys, Admit::Policy)
+    }
+
+    /// [`StandaloneClient::store`], meeting the server pool's store admission as `admit` says
+    /// ([`Admit::Now`]: kept on each key's first sighting even under `on_reuse`).
+    pub fn store_as(
+        &self,
+        layout: u32,
+        group: u32,
+        block_ids: &[u64],
+        keys: &[BlockKey],
+        admit: Admit,
+    ) -> Result<Transfer> {
+        self.start(
+            (v1::Direction::Store, admit),
+            layout,
+            group,
+            block_ids,
+            keys,
+        )
     }
 
     /// Starts loading `keys` into blocks `block_ids` of group `group` of `layout` (a server
@@ -48,12 +67,18 @@ impl StandaloneClient {
         block_ids: &[u64],
         keys: &[BlockKey],
     ) -> Result<Transfer> {
-        self.start(v1::Direction::Load, layout, group, block_ids, keys)
+        self.start(
+            (v1::Direction::Load, Admit::Policy),
+            layout,
+            group,
+            block_ids,
+            keys,
+        )
     }
 
     fn start(
         &self,
-        dir: v1::Direction,
+        dir: (v1::Direction, Admit),
         layout: u32,
         group: u32,
         block_ids: &[u64],
@@ -89,7 +114,7 @@ impl StandaloneClient {
 
     fn transfer(
         &self,
-        dir: v1::Direction,
+        (dir, admit): (v1::Direction, Admit),
         layout: u32,
         group: u32,
         block_ids: &[u64],
@@ -130,6 +155,7 @@ impl StandaloneClient {
             transfer_id,
             completion_slot,
             completion_seq,
+            admit_now: admit == Admit::Now,
         };
         let slot = Arc::new(Slot::default());
         let n = keys.len();

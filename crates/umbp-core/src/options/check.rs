@@ -61,6 +61,7 @@ impl OptionSpec {
                 Some(s) if choices.contains(&s) => Ok(v.clone()),
                 _ => Err(self.must_be(v)),
             },
+            Kind::Priority => v.as_i64().map(Value::from).ok_or_else(|| self.must_be(v)),
             Kind::HugepageSize => {
                 let text = match v {
                     Value::String(s) => s.clone(),

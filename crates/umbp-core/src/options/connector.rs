@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use super::check::check_watermarks;
 use super::schema::{
     spec, CAPACITY_BYTES, CUDA_STAGING_BYTES, ENDPOINT, EVICTION_POLICY, KV_ROLES, MODE, SCHEMA,
-    STORE_ADMISSION, TOTAL_CAPACITY_BYTES,
+    STORE_ADMISSION, STORE_PRIORITY_SKIP_ABOVE, TOTAL_CAPACITY_BYTES,
 };
 use super::spec::{OptionSpec, Scope};
 use crate::sizes::MIB;
@@ -75,6 +75,8 @@ pub struct ConnectorOptions {
     pub self_describing_kv_events: bool,
     pub enable_lookup: bool,
     pub save_decode_cache: bool,
+    pub store_priority_skip_above: Option<i64>,
+    pub store_priority_admit_at_most: Option<i64>,
     pub lazy_offload: bool,
     pub lazy_offload_max_blocks: Option<u64>,
     pub enable_partial_hash_hits: bool,
@@ -220,6 +222,19 @@ impl ConnectorOptions {
         }
         let mut opts: ConnectorOptions = serde_json::from_value(Value::Object(out))
             .map_err(|e| CoreError::option("kv_connector_extra_config", e.to_string()))?;
+        if let (Some(skip), Some(now)) = (
+            opts.store_priority_skip_above,
+            opts.store_priority_admit_at_most,
+        ) {
+            if now > skip {
+                return Err(STORE_PRIORITY_SKIP_ABOVE.refuse(format!(
+                    "{skip} is below `store_priority_admit_at_most` ({now}), so priorities \
+                     {} to {now} would be both skipped and stored at once; raise it to at least \
+                     {now} or lower the other",
+                    skip + 1
+                )));
+            }
+        }
         match mode {
             Mode::Embedded => {
                 if opts.total_capacity_bytes.is_some() {

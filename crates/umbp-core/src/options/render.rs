@@ -127,6 +127,9 @@ impl OptionSpec {
                 "a redis://, redis+cluster://, rediss:// or rediss+cluster:// URL".to_owned()
             }
             Kind::HugepageSize => "\"2MiB\" or \"1GiB\"".to_owned(),
+            Kind::Priority => {
+                "an integer (a vLLM request priority; lower is served first)".to_owned()
+            }
         }
     }
 
@@ -164,6 +167,7 @@ impl OptionSpec {
                 "Not a `redis://`, `redis+cluster://`, `rediss://` or `rediss+cluster://` URL."
                     .to_owned()
             }
+            Kind::Priority => "Not an integer.".to_owned(),
             Kind::HugepageSize => {
                 "Not `\"2MiB\"` or `\"1GiB\"` (also accepted: `2M`, `1G`, `2097152`, ...)."
                     .to_owned()

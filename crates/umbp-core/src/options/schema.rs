@@ -112,6 +112,39 @@ pub const SAVE_DECODE_CACHE: OptionSpec = flag(
     false,
     "Also store blocks filled by decoding (default: prompt blocks only).",
 );
+/// `store_priority_skip_above`.
+pub const STORE_PRIORITY_SKIP_ABOVE: OptionSpec = OptionSpec {
+    name: "store_priority_skip_above",
+    scope: Scope::Shared,
+    kind: Kind::Priority,
+    default: DefaultValue::Unset,
+    nullable: true,
+    default_doc: Some("none"),
+    doc: "Blocks of requests whose vLLM `priority` is above this are never stored (batch jobs, \
+          crawls: a burst of one-off prompts cannot flush the shared prefixes); they still \
+          restore, and count in `vllm:umbp_store_hint_skipped_blocks`. vLLM's priority is an \
+          integer, lower served first, 0 by default (vLLM schedules by it under \
+          `--scheduling-policy priority`). A request's `kv_transfer_params` \
+          `{\"umbp_store\": ...}` overrides it (see \
+          [per-request store hints](#per-request-store-hints)). Not applied to `lazy_offload` \
+          stores.",
+    also_rejected: Some("Below `store_priority_admit_at_most`."),
+};
+/// `store_priority_admit_at_most`.
+pub const STORE_PRIORITY_ADMIT_AT_MOST: OptionSpec = OptionSpec {
+    name: "store_priority_admit_at_most",
+    scope: Scope::Shared,
+    kind: Kind::Priority,
+    default: DefaultValue::Unset,
+    nullable: true,
+    default_doc: Some("none"),
+    doc: "Blocks of requests whose vLLM `priority` is at most this are kept on their first \
+          sighting even where the pool's store admission is `on_reuse` (the embedded \
+          `store_admission`, or the server's `--store-admission`): interactive or premium \
+          traffic restores on its second run. Counted in `vllm:umbp_store_hint_now_blocks` and \
+          the pool's `admissions_forced`. Not applied to `lazy_offload` stores.",
+    also_rejected: None,
+};
 /// `lazy_offload`.
 pub const LAZY_OFFLOAD: OptionSpec = flag(
     "lazy_offload",
@@ -607,6 +640,8 @@ pub const SCHEMA: &[OptionSpec] = &[
     SELF_DESCRIBING_KV_EVENTS,
     ENABLE_LOOKUP,
     SAVE_DECODE_CACHE,
+    STORE_PRIORITY_SKIP_ABOVE,
+    STORE_PRIORITY_ADMIT_AT_MOST,
     LAZY_OFFLOAD,
     LAZY_OFFLOAD_MAX_BLOCKS,
     ENABLE_PARTIAL_HASH_HITS,

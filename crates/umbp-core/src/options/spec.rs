@@ -77,6 +77,8 @@ pub enum Kind {
     Text(TextRule),
     /// A huge page size (see [`HugepageSize`]'s spellings), resolved to `"2MiB"` or `"1GiB"`.
     HugepageSize,
+    /// A vLLM request priority: any integer, negative too (lower is served first).
+    Priority,
 }
 
 /// An option's default value.

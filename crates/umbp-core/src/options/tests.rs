@@ -221,3 +221,40 @@ fn docs_texts() {
         Some("Not an integer ≥ 0")
     );
 }
+
+#[test]
+fn store_priority_thresholds() {
+    let o = parse(json!({})).unwrap();
+    assert_eq!(
+        (o.store_priority_skip_above, o.store_priority_admit_at_most),
+        (None, None)
+    );
+    // vLLM priorities are any integer, negative too.
+    let o =
+        parse(json!({"store_priority_skip_above": 5, "store_priority_admit_at_most": -2})).unwrap();
+    assert_eq!(
+        (o.store_priority_skip_above, o.store_priority_admit_at_most),
+        (Some(5), Some(-2))
+    );
+    assert!(
+        parse(json!({"store_priority_skip_above": 3, "store_priority_admit_at_most": 3})).is_ok()
+    );
+    let e = refusal(json!({"store_priority_skip_above": 1, "store_priority_admit_at_most": 4}));
+    assert!(
+        e.contains("store_priority_skip_above")
+            && e.contains("store_priority_admit_at_most")
+            && e.contains("2 to 4"),
+        "{e}"
+    );
+    let e = refusal(json!({"store_priority_admit_at_most": "high"}));
+    assert!(
+        e.contains("store_priority_admit_at_most") && e.contains("an integer"),
+        "{e}"
+    );
+    assert!(refusal(json!({"store_priority_skip_above": 1.5})).contains("an integer"));
+    // Shared: accepted in standalone mode too (the scheduler decides).
+    let o = parse(json!({"mode": "standalone", "endpoint": "/tmp/s",
+                         "store_priority_admit_at_most": 0}))
+    .unwrap();
+    assert_eq!(o.store_priority_admit_at_most, Some(0));
+}

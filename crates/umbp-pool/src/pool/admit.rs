@@ -1,5 +1,6 @@
 //! Store admission: with `on_reuse`, the pool remembers the fingerprints of keys seen once
-//! (one bounded window per index shard) and stores a key only when it was seen before.
+//! (one bounded window per index shard) and stores a key only when it was seen before, or
+//! when the writer asks for it at once ([`Admit::Now`]).
 
 use std::sync::atomic::Ordering;
 
@@ -7,7 +8,7 @@ use parking_lot::Mutex;
 
 use super::inner::{shard_of, Inner, SHARDS};
 use crate::window::FpWindow;
-use umbp_core::caching::StoreAdmission;
+use umbp_core::caching::{Admit, StoreAdmission};
 use umbp_core::PoolConfig;
 
 /// The `on_reuse` windows, one per shard; `admission_window` keys in all.
@@ -42,6 +43,29 @@ impl Inner {
             .admissions_skipped
             .fetch_add(1, Ordering::Relaxed);
         false
+    }
+
+    /// Whether a commit of `fp` asked for as `how` is stored: [`Admit::Now`] always is, and
+    /// is remembered; where `on_reuse` would have refused it, it counts in
+    /// `admissions_forced`.
+    pub(super) fn admit_as(&self, fp: u64, how: Admit) -> bool {
+        match how {
+            Admit::Policy => self.admit(fp),
+            Admit::Now => {
+                let Some(windows) = &self.admission else {
+                    return true;
+                };
+                let mut w = windows[shard_of(fp)].lock();
+                if !w.contains(fp) {
+                    w.insert(fp);
+                    drop(w);
+                    self.counters
+                        .admissions_forced
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                true
+            }
+        }
     }
 
     /// Remembers a key that was asked for and missing, so that its first commit is stored.

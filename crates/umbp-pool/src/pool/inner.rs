@@ -47,6 +47,7 @@ pub(super) struct Counters {
     pub(super) pinned: AtomicU64,
     pub(super) objects: AtomicU64,
     pub(super) admissions_skipped: AtomicU64,
+    pub(super) admissions_forced: AtomicU64,
 }
 
 #[derive(Debug, Default)]

@@ -324,6 +324,35 @@ fn on_reuse_stores_a_key_the_second_time_it_is_seen() {
 }
 
 #[test]
+fn admit_now_stores_a_first_sighting_under_on_reuse_and_counts_it() {
+    use crate::{Admit, EvictionPolicy, StoreAdmission};
+    let p = pool_with(EvictionPolicy::S3Fifo, StoreAdmission::OnReuse);
+    // A writer that asks first (the copy engine) and commits as asked.
+    assert!(p.admit_as(&key(1), Admit::Now));
+    let r = p.reserve(4096).unwrap();
+    assert_eq!(p.commit_as(r, key(1), Admit::Now), CommitOutcome::Stored);
+    // A commit without asking first is stored too.
+    let r = p.reserve(4096).unwrap();
+    assert_eq!(p.commit_as(r, key(2), Admit::Now), CommitOutcome::Stored);
+    // The policy's commit of a new key is still skipped, and then remembered: asking "now"
+    // for a key the window already knows forces nothing.
+    let r = p.reserve(4096).unwrap();
+    assert_eq!(p.commit(r, key(3)), CommitOutcome::Skipped);
+    let r = p.reserve(4096).unwrap();
+    assert_eq!(p.commit_as(r, key(3), Admit::Now), CommitOutcome::Stored);
+    let s = p.stats();
+    assert_eq!(
+        (s.objects, s.admissions_forced, s.admissions_skipped),
+        (3, 2, 1)
+    );
+    // With `all` every commit is stored: nothing is forced.
+    let all = pool_with(EvictionPolicy::S3Fifo, StoreAdmission::All);
+    let r = all.reserve(4096).unwrap();
+    assert_eq!(all.commit_as(r, key(1), Admit::Now), CommitOutcome::Stored);
+    assert_eq!(all.stats().admissions_forced, 0);
+}
+
+#[test]
 fn watermark_eviction_hands_objects_to_the_spill_hook_pinned() {
     use std::sync::{Arc, Mutex as StdMutex};
     let p = Pool::new(PoolConfig {

@@ -84,6 +84,9 @@ pub struct PoolStats {
     pub store_admission: StoreAdmission,
     /// Commits the admission skipped ([`CommitOutcome::Skipped`]).
     pub admissions_skipped: u64,
+    /// Commits stored on a key's first sighting because the writer asked for it
+    /// ([`umbp_core::Admit::Now`]) where `on_reuse` would have skipped them.
+    pub admissions_forced: u64,
     /// Keys the `on_reuse` admission remembers as seen once.
     pub admission_seen: u64,
     /// Bytes committed.

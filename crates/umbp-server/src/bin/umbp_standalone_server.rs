@@ -608,6 +608,8 @@ mod tests {
                 text.parse::<HugepageSize>() == spec.default_str().parse::<HugepageSize>()
             }
             Kind::Choice(_) | Kind::Text(_) => text == spec.default_str(),
+            // The scheduler's options: no server flag sets a priority.
+            Kind::Priority => false,
         }
     }
 
