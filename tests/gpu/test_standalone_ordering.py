@@ -42,7 +42,7 @@ class FakeClient:
         self.stream = stream
         self.seen: list[bool] = []
 
-    def _transfer(self, layout, group, block_ids, keys):
+    def _transfer(self, layout, group, block_ids, keys, admit_now=False):
         self.seen.append(self.stream.query())
         return Done(len(block_ids))
 
