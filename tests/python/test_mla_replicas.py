@@ -186,6 +186,23 @@ def test_lookups_ask_one_rank_of_each_replica_group():
     assert [t.stores_blocks(r) for r in range(4)] == [True, False, False, False]
 
 
+def restore_and_check(w, b, c, before, src, dst, hashes) -> None:
+    """Loads blocks `src` (stored from `before`, the worker's whole int8 buffer then) into
+    `dst` through worker `w`, and checks its buffer `b` (vLLM's layer views `c` into it): the
+    `dst` blocks of every layer hold `before`'s `src` blocks, every other byte is unchanged."""
+    expect = b.clone()
+    for tensor in c.values():
+        tb = tensor.view(torch.int8)
+        off = tb.data_ptr() - b.data_ptr()
+        ev = torch.as_strided(expect, tb.shape, tb.stride(), off)
+        bv = torch.as_strided(before, tb.shape, tb.stride(), off)
+        ev[dst] = bv[src]
+    load = Transfer(group=0, block_ids=dst, hashes=hashes, hash_len=32, req_id="r")
+    w.start_load_kv(UMBPConnectorMetadata(loads=[load]))
+    assert not w.take_load_errors()
+    assert torch.equal(b, expect), f"rank {w.tp}: restored cache differs"
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
 @pytest.mark.parametrize("replicated", [True, False], ids=["once", "per-rank"])
 def test_connector_stores_mla_once_at_tp2_and_every_rank_restores_it(
@@ -239,17 +256,7 @@ def test_connector_stores_mla_once_at_tp2_and_every_rank_restores_it(
         for b in bufs:
             b.copy_(torch.randint(-128, 128, b.shape, generator=g, dtype=torch.int8))
         for w, b, c in zip(workers, bufs, caches):
-            expect = b.clone()
-            for tensor in c.values():
-                tb = tensor.view(torch.int8)
-                off = tb.data_ptr() - b.data_ptr()
-                ev = torch.as_strided(expect, tb.shape, tb.stride(), off)
-                bv = torch.as_strided(before, tb.shape, tb.stride(), off)
-                ev[dst] = bv[src]
-            load = Transfer(group=0, block_ids=dst, hashes=hashes, hash_len=32, req_id="r")
-            w.start_load_kv(UMBPConnectorMetadata(loads=[load]))
-            assert not w.take_load_errors()
-            assert torch.equal(b, expect), f"rank {w.tp}: restored cache differs"
+            restore_and_check(w, b, c, before, src, dst, hashes)
     finally:
         for w in workers:
             w.shutdown()
@@ -329,17 +336,7 @@ def test_embedded_remote_tier_gets_one_object_per_block_at_tp2(tmp_path):
             assert lookups.prefix_hits(0, hashes, 32) == len(src)
             for (w, c), b in zip(node_b, bufs_b):
                 b.copy_(torch.randint(-128, 128, b.shape, generator=g, dtype=torch.int8))
-                expect = b.clone()
-                for tensor in c.values():
-                    tb = tensor.view(torch.int8)
-                    off = tb.data_ptr() - b.data_ptr()
-                    ev = torch.as_strided(expect, tb.shape, tb.stride(), off)
-                    bv = torch.as_strided(before, tb.shape, tb.stride(), off)
-                    ev[dst] = bv[src]
-                load = Transfer(group=0, block_ids=dst, hashes=hashes, hash_len=32, req_id="r")
-                w.start_load_kv(UMBPConnectorMetadata(loads=[load]))
-                assert not w.take_load_errors()
-                assert torch.equal(b, expect), f"rank {w.tp}: restored cache differs"
+                restore_and_check(w, b, c, before, src, dst, hashes)
                 assert w.store.remote_stats()["hits"] == len(src)
         finally:
             for w, _ in node_b:
