@@ -349,3 +349,42 @@ def test_importing_creates_no_threads():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("True"), out.stdout
+
+
+def test_memory_freed_while_registered_and_mapped_again_is_refused_never_misread(server):
+    """A KV buffer freed while registered and allocated again at the same address (an engine
+    that drops and re-allocates its cache without deregistering): registering the new memory
+    is refused, naming the fix, as in embedded mode. (It was taken, and the layout over it
+    resolved to the old registration, whose memory the process no longer mapped there: loads
+    answered "done" and the buffer kept its zeros.) After the deregister, exact bytes."""
+    import ctypes
+    import mmap
+
+    ids, k = list(range(peer.BLOCKS)), peer.keys(41)
+    src = peer.own_buffer()
+    src[:] = peer.pattern(41)
+    c, lid = peer.attach(server.endpoint, src, "stale")
+    try:
+        assert c.store(lid, 0, ids, k).wait() == ["done"] * peer.BLOCKS
+        dst = peer.own_buffer()
+        region = c.register_memory(dst.ctypes.data, dst.nbytes)
+        # Fresh private memory over the same addresses, the registration never dropped.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3
+        libc.mmap.argtypes += [ctypes.c_long]
+        map_fixed = 0x10
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | map_fixed
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        assert libc.mmap(dst.ctypes.data, dst.nbytes, prot, flags, -1, 0) == dst.ctypes.data
+        assert not dst.any()
+        with pytest.raises(umbp.RegistrationError, match="deregister that one first") as e:
+            c.register_memory(dst.ctypes.data, dst.nbytes)
+        assert e.value.kind == "registration"
+        c.deregister_memory(region)
+        c.register_memory(dst.ctypes.data, dst.nbytes)
+        lid2 = c.register_layout(peer.layout(dst))
+        assert c.load(lid2, 0, ids, k).wait() == ["done"] * peer.BLOCKS
+        assert np.array_equal(dst, peer.pattern(41)), "loaded bytes differ"
+    finally:
+        c.close()

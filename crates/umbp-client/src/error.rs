@@ -67,6 +67,10 @@ pub enum ClientError {
     /// before anything was sent.
     #[error("{0}")]
     Unregistered(String),
+    /// Memory overlapping a region this client registered already, found before anything
+    /// was sent.
+    #[error("{0}")]
+    Overlapping(String),
     /// A layout (or group) id this client does not know, found before anything was sent.
     #[error("{0}")]
     UnknownLayout(String),
@@ -203,7 +207,7 @@ impl ClientError {
             ClientError::Invalid(_) | ClientError::UntrustedServer { .. } => {
                 ErrorKind::InvalidArgument
             }
-            ClientError::Unregistered(_) => ErrorKind::Registration,
+            ClientError::Unregistered(_) | ClientError::Overlapping(_) => ErrorKind::Registration,
             ClientError::UnknownLayout(_) => ErrorKind::NotFound,
             ClientError::Internal(_) => ErrorKind::Internal,
             ClientError::Unreachable { .. }

@@ -153,6 +153,8 @@ impl StandaloneClient {
     /// during the call, and the memory stays allocated while registered.
     pub unsafe fn register_host_memory(&self, addr: u64, len: u64) -> Result<u64> {
         self.check()?;
+        // Before the pages move: a range registered already is refused untouched.
+        self.inner.records.lock().check_free(addr, len)?;
         // SAFETY: forwarded contract.
         let shm = unsafe { host_share::share_host_range(addr, len) }?;
         self.add_region(shm.span_addr(), shm.span_len(), Source::Host(shm))
@@ -172,18 +174,38 @@ impl StandaloneClient {
     /// The memory stays allocated while registered (the server writes it on loads).
     pub unsafe fn register_cuda_memory(&self, addr: u64, len: u64) -> Result<u64> {
         self.check()?;
+        self.inner.records.lock().check_free(addr, len)?;
         self.add_region(addr, len, Source::Cuda)
     }
 
     fn add_region(&self, addr: u64, len: u64, source: Source) -> Result<u64> {
+        self.inner.records.lock().check_free(addr, len)?;
         let a = self.attachment()?;
         let sid = self.register_region_on(&a, addr, len, &source)?;
-        let id = self
-            .inner
-            .records
-            .lock()
-            .add_region(addr, len, source, (a.generation, sid));
-        Ok(id)
+        let mut rec = self.inner.records.lock();
+        if let Err(e) = rec.check_free(addr, len) {
+            // Another thread registered an overlapping range meanwhile: this one goes.
+            drop(rec);
+            let _ = self.deregister_on_server(&a, sid);
+            return Err(e);
+        }
+        Ok(rec.add_region(addr, len, source, (a.generation, sid)))
+    }
+
+    fn deregister_on_server(&self, a: &Attachment, sid: u64) -> Result<()> {
+        let session_id = a.session_id;
+        self.call(
+            "deregister_memory",
+            self.inner.opts.control_timeout,
+            |mut g| async move {
+                g.deregister_memory(v1::DeregisterMemoryRequest {
+                    session_id,
+                    region_id: sid,
+                })
+                .await
+            },
+        )?;
+        Ok(())
     }
 
     /// Deregisters a region; layouts in it are dropped with it.
@@ -193,18 +215,7 @@ impl StandaloneClient {
         let a = self.inner.attach.current();
         if let (Some(a), Some((generation, sid))) = (a, server) {
             if generation == a.generation {
-                let session_id = a.session_id;
-                self.call(
-                    "deregister_memory",
-                    self.inner.opts.control_timeout,
-                    |mut g| async move {
-                        g.deregister_memory(v1::DeregisterMemoryRequest {
-                            session_id,
-                            region_id: sid,
-                        })
-                        .await
-                    },
-                )?;
+                self.deregister_on_server(&a, sid)?;
             }
         }
         Ok(())

@@ -47,6 +47,26 @@ pub(crate) struct Records {
 }
 
 impl Records {
+    /// Refuses a range that overlaps a region this client registered. Two registrations of
+    /// one address would leave layouts resolving to whichever was found first: with host
+    /// memory freed while registered and allocated again at the same address, that is the
+    /// old registration's memfd, which the process no longer maps there, so loads would
+    /// land where the engine never reads them (as the embedded registry, it is refused).
+    pub(crate) fn check_free(&self, addr: u64, len: u64) -> Result<()> {
+        let end = addr.saturating_add(len);
+        for (id, r) in &self.regions {
+            if addr < r.addr.saturating_add(r.len) && r.addr < end {
+                return Err(ClientError::Overlapping(format!(
+                    "memory {addr:#x}+{len} overlaps region {id} ({:#x}+{}) this client \
+                     registered; deregister that one first (memory freed while registered \
+                     must be deregistered before it is registered again)",
+                    r.addr, r.len
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Records a region the server registered as `server` (generation, server region id);
     /// returns its client id.
     pub(crate) fn add_region(
@@ -240,6 +260,24 @@ mod tests {
         assert_eq!(rec.add_region(0x10000, 0x1000, Source::Cuda, (1, 7)), 0);
         assert_eq!(rec.add_region(0x20000, 0x1000, Source::Cuda, (1, 8)), 1);
         rec
+    }
+
+    #[test]
+    fn a_range_overlapping_a_region_is_refused_and_neighbours_are_not() {
+        let rec = two_regions();
+        for (addr, len) in [
+            (0x10000, 0x1000),
+            (0x10fff, 1),
+            (0xf000, 0x1001),
+            (0x0, 0x30000),
+        ] {
+            let e = rec.check_free(addr, len).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Registration);
+            assert!(e.to_string().contains("deregister that one first"), "{e}");
+        }
+        for (addr, len) in [(0xf000, 0x1000), (0x11000, 0xf000), (0x21000, 0x10)] {
+            rec.check_free(addr, len).unwrap();
+        }
     }
 
     #[test]
