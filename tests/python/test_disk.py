@@ -426,9 +426,8 @@ def test_a_server_whose_file_system_fills_up_keeps_serving_exact_bytes(tmp_path)
     with small_tmpfs(tmp_path / "fs", "80m") as fs:
         disk = fs / "tier"
         disk.mkdir()
-        # 64 MiB: four preallocated 16 MiB segments; the first is made at start-up. (Room
-        # for two more after the filler goes: a restart makes a fresh segment, and at the
-        # capacity that would drop the oldest, the one this test reads.)
+        # 64 MiB: four preallocated 16 MiB segments; the first is made at start-up, the
+        # second cannot be made once the filler has taken the rest.
         args = ["--high-watermark", "0.5", "--low-watermark", "0.25", "--disk-dir", str(disk)]
         args += ["--disk-capacity", "64MiB", "--disk-write", "eager"]
         server = Server(binary, sock_dir, capacity="4MiB", extra_args=args)

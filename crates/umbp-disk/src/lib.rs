@@ -16,8 +16,9 @@
 //!   index) and hands the bytes to the caller's sink, within a deadline.
 //! - **Capacity.** Segments are preallocated (a full disk fails when a segment is made, not
 //!   mid-object); past the capacity the oldest segment is dropped whole (FIFO by segment).
-//! - **Restart.** [`DiskTier::open`] rebuilds the index from the index files (time logged);
-//!   a torn record is skipped, and a torn object fails its checksum when read: a miss.
+//! - **Restart.** [`DiskTier::open`] rebuilds the index from the index files (time logged)
+//!   and goes on filling the newest segment; a torn record is skipped, and a torn object fails
+//!   its checksum when read: a miss.
 //! - **Failures.** A directory that cannot be made, written or locked, or a file system with
 //!   less room than the capacity, is an error at start-up ([`DiskError`]); at run time I/O
 //!   errors (disk full, directory removed) are counted misses or dropped writes.

@@ -136,6 +136,34 @@ impl Segment {
         Ok((seg, records))
     }
 
+    /// Makes a segment found at start-up take objects again (the newest goes on filling
+    /// rather than a fresh one being made at every start): its index file is reopened for
+    /// appending, cut back to whole records first (a torn last append would misalign every
+    /// record after it).
+    pub fn resume(&self) -> Result<(), DiskError> {
+        let fs = |source| DiskError::Fs {
+            what: "reopening",
+            path: self.idx_path.clone(),
+            source,
+        };
+        let f = File::options()
+            .append(true)
+            .open(&self.idx_path)
+            .map_err(fs)?;
+        let len = f.metadata().map_err(fs)?.len();
+        let (head, rec) = (format::IDX_HEADER_BYTES as u64, format::RECORD_BYTES as u64);
+        if len < head {
+            return Err(DiskError::Fs {
+                what: "reopening",
+                path: self.idx_path.clone(),
+                source: std::io::Error::other("shorter than its header"),
+            });
+        }
+        f.set_len(head + (len - head) / rec * rec).map_err(fs)?;
+        *self.idx.lock() = Some(f);
+        Ok(())
+    }
+
     /// Appends `rec` to the index file (after the object's bytes are written).
     pub fn append(&self, rec: &Record) -> Result<(), DiskError> {
         let mut idx = self.idx.lock();

@@ -67,8 +67,9 @@ pub(crate) struct Store {
 
 impl Store {
     /// Opens (creating when missing) the directory, takes its lock, checks the space, rebuilds
-    /// the index from the segments found and starts a fresh segment (so a directory that
-    /// cannot be written fails here).
+    /// the index from the segments found and goes on filling the newest of them, or starts a
+    /// fresh segment where there is none with room (so a directory that cannot be written
+    /// fails here).
     pub fn open(cfg: DiskConfig) -> Result<Store, DiskError> {
         cfg.validate()?;
         let dir = cfg.dir.clone();
@@ -109,7 +110,7 @@ impl Store {
             last_warn: Mutex::new(None),
             _lock: lock,
         };
-        store.rebuild()?;
+        let newest_end = store.rebuild()?;
         let took = t.elapsed();
         let space = file::fs_space(&store._lock).map_err(|e| dir_err(format!("fstatvfs: {e}")))?;
         if space.read_only {
@@ -117,6 +118,7 @@ impl Store {
                 "is on a read-only file system; choose a writable directory".into(),
             ));
         }
+        let segments_found = store.segments.lock().len();
         let used = store.used_bytes.load(Ordering::Relaxed);
         if store.cfg.capacity_bytes > space.available.saturating_add(used) {
             return Err(DiskError::NoSpace {
@@ -126,13 +128,21 @@ impl Store {
                 used,
             });
         }
-        // A first segment now: an unwritable directory or a full disk fails start-up.
-        let seg = store.new_segment().map_err(|e| {
-            dir_err(format!(
-                "cannot be written ({e}); make it writable by this user or choose another directory"
-            ))
-        })?;
-        *store.active.lock() = Some(Active { seg, used: 0 });
+        // Restarts go on filling the newest segment: a fresh one at every start would drop
+        // the oldest of a full tier each time, and leave a lightly used one mostly empty.
+        let active = match newest_end.and_then(|end| store.resume(end)) {
+            Some(active) => active,
+            None => {
+                // A first segment now: an unwritable directory or a full disk fails start-up.
+                let seg = store.new_segment().map_err(|e| {
+                    dir_err(format!(
+                        "cannot be written ({e}); make it writable by this user or choose another directory"
+                    ))
+                })?;
+                Active { seg, used: 0 }
+            }
+        };
+        *store.active.lock() = Some(active);
         let objects = store.index.read().len() as u64;
         add(&store.c.rebuilt_objects, objects);
         add(&store.c.rebuild_us, took.as_micros() as u64);
@@ -140,7 +150,7 @@ impl Store {
             "disk tier {}: {} objects in {} segments ({:.1} GiB of {:.1} GiB) rebuilt in {:.1} ms; {} I/O, segments of {} MiB",
             store.cfg.dir.display(),
             objects,
-            store.segments.lock().len() - 1,
+            segments_found,
             used as f64 / (1u64 << 30) as f64,
             store.cfg.capacity_bytes as f64 / (1u64 << 30) as f64,
             took.as_secs_f64() * 1e3,
@@ -151,8 +161,9 @@ impl Store {
     }
 
     /// Reads every segment's index file into the index; drops segments without a usable one,
-    /// and the oldest while they exceed the capacity.
-    fn rebuild(&self) -> Result<(), DiskError> {
+    /// and the oldest while they exceed the capacity. Returns where the newest segment's last
+    /// indexed object ends (`None` without segments).
+    fn rebuild(&self) -> Result<Option<u64>, DiskError> {
         let dir = &self.cfg.dir;
         let entries = std::fs::read_dir(dir).map_err(|source| DiskError::Fs {
             what: "listing",
@@ -172,6 +183,7 @@ impl Store {
         }
         let mut index = self.index.write();
         let mut segs = self.segments.lock();
+        let mut ends = HashMap::new();
         for (&id, &(dat, idx)) in &ids {
             self.next_id.fetch_max(id + 1, Ordering::Relaxed);
             let (d, i) = segment::names(dir, id);
@@ -191,10 +203,12 @@ impl Store {
                 continue;
             };
             let mut keys = Vec::with_capacity(records.len());
+            let mut end = 0;
             for r in records {
                 if r.offset + format::extent(r.len) > seg.bytes {
                     continue;
                 }
+                end = end.max(r.offset + format::extent(r.len));
                 index.insert(
                     r.key,
                     Loc {
@@ -208,6 +222,7 @@ impl Store {
             *seg.keys.lock() = keys;
             self.used_bytes.fetch_add(seg.bytes, Ordering::Relaxed);
             segs.insert(id, Arc::new(seg));
+            ends.insert(id, end);
         }
         while self.used_bytes.load(Ordering::Relaxed) > self.cfg.capacity_bytes {
             let Some((_, oldest)) = segs.pop_first() else {
@@ -215,7 +230,25 @@ impl Store {
             };
             self.drop_segment(&oldest, &mut index);
         }
-        Ok(())
+        Ok(segs
+            .last_key_value()
+            .and_then(|(id, _)| ends.get(id).copied()))
+    }
+
+    /// The newest segment as the one to fill, from `end` on (where its last indexed object
+    /// ends: bytes past it belong to no record, a torn write at most). `None` when it is of
+    /// another size than segments are made now, has no room left, or its index file cannot
+    /// be appended to (logged; a fresh segment is made instead).
+    fn resume(&self, end: u64) -> Option<Active> {
+        let seg = Arc::clone(self.segments.lock().last_key_value()?.1);
+        if seg.bytes != self.seg_bytes || end + format::extent(1) > seg.bytes {
+            return None;
+        }
+        if let Err(e) = seg.resume() {
+            log::warn!("disk tier: not resuming {}: {e}", seg.dat.display());
+            return None;
+        }
+        Some(Active { seg, used: end })
     }
 
     /// A new segment, after dropping the oldest ones as far as it needs room.
