@@ -134,28 +134,37 @@ fn restarts_go_on_filling_the_newest_segment_and_lose_nothing() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
-#[test]
-fn a_resumed_segment_appends_after_a_torn_record_and_keeps_both_sides() {
+/// A tier in a fresh directory `tag` holding key 1 (100 bytes), closed, then half of an index
+/// record of key 2 appended to its index file (a crash mid-append); the directory and the
+/// open index file (for more appends).
+fn one_object_and_a_torn_record(tag: &str) -> (PathBuf, std::fs::File) {
     use std::io::Write;
-    let d = tmpdir("resume-torn");
+    let d = tmpdir(tag);
     {
         let t = DiskTier::open(small(&d)).unwrap();
         t.write_now(&key(1), &data(1, 100)).unwrap();
     }
-    // A crash mid-append: 60 bytes of a record at the end of the index file.
     let idx = std::fs::read_dir(&d)
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "idx"))
+        .find(|p| {
+            p.extension().is_some_and(|x| x == "idx") && std::fs::metadata(p).unwrap().len() > 64
+        })
         .unwrap();
-    let torn = crate::format::Record {
+    let rec = crate::format::Record {
         key: key(2),
         offset: 8192,
         len: 100,
     };
     let mut f = std::fs::OpenOptions::new().append(true).open(&idx).unwrap();
-    f.write_all(&torn.encode()[..60]).unwrap();
+    f.write_all(&rec.encode()[..60]).unwrap();
+    (d, f)
+}
+
+#[test]
+fn a_resumed_segment_appends_after_a_torn_record_and_keeps_both_sides() {
+    let (d, f) = one_object_and_a_torn_record("resume-torn");
     drop(f);
     {
         // Resumed: the torn tail is cut off, the next object's record lands whole.
@@ -222,27 +231,8 @@ fn a_damaged_object_is_a_miss_and_leaves_the_index() {
 #[test]
 fn a_torn_index_record_and_a_torn_object_are_misses() {
     use std::io::Write;
-    let d = tmpdir("torn");
-    {
-        let t = DiskTier::open(small(&d)).unwrap();
-        t.write_now(&key(1), &data(1, 100)).unwrap();
-    }
     // A crash while appending a record: half of one at the end of the index file.
-    let idx = std::fs::read_dir(&d)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            p.extension().is_some_and(|x| x == "idx") && std::fs::metadata(p).unwrap().len() > 64
-        })
-        .unwrap();
-    let rec = crate::format::Record {
-        key: key(2),
-        offset: 8192,
-        len: 100,
-    };
-    let mut f = std::fs::OpenOptions::new().append(true).open(&idx).unwrap();
-    f.write_all(&rec.encode()[..60]).unwrap();
+    let (d, mut f) = one_object_and_a_torn_record("torn");
     // And a whole record of an object whose bytes never reached the disk.
     let rec3 = crate::format::Record {
         key: key(3),
