@@ -90,14 +90,16 @@ def model_config(model) -> ModelConfig:
 
 
 def vllm_config(model_config, tmp_path: Path, parallel=None, **extra) -> VllmConfig:
+    """The connector's config with `extra` options; in embedded mode (unless `extra` says
+    `mode`) a small unprefaulted pool with its lookup sockets in `tmp_path`."""
+    embedded = {"total_capacity_bytes": 16 << 20, "lookup_dir": str(tmp_path)}
+    embedded["dram_prefault"] = False
     ktc = KVTransferConfig(
         kv_connector="UMBPStoreConnector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={
-            "total_capacity_bytes": 16 << 20,
-            "lookup_dir": str(tmp_path),
-            "dram_prefault": False,
+            **(embedded if extra.get("mode", "embedded") == "embedded" else {}),
             **extra,
         },
     )

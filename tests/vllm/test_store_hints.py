@@ -16,13 +16,6 @@ import pytest
 import test_shapes as shapes
 import torch
 from test_shapes import BS, Engine, _new_req, full, kv_config, matched, vllm_config
-from vllm.config import (
-    CacheConfig,
-    KVTransferConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import Request
@@ -184,25 +177,13 @@ def test_standalone_admit_now_passes_the_servers_on_reuse(model_config, tmp_path
     `--store-admission on_reuse` keeps it on first sighting; priority above the skip
     threshold sends nothing."""
     with running(tmp_path.name, extra_args=["--store-admission", "on_reuse"]) as srv:
-        ktc = KVTransferConfig(
-            kv_connector="UMBPStoreConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "mode": "standalone",
-                "endpoint": srv.endpoint,
-                "store_priority_admit_at_most": 0,
-                "store_priority_skip_above": 5,
-            },
-        )
-        vc = VllmConfig(
-            model_config=model_config,
-            parallel_config=ParallelConfig(),
-            cache_config=CacheConfig(block_size=BS),
-            scheduler_config=SchedulerConfig(
-                max_model_len=4096, is_encoder_decoder=False, max_num_batched_tokens=4096
-            ),
-            kv_transfer_config=ktc,
+        vc = vllm_config(
+            model_config,
+            tmp_path,
+            mode="standalone",
+            endpoint=srv.endpoint,
+            store_priority_admit_at_most=0,
+            store_priority_skip_above=5,
         )
         # The server maps the KV cache's pages: a mapping of its own (over glibc's 32 MiB
         # mmap threshold), as vLLM's allocation is.
