@@ -25,6 +25,7 @@ from umbp.vllm.config import ConnectorConfig
 from umbp.vllm.metadata import Transfer, UMBPConnectorMetadata, UMBPWorkerMetadata
 from umbp.vllm.runtime import Runtime, Store, TransferHandle
 from umbp.vllm.stats import StatsCollector, UMBPConnectorStats
+from umbp.vllm.testhook import RestoreCorrupter
 from umbp.vllm.topology import Ranks, Topology
 
 logger = logging.getLogger("umbp.vllm")
@@ -205,7 +206,8 @@ class WorkerSide:
         self.store: Store | None = None
         self.server: umbp.LookupServer | None = None
         self.layout = -1
-        self.async_loads: dict[str, list[tuple[TransferHandle, list[int]]]] = {}
+        # Async loads by request: (job, block ids, group) each.
+        self.async_loads: dict[str, list[tuple[TransferHandle, list[int], int]]] = {}
         self.load_errors: set[int] = set()
         self.collector = StatsCollector(count_blocks=self.worker == 0)
         self._pool_poller: _PoolPoller | None = None  # standalone: the server's pool
@@ -221,6 +223,9 @@ class WorkerSide:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.regions: list[int] = []
         self.released = False
+        # A test hook: corrupts restores on purpose (UMBP_TEST_CORRUPT_RESTORES; never set in
+        # production).
+        self.corrupter = RestoreCorrupter.from_env()
 
     def _stream(self) -> int | None:
         """The engine's current CUDA stream: copies are ordered after the work queued on it
@@ -377,16 +382,16 @@ class WorkerSide:
                 self.unplanned_loads.add(rid)  # reported finished (and failed) by get_finished
             else:
                 self.load_errors.update(ids)
-        sync: list[tuple[TransferHandle, list[int]]] = []
+        sync: list[tuple[TransferHandle, list[int], int]] = []
         for t in meta.loads:
             job = self.store.load(
                 self.layout, t.group, t.block_ids, self._keys(t), stream=self._stream()
             )
             if t.load_async:
-                self.async_loads.setdefault(t.req_id, []).append((job, t.block_ids))
+                self.async_loads.setdefault(t.req_id, []).append((job, t.block_ids, t.group))
             else:
-                sync.append((job, t.block_ids))
-        for job, ids in sync:
+                sync.append((job, t.block_ids, t.group))
+        for job, ids, group in sync:
             try:
                 statuses = job.wait(self.cfg.timeout_ms)
             except umbp.TransferTimeout as e:
@@ -397,6 +402,10 @@ class WorkerSide:
                 ) from e
             self.collector.transfer("load", job, statuses)
             self._note_failures(statuses, ids)
+            if self.corrupter is not None:
+                self.corrupter.after_load(
+                    self.kv_caches, self.kv_cache_config, group, ids, statuses
+                )
 
     def _note_failures(self, statuses: list[str], ids: list[int]) -> None:
         failed = [b for s, b in zip(statuses, ids) if s != "done"]
@@ -432,10 +441,14 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()
         for rid, jobs in list(self.async_loads.items()):
-            if all(j.done for j, _ in jobs):
-                for j, ids in jobs:
+            if all(j.done for j, _, _ in jobs):
+                for j, ids, group in jobs:
                     statuses = j.poll() or []
                     self.collector.transfer("load", j, statuses)
+                    if self.corrupter is not None:
+                        self.corrupter.after_load(
+                            self.kv_caches, self.kv_cache_config, group, ids, statuses
+                        )
                     if not self.topo.per_request_failures:
                         self._note_failures(statuses, ids)
                     elif any(st != "done" for st in statuses):
