@@ -204,6 +204,64 @@ def prompts(n: int, length: int = 1100, shared: int = 600, seed: int = 0) -> lis
     return [head + text(length - shared) for _ in range(n)]
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles, where vLLM CPU picks its AMX kernels (and, for MLA,
+    128-token blocks)."""
+    import torch
+
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def tokens(run: list[dict]) -> list[list[int]]:
+    return [o["tokens"] for o in run]
+
+
+def reference(model: str, sets: dict[str, list[str]], **engine) -> dict:
+    """What a restore is judged against, per prompt set: the set computed by an engine with a
+    connector that never restores (`COMPUTED`; on vLLM CPU an engine with any connector can
+    give other greedy tokens than one without), `cold`, and then the same prompts again from
+    vLLM's own prefix cache, `own`. A request that restores every full block is computed on
+    top of a cached prefix, by the kernels vLLM's own cache hit uses, which on some CPUs (AMX)
+    are not those of a whole prompt: its reference is `own`, never `cold`.
+
+    Returns {name: {"cold": outputs, "own": outputs}, "block_size": the engine's}."""
+    names = list(sets)
+    steps = [step for n in names for step in ({"generate": sets[n]}, {"generate": sets[n]})]
+    r = run_engine({"model": model, "connector": COMPUTED, "steps": steps, **engine}, timeout=600)
+    assert "steps" in r and "error" not in r, r.get("error") or r.get("startup_error")
+    out: dict = {
+        n: {"cold": r["steps"][2 * i], "own": r["steps"][2 * i + 1]} for i, n in enumerate(names)
+    }
+    out["block_size"] = r["block_size"]
+    return out
+
+
+def assert_as_reference(
+    run: list[dict], ref: dict, what: str = "", state_hybrid: bool = False
+) -> None:
+    """Each request's outputs equal its reference's with the same cached tokens: vLLM's own
+    prefix cache (`ref["own"]`) where the prefix was cached or restored as far as vLLM's own
+    cache holds it, the cold run where as much was cached as then. A request that restored
+    part of its prefix (a miss part-way) is computed from a point no reference run shares:
+    only its length is compared.
+
+    `state_hybrid` (gated-delta-net and Mamba hybrids): vLLM splits the rest of a prompt into
+    other chunks after an external hit than after a local one, and those kernels round
+    differently per split, so a right restore can differ from the own-cache run and give the
+    computed run's output instead (docs/vllm.md, Exactness): either reference is accepted."""
+    assert len(run) == len(ref["cold"]), (len(run), what)
+    for i, (o, cold, own) in enumerate(zip(run, ref["cold"], ref["own"])):
+        where = f"{what} prompt {i} ({o['cached']} cached tokens)"
+        if state_hybrid and o["cached"] == own["cached"]:
+            assert o["tokens"] in (own["tokens"], cold["tokens"]), f"{where}: neither reference"
+        elif o["cached"] == own["cached"]:
+            assert o["tokens"] == own["tokens"], f"{where}: not vLLM's own prefix cache's output"
+        elif o["cached"] == cold["cached"]:
+            assert o["tokens"] == cold["tokens"], f"{where}: not the computed output"
+        else:
+            assert len(o["tokens"]) == len(cold["tokens"]), where
+
+
 def run_engine(scenario: dict, timeout: float = 420, background: bool = False):
     """Runs tests/vllm/engine.py in its own process session; returns its JSON result."""
     cmd = [sys.executable, str(HERE / "engine.py"), json.dumps(scenario)]

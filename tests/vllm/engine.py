@@ -7,7 +7,8 @@ session and kills the whole group afterwards (vLLM's helper processes can outliv
 
 Scenario keys: model, max_model_len, max_num_batched_tokens, mamba_ssm_cache_dtype,
 scheduling_policy,
-num_gpu_blocks_override (vLLM's KV cache size in blocks), connector (kv_connector_extra_config,
+num_gpu_blocks_override (vLLM's KV cache size in blocks), attention_backend (vLLM's name of one,
+e.g. CPU_MLA), connector (kv_connector_extra_config,
 or null for no connector), kv_role, module_path (use kv_connector_module_path instead of the
 plugin), tp, max_tokens, kv_events (an ipc:// endpoint to publish KV events to), log_stats
 (vLLM's stat logging on, for the "metrics" step), steps: a list of {"generate": [prompt, ...]}
@@ -56,6 +57,8 @@ def main() -> None:
     ):
         if sc.get(key):
             kwargs[key] = sc[key]
+    if sc.get("attention_backend"):  # e.g. CPU_MLA where vLLM CPU would pick AMX_MLA
+        kwargs["attention_backend"] = sc["attention_backend"]
     if sc.get("connector") is not None:
         from vllm.config import KVTransferConfig
 
@@ -84,8 +87,9 @@ def main() -> None:
             "UMBP_RESULT " + json.dumps({"startup_error": f"{type(e).__name__}: {e}"}), flush=True
         )
         return
-    out: dict = {"startup_s": time.time() - t0, "steps": []}
-    sp = SamplingParams(temperature=0.0, max_tokens=sc.get("max_tokens", 8))
+    out: dict = {"startup_s": time.time() - t0, "steps": [], **engine_facts(llm)}
+    # logprobs=0: each sampled token's own log-probability, compared with the reference's.
+    sp = SamplingParams(temperature=0.0, max_tokens=sc.get("max_tokens", 8), logprobs=0)
     try:
         run_steps(llm, sc, sp, out, events)
     except Exception as e:  # e.g. the engine died: report what ran
@@ -110,6 +114,7 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
                     {
                         "prompt_ids": list(o.prompt_token_ids),
                         "tokens": list(o.outputs[0].token_ids),
+                        "logprobs": sampled_logprobs(o.outputs[0]),
                         "cached": o.num_cached_tokens or 0,
                         "prompt_tokens": len(o.prompt_token_ids),
                         "seconds": time.time() - t,
@@ -159,6 +164,29 @@ def run_steps(llm, sc: dict, sp, out: dict, events: list) -> None:
                 llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
                 time.sleep(0.25)
             out["steps"].append(list(events))
+
+
+def engine_facts(llm) -> dict:
+    """What the tests must read from the engine rather than assume (they differ between
+    CPUs: vLLM CPU picks other kernels and block sizes where the CPU has AMX): the KV cache's
+    block size (every group's, for hybrid models), and the attention backend when named."""
+    vc = llm.llm_engine.vllm_config
+    facts = {
+        "block_size": vc.cache_config.block_size,
+        # vLLM CPU turns its own prefix caching off for MLA on its reference backend.
+        "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+    }
+    attn = getattr(vc, "attention_config", None)
+    backend = getattr(attn, "backend", None)
+    facts["attention_backend"] = getattr(backend, "name", backend)
+    return facts
+
+
+def sampled_logprobs(completion) -> list[float] | None:
+    """Each sampled token's log-probability (None when not asked for)."""
+    if not completion.logprobs:
+        return None
+    return [float(step[t].logprob) for step, t in zip(completion.logprobs, completion.token_ids)]
 
 
 def prompt_args(item, sp):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMPUTED, finish, prompts, run_engine
+from conftest import assert_as_reference, finish, prompts, reference, run_engine, tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_cluster import redis_cluster  # noqa: E402
@@ -23,10 +23,6 @@ PROMPTS = {
     "shared": prompts(3, seed=40),
     "own": prompts(3, shared=0, seed=41),
 }
-
-
-def tokens(run: list[dict]) -> list[list[int]]:
-    return [o["tokens"] for o in run]
 
 
 def full_blocks(o: dict) -> int:
@@ -51,11 +47,10 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    names = list(PROMPTS)
-    r = run_engine(
-        {"model": model, "connector": COMPUTED, "steps": [{"generate": PROMPTS[n]} for n in names]}
-    )
-    return {n: tokens(run) for n, run in zip(names, r["steps"])}
+    """Each prompt set computed and then from vLLM's own prefix cache (conftest.reference)."""
+    ref = reference(model, PROMPTS)
+    assert ref["block_size"] == BLOCK, f"this engine's blocks are {ref['block_size']} tokens"
+    return ref
 
 
 def settled_keys(cluster, settle: float = 1.5, timeout: float = 120) -> int:
@@ -100,8 +95,8 @@ def node_a(model, cluster, tmp_path_factory, baseline):
     go.write_text("go")
     r = finish(proc)
     assert "error" not in r, r.get("error")
-    assert tokens(r["steps"][0]) == baseline["shared"]
-    assert tokens(r["steps"][1]) == baseline["own"]
+    assert_as_reference(r["steps"][0], baseline["shared"], "A shared")
+    assert_as_reference(r["steps"][1], baseline["own"], "A own")
     print(f"engine A wrote {n} objects to the cluster")
     return n
 
@@ -114,7 +109,7 @@ def test_another_engine_restores_every_full_block_from_the_remote_tier(
     )
     assert "error" not in r, r.get("error")
     run = r["steps"][0]
-    assert tokens(run) == baseline["shared"]
+    assert_as_reference(run, baseline["shared"], "restored from the remote tier")
     assert [o["cached"] for o in run] == [full_blocks(o) for o in run], run
     print("B restored from the cluster:", [(o["cached"], round(o["seconds"], 3)) for o in run])
 
@@ -134,7 +129,7 @@ def test_a_stopped_cluster_node_means_misses_within_the_timeout(model, cluster, 
         cluster.resume_node(victim)
     assert "error" not in r, r.get("error")
     run = r["steps"][0]
-    assert tokens(run) == baseline["shared"]
+    assert_as_reference(run, baseline["shared"], "with a stopped node")
     cached, full = [o["cached"] for o in run], [full_blocks(o) for o in run]
     print(
         "with a stopped node:",
@@ -158,5 +153,5 @@ def test_corrupted_remote_objects_are_misses(model, cluster, node_a, baseline):
     )
     assert "error" not in r, r.get("error")
     run = r["steps"][0]
-    assert tokens(run) == baseline["own"], "wrong KV restored"
+    assert tokens(run) == tokens(baseline["own"]["cold"]), "wrong KV restored"
     assert all(o["cached"] == 0 for o in run), [o["cached"] for o in run]

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMPUTED, finish, prompts, run_engine, wait_for
+from conftest import (
+    assert_as_reference,
+    cpu_has_amx,
+    finish,
+    prompts,
+    reference,
+    run_engine,
+    tokens,
+    wait_for,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from standalone_server import Server, running, short_dir  # noqa: E402
@@ -27,10 +36,6 @@ def server(tmp_path):
 
 def standalone(server: Server, **extra) -> dict:
     return {"mode": "standalone", "endpoint": f"unix://{server.endpoint}", **extra}
-
-
-def tokens(run: list[dict]) -> list[list[int]]:
-    return [o["tokens"] for o in run]
 
 
 def full_blocks(o: dict) -> int:
@@ -51,12 +56,10 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    """Each prompt set's computed outputs (one engine run for all of them; see `COMPUTED`)."""
-    names = list(PROMPTS)
-    r = run_engine(
-        {"model": model, "connector": COMPUTED, "steps": [{"generate": PROMPTS[n]} for n in names]}
-    )
-    return {n: tokens(run) for n, run in zip(names, r["steps"])}
+    """Each prompt set computed and then from vLLM's own prefix cache (conftest.reference)."""
+    ref = reference(model, PROMPTS)
+    assert ref["block_size"] == BLOCK, f"this engine's blocks are {ref['block_size']} tokens"
+    return ref
 
 
 def test_two_engines_share_the_server_and_a_restarted_engine_restores(
@@ -117,18 +120,19 @@ def test_two_engines_share_the_server_and_a_restarted_engine_restores(
     a2_reset.write_text("go")
     a2 = finish(a2)
     rb = finish(b)
-    expected, expected_own = baseline["shared"], baseline["own"]
-    assert tokens(ra["steps"][0]) == expected
+    shared, own = baseline["shared"], baseline["own"]
+    assert_as_reference(ra["steps"][0], shared, "A")
     b_ps, b_own, _, _, _, _, b_own_again = rb["steps"]
-    assert tokens(b_ps) == expected and tokens(b_own) == expected_own
+    assert_as_reference(b_ps, shared, "B restored")
+    assert_as_reference(b_own, own, "B computed")
     assert [o["cached"] for o in b_ps] == [full_blocks(o) for o in b_ps], b_ps
-    assert tokens(a2["steps"][0]) == expected
+    assert_as_reference(a2["steps"][0], shared, "A restarted")
     assert [o["cached"] for o in a2["steps"][0]] == [full_blocks(o) for o in a2["steps"][0]]
     assert objects_a > 0 and objects_ab > objects_a, (objects_a, objects_ab)
     # reset_external from A2 emptied the pool for every engine: B's own prefixes are gone.
     assert a2["steps"][1] is True and objects_after_reset == 0
     assert all(o["cached"] == 0 for o in b_own_again), b_own_again
-    assert tokens(b_own_again) == expected_own
+    assert_as_reference(b_own_again, own, "B after reset_external")
 
 
 def test_absent_server_fails_startup_after_startup_timeout(model, tmp_path):
@@ -174,7 +178,8 @@ def test_a_server_restarted_on_its_disk_dir_restores_an_engines_prefixes(model, 
         second = run_engine(spec)
         assert "error" not in second, second.get("error")
         (before,), (after,) = first["steps"], second["steps"]
-        assert tokens(before) == tokens(after) == baseline["disk"]
+        assert_as_reference(before, baseline["disk"], "computed")
+        assert_as_reference(after, baseline["disk"], "restored from disk")
         assert [o["cached"] for o in after] == [full_blocks(o) for o in after], after
         assert s.stats()["disk"]["hits"] > 0
 
@@ -214,9 +219,8 @@ def test_killed_server_means_misses_and_a_restarted_one_is_used_again(
     r = finish(proc)
     assert "error" not in r, r.get("error")
     first, _, _, _, dead, _, _, _, again, _, restored = r["steps"]
-    expected = baseline["killed"]
-    for run in (first, dead, again, restored):
-        assert tokens(run) == expected
+    for what, run in (("first", first), ("dead", dead), ("again", again), ("restored", restored)):
+        assert_as_reference(run, baseline["killed"], what)
     print("request seconds with the server dead:", [round(o["seconds"], 3) for o in dead])
     print("request seconds restored after its restart:", [round(o["seconds"], 3) for o in restored])
     assert all(o["cached"] == 0 for o in dead), dead
@@ -269,8 +273,9 @@ def test_stopped_server_means_misses_and_shutdown_does_not_wait(model, server, t
         server.signal(signal.SIGCONT)
     assert "error" not in r, r.get("error")
     first, _, _, _, stalled, _, _, _, restored, _, _, shutdown_s = r["steps"]
-    assert tokens(first) == baseline["stopped"] and tokens(restored) == baseline["stopped"]
-    assert tokens(stalled) == baseline["fresh"]
+    assert_as_reference(first, baseline["stopped"], "first")
+    assert_as_reference(restored, baseline["stopped"], "restored")
+    assert_as_reference(stalled, baseline["fresh"], "stalled")
     print("request seconds with the server stopped:", [round(o["seconds"], 3) for o in stalled])
     print(f"engine shutdown with the server stopped: {shutdown_s:.2f} s")
     assert all(o["cached"] == 0 for o in stalled), stalled
@@ -293,6 +298,7 @@ def test_tensor_parallel_2_on_the_server(model, server, tmp_path):
             "connector": standalone(server, key_namespace="tp2-server"),
             "steps": [
                 {"generate": ps},
+                {"generate": ps},  # the reference: vLLM's own prefix cache
                 {"reset": False},
                 {"signal": str(stored)},
                 {"wait_for": str(done)},
@@ -306,49 +312,55 @@ def test_tensor_parallel_2_on_the_server(model, server, tmp_path):
     st = server.stats()
     done.write_text("go")
     r = finish(proc, timeout=600)
-    first, _, _, _, restored = r["steps"]
+    first, own, _, _, _, restored = r["steps"]
     blocks = sum(full_blocks(o) for o in first) // BLOCK
     # Both workers attached (and the scheduler), each rank stored its half of every block.
     assert st["sessions"] == 3 and st["objects"] == 2 * blocks, (st, blocks)
-    # Restored prefixes give what the same TP 2 engine computed (a TP 2 engine need not match
-    # the one-process baseline token for token: its all-reduce sums in another order, and on
-    # some CPUs the tiny random model's near-uniform logits flip).
-    assert tokens(restored) == tokens(first)
+    # Restored prefixes give what the same TP 2 engine's own prefix cache gives (a TP 2 engine
+    # need not match the one-process baseline token for token: its all-reduce sums in another
+    # order, and on some CPUs the tiny random model's near-uniform logits flip).
+    assert_as_reference(restored, {"cold": first, "own": own}, "TP 2 restored")
     assert [o["cached"] for o in restored] == [full_blocks(o) for o in restored], restored
 
 
-#: vLLM CPU's MLA backend takes 16-token blocks only; each holds one 576-wide bf16 latent per
-#: token in each of the tiny DeepSeek-V2's two layers.
-MLA_BLOCK = 16
-MLA_BLOCK_BYTES = 2 * MLA_BLOCK * 576 * 2
+#: Each MLA block holds one 576-wide bf16 latent per token in each of the tiny DeepSeek-V2's two
+#: layers; how many tokens a block holds is the engine's choice (vLLM CPU's reference backend,
+#: CPU_MLA, takes 16; its AMX backend, picked where the CPU has AMX, 128).
+MLA_BYTES_PER_TOKEN = 2 * 576 * 2
+
+#: vLLM's choice, and where the CPU has AMX also the reference backend it would not pick:
+#: both kernel families are covered whichever host runs the tests.
+MLA_BACKENDS = [None, "CPU_MLA"] if cpu_has_amx() else [None]
 
 
-def test_mla_at_tensor_parallel_2_stores_each_block_once(mla_model, server, tmp_path):
+@pytest.mark.parametrize("backend", MLA_BACKENDS, ids=lambda b: b or "default")
+def test_mla_at_tensor_parallel_2_stores_each_block_once(mla_model, server, tmp_path, backend):
     """A DeepSeek-V2-shaped MLA model at TP 2 on vLLM CPU's MLA backend: every rank holds the
     same latent cache, so the server holds one object per block (not one per rank), rank 1
     answers every store "skipped", and both ranks restore every full block from rank 0's
-    objects with the outputs of an engine without the connector."""
-    ps = prompts(2, length=200, shared=0, seed=26)  # 12 full blocks each
+    objects with the outputs of the engine's own prefix cache (or, where vLLM CPU turns that
+    off for MLA, of the engine's first run: see below)."""
+    ps = prompts(2, length=300, shared=0, seed=26)  # 18 full blocks of 16 each, or 2 of 128
     engine = {
         "model": mla_model,
         "tp": 2,
         "max_model_len": 1024,
-        # vLLM CPU computes a prompt's tokens after a cached prefix with other kernels (MLA's
-        # absorbed decode kernel, its context-chunk prefill) than a whole prompt, and greedy
-        # tokens drift apart a few tokens on: seed 26's second prompt restored gives its 6th
-        # token differently, and so does vLLM's own prefix cache with the same hit (forced on
-        # at TP 1, 2026-12-06: identical to the restored outputs). Four tokens are compared.
+        # Where vLLM CPU turns its own prefix cache off (MLA on CPU_MLA), the reference is the
+        # first run, computed as a whole prompt, while a restored request is computed after a
+        # cached prefix with other kernels (MLA's absorbed decode kernel, its context-chunk
+        # prefill): greedy tokens drift apart a few tokens on (seed 26's second prompt gives
+        # its 6th token differently, and so does vLLM's own prefix cache with the same hit,
+        # forced on at TP 1, 2026-12-06). Four tokens are compared.
         "max_tokens": 4,
         "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        "attention_backend": backend,
     }
-    base = run_engine({**engine, "connector": None, "steps": [{"generate": ps}]}, timeout=600)
-    assert "steps" in base, base
     stored, done = tmp_path / "stored", tmp_path / "done"
     proc = run_engine(
         {
             **engine,
             "log_stats": True,
-            "connector": standalone(server, key_namespace="mla-tp2"),
+            "connector": standalone(server, key_namespace=f"mla-tp2-{backend}"),
             "steps": [
                 {"generate": ps},
                 {"reset": False},
@@ -356,6 +368,9 @@ def test_mla_at_tensor_parallel_2_stores_each_block_once(mla_model, server, tmp_
                 {"wait_for": str(done)},
                 {"generate": ps},
                 {"metrics": True},
+                # vLLM's own prefix cache where vLLM keeps it on (after the counters: with it
+                # off, this pass computes and stores every block again).
+                {"generate": ps},
             ],
         },
         background=True,
@@ -365,14 +380,15 @@ def test_mla_at_tensor_parallel_2_stores_each_block_once(mla_model, server, tmp_
     sessions = server.stats()["sessions"]
     done.write_text("go")
     r = finish(proc, timeout=600)
-    assert len(r.get("steps", [])) == 6, r["output"][-8000:]
-    first, _, _, _, restored, metrics = r["steps"]
+    assert len(r.get("steps", [])) == 7, r["output"][-8000:]
+    first, _, _, _, restored, metrics, again = r["steps"]
+    block = r["block_size"]  # read from the engine: 16 or 128, by backend and CPU
     st = server.stats()
-    blocks = sum((o["prompt_tokens"] - 1) // MLA_BLOCK for o in first)
+    blocks = sum((o["prompt_tokens"] - 1) // block for o in first)
     # Both workers attached (and the scheduler); one object per block, one copy's bytes.
     assert sessions == 3, sessions
-    assert (st["objects"], st["puts"]) == (blocks, blocks), (st, blocks)
-    assert st["used_bytes"] == blocks * MLA_BLOCK_BYTES, (st, blocks)
+    assert (st["objects"], st["puts"]) == (blocks, blocks), (st, blocks, block)
+    assert st["used_bytes"] == blocks * block * MLA_BYTES_PER_TOKEN, (st, blocks, block)
     # Rank 0 stored every block, rank 1 skipped every block; every block was restored.
     assert metrics.get("vllm:umbp_store_blocks") == blocks, metrics
     assert metrics.get("vllm:umbp_store_skipped_blocks") == blocks, metrics
@@ -380,13 +396,17 @@ def test_mla_at_tensor_parallel_2_stores_each_block_once(mla_model, server, tmp_
     assert metrics.get("vllm:umbp_store_failed_blocks", 0) == 0, metrics
     assert [o["cached"] for o in first] == [0, 0], first
     assert [o["cached"] for o in restored] == [
-        (o["prompt_tokens"] - 1) // MLA_BLOCK * MLA_BLOCK for o in restored
+        (o["prompt_tokens"] - 1) // block * block for o in restored
     ], restored
-    assert tokens(restored) == tokens(first) == tokens(base["steps"][0])
+    if r["prefix_caching"]:
+        assert_as_reference(restored, {"cold": first, "own": again}, "MLA restored")
+    else:  # no own prefix cache to judge by (`again` restored from the server once more)
+        assert tokens(restored) == tokens(first) == tokens(again)
     print(
-        f"MLA TP 2: {blocks} blocks, server objects {st['objects']}, used {st['used_bytes']} B, "
-        f"restored {[o['cached'] for o in restored]} tokens, startup {r['startup_s']:.0f} s; "
-        f"metrics {metrics}"
+        f"MLA TP 2 ({backend or 'default'} backend, {block}-token blocks, vLLM's own prefix cache "
+        f"{'on' if r['prefix_caching'] else 'off'}): {blocks} blocks, server objects "
+        f"{st['objects']}, used {st['used_bytes']} B, restored {[o['cached'] for o in restored]} "
+        f"tokens, startup {r['startup_s']:.0f} s; metrics {metrics}"
     )
 
 

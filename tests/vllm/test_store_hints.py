@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import sys
 from pathlib import Path
 
@@ -185,11 +186,13 @@ def test_standalone_admit_now_passes_the_servers_on_reuse(model_config, tmp_path
             store_priority_admit_at_most=0,
             store_priority_skip_above=5,
         )
-        # The server maps the KV cache's pages: a mapping of its own (over glibc's 32 MiB
-        # mmap threshold), as vLLM's allocation is.
+        # The server maps the KV cache's pages: a mapping of its own, as vLLM's allocation
+        # is. An explicit anonymous mapping: a large torch.zeros can come from the heap of
+        # an allocator the process preloads (vLLM CPU's tcmalloc), which registration refuses.
         kc = kv_config((["attn.0"], full()))
         shape = (kc.num_blocks, 2, BS, 2, 32)
-        room = torch.zeros(40 << 20, dtype=torch.uint8)
+        mapping = mmap.mmap(-1, 40 << 20)
+        room = torch.frombuffer(mapping, dtype=torch.uint8)
         cache = room[: math.prod(shape) * 2].view(torch.bfloat16).view(shape)
         e = Engine(vc, kc, caches={"attn.0": cache})
         try:
