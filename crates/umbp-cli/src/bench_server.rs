@@ -34,6 +34,9 @@ use crate::server_proc::{PrivateServer, ServerSpec};
 
 pub use args::{Args, ClientArgs};
 pub use client::run_client;
+/// What `umbp soak` shares with this benchmark: client memory and client processes.
+pub(crate) use cache::HostBuf;
+pub(crate) use server_run::{spawn_kid, Kid};
 
 use args::parse_list;
 use cache::{Run, Shape};
@@ -104,6 +107,7 @@ pub fn run(a: &Args) -> Result<()> {
         capacity,
         workers,
         busy_poll_us: a.server_busy_poll_us,
+        extra_args: Vec::new(),
     })?;
     let raw = Raw::new(server.endpoint.clone(), Duration::from_secs(30))?;
     let t = Instant::now();
