@@ -33,9 +33,9 @@ use crate::raw::Raw;
 use crate::server_proc::{PrivateServer, ServerSpec};
 
 pub use args::{Args, ClientArgs};
-pub use client::run_client;
 /// What `umbp soak` shares with this benchmark: client memory and client processes.
 pub(crate) use cache::HostBuf;
+pub use client::run_client;
 pub(crate) use server_run::{spawn_kid, Kid};
 
 use args::parse_list;

@@ -218,7 +218,11 @@ impl PrivateServer {
         let raw = Raw::new(self.endpoint.clone(), Duration::from_millis(500))?;
         let t0 = Instant::now();
         loop {
-            if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 self.child = None;
                 bail!(
                     "the private server exited at start ({st}); its log:\n{}",
@@ -264,6 +268,9 @@ impl PrivateServer {
     }
 
     fn terminate(&mut self) -> Result<()> {
+        if self.child.is_none() {
+            return Ok(());
+        }
         self.terminate_keep_dir()?;
         let _ = std::fs::remove_dir_all(&self.dir);
         progress!("private server stopped");

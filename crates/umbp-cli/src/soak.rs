@@ -64,7 +64,8 @@ impl SoakDir {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        let dir = std::env::temp_dir().join(format!("umbp-soak-{}-{nanos:08x}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("umbp-soak-{}-{nanos:08x}", std::process::id()));
         std::fs::create_dir(&dir).with_context(|| {
             format!(
                 "cannot create {} for the disk tiers; set TMPDIR to a writable directory with room for --disk-mib per arm",
@@ -203,12 +204,13 @@ pub fn run(a: &Args) -> Result<()> {
             arms.iter_mut().for_each(Arm::refresh);
             report::progress(t0.elapsed(), &arms);
         }
-        std::thread::sleep(
-            Duration::from_millis(100).min(a.duration.saturating_sub(t0.elapsed())),
-        );
+        std::thread::sleep(Duration::from_millis(100).min(a.duration.saturating_sub(t0.elapsed())));
     }
     let ran = t0.elapsed();
-    eprintln!("[umbp soak] {}: pausing, checking and auditing", args::show_duration(ran));
+    eprintln!(
+        "[umbp soak] {}: pausing, checking and auditing",
+        args::show_duration(ran)
+    );
     for arm in arms.iter_mut() {
         arm.sample();
         arm.finish()

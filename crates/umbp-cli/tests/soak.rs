@@ -114,7 +114,10 @@ fn a_short_soak_with_restarts_and_clears_finds_nothing_wrong() {
         assert!(arm["clears"].as_u64().unwrap() >= 1, "{arm}");
         assert!(arm["identity_checks"].as_u64().unwrap() >= 2, "{arm}");
         assert!(arm["pool_evictions"].as_u64().unwrap() > 0, "{arm}");
-        assert!(arm["pool_process"]["samples"].as_u64().unwrap() > 0, "{arm}");
+        assert!(
+            arm["pool_process"]["samples"].as_u64().unwrap() > 0,
+            "{arm}"
+        );
     }
     let server = &arms[0];
     assert_eq!(server["arm"], "server");
@@ -122,7 +125,12 @@ fn a_short_soak_with_restarts_and_clears_finds_nothing_wrong() {
     assert_eq!(server["client_processes"].as_array().unwrap().len(), 2);
     // The summary names every figure a reader needs.
     let stdout = String::from_utf8_lossy(&out.stdout);
-    for label in ["WRONG keys / bytes", "UNACCOUNTED keys", "lost after hit", "verdict: OK"] {
+    for label in [
+        "WRONG keys / bytes",
+        "UNACCOUNTED keys",
+        "lost after hit",
+        "verdict: OK",
+    ] {
         assert!(stdout.contains(label), "{label:?} missing from\n{stdout}");
     }
 }

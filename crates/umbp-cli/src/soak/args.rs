@@ -150,7 +150,9 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration> {
         u => return Err(anyhow!("{s:?}: unknown unit {u:?}; use ms, s, m or h")),
     };
     if !secs.is_finite() || secs < 0.0 {
-        return Err(anyhow!("{s:?} is not a duration; write e.g. 90s, 30m or 1h"));
+        return Err(anyhow!(
+            "{s:?} is not a duration; write e.g. 90s, 30m or 1h"
+        ));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -176,7 +178,10 @@ mod tests {
         assert_eq!(parse_duration("1.5h").unwrap(), Duration::from_secs(5400));
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert!(parse_duration("ten").is_err());
-        assert!(parse_duration("5d").unwrap_err().to_string().contains("unknown unit"));
+        assert!(parse_duration("5d")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown unit"));
         assert_eq!(show_duration(Duration::from_secs(3725)), "1h02m05s");
         assert_eq!(show_duration(Duration::from_secs(75)), "1m15s");
     }

@@ -27,7 +27,10 @@ const ANSWER_WAIT: Duration = Duration::from_secs(600);
 
 /// Where an arm's pool lives.
 enum Target {
-    Server { server: PrivateServer, raw: Raw },
+    Server {
+        server: PrivateServer,
+        raw: Raw,
+    },
     /// In the arm's one client process.
     Embedded,
 }
@@ -67,6 +70,10 @@ pub(crate) struct Arm {
     pub(crate) checks: u32,
     /// What went wrong with client processes (an error line, an early exit).
     pub(crate) problems: Vec<String>,
+    /// Answers that came while another was awaited: (client, line).
+    early: Vec<(usize, String)>,
+    /// Set once the clients are told to quit: their exits are expected.
+    quitting: bool,
     pub(crate) audit: AuditFindings,
 }
 
@@ -195,6 +202,8 @@ impl Arm {
             identities: Vec::new(),
             checks: 0,
             problems: Vec::new(),
+            early: Vec::new(),
+            quitting: false,
             audit: AuditFindings::default(),
         };
         for i in 0..arm.kids.len() {
@@ -246,15 +255,22 @@ impl Arm {
     fn handle(&mut self, i: usize, line: Option<String>) -> Option<String> {
         match line {
             None => {
-                if self.kids[i].alive {
-                    self.kids[i].alive = false;
-                    let st = self.kids[i].child.wait().map(|s| s.to_string());
-                    self.problems.push(format!(
-                        "{} client process {} exited early ({})",
-                        self.name,
-                        self.kids[i].id,
-                        st.unwrap_or_else(|e| e.to_string())
-                    ));
+                let k = &mut self.kids[i];
+                if k.alive {
+                    k.alive = false;
+                    match k.child.wait() {
+                        Ok(st) if st.success() && self.quitting => {}
+                        Ok(st) if self.quitting => self.problems.push(format!(
+                            "{} client process {} exited with {st}",
+                            self.name, k.id
+                        )),
+                        st => self.problems.push(format!(
+                            "{} client process {} exited early ({})",
+                            self.name,
+                            k.id,
+                            st.map_or_else(|e| e.to_string(), |s| s.to_string())
+                        )),
+                    }
                 }
                 None
             }
@@ -278,13 +294,27 @@ impl Arm {
     pub(crate) fn drain(&mut self) {
         while let Ok((i, l)) = self.rx.try_recv() {
             if let Some(l) = self.handle(i, l) {
-                eprintln!("[umbp soak] {}: unexpected line from client {i}: {l}", self.name);
+                self.early.push((i, l));
             }
+        }
+        for (i, l) in std::mem::take(&mut self.early) {
+            eprintln!(
+                "[umbp soak] {}: unexpected line from client {i}: {l}",
+                self.name
+            );
         }
     }
 
     /// Waits for client `i`'s answer starting with `prefix`; returns the rest of the line.
     fn reply(&mut self, i: usize, prefix: &str, wait: Duration) -> Result<String> {
+        if let Some(at) = self
+            .early
+            .iter()
+            .position(|(j, l)| *j == i && l.starts_with(prefix))
+        {
+            let (_, l) = self.early.remove(at);
+            return Ok(l[prefix.len()..].trim().to_string());
+        }
         let until = Instant::now() + wait;
         loop {
             if !self.kids[i].alive {
@@ -301,10 +331,8 @@ impl Arm {
                     if let Some(l) = self.handle(j, l) {
                         match l.strip_prefix(prefix) {
                             Some(rest) if j == i => return Ok(rest.trim().to_string()),
-                            _ => eprintln!(
-                                "[umbp soak] {}: unexpected line from client {j}: {l}",
-                                self.name
-                            ),
+                            // Another client's answer to the same command: kept for later.
+                            _ => self.early.push((j, l)),
                         }
                     }
                 }
@@ -330,8 +358,10 @@ impl Arm {
             .is_some_and(|s| writeln!(s, "{cmd}").and_then(|_| s.flush()).is_ok());
         if !ok {
             k.alive = false;
-            self.problems
-                .push(format!("{} client process {} took no command", self.name, k.id));
+            self.problems.push(format!(
+                "{} client process {} took no command",
+                self.name, k.id
+            ));
         }
     }
 
@@ -419,8 +449,10 @@ impl Arm {
         } else {
             self.close_allowance();
         }
-        if let Target::Server { server, .. } = &mut self.target {
+        if let Target::Server { server, raw } = &mut self.target {
             server.restart(if kill { Stop::Kill } else { Stop::Term })?;
+            // A new connection: the old one's channel broke with the old server.
+            *raw = Raw::new(server.endpoint.clone(), Duration::from_secs(30))?;
         } else {
             self.send(0, "restart");
             self.reply(0, "restarted", ANSWER_WAIT)?;
@@ -499,16 +531,24 @@ impl Arm {
             self.last = s;
         }
         self.past.push(std::mem::take(&mut self.last));
+        self.quitting = true;
         self.ask_all("quit", "bye")?;
-        for k in &mut self.kids {
-            drop(k.stdin.take());
-            if k.alive {
-                let st = k.child.wait()?;
-                if !st.success() {
-                    self.problems
-                        .push(format!("{} client process {} exited with {st}", self.name, k.id));
+        for i in 0..self.kids.len() {
+            drop(self.kids[i].stdin.take());
+            if self.kids[i].alive {
+                // Its stdout ends as it exits; `handle` waits for it and checks its status.
+                while self.kids[i].alive {
+                    match self.rx.recv_timeout(ANSWER_WAIT) {
+                        Ok((j, l)) => {
+                            let _ = self.handle(j, l);
+                        }
+                        Err(_) => bail!(
+                            "{} client process {} does not exit",
+                            self.name,
+                            self.kids[i].id
+                        ),
+                    }
                 }
-                k.alive = false;
             }
         }
         if let Target::Server { server, .. } = std::mem::replace(&mut self.target, Target::Embedded)

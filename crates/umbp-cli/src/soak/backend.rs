@@ -103,8 +103,9 @@ impl Backend {
         // SAFETY: the region outlives the session: a worker drops its backend before its
         // region (field order), and a restart drops the backends before anything else.
         unsafe { session.register_memory(region.buf.addr, region.buf.len) }?;
-        let layout =
-            session.register_layout(KvLayout::new(vec![GroupLayout::new(region.layer_specs())?])?)?;
+        let layout = session.register_layout(KvLayout::new(vec![GroupLayout::new(
+            region.layer_specs(),
+        )?])?)?;
         Ok(Backend::Embedded {
             session,
             store: Arc::clone(store),

@@ -118,7 +118,9 @@ fn client_main(a: &ClientArgs) -> Result<()> {
         let mut region = Region::new(a.layers, a.slots, a.piece_bytes)?;
         let backend = match (&store, &a.endpoint) {
             (Some(s), _) => Backend::open(s, &region)?,
-            (None, Some(ep)) => Backend::connect(ep, format!("umbp soak worker {id}"), &mut region)?,
+            (None, Some(ep)) => {
+                Backend::connect(ep, format!("umbp soak worker {id}"), &mut region)?
+            }
             (None, None) => bail!("give --endpoint or --disk-dir"),
         };
         let mut w = Worker::new(id, region, spec.clone(), a.seed, a.inject_wrong && i == 0);

@@ -55,13 +55,11 @@ fn mix(mut z: u64) -> u64 {
 
 /// A seed from every byte of the key (namespace, rank and hash parts alike).
 fn seed(key: &BlockKey) -> u64 {
-    key.as_bytes()
-        .chunks(8)
-        .fold(GOLDEN, |h, c| {
-            let mut w = [0u8; 8];
-            w[..c.len()].copy_from_slice(c);
-            mix(h ^ u64::from_le_bytes(w))
-        })
+    key.as_bytes().chunks(8).fold(GOLDEN, |h, c| {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        mix(h ^ u64::from_le_bytes(w))
+    })
 }
 
 /// The 8 bytes at object offset `8 × word` of `key`'s block.

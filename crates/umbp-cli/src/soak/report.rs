@@ -36,7 +36,11 @@ pub(crate) fn progress(elapsed: Duration, arms: &[Arm]) {
             )
         })
         .collect();
-    eprintln!("[umbp soak] {} {}", show_duration(elapsed), parts.join(" | "));
+    eprintln!(
+        "[umbp soak] {} {}",
+        show_duration(elapsed),
+        parts.join(" | ")
+    );
 }
 
 /// The summary: one column per arm.
@@ -52,7 +56,7 @@ pub(crate) fn summary(a: &Args, ran: Duration, arms: &[Arm], results: &[ArmResul
         human_bytes(a.disk_mib << 20),
         a.clients,
     );
-    let w = 16;
+    let w = 18;
     let head: String = results.iter().map(|r| format!("{:>w$}", r.name)).collect();
     println!("  {:<38}{head}", "");
     let row = |label: &str, f: &dyn Fn(&ArmResult) -> String| {
@@ -78,7 +82,9 @@ pub(crate) fn summary(a: &Args, ran: Duration, arms: &[Arm], results: &[ArmResul
     row("keys stored / already there", &|r| {
         format!("{}/{}", r.counts.keys_stored, r.counts.keys_already)
     });
-    row("keys loaded and checked", &|r| r.counts.keys_loaded.to_string());
+    row("keys loaded and checked", &|r| {
+        r.counts.keys_loaded.to_string()
+    });
     row("lookup hits / keys asked", &|r| {
         format!("{}/{}", r.counts.lookup_hits, r.counts.lookup_keys)
     });
@@ -98,13 +104,20 @@ pub(crate) fn summary(a: &Args, ran: Duration, arms: &[Arm], results: &[ArmResul
     row("clears (objects removed)", &|r| {
         format!("{} ({})", r.chaos.clears, r.chaos.cleared_objects)
     });
-    row("pool puts / evictions", &|r| format!("{}/{}", r.puts, r.evictions));
-    row("audit: keys / loadable / missing", &|r| {
-        let c = &r.counts;
-        format!("{}/{}/{}", c.audit_keys, c.audit_present, r.missing)
+    row("pool puts / evictions", &|r| {
+        format!("{}/{}", r.puts, r.evictions)
     });
-    row("  missing: lost at a crash", &|r| r.lost_at_crash.to_string());
-    row("  missing: counted losses cover", &|r| r.counted_losses.to_string());
+    row("audit: keys / loadable / not found", &|r| {
+        let c = &r.counts;
+        format!("{}/{}/{}", c.audit_keys, c.audit_present, c.audit_missing)
+    });
+    row("  distinct keys not found", &|r| r.missing.to_string());
+    row("  of them lost at a crash", &|r| {
+        r.lost_at_crash.to_string()
+    });
+    row("  counted losses (cover the rest)", &|r| {
+        r.counted_losses.to_string()
+    });
     row("UNACCOUNTED keys", &|r| r.unaccounted_keys.to_string());
     row("identity checks / off by", &|r| {
         format!("{}/{}", r.checks, r.identity_off)
@@ -128,7 +141,10 @@ pub(crate) fn summary(a: &Args, ran: Duration, arms: &[Arm], results: &[ArmResul
         } else {
             "embedded process"
         };
-        println!("    {:<30} rss {rss:>16}  fds {fds:>12}", format!("{}: {what}", arm.name));
+        println!(
+            "    {:<30} rss {rss:>16}  fds {fds:>12}",
+            format!("{}: {what}", arm.name)
+        );
         for (id, s) in arm.client_series() {
             let (rss, fds) = s.show();
             println!(

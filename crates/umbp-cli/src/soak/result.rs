@@ -151,7 +151,7 @@ impl ArmResult {
             "pool_counters_summed": arm.summed().to_json(),
             "pool_puts": self.puts,
             "pool_evictions": self.evictions,
-            "audit_missing": self.missing,
+            "audit_distinct_missing": self.missing,
             "lost_at_crash": self.lost_at_crash,
             "counted_losses": self.counted_losses,
             "close_allowance": self.chaos.close_allowance,
@@ -182,8 +182,7 @@ pub(crate) fn explain(f: &AuditFindings, chaos: &Chaos, counted: u64) -> Explain
     let crashed_after = |seen: u64| chaos.kill_times.iter().any(|k| *k > seen);
     let lost_at_crash = f.missing.values().filter(|s| crashed_after(**s)).count() as u64;
     let unexplained = f.missing.len() as u64 - lost_at_crash;
-    let restarted_between =
-        |a: u64, b: u64| chaos.restart_times.iter().any(|r| *r > a && *r < b);
+    let restarted_between = |a: u64, b: u64| chaos.restart_times.iter().any(|r| *r > a && *r < b);
     let resurrected = f
         .clear_hits
         .iter()

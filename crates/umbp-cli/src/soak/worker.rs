@@ -141,9 +141,7 @@ impl Worker {
     }
 
     fn note_present(&mut self, k: KeyId, from: u64, to: u64, seen: u64) {
-        let prev = self
-            .ledger
-            .insert(k, State::Present { from, to });
+        let prev = self.ledger.insert(k, State::Present { from, to });
         match prev {
             None => self.known.push(k),
             Some(State::Cleared { at }) if k.ns != SHARED_NS => {
@@ -256,7 +254,10 @@ impl Worker {
                         if *left == 0 {
                             self.region.flip_byte(i as u64);
                             self.inject_after = None;
-                            log::warn!("umbp soak: worker {} flipped one loaded byte (--inject-wrong)", self.id);
+                            log::warn!(
+                                "umbp soak: worker {} flipped one loaded byte (--inject-wrong)",
+                                self.id
+                            );
                         } else {
                             *left -= 1;
                         }
