@@ -85,7 +85,7 @@ impl Drop for SoakDir {
 fn validate(a: &Args) -> Result<()> {
     ensure!((1..=64).contains(&a.clients), "--clients: 1 to 64");
     ensure!(
-        a.layers > 0 && a.piece_kib > 0 && a.piece_kib % 4 == 0,
+        a.layers > 0 && a.piece_kib > 0 && a.piece_kib.is_multiple_of(4),
         "--layers must be > 0 and --piece-kib a positive multiple of 4"
     );
     ensure!(

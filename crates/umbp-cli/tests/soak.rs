@@ -1,6 +1,6 @@
 //! `umbp soak` against a real server process (and an embedded store): a short run with a
-//! clean restart and a SIGKILL finds nothing wrong and nothing unaccounted, and a run whose
-//! client flips one loaded byte fails.
+//! clean restart and a SIGKILL finds nothing wrong and nothing unaccounted; a run whose client
+//! flips one loaded byte fails, and so does one whose objects vanish uncounted.
 //!
 //! The server binary is `UMBP_SERVER_BIN` when set, else `umbp_standalone_server` next to the
 //! `umbp` binary under test (cargo builds it there with the workspace); without one the tests
@@ -163,4 +163,36 @@ fn a_flipped_byte_fails_the_soak() {
     assert_eq!(v["arms"][0]["wrong_keys"], 1, "{all}");
     assert!(all.contains("verdict: FAILED"), "{all}");
     assert!(all.contains("1 wrong bytes in 1 keys"), "{all}");
+}
+
+#[test]
+fn objects_removed_behind_the_clients_backs_fail_the_soak() {
+    let Some(bin) = server_bin() else {
+        eprintln!("SKIP: no umbp_standalone_server (set UMBP_SERVER_BIN)");
+        return;
+    };
+    // Before the audit the parent clears the shared namespace without counting it: the keys
+    // the clients saw there are missing with nothing to explain them, and the pool's objects
+    // no longer equal puts - evictions - removed.
+    let (out, v) = soak(
+        &bin,
+        &[
+            "--inject-loss",
+            "--duration",
+            "5s",
+            "--clients",
+            "1",
+            "--restart-every",
+            "0",
+            "--clear-every",
+            "0",
+        ],
+    );
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    assert_eq!(v["wrong_bytes"], 0, "{all}");
+    let arm = &v["arms"][0];
+    assert!(arm["unaccounted_keys"].as_u64().unwrap() > 0, "{all}");
+    assert!(arm["identity_off"].as_u64().unwrap() > 0, "{all}");
+    assert!(all.contains("missing keys unaccounted"), "{all}");
 }

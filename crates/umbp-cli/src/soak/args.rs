@@ -90,6 +90,11 @@ pub struct Args {
     /// so the soak must report wrong bytes and fail.
     #[arg(long, hide = true)]
     pub(crate) inject_wrong: bool,
+    /// Test hook (server arm): before the final audit the parent clears the shared namespace
+    /// without telling the clients or counting it, so the soak must report unaccounted keys
+    /// and fail.
+    #[arg(long, hide = true)]
+    pub(crate) inject_loss: bool,
 }
 
 /// The client process of `umbp soak` (not for direct use).

@@ -28,8 +28,8 @@ const ANSWER_WAIT: Duration = Duration::from_secs(600);
 /// Where an arm's pool lives.
 enum Target {
     Server {
-        server: PrivateServer,
-        raw: Raw,
+        server: Box<PrivateServer>,
+        raw: Box<Raw>,
     },
     /// In the arm's one client process.
     Embedded,
@@ -74,6 +74,8 @@ pub(crate) struct Arm {
     early: Vec<(usize, String)>,
     /// Set once the clients are told to quit: their exits are expected.
     quitting: bool,
+    /// `--inject-loss`.
+    inject_loss: bool,
     pub(crate) audit: AuditFindings,
 }
 
@@ -131,7 +133,11 @@ impl Arm {
             }
             kids.push(spawn_kid(c, &args)?);
         }
-        Self::new("server", a, Target::Server { server, raw }, kids)
+        let target = Target::Server {
+            server: Box::new(server),
+            raw: Box::new(raw),
+        };
+        Self::new("server", a, target, kids)
     }
 
     /// Starts the embedded arm: one client process with a worker thread per client and an
@@ -204,6 +210,7 @@ impl Arm {
             problems: Vec::new(),
             early: Vec::new(),
             quitting: false,
+            inject_loss: a.inject_loss,
             audit: AuditFindings::default(),
         };
         for i in 0..arm.kids.len() {
@@ -441,7 +448,7 @@ impl Arm {
         }
         let kill = self.is_server
             && self.kill_every > 0
-            && (self.chaos.restarts + 1) % u64::from(self.kill_every) == 0;
+            && (self.chaos.restarts + 1).is_multiple_of(u64::from(self.kill_every));
         let t = monotonic_ns();
         self.chaos.restart_times.push(t);
         if kill {
@@ -452,7 +459,7 @@ impl Arm {
         if let Target::Server { server, raw } = &mut self.target {
             server.restart(if kill { Stop::Kill } else { Stop::Term })?;
             // A new connection: the old one's channel broke with the old server.
-            *raw = Raw::new(server.endpoint.clone(), Duration::from_secs(30))?;
+            **raw = Raw::new(server.endpoint.clone(), Duration::from_secs(30))?;
         } else {
             self.send(0, "restart");
             self.reply(0, "restarted", ANSWER_WAIT)?;
@@ -521,6 +528,13 @@ impl Arm {
     pub(crate) fn finish(&mut self) -> Result<()> {
         self.drain();
         self.ask_all("pause", "paused")?;
+        if let (true, Target::Server { raw, .. }) = (self.inject_loss, &self.target) {
+            let n = raw.clear(Some(&namespace(SHARED_NS)))?;
+            eprintln!(
+                "[umbp soak] {}: removed {n} objects behind the clients' backs (--inject-loss)",
+                self.name
+            );
+        }
         self.check_paused()?;
         for (i, j) in self.ask_all("audit", "audit ")? {
             let v: Value = serde_json::from_str(&j).context("an audit answer")?;

@@ -172,7 +172,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
             .spawn(move || {
                 while ctl.mode() != Mode::Quit {
                     std::thread::sleep(Duration::from_secs(1));
-                    println!("stat {}", sum().to_json());
+                    println!("stat {}", sum().json());
                 }
             })
             .context("cannot start the report thread")?;
@@ -197,7 +197,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
             ["pause"] => {
                 ctl.pause(n);
                 publish_all(&workers);
-                println!("paused {}", sum().to_json());
+                println!("paused {}", sum().json());
             }
             ["clear-notice", ns, t0, t1, sure] => {
                 let (ns, t0, t1) = (ns.parse()?, t0.parse()?, t1.parse()?);
@@ -228,7 +228,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
                 println!(
                     "audit {}",
                     json!({
-                        "counts": sum().to_json(),
+                        "counts": sum().json(),
                         "missing": missing_json(&missing),
                         "clear_hits": clear_hits_json(&hits),
                     })
@@ -237,7 +237,7 @@ fn client_main(a: &ClientArgs) -> Result<()> {
             ["stats"] => {
                 let s = store.as_ref().context("stats: no embedded store")?;
                 let snap = Snapshot::from_store(&s.stats()?, s.disk_stats().as_ref());
-                println!("stats {}", snap.to_json());
+                println!("stats {}", snap.json());
             }
             ["clear", ns] => {
                 let s = store.as_ref().context("clear: no embedded store")?;

@@ -15,7 +15,7 @@ macro_rules! counters {
         }
 
         impl $name {
-            pub(crate) fn to_json(&self) -> Value {
+            pub(crate) fn json(self) -> Value {
                 let mut m = Map::new();
                 $(m.insert(stringify!($f).into(), json!(self.$f));)*
                 Value::Object(m)
@@ -107,7 +107,7 @@ counters! {
 
 impl Snapshot {
     pub(crate) fn from_server(s: &ServerStats) -> Self {
-        let d = s.disk.clone().unwrap_or_default();
+        let d = s.disk.unwrap_or_default();
         Snapshot {
             capacity_bytes: s.capacity_bytes,
             used_bytes: s.used_bytes,
@@ -237,7 +237,7 @@ mod tests {
             wrong_bytes: 1,
             ..Counts::default()
         };
-        let b = Counts::from_json(&a.to_json());
+        let b = Counts::from_json(&a.json());
         assert_eq!(a, b);
         a.add(&b);
         assert_eq!((a.store_ops, a.wrong_bytes, a.load_ops), (6, 2, 0));
