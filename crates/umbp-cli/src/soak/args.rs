@@ -55,8 +55,8 @@ pub struct Args {
     /// Pool MiB (smaller than the keys' blocks, so the pool evicts).
     #[arg(long, default_value_t = 64)]
     pub(crate) pool_mib: u64,
-    /// Disk tier MiB (preallocated in a temporary directory).
-    #[arg(long, default_value_t = 4096)]
+    /// Disk tier MiB (in a temporary directory; segments are preallocated as they are made).
+    #[arg(long, default_value_t = 8192)]
     pub(crate) disk_mib: u64,
     /// Copy workers of the server and of the embedded store.
     #[arg(long, default_value_t = 2)]

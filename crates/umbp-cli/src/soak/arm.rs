@@ -572,7 +572,13 @@ impl Arm {
         Ok(())
     }
 
-    /// Every pool process's last counters summed, over the run (after `finish`).
+    /// The last counters of every pool process, in order (after `finish`).
+    pub(crate) fn lives(&self) -> &[Snapshot] {
+        &self.past
+    }
+
+    /// Every pool process's last counters summed, over the run (after `finish`): meaningful
+    /// for the counters (puts, evictions, writes, ...), not for the gauges (objects, bytes).
     pub(crate) fn summed(&self) -> Snapshot {
         let mut t = Snapshot::default();
         for s in &self.past {

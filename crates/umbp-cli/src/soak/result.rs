@@ -148,7 +148,7 @@ impl ArmResult {
             "kills": self.chaos.kills,
             "clears": self.chaos.clears,
             "cleared_objects": self.chaos.cleared_objects,
-            "pool_counters_summed": arm.summed().json(),
+            "pool_processes": arm.lives().iter().map(|s| s.json()).collect::<Vec<_>>(),
             "pool_puts": self.puts,
             "pool_evictions": self.evictions,
             "audit_distinct_missing": self.missing,
