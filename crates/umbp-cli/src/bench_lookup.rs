@@ -101,6 +101,7 @@ pub fn run(a: &Args) -> Result<()> {
             capacity: (stored_bytes * 2).max(64 << 20).next_multiple_of(1 << 20),
             workers: a.workers,
             busy_poll_us: None,
+            extra_args: Vec::new(),
         })?),
     };
     let endpoint = match (&a.endpoint, &server) {

@@ -33,7 +33,10 @@ use crate::raw::Raw;
 use crate::server_proc::{PrivateServer, ServerSpec};
 
 pub use args::{Args, ClientArgs};
+/// What `umbp soak` shares with this benchmark: client memory and client processes.
+pub(crate) use cache::HostBuf;
 pub use client::run_client;
+pub(crate) use server_run::{spawn_kid, Kid};
 
 use args::parse_list;
 use cache::{Run, Shape};
@@ -104,6 +107,7 @@ pub fn run(a: &Args) -> Result<()> {
         capacity,
         workers,
         busy_poll_us: a.server_busy_poll_us,
+        extra_args: Vec::new(),
     })?;
     let raw = Raw::new(server.endpoint.clone(), Duration::from_secs(30))?;
     let t = Instant::now();

@@ -1,5 +1,5 @@
 //! The `umbp` command: benchmarks of the pool, the copy engine, the GPU path and the
-//! standalone server, and operations on a running server (ping, stats, clear).
+//! standalone server, operations on a running server (ping, stats, clear), and the soak.
 //!
 //! A binary of its own (built and installed with cargo): no library links it, so neither clap
 //! nor the benchmarks are part of the Python extension.
@@ -20,6 +20,7 @@ mod cublas;
 mod ops;
 mod raw;
 mod server_proc;
+mod soak;
 mod watch;
 
 /// UMBP: a host-DRAM KV-cache offload store.
@@ -42,6 +43,13 @@ enum Command {
     Stats(ops::StatsArgs),
     /// Removes the objects of a standalone server's pool (all, or one namespace's).
     Clear(ops::ClearArgs),
+    /// Client processes storing, loading and looking up KV blocks for a given time while the
+    /// server (or an embedded store) is restarted and cleared; every loaded byte is checked
+    /// and every object accounted for (exit 1 on a wrong byte or an unaccounted object).
+    Soak(soak::Args),
+    /// One client process of `umbp soak` (started by it; driven through stdin).
+    #[command(hide = true)]
+    SoakClient(soak::ClientArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -107,6 +115,8 @@ fn run() -> i32 {
         Command::Ping(a) => ops::ping(&a),
         Command::Stats(a) => ops::stats(&a),
         Command::Clear(a) => ops::clear(&a),
+        Command::Soak(a) => soak::run(&a),
+        Command::SoakClient(a) => soak::run_client(&a),
     };
     match result {
         Ok(()) => 0,

@@ -1,5 +1,6 @@
-//! A private `umbp_standalone_server` for the benchmarks: started on a socket in a fresh
-//! temporary directory, waited for, and stopped with SIGTERM.
+//! A private `umbp_standalone_server` for the benchmarks and the soak: started on a socket in
+//! a fresh temporary directory, waited for, restarted at the same socket (SIGTERM or SIGKILL,
+//! for `umbp soak`), and stopped with SIGTERM.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -26,6 +27,8 @@ pub struct ServerSpec {
     pub workers: usize,
     /// `--busy-poll-us` (None: the server's default).
     pub busy_poll_us: Option<u64>,
+    /// More flags, passed as they are (e.g. `--disk-dir DIR`).
+    pub extra_args: Vec<String>,
 }
 
 /// A running private server; stopped (SIGTERM) by [`PrivateServer::stop`] or when dropped.
@@ -36,6 +39,17 @@ pub struct PrivateServer {
     pub endpoint: Endpoint,
     dir: PathBuf,
     log: PathBuf,
+    bin: PathBuf,
+    spec: ServerSpec,
+}
+
+/// How a private server is stopped before it is started again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGTERM: a clean stop (in-flight transfers get their grace, a disk tier keeps the pool).
+    Term,
+    /// SIGKILL: a crash.
+    Kill,
 }
 
 /// `umbp_standalone_server` next to the running `umbp` executable, else the first in PATH.
@@ -127,19 +141,45 @@ impl PrivateServer {
         let sock = dir.join("umbp.sock");
         let endpoint = Endpoint::parse(&sock.display().to_string())?;
         let log = dir.join("server.log");
-        let log_file = std::fs::File::create(&log)
-            .with_context(|| format!("cannot create {}", log.display()))?;
         progress!(
-            "starting a private server: {} --address {} --capacity {} --workers {}{} (log {})",
+            "starting a private server: {} --address {} --capacity {} --workers {}{}{} (log {})",
             bin.display(),
             sock.display(),
             spec.capacity,
             spec.workers,
             spec.busy_poll_us
                 .map_or(String::new(), |us| format!(" --busy-poll-us {us}")),
+            spec.extra_args
+                .iter()
+                .fold(String::new(), |s, a| s + " " + a),
             log.display()
         );
-        let mut cmd = Command::new(&bin);
+        let mut s = PrivateServer {
+            child: None,
+            endpoint,
+            dir,
+            log,
+            bin,
+            spec: spec.clone(),
+        };
+        let t0 = Instant::now();
+        s.spawn()?;
+        progress!(
+            "private server ready in {:.2} s",
+            t0.elapsed().as_secs_f64()
+        );
+        Ok(s)
+    }
+
+    /// Starts the server process (its log appended to) and waits until it answers a ping.
+    fn spawn(&mut self) -> Result<()> {
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .with_context(|| format!("cannot create {}", self.log.display()))?;
+        let spec = &self.spec;
+        let mut cmd = Command::new(&self.bin);
         // SAFETY: the hook runs in the forked child before exec and calls only prctl, which is
         // async-signal-safe; it asks for SIGTERM when this process dies (Ctrl-C, a crash), so a
         // private server never outlives its benchmark.
@@ -152,7 +192,7 @@ impl PrivateServer {
         }
         let child = cmd
             .arg("--address")
-            .arg(&sock)
+            .arg(self.endpoint.path())
             .arg("--capacity")
             .arg(spec.capacity.to_string())
             .arg("--workers")
@@ -167,44 +207,54 @@ impl PrivateServer {
                     .into_iter()
                     .flatten(),
             )
+            .args(&spec.extra_args)
             .env_remove("UMBP_STANDALONE_ADDRESS")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()
-            .with_context(|| format!("cannot start {}", bin.display()))?;
-        let mut s = PrivateServer {
-            child: Some(child),
-            endpoint,
-            dir,
-            log,
-        };
-        let raw = Raw::new(s.endpoint.clone(), Duration::from_millis(500))?;
+            .with_context(|| format!("cannot start {}", self.bin.display()))?;
+        self.child = Some(child);
+        let raw = Raw::new(self.endpoint.clone(), Duration::from_millis(500))?;
         let t0 = Instant::now();
         loop {
-            if let Some(st) = s.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                s.child = None;
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
                 bail!(
                     "the private server exited at start ({st}); its log:\n{}",
-                    log_tail(&s.log)
+                    log_tail(&self.log)
                 );
             }
             if raw.ping().is_ok() {
-                break;
+                return Ok(());
             }
             if t0.elapsed() > Duration::from_secs(120) {
                 bail!(
                     "the private server did not answer within 120 s; its log:\n{}",
-                    log_tail(&s.log)
+                    log_tail(&self.log)
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        progress!(
-            "private server ready in {:.2} s",
-            t0.elapsed().as_secs_f64()
-        );
-        Ok(s)
+    }
+
+    /// Stops the server as `how` says and starts it again at the same socket with the same
+    /// flags; waits until it answers. A clean stop must exit 0.
+    pub fn restart(&mut self, how: Stop) -> Result<()> {
+        match how {
+            Stop::Term => self.terminate_keep_dir()?,
+            Stop::Kill => {
+                if let Some(mut child) = self.child.take() {
+                    let _ = child.kill();
+                    child.wait()?;
+                }
+            }
+        }
+        self.spawn()
     }
 
     /// The server's process id.
@@ -218,6 +268,17 @@ impl PrivateServer {
     }
 
     fn terminate(&mut self) -> Result<()> {
+        if self.child.is_none() {
+            return Ok(());
+        }
+        self.terminate_keep_dir()?;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        progress!("private server stopped");
+        Ok(())
+    }
+
+    /// SIGTERM, then waits for the exit (SIGKILL after 20 s); the directory stays.
+    fn terminate_keep_dir(&mut self) -> Result<()> {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
@@ -240,11 +301,12 @@ impl PrivateServer {
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        let _ = std::fs::remove_dir_all(&self.dir);
         if !status.success() {
-            bail!("the private server exited with {status} after SIGTERM");
+            bail!(
+                "the private server exited with {status} after SIGTERM; its log:\n{}",
+                log_tail(&self.log)
+            );
         }
-        progress!("private server stopped");
         Ok(())
     }
 }

@@ -90,14 +90,14 @@ impl Shape {
 
 /// Host memory in a sealed memfd (what a client shares with the server), unmapped on drop.
 #[derive(Debug)]
-pub(super) struct HostBuf {
-    pub(super) addr: u64,
-    pub(super) len: u64,
-    pub(super) fd: Option<umbp_client::SharedHostMemory>,
+pub(crate) struct HostBuf {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) fd: Option<umbp_client::SharedHostMemory>,
 }
 
 impl HostBuf {
-    pub(super) fn new(len: u64) -> Result<Self> {
+    pub(crate) fn new(len: u64) -> Result<Self> {
         let shm = host_share::alloc_shared_host(len)?;
         ensure!(
             shm.offset_in_span() == 0,
@@ -114,14 +114,14 @@ impl HostBuf {
         Ok(b)
     }
 
-    pub(super) fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: our live mapping; writers (the server, copy workers) are idle whenever the
         // benchmark reads it.
         unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len as usize) }
     }
 
     #[allow(clippy::mut_from_ref)]
-    pub(super) fn bytes_mut(&self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&self) -> &mut [u8] {
         // SAFETY: as `bytes`; the benchmark writes only between transfers.
         unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len as usize) }
     }

@@ -11,16 +11,17 @@ use umbp_proto::Endpoint;
 use super::cache::Run;
 use crate::raw::Raw;
 
+/// A client process driven through its stdin, answering on its stdout.
 #[derive(Debug)]
-pub(super) struct Kid {
-    pub(super) id: u32,
-    pub(super) child: Child,
-    pub(super) stdin: ChildStdin,
-    pub(super) stdout: BufReader<ChildStdout>,
+pub(crate) struct Kid {
+    pub(crate) id: u32,
+    pub(crate) child: Child,
+    pub(crate) stdin: ChildStdin,
+    pub(crate) stdout: BufReader<ChildStdout>,
 }
 
 impl Kid {
-    pub(super) fn read_line(&mut self) -> Result<String> {
+    pub(crate) fn read_line(&mut self) -> Result<String> {
         let mut l = String::new();
         if self.stdout.read_line(&mut l)? == 0 {
             let st = self.child.wait()?;
@@ -32,6 +33,27 @@ impl Kid {
         }
         Ok(l)
     }
+}
+
+/// Starts `umbp ARGS` (this executable again) as client process `id`, its stdin and stdout
+/// piped, its stderr inherited.
+pub(crate) fn spawn_kid(id: u32, args: &[String]) -> Result<Kid> {
+    let exe = std::env::current_exe().context("cannot find this executable to re-run it")?;
+    let mut child = Command::new(&exe)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("cannot start {}", exe.display()))?;
+    let stdin = child.stdin.take().expect("piped");
+    let stdout = BufReader::new(child.stdout.take().expect("piped"));
+    Ok(Kid {
+        id,
+        child,
+        stdin,
+        stdout,
+    })
 }
 
 /// Where the first client's transfer of one phase spent its time, in µs: its whole call
@@ -126,44 +148,36 @@ pub(super) struct ServerRun {
 impl ServerRun {
     /// Starts `r.clients` client processes and waits until each has registered its cache.
     pub(super) fn start(r: &Run<'_>, endpoint: &Endpoint) -> Result<Self> {
-        let exe = std::env::current_exe().context("cannot find this executable to re-run it")?;
         let mut run = ServerRun {
             kids: Vec::with_capacity(r.clients),
         };
         for id in 0..r.clients as u32 {
-            let mut cmd = Command::new(&exe);
-            cmd.args(["bench", "server-client", "--endpoint"])
-                .arg(endpoint.to_string())
-                .args(["--id", &id.to_string()])
-                .args(["--blocks", &r.shape.blocks.to_string()])
-                .args(["--layers", &r.shape.layers.to_string()])
-                .args(["--piece-bytes", &r.shape.piece.to_string()])
-                .args(["--namespace", "bench-server"])
-                .args(["--device", &r.a.device.to_string()])
-                .args(["--in-flight", &r.a.in_flight.to_string()])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit());
-            if r.a.cuda {
-                cmd.arg("--cuda");
+            let mut args: Vec<String> = ["bench", "server-client", "--endpoint"]
+                .map(String::from)
+                .into();
+            args.push(endpoint.to_string());
+            for (flag, v) in [
+                ("--id", id.to_string()),
+                ("--blocks", r.shape.blocks.to_string()),
+                ("--layers", r.shape.layers.to_string()),
+                ("--piece-bytes", r.shape.piece.to_string()),
+                ("--namespace", "bench-server".into()),
+                ("--device", r.a.device.to_string()),
+                ("--in-flight", r.a.in_flight.to_string()),
+            ] {
+                args.push(flag.into());
+                args.push(v);
             }
-            if r.a.replies_only {
-                cmd.arg("--replies-only");
+            for (on, flag) in [
+                (r.a.cuda, "--cuda"),
+                (r.a.replies_only, "--replies-only"),
+                (r.a.no_channel, "--no-channel"),
+            ] {
+                if on {
+                    args.push(flag.into());
+                }
             }
-            if r.a.no_channel {
-                cmd.arg("--no-channel");
-            }
-            let mut child = cmd
-                .spawn()
-                .with_context(|| format!("cannot start {}", exe.display()))?;
-            let stdin = child.stdin.take().expect("piped");
-            let stdout = BufReader::new(child.stdout.take().expect("piped"));
-            run.kids.push(Kid {
-                id,
-                child,
-                stdin,
-                stdout,
-            });
+            run.kids.push(spawn_kid(id, &args)?);
         }
         for k in run.kids.iter_mut() {
             let l = k.read_line()?;
