@@ -39,6 +39,7 @@ mod backend;
 mod client;
 mod content;
 mod counts;
+mod findings;
 mod report;
 mod result;
 mod sample;

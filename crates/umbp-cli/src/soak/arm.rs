@@ -16,7 +16,7 @@ use umbp_proto::completion::monotonic_ns;
 use super::args::Args;
 use super::content::{namespace, SHARED_NS};
 use super::counts::{identities, Counts, Identity, Snapshot};
-use super::result::{AuditFindings, Chaos};
+use super::findings::{AuditFindings, Chaos};
 use super::sample::Series;
 use crate::bench_server::{spawn_kid, Kid};
 use crate::raw::Raw;
