@@ -187,11 +187,12 @@ def test_standalone_admit_now_passes_the_servers_on_reuse(model_config, tmp_path
             store_priority_skip_above=5,
         )
         # The server maps the KV cache's pages: a mapping of its own, as vLLM's allocation
-        # is. An explicit anonymous mapping: a large torch.zeros can come from the heap of
-        # an allocator the process preloads (vLLM CPU's tcmalloc), which registration refuses.
+        # is. An explicit private anonymous mapping (Python's default is MAP_SHARED, which has
+        # no descriptor to share): a large torch.zeros can come from the heap of an allocator
+        # the process preloads (vLLM CPU's tcmalloc), which registration refuses.
         kc = kv_config((["attn.0"], full()))
         shape = (kc.num_blocks, 2, BS, 2, 32)
-        mapping = mmap.mmap(-1, 40 << 20)
+        mapping = mmap.mmap(-1, 40 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         room = torch.frombuffer(mapping, dtype=torch.uint8)
         cache = room[: math.prod(shape) * 2].view(torch.bfloat16).view(shape)
         e = Engine(vc, kc, caches={"attn.0": cache})
