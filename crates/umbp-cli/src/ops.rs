@@ -160,6 +160,9 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                     "eager_queued": d.eager_queued,
                     "eager_gone": d.eager_gone,
                     "already_present": d.already_present,
+                    "evicted_queued": d.evicted_queued,
+                    "evicted_copied": d.evicted_copied,
+                    "evicted_dropped": d.evicted_dropped,
                     "removed": d.removed,
         })
     });
@@ -315,6 +318,10 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
             println!(
                 "  eager                {} queued on store ({} left the pool first), {} evicted already on disk",
                 d.eager_queued, d.eager_gone, d.already_present
+            );
+            println!(
+                "  evictions            {} queued ({} copied out for full-pool stores), {} dropped, {} on disk already",
+                d.evicted_queued, d.evicted_copied, d.evicted_dropped, d.already_present
             );
             println!("  removed              {}", d.removed);
         }

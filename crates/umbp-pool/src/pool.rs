@@ -31,7 +31,7 @@ pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
 pub use inner::{PinnedObject, Reservation};
-pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause};
+pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
 
 /// The host-DRAM object pool. Cheap to share behind an `Arc`; objects, reservations and pins
 /// keep the memory alive on their own.
@@ -172,7 +172,7 @@ impl Pool {
             // First evict in the policy's order; if the bytes freed that way do not help
             // (fragmentation), empty whole segments, first to evict first.
             if policy_freed < footprint + inner.alloc.lock().segment_bytes() {
-                let freed = inner.evict(footprint, RemoveCause::Evicted, false);
+                let freed = inner.evict(footprint, RemoveCause::Evicted, SpillKind::Now);
                 policy_freed += freed.max(1);
                 if freed > 0 {
                     continue;
@@ -486,16 +486,23 @@ impl Pool {
         if used <= self.inner.low_bytes {
             return 0;
         }
-        self.inner
-            .evict(used - self.inner.low_bytes, RemoveCause::Evicted, true)
+        self.inner.evict(
+            used - self.inner.low_bytes,
+            RemoveCause::Evicted,
+            SpillKind::Behind,
+        )
     }
 
-    /// Hands every object the watermark eviction takes (the background evictor and
-    /// [`evict_to_low_watermark`](Self::evict_to_low_watermark); not the just-enough eviction
-    /// of a reservation that cannot wait) to `hook`, pinned: the object leaves lookups at once
-    /// and its memory is freed when the hook's receiver drops the pin (after writing it to a
-    /// disk tier, say). Until then its bytes are not counted against the high watermark again,
-    /// so the evictor does not evict more for them. The hook must not block.
+    /// Hands every object eviction takes to `hook`, pinned: the object leaves lookups at once
+    /// and its memory is freed when the hook's receiver drops the pin. Objects of the watermark
+    /// eviction (the background evictor and
+    /// [`evict_to_low_watermark`](Self::evict_to_low_watermark)) come as [`SpillKind::Behind`]:
+    /// the pin may be kept until the object is written to a disk tier, say, and until then its
+    /// bytes are not counted against the high watermark again, so the evictor does not evict
+    /// more for them. Objects of the just-enough eviction of a reservation that found the pool
+    /// full (and of its whole-segment fallback) come as [`SpillKind::Now`]: the reservation
+    /// needs their memory, so the hook must release the pin before it returns (copying the
+    /// bytes out, or dropping the object). The hook must not block.
     pub fn set_spill(&self, hook: Option<SpillFn>) {
         *self.inner.spill.hook.write() = hook;
     }

@@ -386,6 +386,9 @@ impl StandaloneClient {
                         eager_queued: x.eager_queued,
                         eager_gone: x.eager_gone,
                         already_present: x.already_present,
+                        evicted_queued: x.evicted_queued,
+                        evicted_copied: x.evicted_copied,
+                        evicted_dropped: x.evicted_dropped,
                         removed: x.removed,
                     },
                 )

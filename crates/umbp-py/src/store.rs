@@ -680,6 +680,9 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         eager_queued,
         eager_gone,
         already_present,
+        evicted_queued,
+        evicted_copied,
+        evicted_dropped,
         removed,
     } = *s;
     let d = PyDict::new(py);
@@ -707,6 +710,9 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         ("eager_queued", eager_queued),
         ("eager_gone", eager_gone),
         ("already_present", already_present),
+        ("evicted_queued", evicted_queued),
+        ("evicted_copied", evicted_copied),
+        ("evicted_dropped", evicted_dropped),
         ("removed", removed),
     ] {
         d.set_item(k, v)?;

@@ -198,6 +198,21 @@ fn disk_series(
             d.already_present,
         ),
         (
+            "disk_evicted_queued_total",
+            "Evicted objects queued to be written to the disk tier.",
+            d.evicted_queued,
+        ),
+        (
+            "disk_evicted_copied_total",
+            "Evicted objects of stores that found the pool full, copied into the disk backlog.",
+            d.evicted_copied,
+        ),
+        (
+            "disk_evicted_dropped_total",
+            "Evicted objects not queued for the disk tier (backlog full or closing).",
+            d.evicted_dropped,
+        ),
+        (
             "disk_removed_total",
             "Objects removed from the disk tier by evict or clear.",
             d.removed,

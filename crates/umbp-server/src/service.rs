@@ -173,6 +173,9 @@ impl Store for Service {
                 eager_queued: d.eager_queued,
                 eager_gone: d.eager_gone,
                 already_present: d.already_present,
+                evicted_queued: d.evicted_queued,
+                evicted_copied: d.evicted_copied,
+                evicted_dropped: d.evicted_dropped,
                 removed: d.removed,
             }),
             remote: s.store.remote_stats().map(|r| v1::RemoteStats {

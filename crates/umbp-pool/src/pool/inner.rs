@@ -84,8 +84,9 @@ impl EventHub {
     }
 }
 
-/// Where the background evictor hands evicted objects (a disk tier's write-behind queue).
-pub type SpillFn = Arc<dyn Fn(BlockKey, PinnedObject) + Send + Sync>;
+/// Where the pool hands every object it evicts (a disk tier's write-behind queue), pinned, with
+/// how soon the pool needs its memory back ([`SpillKind`](super::SpillKind)).
+pub type SpillFn = Arc<dyn Fn(BlockKey, PinnedObject, super::SpillKind) + Send + Sync>;
 
 /// The spill hook, when set, and the bytes of spilled objects not yet released.
 #[derive(Default)]

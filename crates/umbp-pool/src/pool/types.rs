@@ -17,6 +17,18 @@ pub enum RemoveCause {
     Cleared,
 }
 
+/// How an evicted object is handed to the spill hook ([`Pool::set_spill`](super::Pool::set_spill)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpillKind {
+    /// Taken by the watermark eviction (the background evictor): the hook may keep the pin
+    /// until the object is written; its memory is freed when the pin goes.
+    Behind,
+    /// Taken by a reservation that found the pool full (the synchronous eviction), which needs
+    /// the memory now: the hook must drop the pin before it returns (copy the bytes out, or
+    /// drop the object), or the reservation evicts more.
+    Now,
+}
+
 /// A change to the set of stored keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolEvent {
