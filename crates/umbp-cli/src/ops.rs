@@ -178,6 +178,13 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "hits": s.hits,
                 "misses": s.misses,
                 "evictions": s.evictions,
+                "leases": s.leases,
+                "leases_released": s.leases_released,
+                "leases_expired": s.leases_expired,
+                "leases_refused": s.leases_refused,
+                "leases_ended": s.leases_ended,
+                "leases_active": s.leases_active,
+                "leased_bytes": s.leased_bytes,
                 "puts": s.puts,
                 "duplicate_puts": s.duplicate_puts,
                 "gets": s.gets,
@@ -239,6 +246,16 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
         pct(s.hits, s.hits + s.misses)
     );
     println!("  misses               {}", s.misses);
+    println!(
+        "  leases               {} taken, {} used by loads, {} expired, {} refused, {} ended, {} held ({})",
+        s.leases,
+        s.leases_released,
+        s.leases_expired,
+        s.leases_refused,
+        s.leases_ended,
+        s.leases_active,
+        b(s.leased_bytes)
+    );
     println!("pool objects");
     println!("  puts                 {}", s.puts);
     println!("  duplicate puts       {}", s.duplicate_puts);

@@ -26,6 +26,7 @@
 pub mod alloc;
 mod error;
 mod index;
+mod lease;
 mod policy;
 mod pool;
 pub mod region;

@@ -222,7 +222,7 @@ impl Inner {
             let (si, idx) = ((tag >> 32) as usize, tag as u32);
             let shard = self.shards[si].write();
             let e = shard.entry(idx);
-            if e.state != EntryState::Live || e.pins != 0 {
+            if e.state != EntryState::Live || e.pins != 0 || shard.leased(idx) {
                 continue;
             }
             if self.alloc.lock().segment_of(e.slot.offset) != segment {
@@ -240,6 +240,7 @@ pub(super) fn evictor_loop(weak: Weak<Inner>) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
+        inner.sweep_leases();
         let used = inner.used_for_watermarks();
         if used > inner.high_bytes {
             let freed = inner.evict(

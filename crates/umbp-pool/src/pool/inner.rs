@@ -15,6 +15,7 @@ use umbp_core::BlockKey;
 use super::types::PoolEvent;
 use crate::alloc::{Allocator, Slot};
 use crate::index::Shard;
+use crate::lease::LeaseBook;
 use crate::region::Region;
 use crate::window::FpWindow;
 use umbp_core::caching::EvictionPolicy;
@@ -122,6 +123,8 @@ pub(super) struct Inner {
     pub(super) wake_cv: Condvar,
     pub(super) closed: AtomicBool,
     pub(super) spill: Spill,
+    /// Lookup leases: their clock, bound and counters ([`crate::lease`]).
+    pub(super) leases: Arc<LeaseBook>,
     /// This pool itself, for handles made inside it (spilled objects).
     pub(super) me: std::sync::Weak<Inner>,
 }
