@@ -55,7 +55,9 @@ def look_up_and_load(target):
             hits += n
             dst[:] = 0
             h = peer.hashes(seed)
-            got = target.load(lid, 0, list(range(n)), umbp.KeyBuilder(peer.NAMESPACE, tp=0).keys(0, h[:n])).wait()
+            got = target.load(
+                lid, 0, list(range(n)), umbp.KeyBuilder(peer.NAMESPACE, tp=0).keys(0, h[:n])
+            ).wait()
             want = peer.pattern(seed)
             for b, outcome in enumerate(got):
                 if outcome == "done":
