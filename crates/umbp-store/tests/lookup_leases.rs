@@ -30,11 +30,16 @@ fn tmpdir(tag: &str) -> std::path::PathBuf {
 }
 
 fn store(dir: &std::path::Path, policy: EvictionPolicy, lease_ms: u64) -> EmbeddedStore {
-    let mut disk = DiskConfig::new(dir, 512 * MIB);
+    // Room for what the churn's evictions write too, so the objects stored before the
+    // restart stay on disk (the oldest segment is dropped past the capacity).
+    let mut disk = DiskConfig::new(dir, 4096 * MIB);
     disk.io_threads = 2;
     EmbeddedStore::new(StoreConfig {
         pool: PoolConfig {
             prefault: false,
+            // Room for promotions (they take free room only, never evict).
+            high_watermark: 0.8,
+            low_watermark: 0.5,
             eviction_policy: policy,
             lookup_lease_ms: lease_ms,
             ..PoolConfig::with_capacity(64 * MIB)
@@ -90,8 +95,8 @@ fn restart_and_look_up(
                     // so that new, unread objects (promotions) fill its small one.
                     drop(s.pool().get(&k));
                     churned.fetch_add(1, Ordering::Relaxed);
-                    // About 250 MB/s of new objects per writer.
-                    std::thread::sleep(Duration::from_millis(1));
+                    // At most 125 MB/s of new objects per writer.
+                    std::thread::sleep(Duration::from_millis(2));
                     i += 1;
                 }
             })
@@ -122,6 +127,11 @@ fn restart_and_look_up(
     }
     assert!(churned.load(Ordering::Relaxed) > 0);
     let st = s.stats().unwrap();
+    let ds = s.disk_stats().unwrap();
+    println!(
+        "{tag}: disk {} keys asked, {} promoted, {} misses, {} timeouts",
+        ds.lookup_keys, ds.hits, ds.misses, ds.timeouts
+    );
     s.close();
     std::fs::remove_dir_all(&d).unwrap();
     (hits, lost, st)
