@@ -597,6 +597,7 @@ mod tests {
         "remote_url_file",
         "remote_secret_file",
         "busy_poll_us",
+        "lookup_lease_ms",
         "log",
     ];
 
