@@ -159,6 +159,7 @@ class EmbeddedStore:
         disk_segment_bytes: int = ...,
         disk_write: Literal["on_evict", "eager"] = ...,
         disk_close_write_s: int = ...,
+        lookup_lease_ms: int = ...,
     ) -> None:
         """An argument left out takes the store's default, the one of the connector option of
         the same meaning (docs/configuration.md); the defaults live in the Rust schema only."""

@@ -160,6 +160,9 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                     "eager_queued": d.eager_queued,
                     "eager_gone": d.eager_gone,
                     "already_present": d.already_present,
+                    "evicted_queued": d.evicted_queued,
+                    "evicted_copied": d.evicted_copied,
+                    "evicted_dropped": d.evicted_dropped,
                     "removed": d.removed,
         })
     });
@@ -175,6 +178,13 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "hits": s.hits,
                 "misses": s.misses,
                 "evictions": s.evictions,
+                "leases": s.leases,
+                "leases_released": s.leases_released,
+                "leases_expired": s.leases_expired,
+                "leases_refused": s.leases_refused,
+                "leases_ended": s.leases_ended,
+                "leases_active": s.leases_active,
+                "leased_bytes": s.leased_bytes,
                 "puts": s.puts,
                 "duplicate_puts": s.duplicate_puts,
                 "gets": s.gets,
@@ -236,6 +246,16 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
         pct(s.hits, s.hits + s.misses)
     );
     println!("  misses               {}", s.misses);
+    println!(
+        "  leases               {} taken, {} used by loads, {} expired, {} refused, {} ended, {} held ({})",
+        s.leases,
+        s.leases_released,
+        s.leases_expired,
+        s.leases_refused,
+        s.leases_ended,
+        s.leases_active,
+        b(s.leased_bytes)
+    );
     println!("pool objects");
     println!("  puts                 {}", s.puts);
     println!("  duplicate puts       {}", s.duplicate_puts);
@@ -315,6 +335,10 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
             println!(
                 "  eager                {} queued on store ({} left the pool first), {} evicted already on disk",
                 d.eager_queued, d.eager_gone, d.already_present
+            );
+            println!(
+                "  evictions            {} queued ({} copied out for full-pool stores), {} dropped, {} on disk already",
+                d.evicted_queued, d.evicted_copied, d.evicted_dropped, d.already_present
             );
             println!("  removed              {}", d.removed);
         }

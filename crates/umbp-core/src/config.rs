@@ -49,7 +49,14 @@ pub struct PoolConfig {
     /// key reused after more other keys than this were seen is skipped again. Not a connector
     /// option; [`DEFAULT_ADMISSION_WINDOW`] unless a benchmark sets it.
     pub admission_window: usize,
+    /// How long, in milliseconds, a hit a lookup reports is kept from eviction for the load
+    /// that follows (released by that load; counted in `leases_expired` when it runs out
+    /// first). 0: lookups take no leases. [`DEFAULT_LOOKUP_LEASE_MS`] unless set.
+    pub lookup_lease_ms: u64,
 }
+
+/// How long a lookup's hits are kept for their load by default: 5 s.
+pub const DEFAULT_LOOKUP_LEASE_MS: u64 = 5000;
 
 impl Default for PoolConfig {
     /// The connector options' defaults ([`crate::options`]), so the store and the connector
@@ -78,6 +85,7 @@ impl Default for PoolConfig {
                 .parse()
                 .expect("the schema's store admission parses"),
             admission_window: DEFAULT_ADMISSION_WINDOW,
+            lookup_lease_ms: DEFAULT_LOOKUP_LEASE_MS,
         }
     }
 }

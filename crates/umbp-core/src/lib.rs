@@ -30,7 +30,7 @@ mod sizes;
 pub mod strided;
 
 pub use caching::{Admit, EvictionPolicy, StoreAdmission};
-pub use config::{HugepageSize, MemoryBacking, PoolConfig};
+pub use config::{HugepageSize, MemoryBacking, PoolConfig, DEFAULT_LOOKUP_LEASE_MS};
 pub use error::CoreError;
 pub use key::{BlockKey, KeyBuilder, RankTopology};
 pub use layout::{

@@ -147,6 +147,13 @@ impl Behind {
         self.push(store, s, key, Obj::Bytes(obj))
     }
 
+    /// Whether an object of `len` bytes would fit the backlog now (the tier not closing). An
+    /// answer only: [`Behind::enqueue`] decides under the lock.
+    pub fn has_room(&self, store: &Store, len: u64) -> bool {
+        let s = self.state.lock();
+        !s.stop && s.bytes + len <= store.cfg.write_backlog_bytes
+    }
+
     /// Queues `key`'s object of `len` bytes by key only: the writer asks the source for its
     /// bytes when it gets to it. Dropped when the backlog would pass its bound.
     pub fn enqueue_key(&self, store: &Store, key: BlockKey, len: u64) -> Queued {
@@ -158,6 +165,12 @@ impl Behind {
             return Queued::Present;
         }
         self.push(store, s, key, Obj::Key(len))
+    }
+
+    /// Counts one object dropped without queueing it (no room).
+    pub fn drop_one(&self, store: &Store) -> Queued {
+        add(&store.c.writes_dropped, 1);
+        Queued::Dropped
     }
 
     fn push(

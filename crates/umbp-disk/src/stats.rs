@@ -54,6 +54,16 @@ pub struct DiskStats {
     /// Objects handed over (evicted) that the disk held or had queued already: released at
     /// once, not written again.
     pub already_present: u64,
+    /// Objects handed over (evicted) that were queued to be written behind. Every object the
+    /// pool evicts is handed over, so the pool's `evictions` equal `evicted_queued +
+    /// evicted_dropped + already_present`.
+    pub evicted_queued: u64,
+    /// Of `evicted_queued`, those a store that found the pool full evicted: their bytes were
+    /// copied out of the pool (which needed the memory at once) into the backlog.
+    pub evicted_copied: u64,
+    /// Objects handed over (evicted) that were not queued: the backlog had no room for them
+    /// or the tier was closing (also in `writes_dropped`).
+    pub evicted_dropped: u64,
     /// Objects removed from the disk tier by `evict`, `clear_namespace` or `clear`.
     pub removed: u64,
 }
@@ -80,6 +90,9 @@ pub(crate) struct Counters {
     pub eager_queued: AtomicU64,
     pub eager_gone: AtomicU64,
     pub already_present: AtomicU64,
+    pub evicted_queued: AtomicU64,
+    pub evicted_copied: AtomicU64,
+    pub evicted_dropped: AtomicU64,
     pub removed: AtomicU64,
 }
 
@@ -115,6 +128,9 @@ impl Counters {
             eager_queued: g(&self.eager_queued),
             eager_gone: g(&self.eager_gone),
             already_present: g(&self.already_present),
+            evicted_queued: g(&self.evicted_queued),
+            evicted_copied: g(&self.evicted_copied),
+            evicted_dropped: g(&self.evicted_dropped),
             removed: g(&self.removed),
             ..DiskStats::default()
         }

@@ -70,13 +70,47 @@ impl DiskTier {
 
     /// Queues `key`'s object (an evicted one) for writing behind the caller; never waits.
     /// Objects past the backlog are dropped (counted); one the disk holds or has queued
-    /// already is released at once (counted in [`DiskStats::already_present`]).
+    /// already is released at once (counted in [`DiskStats::already_present`]). Each call is
+    /// one eviction handed over: counted in [`DiskStats::evicted_queued`],
+    /// [`DiskStats::evicted_dropped`] or [`DiskStats::already_present`].
     pub fn enqueue(&self, key: BlockKey, obj: Box<dyn ObjectBytes>) -> Queued {
         let q = self.behind.enqueue(&self.store, key, obj);
-        if q == Queued::Present {
-            add(&self.store.c.already_present, 1);
-        }
+        self.count_eviction(q);
         q
+    }
+
+    /// [`DiskTier::enqueue`] for an object whose memory its owner needs back now (the pool
+    /// evicting for a store that found it full): when the backlog has room, its bytes are
+    /// copied (the caller may free `data` when this returns) and queued; otherwise it is
+    /// dropped. Never waits for the disk. Counted as [`DiskTier::enqueue`] counts, and in
+    /// [`DiskStats::evicted_copied`] when queued.
+    pub fn enqueue_copy(&self, key: BlockKey, data: &[u8]) -> Queued {
+        let q = if self.store.contains(&key) {
+            Queued::Present
+        } else if self.behind.has_room(&self.store, data.len() as u64) {
+            self.behind
+                .enqueue(&self.store, key, Box::new(data.to_vec()))
+        } else {
+            // Room is checked before copying, so a full backlog costs no copy.
+            self.behind.drop_one(&self.store)
+        };
+        if q == Queued::Queued {
+            add(&self.store.c.evicted_copied, 1);
+        }
+        self.count_eviction(q);
+        q
+    }
+
+    fn count_eviction(&self, q: Queued) {
+        let c = &self.store.c;
+        add(
+            match q {
+                Queued::Queued => &c.evicted_queued,
+                Queued::Present => &c.already_present,
+                Queued::Dropped => &c.evicted_dropped,
+            },
+            1,
+        );
     }
 
     /// Queues `key`'s object of `len` bytes by key only (an eager write on commit); the writer

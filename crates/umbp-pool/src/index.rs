@@ -5,6 +5,7 @@ use hashbrown::HashTable;
 use umbp_core::BlockKey;
 
 use crate::alloc::Slot;
+use crate::lease::Leases;
 use crate::policy::{new_policy, PolicyCounters, ShardPolicy, QUEUES};
 use umbp_core::caching::EvictionPolicy;
 
@@ -42,16 +43,19 @@ pub(crate) struct Shard {
     entries: Vec<Entry>,
     vacant: Vec<u32>,
     policy: Box<dyn ShardPolicy>,
+    /// Lookup leases on this shard's entries ([`crate::lease`]).
+    leases: Leases,
     live: usize,
 }
 
 impl Shard {
-    pub fn new(policy: EvictionPolicy) -> Self {
+    pub fn new(policy: EvictionPolicy, leases: Leases) -> Self {
         Shard {
             table: HashTable::new(),
             entries: Vec::new(),
             vacant: Vec::new(),
             policy: new_policy(policy),
+            leases,
             live: 0,
         }
     }
@@ -144,6 +148,7 @@ impl Shard {
         }
         let len = self.entries[idx as usize].len;
         self.policy.remove(idx, fp, len, evicted);
+        self.leases.end(idx);
         self.live -= 1;
         if self.entries[idx as usize].pins == 0 {
             Some(self.vacate(idx))
@@ -161,25 +166,59 @@ impl Shard {
     /// Up to `limit` unpinned entries of the policy's `queue`, next to evict first, as
     /// `(rank, idx)` ([`ShardPolicy::candidates`]).
     pub fn candidates(&mut self, queue: usize, limit: usize, now: u64, out: &mut Vec<(u64, u32)>) {
-        let entries = &self.entries;
-        self.policy
-            .candidates(queue, limit, now, &|i| entries[i as usize].pins > 0, out);
+        let (entries, leases) = (&self.entries, &self.leases);
+        self.policy.candidates(
+            queue,
+            limit,
+            now,
+            &|i| entries[i as usize].pins > 0 || leases.holds(i),
+            out,
+        );
     }
 
     /// Whether `(rank, idx)` from [`Shard::candidates`] may still be evicted: live, unpinned,
-    /// and not used or moved since.
+    /// unleased, and not used or moved since.
     pub fn still_candidate(&self, idx: u32, queue: usize, rank: u64) -> bool {
         let e = &self.entries[idx as usize];
-        e.state == EntryState::Live && e.pins == 0 && self.policy.still_candidate(idx, queue, rank)
+        e.state == EntryState::Live
+            && e.pins == 0
+            && !self.leases.holds(idx)
+            && self.policy.still_candidate(idx, queue, rank)
     }
 
-    /// Every unpinned live entry in the policy's eviction order, as `(rank, idx)`, in place
-    /// of what `out` held.
+    /// Whether a lookup's lease keeps `idx` from eviction now.
+    pub fn leased(&self, idx: u32) -> bool {
+        self.leases.holds(idx)
+    }
+
+    /// Takes a lookup's lease on live entry `idx`; false when the bound refuses it.
+    pub fn lease(&mut self, idx: u32) -> bool {
+        let len = self.entries[idx as usize].len;
+        self.leases.grant(idx, len)
+    }
+
+    /// Takes back a lease [`Shard::lease`] just gave.
+    pub fn take_back_lease(&mut self, idx: u32) {
+        self.leases.take_back(idx);
+    }
+
+    /// A load used one of `idx`'s leases.
+    pub fn release_lease(&mut self, idx: u32) {
+        self.leases.release(idx);
+    }
+
+    /// Counts and drops the leases that ran out.
+    pub fn sweep_leases(&mut self) {
+        self.leases.sweep();
+    }
+
+    /// Every unpinned, unleased live entry in the policy's eviction order, as `(rank, idx)`,
+    /// in place of what `out` held.
     pub fn eviction_order(&self, out: &mut Vec<(u64, u32)>) {
         out.clear();
         self.policy.order(out);
-        let entries = &self.entries;
-        out.retain(|&(_, idx)| entries[idx as usize].pins == 0);
+        let (entries, leases) = (&self.entries, &self.leases);
+        out.retain(|&(_, idx)| entries[idx as usize].pins == 0 && !leases.holds(idx));
     }
 
     /// Ids of every live entry.
@@ -202,5 +241,6 @@ impl Shard {
             + self.vacant.capacity() * 4
             + self.table.capacity() * (std::mem::size_of::<TableSlot>() + 1)
             + self.policy.metadata_bytes()
+            + self.leases.metadata_bytes()
     }
 }

@@ -14,6 +14,10 @@
 //!   default, or exact LRU), one file per policy behind one trait; [`StoreAdmission`]: store
 //!   every commit, or only keys seen before (`on_reuse`, within `admission_window` keys). All
 //!   three are fields of the [`umbp_core::PoolConfig`] given to [`Pool::new`].
+//! * Lookup leases (`lease`): a hit a lookup reports ([`Pool::prefix_hits_leased`],
+//!   [`Pool::exists_many_leased`], [`Pool::lease_prefix_with`]) is skipped by eviction until
+//!   a load ([`Pool::get`]) gives its lease back or the lease runs out (`lookup_lease_ms`),
+//!   bounded to half the pool's bytes.
 //! * [`shared_fd`]: the standalone server's mapping of a client's KV cache (a sealed memfd the
 //!   client sends), after [`check_shareable_fd`].
 //!
@@ -26,6 +30,7 @@
 pub mod alloc;
 mod error;
 mod index;
+mod lease;
 mod policy;
 mod pool;
 pub mod region;
@@ -35,6 +40,7 @@ mod window;
 pub use error::PoolError;
 pub use pool::{
     CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,
+    SpillKind,
 };
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};

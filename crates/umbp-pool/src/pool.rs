@@ -11,6 +11,7 @@ mod evict;
 // and the spill hook, which hands out handles).
 #[allow(unsafe_code)]
 mod inner;
+mod leases;
 mod types;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,6 +24,7 @@ use umbp_core::{Admit, BlockKey, CoreError, PoolConfig};
 
 use crate::alloc::Allocator;
 use crate::index::Shard;
+use crate::lease::{LeaseBook, Leases};
 use crate::policy::PolicyCounters;
 use crate::region::{Placement, Region};
 use crate::PoolError;
@@ -31,7 +33,7 @@ pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
 pub use inner::{PinnedObject, Reservation};
-pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause};
+pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
 
 /// The host-DRAM object pool. Cheap to share behind an `Arc`; objects, reservations and pins
 /// keep the memory alive on their own.
@@ -60,12 +62,18 @@ impl Pool {
         }
         let alloc = Allocator::new(segment_bytes, num_segments);
         let capacity = alloc.capacity();
+        let leases = Arc::new(LeaseBook::new(cfg.lookup_lease_ms, capacity / 2));
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
             region,
             alloc: Mutex::new(alloc),
             shards: (0..SHARDS)
-                .map(|_| RwLock::new(Shard::new(cfg.eviction_policy)))
+                .map(|_| {
+                    RwLock::new(Shard::new(
+                        cfg.eviction_policy,
+                        Leases::new(Arc::clone(&leases)),
+                    ))
+                })
                 .collect(),
             policy: cfg.eviction_policy,
             admission: admit::windows(&cfg),
@@ -79,6 +87,7 @@ impl Pool {
             wake_cv: Condvar::new(),
             closed: AtomicBool::new(false),
             spill: Default::default(),
+            leases,
         });
         let weak = Arc::downgrade(&inner);
         let evictor = std::thread::Builder::new()
@@ -172,7 +181,7 @@ impl Pool {
             // First evict in the policy's order; if the bytes freed that way do not help
             // (fragmentation), empty whole segments, first to evict first.
             if policy_freed < footprint + inner.alloc.lock().segment_bytes() {
-                let freed = inner.evict(footprint, RemoveCause::Evicted, false);
+                let freed = inner.evict(footprint, RemoveCause::Evicted, SpillKind::Now);
                 policy_freed += freed.max(1);
                 if freed > 0 {
                     continue;
@@ -373,7 +382,8 @@ impl Pool {
         c.misses.fetch_add(misses, Ordering::Relaxed);
     }
 
-    /// Pins `key`'s object for reading and marks it most recently used.
+    /// Pins `key`'s object for reading and marks it most recently used; the read uses one of
+    /// the key's lookup leases, if it has any ([`Pool::prefix_hits_leased`]).
     pub fn get(&self, key: &BlockKey) -> Option<PinnedObject> {
         let c = &self.inner.counters;
         let Some(obj) = self.pin(key, true) else {
@@ -403,6 +413,7 @@ impl Pool {
         shard.pin(idx);
         if touch {
             shard.touch(idx, inner.tick.fetch_add(1, Ordering::Relaxed));
+            shard.release_lease(idx);
         }
         let e = shard.entry(idx);
         let (offset, len) = (e.slot.offset, e.len);
@@ -486,16 +497,23 @@ impl Pool {
         if used <= self.inner.low_bytes {
             return 0;
         }
-        self.inner
-            .evict(used - self.inner.low_bytes, RemoveCause::Evicted, true)
+        self.inner.evict(
+            used - self.inner.low_bytes,
+            RemoveCause::Evicted,
+            SpillKind::Behind,
+        )
     }
 
-    /// Hands every object the watermark eviction takes (the background evictor and
-    /// [`evict_to_low_watermark`](Self::evict_to_low_watermark); not the just-enough eviction
-    /// of a reservation that cannot wait) to `hook`, pinned: the object leaves lookups at once
-    /// and its memory is freed when the hook's receiver drops the pin (after writing it to a
-    /// disk tier, say). Until then its bytes are not counted against the high watermark again,
-    /// so the evictor does not evict more for them. The hook must not block.
+    /// Hands every object eviction takes to `hook`, pinned: the object leaves lookups at once
+    /// and its memory is freed when the hook's receiver drops the pin. Objects of the watermark
+    /// eviction (the background evictor and
+    /// [`evict_to_low_watermark`](Self::evict_to_low_watermark)) come as [`SpillKind::Behind`]:
+    /// the pin may be kept until the object is written to a disk tier, say, and until then its
+    /// bytes are not counted against the high watermark again, so the evictor does not evict
+    /// more for them. Objects of the just-enough eviction of a reservation that found the pool
+    /// full (and of its whole-segment fallback) come as [`SpillKind::Now`]: the reservation
+    /// needs their memory, so the hook must release the pin before it returns (copying the
+    /// bytes out, or dropping the object). The hook must not block.
     pub fn set_spill(&self, hook: Option<SpillFn>) {
         *self.inner.spill.hook.write() = hook;
     }
@@ -530,6 +548,8 @@ impl Pool {
             (a.used(), a.free_segments() as u64, a.segment_bytes(), meta)
         };
         metadata += alloc_meta;
+        let [leases, leases_released, leases_expired, leases_refused, leases_ended, leases_active, leased_bytes] =
+            inner.lease_counts();
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PoolStats {
             capacity_bytes: inner.capacity,
@@ -563,6 +583,14 @@ impl Pool {
             free_segments,
             metadata_bytes: metadata,
             placement: inner.region.placement().clone(),
+            lookup_lease_ms: inner.leases.ms,
+            leases,
+            leases_released,
+            leases_expired,
+            leases_refused,
+            leases_ended,
+            leases_active,
+            leased_bytes,
         }
     }
 

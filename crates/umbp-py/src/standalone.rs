@@ -304,6 +304,13 @@ impl StandaloneClient {
             disk,
             channel_transfers,
             transfer_channels,
+            leases,
+            leases_released,
+            leases_expired,
+            leases_refused,
+            leases_ended,
+            leases_active,
+            leased_bytes,
         } = s;
         let d = PyDict::new(py);
         d.set_item("boot_id", boot_id)?;
@@ -313,6 +320,13 @@ impl StandaloneClient {
         d.set_item("hits", hits)?;
         d.set_item("misses", misses)?;
         d.set_item("evictions", evictions)?;
+        d.set_item("leases", leases)?;
+        d.set_item("leases_released", leases_released)?;
+        d.set_item("leases_expired", leases_expired)?;
+        d.set_item("leases_refused", leases_refused)?;
+        d.set_item("leases_ended", leases_ended)?;
+        d.set_item("leases_active", leases_active)?;
+        d.set_item("leased_bytes", leased_bytes)?;
         d.set_item("puts", puts)?;
         d.set_item("duplicate_puts", duplicate_puts)?;
         d.set_item("gets", gets)?;
@@ -386,6 +400,9 @@ impl StandaloneClient {
                         eager_queued: x.eager_queued,
                         eager_gone: x.eager_gone,
                         already_present: x.already_present,
+                        evicted_queued: x.evicted_queued,
+                        evicted_copied: x.evicted_copied,
+                        evicted_dropped: x.evicted_dropped,
                         removed: x.removed,
                     },
                 )

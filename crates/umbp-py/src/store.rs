@@ -112,7 +112,7 @@ impl EmbeddedStore {
         remote_write=None, remote_timeout_ms=None, remote_write_backlog=None,
         remote_write_mb_per_s=None, disk_dir=None, disk_capacity_bytes=None,
         disk_write_mb_per_s=None, disk_segment_bytes=None, disk_write=None,
-        disk_close_write_s=None))]
+        disk_close_write_s=None, lookup_lease_ms=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -147,6 +147,7 @@ impl EmbeddedStore {
         disk_segment_bytes: Option<u64>,
         disk_write: Option<&str>,
         disk_close_write_s: Option<u64>,
+        lookup_lease_ms: Option<u64>,
     ) -> Result<Self> {
         let defaults = StoreConfig::default();
         let pool = defaults.pool;
@@ -179,6 +180,7 @@ impl EmbeddedStore {
                     None => pool.store_admission,
                 },
                 admission_window: pool.admission_window,
+                lookup_lease_ms: lookup_lease_ms.unwrap_or(pool.lookup_lease_ms),
             },
             num_workers: num_workers.unwrap_or(defaults.num_workers),
             timeout: timeout_ms.map_or(defaults.timeout, Duration::from_millis),
@@ -455,6 +457,14 @@ impl EmbeddedStore {
         d.set_item("admissions_skipped", s.admissions_skipped)?;
         d.set_item("admissions_forced", s.admissions_forced)?;
         d.set_item("admission_seen", s.admission_seen)?;
+        d.set_item("lookup_lease_ms", s.lookup_lease_ms)?;
+        d.set_item("leases", s.leases)?;
+        d.set_item("leases_released", s.leases_released)?;
+        d.set_item("leases_expired", s.leases_expired)?;
+        d.set_item("leases_refused", s.leases_refused)?;
+        d.set_item("leases_ended", s.leases_ended)?;
+        d.set_item("leases_active", s.leases_active)?;
+        d.set_item("leased_bytes", s.leased_bytes)?;
         let p = &s.placement;
         d.set_item(
             "hugepages_requested",
@@ -680,6 +690,9 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         eager_queued,
         eager_gone,
         already_present,
+        evicted_queued,
+        evicted_copied,
+        evicted_dropped,
         removed,
     } = *s;
     let d = PyDict::new(py);
@@ -707,6 +720,9 @@ pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bou
         ("eager_queued", eager_queued),
         ("eager_gone", eager_gone),
         ("already_present", already_present),
+        ("evicted_queued", evicted_queued),
+        ("evicted_copied", evicted_copied),
+        ("evicted_dropped", evicted_dropped),
         ("removed", removed),
     ] {
         d.set_item(k, v)?;

@@ -95,6 +95,12 @@ pub(crate) struct Gauges {
     pub(crate) promotions: u64,
     pub(crate) admissions_skipped: u64,
     pub(crate) admissions_forced: u64,
+    pub(crate) leases: u64,
+    pub(crate) leases_released: u64,
+    pub(crate) leases_expired: u64,
+    pub(crate) leases_refused: u64,
+    pub(crate) leases_ended: u64,
+    pub(crate) leased_bytes: u64,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
     pub(crate) disk: Option<umbp_store::DiskStats>,
 }
@@ -198,6 +204,21 @@ fn disk_series(
             d.already_present,
         ),
         (
+            "disk_evicted_queued_total",
+            "Evicted objects queued to be written to the disk tier.",
+            d.evicted_queued,
+        ),
+        (
+            "disk_evicted_copied_total",
+            "Evicted objects of stores that found the pool full, copied into the disk backlog.",
+            d.evicted_copied,
+        ),
+        (
+            "disk_evicted_dropped_total",
+            "Evicted objects not queued for the disk tier (backlog full or closing).",
+            d.evicted_dropped,
+        ),
+        (
             "disk_removed_total",
             "Objects removed from the disk tier by evict or clear.",
             d.removed,
@@ -296,6 +317,41 @@ impl Metrics {
             "Stores kept on the key's first sighting because the client asked (admit_now: a \
              request's priority or umbp_store=now) where store_admission=on_reuse would not.",
             g.admissions_forced,
+        );
+        for (name, help, v) in [
+            (
+                "pool_leases_total",
+                "Leases lookups took on the hits they reported (kept from eviction until loaded).",
+                g.leases,
+            ),
+            (
+                "pool_leases_released_total",
+                "Lookup leases given back by the loads that used them.",
+                g.leases_released,
+            ),
+            (
+                "pool_leases_expired_total",
+                "Lookup leases that ran out before a load used them.",
+                g.leases_expired,
+            ),
+            (
+                "pool_leases_refused_total",
+                "Lookup leases refused because leased objects held half the pool (reported as misses).",
+                g.leases_refused,
+            ),
+            (
+                "pool_leases_ended_total",
+                "Lookup leases that ended with their object (removed or cleared).",
+                g.leases_ended,
+            ),
+        ] {
+            counter(&mut o, name, help, v);
+        }
+        gauge(
+            &mut o,
+            "pool_leased_bytes",
+            "Bytes of the objects that hold lookup leases now.",
+            g.leased_bytes,
         );
         if let Some(r) = &g.remote {
             for (name, help, v) in [

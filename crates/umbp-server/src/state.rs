@@ -57,6 +57,12 @@ impl State {
             g.ghost_hits = p.ghost_hits;
             g.admissions_skipped = p.admissions_skipped;
             g.admissions_forced = p.admissions_forced;
+            g.leases = p.leases;
+            g.leases_released = p.leases_released;
+            g.leases_expired = p.leases_expired;
+            g.leases_refused = p.leases_refused;
+            g.leases_ended = p.leases_ended;
+            g.leased_bytes = p.leased_bytes;
         }
         g.remote = self.store.remote_stats();
         g.disk = self.store.disk_stats();

@@ -1,8 +1,9 @@
 //! The disk tier under the pool: objects the pool's watermark eviction takes are written
-//! behind to disk (pinned until written), and keys a lookup misses in the pool are read back
-//! from disk into the pool before the lookup answers. With `DiskWrite::Eager` every object
-//! committed is queued too (by key: pinned only while written), so the evictor finds most on
-//! disk already and frees them at once.
+//! behind to disk (pinned until written), objects a store's synchronous eviction takes are
+//! copied into the write-behind backlog when it has room (dropped, counted, when not), and
+//! keys a lookup misses in the pool are read back from disk into the pool before the lookup
+//! answers. With `DiskWrite::Eager` every object committed is queued too (by key: pinned
+//! only while written), so the evictor finds most on disk already and frees them at once.
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Weak};
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use umbp_core::BlockKey;
 use umbp_disk::{DiskConfig, DiskError, DiskTier, DiskWrite, ObjectBytes, Sink};
-use umbp_pool::{PinnedObject, Pool, PoolEvent};
+use umbp_pool::{PinnedObject, Pool, PoolEvent, SpillKind};
 
 /// Commits the eager forwarder may lag behind before the pool drops (and counts, in
 /// `events_dropped`) the next: those objects are written on eviction instead.
@@ -28,17 +29,26 @@ impl ObjectBytes for Spilled {
     }
 }
 
-/// Opens the tier and hands it every object the pool's watermark eviction takes, and with
-/// eager writes every object committed.
+/// Opens the tier and hands it every object the pool evicts, and with eager writes every
+/// object committed.
 pub(crate) fn open(cfg: DiskConfig, pool: &Arc<Pool>) -> Result<Arc<DiskTier>, DiskError> {
     let eager = cfg.write == DiskWrite::Eager;
     let disk = Arc::new(DiskTier::open(cfg)?);
     let d = Arc::downgrade(&disk);
-    pool.set_spill(Some(Arc::new(move |key, obj| {
-        if let Some(d) = d.upgrade() {
-            // Never waits: a full backlog drops (counted), which frees the object now; one
-            // the disk holds already is freed now too.
-            d.enqueue(key, Box::new(Spilled(obj)));
+    pool.set_spill(Some(Arc::new(move |key, obj: PinnedObject, kind| {
+        let Some(d) = d.upgrade() else { return };
+        // Never waits. A full backlog drops (counted), which frees the object now; one the
+        // disk holds already is freed now too.
+        match kind {
+            // The watermark eviction: queued pinned, freed once written.
+            SpillKind::Behind => {
+                d.enqueue(key, Box::new(Spilled(obj)));
+            }
+            // A store found the pool full and needs the memory now: the bytes are copied
+            // into the backlog when it has room, and the pin goes here.
+            SpillKind::Now => {
+                d.enqueue_copy(key, obj.as_slice());
+            }
         }
     })));
     if eager {

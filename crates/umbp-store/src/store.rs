@@ -128,17 +128,20 @@ impl EmbeddedStore {
         self.default.layout(id)
     }
 
-    /// Which keys are in the pool (pins nothing). With a remote tier, keys the pool misses are
-    /// fetched from it into the pool first (waiting at most its timeout). [`StoreError::Closed`]
-    /// after `close`.
+    /// Which keys are in the pool (pins nothing). With a disk or remote tier, keys the pool
+    /// misses are read from them into the pool first (waiting at most their timeouts). Every
+    /// key reported present is leased: it stays in the pool until a load of it, or for the
+    /// pool's `lookup_lease_ms`. [`StoreError::Closed`] after `close`.
     pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
         self.check_open()?;
-        let mut found = self.shared.pool.exists_many(keys);
+        let pool = &self.shared.pool;
+        let mut found = pool.exists_many_leased(keys);
         if let Some(d) = &self.shared.disk {
             let missing: Vec<usize> = (0..keys.len()).filter(|i| !found[*i]).collect();
             if !missing.is_empty() {
                 let ks: Vec<BlockKey> = missing.iter().map(|i| keys[*i]).collect();
-                let got = crate::disk::promote_present(d, &self.shared.pool, &ks, d.deadline());
+                let got = crate::disk::promote_present(d, pool, &ks, d.deadline());
+                let got = pool.lease_where(&ks, &got);
                 for (i, got) in missing.into_iter().zip(got) {
                     found[i] = got;
                 }
@@ -154,7 +157,8 @@ impl EmbeddedStore {
             let missing: Vec<usize> = (0..keys.len()).filter(|i| !found[*i]).collect();
             if !missing.is_empty() {
                 let ks: Vec<BlockKey> = missing.iter().map(|i| keys[*i]).collect();
-                for (i, got) in missing.into_iter().zip(r.fetch_present(&ks)) {
+                let got = pool.lease_where(&ks, &r.fetch_present(&ks));
+                for (i, got) in missing.into_iter().zip(got) {
                     found[i] = got;
                 }
             }
@@ -162,9 +166,9 @@ impl EmbeddedStore {
         Ok(found)
     }
 
-    /// How many keys, from the first, are in the pool (with a remote tier, as
-    /// [`exists`](Self::exists), the missing rest is fetched from it first).
-    /// [`StoreError::Closed`] after `close`.
+    /// How many keys, from the first, are in the pool (with a disk or remote tier, as
+    /// [`exists`](Self::exists), the missing rest is read from them first); each is leased as
+    /// [`exists`](Self::exists) says. [`StoreError::Closed`] after `close`.
     pub fn prefix_hits(&self, keys: &[BlockKey]) -> Result<usize, StoreError> {
         self.prefix_hits_with(keys.len(), |i| keys[i])
     }
@@ -195,12 +199,21 @@ impl EmbeddedStore {
         deadline: Option<std::time::Instant>,
     ) -> Result<usize, StoreError> {
         self.check_open()?;
-        let mut local = self.shared.pool.prefix_hits_with(n, &key);
+        let pool = &self.shared.pool;
+        // Each tier's hits are leased before the next tier is asked, so that a slow disk or
+        // remote read cannot let the evictor take what was counted already.
+        let mut local = pool.prefix_hits_leased(n, &key);
         if let (Some(d), true) = (&self.shared.disk, local < n) {
             // DRAM, then disk, then the remote tier.
             let rest: Vec<BlockKey> = (local..n).map(&key).collect();
             let until = deadline.unwrap_or_else(|| d.deadline());
-            local += crate::disk::promote_prefix(d, &self.shared.pool, &rest, until);
+            let promoted = crate::disk::promote_prefix(d, pool, &rest, until);
+            let leased = pool.lease_prefix_with(promoted, |i| rest[i]);
+            local += leased;
+            if leased < promoted {
+                // One was taken between its promotion and its lease: the prefix ends there.
+                return Ok(local);
+            }
         }
         let Some(r) = &self.shared.remote else {
             return Ok(local);
@@ -211,7 +224,8 @@ impl EmbeddedStore {
         }
         let rest: Vec<BlockKey> = (local..n).map(&key).collect();
         let deadline = deadline.unwrap_or_else(|| r.deadline());
-        Ok(local + r.fetch_prefix_by(&rest, deadline))
+        let fetched = r.fetch_prefix_by(&rest, deadline);
+        Ok(local + pool.lease_prefix_with(fetched, |i| rest[i]))
     }
 
     /// Whether lookups may wait for a remote tier (then callers holding a lock other threads

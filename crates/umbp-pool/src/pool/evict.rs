@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use umbp_core::BlockKey;
 
+use parking_lot::RwLockWriteGuard;
+
 use super::inner::{Inner, PinnedObject, SpillFn, EVICT_BATCH};
-use super::types::{PoolEvent, RemoveCause};
+use super::types::{PoolEvent, RemoveCause, SpillKind};
 use crate::alloc::Slot;
-use crate::index::EntryState;
+use crate::index::{EntryState, Shard};
 use crate::policy::{plan, QUEUES};
 use umbp_core::caching::EvictionPolicy;
 
@@ -61,13 +63,10 @@ impl Inner {
     /// Each round asks the policy which queue to take from ([`plan`]), collects a batch of
     /// candidates of that queue from every shard and evicts them merged by rank, so the order
     /// is the policy's over the whole pool (exact for LRU).
-    /// With `spill`, evicted objects go to the spill hook when one is set.
-    pub(super) fn evict(&self, target: u64, cause: RemoveCause, spill: bool) -> u64 {
-        let hook = if spill {
-            self.spill.hook.read().clone()
-        } else {
-            None
-        };
+    /// Evicted objects go to the spill hook, when one is set, as `kind`.
+    pub(super) fn evict(&self, target: u64, cause: RemoveCause, kind: SpillKind) -> u64 {
+        let hook = self.spill.hook.read().clone();
+        let hook = hook.as_ref().map(|h| (h, kind));
         let mut freed = 0u64;
         let mut cands: Vec<(u64, u32)> = Vec::new();
         let mut merged: Vec<(u64, usize, u32)> = Vec::new();
@@ -84,8 +83,7 @@ impl Inner {
                     continue;
                 }
                 let want = (target - freed).min(quota);
-                let got =
-                    self.evict_round(queue, want, cause, hook.as_ref(), &mut cands, &mut merged);
+                let got = self.evict_round(queue, want, cause, hook, &mut cands, &mut merged);
                 if got > 0 {
                     freed += got;
                     progressed = true;
@@ -106,7 +104,7 @@ impl Inner {
         queue: usize,
         want: u64,
         cause: RemoveCause,
-        hook: Option<&SpillFn>,
+        hook: Option<(&SpillFn, SpillKind)>,
         cands: &mut Vec<(u64, u32)>,
         merged: &mut Vec<(u64, usize, u32)>,
     ) -> u64 {
@@ -129,52 +127,67 @@ impl Inner {
             if rank > horizon || freed >= want {
                 break;
             }
-            let mut shard = self.shards[si].write();
+            let shard = self.shards[si].write();
             if !shard.still_candidate(idx, queue, rank) {
                 continue;
             }
-            let key = shard.entry(idx).key;
-            if let Some(hook) = hook {
-                // Pinned before removal: the entry is doomed, its slot freed by the last unpin.
-                let e = shard.entry(idx);
-                let (offset, len, bytes) = (e.slot.offset, e.len, e.slot.bytes);
-                shard.pin(idx);
-                let freed_now = shard.remove(idx, true);
-                debug_assert!(freed_now.is_none());
-                drop(shard);
-                self.counters.pinned.fetch_add(1, Ordering::Relaxed);
-                self.spill.pending.fetch_add(bytes, Ordering::Relaxed);
-                freed += bytes;
-                self.finish_removals(Vec::new(), vec![(key, cause)]);
-                let Some(inner) = self.me.upgrade() else {
-                    continue;
-                };
-                hook(
-                    key,
-                    PinnedObject {
-                        inner,
-                        shard: si as u32,
-                        idx,
-                        offset,
-                        len,
-                        spilled: bytes,
-                    },
-                );
-                continue;
-            }
-            let slot = shard
-                .remove(idx, true)
-                .expect("unpinned entries free at once");
-            drop(shard);
-            freed += slot.bytes;
-            self.finish_removals(vec![slot], vec![(key, cause)]);
+            freed += self.evict_entry(shard, si, idx, cause, hook);
         }
         freed
     }
 
+    /// Evicts the live, unpinned entry `idx` of shard `si` (whose lock `shard` is): frees it,
+    /// or hands it to the spill hook pinned. Returns its bytes (for [`SpillKind::Behind`] not
+    /// freed yet, but no longer counted by the watermarks).
+    fn evict_entry(
+        &self,
+        mut shard: RwLockWriteGuard<'_, Shard>,
+        si: usize,
+        idx: u32,
+        cause: RemoveCause,
+        hook: Option<(&SpillFn, SpillKind)>,
+    ) -> u64 {
+        let e = shard.entry(idx);
+        let (key, offset, len, bytes) = (e.key, e.slot.offset, e.len, e.slot.bytes);
+        let inner = self.me.upgrade();
+        let (Some((hook, kind)), Some(inner)) = (hook, inner) else {
+            let slot = shard
+                .remove(idx, true)
+                .expect("unpinned entries free at once");
+            drop(shard);
+            self.finish_removals(vec![slot], vec![(key, cause)]);
+            return bytes;
+        };
+        // Pinned before removal: the entry is doomed, its slot freed by the last unpin.
+        shard.pin(idx);
+        let freed_now = shard.remove(idx, true);
+        debug_assert!(freed_now.is_none());
+        drop(shard);
+        self.counters.pinned.fetch_add(1, Ordering::Relaxed);
+        // Spills that may wait leave the watermarks' count until their pin goes; those
+        // needed now are released before the hook returns.
+        let spilled = if kind == SpillKind::Behind { bytes } else { 0 };
+        self.spill.pending.fetch_add(spilled, Ordering::Relaxed);
+        self.finish_removals(Vec::new(), vec![(key, cause)]);
+        hook(
+            key,
+            PinnedObject {
+                inner,
+                shard: si as u32,
+                idx,
+                offset,
+                len,
+                spilled,
+            },
+            kind,
+        );
+        bytes
+    }
+
     /// Empties the segment of the unpinned object first in its shard's eviction order with the
-    /// lowest rank that is not in `tried` (evicting every unpinned object in it). Returns false
-    /// when no such segment is left.
+    /// lowest rank that is not in `tried` (evicting every unpinned object in it; to the spill
+    /// hook, when one is set, as [`SpillKind::Now`]). Returns false when no such segment is
+    /// left.
     pub(super) fn evict_oldest_segment(&self, tried: &mut Vec<u32>) -> bool {
         let mut cands: Vec<(u64, u32)> = Vec::new();
         let mut best: Option<(u64, usize, u32)> = None;
@@ -202,23 +215,20 @@ impl Inner {
             self.alloc.lock().segment_of(offset)
         };
         tried.push(segment);
+        let hook = self.spill.hook.read().clone();
+        let hook = hook.as_ref().map(|h| (h, SpillKind::Now));
         let owners = self.alloc.lock().owners_in(segment);
         for tag in owners {
             let (si, idx) = ((tag >> 32) as usize, tag as u32);
-            let mut shard = self.shards[si].write();
+            let shard = self.shards[si].write();
             let e = shard.entry(idx);
-            if e.state != EntryState::Live || e.pins != 0 {
+            if e.state != EntryState::Live || e.pins != 0 || shard.leased(idx) {
                 continue;
             }
             if self.alloc.lock().segment_of(e.slot.offset) != segment {
                 continue;
             }
-            let key = e.key;
-            let slot = shard
-                .remove(idx, true)
-                .expect("unpinned entries free at once");
-            drop(shard);
-            self.finish_removals(vec![slot], vec![(key, RemoveCause::Evicted)]);
+            self.evict_entry(shard, si, idx, RemoveCause::Evicted, hook);
         }
         true
     }
@@ -230,9 +240,14 @@ pub(super) fn evictor_loop(weak: Weak<Inner>) {
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
+        inner.sweep_leases();
         let used = inner.used_for_watermarks();
         if used > inner.high_bytes {
-            let freed = inner.evict(used - inner.low_bytes, RemoveCause::Evicted, true);
+            let freed = inner.evict(
+                used - inner.low_bytes,
+                RemoveCause::Evicted,
+                SpillKind::Behind,
+            );
             log::debug!("umbp: evicted {freed} bytes to reach the low watermark");
         }
         {

@@ -15,6 +15,7 @@ use umbp_core::BlockKey;
 use super::types::PoolEvent;
 use crate::alloc::{Allocator, Slot};
 use crate::index::Shard;
+use crate::lease::LeaseBook;
 use crate::region::Region;
 use crate::window::FpWindow;
 use umbp_core::caching::EvictionPolicy;
@@ -84,8 +85,9 @@ impl EventHub {
     }
 }
 
-/// Where the background evictor hands evicted objects (a disk tier's write-behind queue).
-pub type SpillFn = Arc<dyn Fn(BlockKey, PinnedObject) + Send + Sync>;
+/// Where the pool hands every object it evicts (a disk tier's write-behind queue), pinned, with
+/// how soon the pool needs its memory back ([`SpillKind`](super::SpillKind)).
+pub type SpillFn = Arc<dyn Fn(BlockKey, PinnedObject, super::SpillKind) + Send + Sync>;
 
 /// The spill hook, when set, and the bytes of spilled objects not yet released.
 #[derive(Default)]
@@ -121,6 +123,8 @@ pub(super) struct Inner {
     pub(super) wake_cv: Condvar,
     pub(super) closed: AtomicBool,
     pub(super) spill: Spill,
+    /// Lookup leases: their clock, bound and counters ([`crate::lease`]).
+    pub(super) leases: Arc<LeaseBook>,
     /// This pool itself, for handles made inside it (spilled objects).
     pub(super) me: std::sync::Weak<Inner>,
 }

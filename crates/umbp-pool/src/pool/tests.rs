@@ -365,7 +365,8 @@ fn watermark_eviction_hands_objects_to_the_spill_hook_pinned() {
     .unwrap();
     let held: Arc<StdMutex<Vec<(BlockKey, PinnedObject)>>> = Arc::default();
     let h = Arc::clone(&held);
-    p.set_spill(Some(Arc::new(move |k, obj| {
+    p.set_spill(Some(Arc::new(move |k, obj, kind| {
+        assert_eq!(kind, SpillKind::Behind);
         h.lock().unwrap().push((k, obj))
     })));
     for i in 0..100u64 {
@@ -386,4 +387,46 @@ fn watermark_eviction_hands_objects_to_the_spill_hook_pinned() {
     assert!(p.stats().used_bytes < used_pinned);
     p.set_spill(None);
     p.check_invariants();
+}
+
+#[test]
+fn a_full_pools_reservations_hand_every_evicted_object_to_the_spill_hook_now() {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    for policy in [crate::EvictionPolicy::S3Fifo, crate::EvictionPolicy::Lru] {
+        let p = Pool::new(PoolConfig {
+            segment_bytes: 64 << 10,
+            prefault: false,
+            // No background eviction: every eviction is a reservation's.
+            high_watermark: 1.0,
+            low_watermark: 0.99,
+            eviction_policy: policy,
+            ..PoolConfig::with_capacity(4 << 20)
+        })
+        .unwrap();
+        let now = Arc::new(AtomicU64::new(0));
+        let n = Arc::clone(&now);
+        p.set_spill(Some(Arc::new(move |k, obj, kind| {
+            assert_eq!(kind, SpillKind::Now);
+            let i = u64::from(obj.as_slice()[0]);
+            assert_eq!(k, key(i), "the bytes of the evicted key");
+            // Released here: the reservation gets the memory.
+            drop(obj);
+            n.fetch_add(1, Ordering::Relaxed);
+        })));
+        // Small objects fill the pool, then objects of several segments need whole segments
+        // emptied (the segment fallback) as well as the policy's order.
+        for i in 0..200u64 {
+            p.put(key(i), &[i as u8; 16 << 10]).unwrap();
+        }
+        for i in 200..240u64 {
+            p.put(key(i), &[i as u8; 200 << 10]).unwrap();
+        }
+        let s = p.stats();
+        assert!(s.evictions > 100, "{policy:?}: {s:?}");
+        assert_eq!(now.load(Ordering::Relaxed), s.evictions, "{policy:?}");
+        assert_eq!(s.pinned, 0);
+        p.set_spill(None);
+        p.check_invariants();
+    }
 }

@@ -17,6 +17,18 @@ pub enum RemoveCause {
     Cleared,
 }
 
+/// How an evicted object is handed to the spill hook ([`Pool::set_spill`](super::Pool::set_spill)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpillKind {
+    /// Taken by the watermark eviction (the background evictor): the hook may keep the pin
+    /// until the object is written; its memory is freed when the pin goes.
+    Behind,
+    /// Taken by a reservation that found the pool full (the synchronous eviction), which needs
+    /// the memory now: the hook must drop the pin before it returns (copy the bytes out, or
+    /// drop the object), or the reservation evicts more.
+    Now,
+}
+
 /// A change to the set of stored keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PoolEvent {
@@ -107,4 +119,23 @@ pub struct PoolStats {
     pub metadata_bytes: u64,
     /// How the memory was placed.
     pub placement: Placement,
+    /// How long a lookup's lease keeps a hit from eviction, in ms (0: no leases).
+    pub lookup_lease_ms: u64,
+    /// Leases taken by lookups (one per hit reported). Every lease is given back by a load
+    /// (`leases_released`), expires (`leases_expired`), ends with its object
+    /// (`leases_ended`) or is still outstanding (`leases_active`): `leases` is their sum.
+    pub leases: u64,
+    /// Leases given back by the loads that used them.
+    pub leases_released: u64,
+    /// Leases that ran out before a load used them (the object became evictable again).
+    pub leases_expired: u64,
+    /// Leases refused because leased objects held half the pool already (the lookup
+    /// reported a miss for the key instead).
+    pub leases_refused: u64,
+    /// Leases that ended because their object was removed (`remove`, `clear`).
+    pub leases_ended: u64,
+    /// Leases outstanding now.
+    pub leases_active: u64,
+    /// Bytes of the objects that hold leases now.
+    pub leased_bytes: u64,
 }

@@ -185,6 +185,11 @@ struct Args {
     /// of one core per transfer. See docs/standalone.md.
     #[arg(long = "busy-poll-us", env = "UMBP_BUSY_POLL_US", default_value_t = micros(DEFAULT_BUSY_POLL), value_parser = clap::value_parser!(u64).range(0..=100_000))]
     busy_poll_us: u64,
+    /// Milliseconds a hit a lookup reports is kept from eviction for the load that follows
+    /// (the load gives it back; one that runs out first is counted as expired). 0: lookups
+    /// keep nothing. See docs/disk.md ("Lookup leases").
+    #[arg(long = "lookup-lease-ms", env = "UMBP_LOOKUP_LEASE_MS", default_value_t = umbp_core::DEFAULT_LOOKUP_LEASE_MS, value_parser = clap::value_parser!(u64).range(0..=600_000))]
+    lookup_lease_ms: u64,
     /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
     #[arg(long, env = "UMBP_LOG", default_value = DEFAULT_LOG_FILTER)]
     log: String,
@@ -357,6 +362,7 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
                 .store_admission
                 .parse()
                 .context("--store-admission / UMBP_STORE_ADMISSION")?,
+            lookup_lease_ms: a.lookup_lease_ms,
             ..PoolConfig::default()
         },
         num_workers: a.workers,
@@ -591,6 +597,7 @@ mod tests {
         "remote_url_file",
         "remote_secret_file",
         "busy_poll_us",
+        "lookup_lease_ms",
         "log",
     ];
 

@@ -1,0 +1,316 @@
+//! Lookup leases: a hit a lookup reports stays loadable until its load, or until its lease
+//! runs out (then it is counted as expired).
+//!
+//! Each lookup that reports a key as a hit takes one lease on its object; each load of the
+//! key ([`crate::Pool::get`]) gives one back. An object with leases is skipped by every
+//! eviction (the background evictor, a full pool's reservation, the whole-segment fallback)
+//! until its last lease is given back or the newest runs out, `lookup_lease_ms` after the
+//! last lookup that took one. Leases never pin for long: they are bounded in time, and the
+//! bytes of leased objects in [`LeaseBook::max_bytes`] (half the pool): a lease past that is
+//! refused, and the lookup reports a miss for that key instead of a hit it cannot promise.
+//! A removed object's leases end with it (`evict`, `clear`: the caller's choice).
+//!
+//! Leases that run out are counted when they do: by the background evictor's sweep (every
+//! 100 ms at most), or earlier when the object is loaded, looked up or evicted. Leases are
+//! kept per index shard beside its entries ([`Leases`]); the counters and the clock are the
+//! pool's ([`LeaseBook`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use std::collections::HashMap;
+
+/// The pool-wide side of leases: how long they last, their bound, the clock and counters.
+#[derive(Debug)]
+pub(crate) struct LeaseBook {
+    /// How long a lease lasts, in milliseconds; 0: lookups take no leases.
+    pub ms: u64,
+    /// Bytes of leased objects may not pass this.
+    pub max_bytes: u64,
+    epoch: Instant,
+    /// Added to the clock (tests move it on instead of waiting).
+    skew_ms: AtomicU64,
+    /// Bytes of the objects that hold leases now (expired ones until they are counted).
+    pub bytes: AtomicU64,
+    /// Leases outstanding (neither given back, expired nor ended).
+    pub active: AtomicU64,
+    pub granted: AtomicU64,
+    pub released: AtomicU64,
+    pub expired: AtomicU64,
+    pub refused: AtomicU64,
+    pub ended: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn sub(c: &AtomicU64, n: u64) {
+    c.fetch_sub(n, Ordering::Relaxed);
+}
+
+impl LeaseBook {
+    pub fn new(ms: u64, max_bytes: u64) -> LeaseBook {
+        LeaseBook {
+            ms,
+            max_bytes,
+            epoch: Instant::now(),
+            skew_ms: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            active: AtomicU64::new(0),
+            granted: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+            expired: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            ended: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether lookups take leases.
+    pub fn on(&self) -> bool {
+        self.ms > 0
+    }
+
+    /// The lease clock, in milliseconds.
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + self.skew_ms.load(Ordering::Relaxed)
+    }
+
+    /// Moves the clock on by `ms` (tests).
+    pub fn advance(&self, ms: u64) {
+        add(&self.skew_ms, ms);
+    }
+
+    /// Whether any object holds a lease (or an expired one not yet counted).
+    pub fn any(&self) -> bool {
+        self.bytes.load(Ordering::Relaxed) > 0
+    }
+
+    /// Takes `len` bytes under the bound; false when they do not fit.
+    fn take_bytes(&self, len: u64) -> bool {
+        let mut cur = self.bytes.load(Ordering::Relaxed);
+        loop {
+            if cur + len > self.max_bytes {
+                return false;
+            }
+            match self.bytes.compare_exchange_weak(
+                cur,
+                cur + len,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(now) => cur = now,
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Lease {
+    /// Leases outstanding on the object.
+    count: u32,
+    /// When the newest runs out (lease clock).
+    until: u64,
+    /// The object's bytes.
+    len: u64,
+}
+
+/// One index shard's leases, by entry id. Callers hold the shard's lock.
+#[derive(Debug)]
+pub(crate) struct Leases {
+    map: HashMap<u32, Lease>,
+    book: Arc<LeaseBook>,
+}
+
+impl Leases {
+    pub fn new(book: Arc<LeaseBook>) -> Leases {
+        Leases {
+            map: HashMap::new(),
+            book,
+        }
+    }
+
+    /// Whether entry `idx` is protected from eviction now.
+    #[inline]
+    pub fn holds(&self, idx: u32) -> bool {
+        if self.map.is_empty() {
+            return false;
+        }
+        self.map
+            .get(&idx)
+            .is_some_and(|l| l.until > self.book.now_ms())
+    }
+
+    /// Counts the leases of `idx` as expired and drops them, when they ran out by `now`;
+    /// whether they had.
+    fn expire_if_due(&mut self, idx: u32, now: u64) -> bool {
+        let Some(l) = self.map.get(&idx).copied() else {
+            return false;
+        };
+        if l.until > now {
+            return false;
+        }
+        self.map.remove(&idx);
+        self.forget(l, &self.book.expired);
+        true
+    }
+
+    /// Drops the book's count of a lease record, adding its leases to `to`.
+    fn forget(&self, l: Lease, to: &AtomicU64) {
+        let b = &self.book;
+        add(to, u64::from(l.count));
+        sub(&b.active, u64::from(l.count));
+        sub(&b.bytes, l.len);
+    }
+
+    /// Takes one lease on `idx` (an object of `len` bytes); false when the bound on leased
+    /// bytes refuses it (counted).
+    pub fn grant(&mut self, idx: u32, len: u64) -> bool {
+        let b = Arc::clone(&self.book);
+        let now = b.now_ms();
+        self.expire_if_due(idx, now);
+        let until = now + b.ms;
+        if let Some(l) = self.map.get_mut(&idx) {
+            l.count += 1;
+            l.until = until;
+        } else {
+            if !b.take_bytes(len) {
+                add(&b.refused, 1);
+                return false;
+            }
+            self.map.insert(
+                idx,
+                Lease {
+                    count: 1,
+                    until,
+                    len,
+                },
+            );
+        }
+        add(&b.granted, 1);
+        add(&b.active, 1);
+        true
+    }
+
+    /// Takes back one lease [`Leases::grant`] just gave on `idx` (the lookup did not report
+    /// the key after all): as if it had never been granted.
+    pub fn take_back(&mut self, idx: u32) {
+        let Some(l) = self.map.get_mut(&idx) else {
+            return;
+        };
+        l.count -= 1;
+        let l = *l;
+        let b = &self.book;
+        sub(&b.granted, 1);
+        sub(&b.active, 1);
+        if l.count == 0 {
+            self.map.remove(&idx);
+            sub(&b.bytes, l.len);
+        }
+    }
+
+    /// A load of `idx` uses one of its leases (counted as given back), unless they ran out.
+    pub fn release(&mut self, idx: u32) {
+        if self.map.is_empty() {
+            return;
+        }
+        let now = self.book.now_ms();
+        if self.expire_if_due(idx, now) {
+            return;
+        }
+        let Some(l) = self.map.get_mut(&idx) else {
+            return;
+        };
+        l.count -= 1;
+        let l = *l;
+        let b = &self.book;
+        add(&b.released, 1);
+        sub(&b.active, 1);
+        if l.count == 0 {
+            self.map.remove(&idx);
+            sub(&b.bytes, l.len);
+        }
+    }
+
+    /// Entry `idx` leaves the index: its leases end (counted as expired when they had run
+    /// out, else as ended).
+    pub fn end(&mut self, idx: u32) {
+        if self.map.is_empty() {
+            return;
+        }
+        let now = self.book.now_ms();
+        if self.expire_if_due(idx, now) {
+            return;
+        }
+        if let Some(l) = self.map.remove(&idx) {
+            self.forget(l, &self.book.ended);
+        }
+    }
+
+    /// Counts and drops every lease that ran out.
+    pub fn sweep(&mut self) {
+        if self.map.is_empty() {
+            return;
+        }
+        let now = self.book.now_ms();
+        let book = Arc::clone(&self.book);
+        self.map.retain(|_, l| {
+            if l.until > now {
+                return true;
+            }
+            add(&book.expired, u64::from(l.count));
+            sub(&book.active, u64::from(l.count));
+            sub(&book.bytes, l.len);
+            false
+        });
+    }
+
+    /// Bytes of metadata.
+    pub fn metadata_bytes(&self) -> usize {
+        self.map.capacity() * (std::mem::size_of::<Lease>() + 5)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leases_are_given_back_by_loads_and_expire_counted() {
+        let book = Arc::new(LeaseBook::new(1000, 100));
+        let mut l = Leases::new(Arc::clone(&book));
+        assert!(l.grant(1, 40));
+        assert!(l.grant(1, 40));
+        assert!(l.grant(2, 40));
+        // 120 bytes would pass the bound of 100: refused.
+        assert!(!l.grant(3, 40));
+        assert!(l.holds(1) && l.holds(2) && !l.holds(3));
+        l.release(1);
+        assert!(l.holds(1), "one lease of two given back");
+        l.release(1);
+        assert!(!l.holds(1));
+        book.advance(1000);
+        assert!(!l.holds(2), "ran out");
+        l.sweep();
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        assert_eq!(
+            (
+                g(&book.granted),
+                g(&book.released),
+                g(&book.expired),
+                g(&book.refused)
+            ),
+            (3, 2, 1, 1)
+        );
+        assert_eq!((g(&book.active), g(&book.bytes)), (0, 0));
+        // A lease taken back leaves no trace; one ended with its object counts as ended.
+        assert!(l.grant(4, 10));
+        l.take_back(4);
+        assert!(l.grant(5, 10));
+        l.end(5);
+        assert_eq!((g(&book.granted), g(&book.ended)), (4, 1));
+        assert_eq!((g(&book.active), g(&book.bytes)), (0, 0));
+    }
+}
