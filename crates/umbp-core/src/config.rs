@@ -4,6 +4,7 @@
 //! which the standalone server's environment variables map onto one to one.
 
 use crate::caching::{EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
+use crate::integrity::Integrity;
 use crate::{options, CoreError};
 
 pub use crate::sizes::{HugepageSize, GIB, MIB};
@@ -49,6 +50,8 @@ pub struct PoolConfig {
     /// key reused after more other keys than this were seen is skipped again. Not a connector
     /// option; [`DEFAULT_ADMISSION_WINDOW`] unless a benchmark sets it.
     pub admission_window: usize,
+    /// Whether objects are checksummed and how many loads verify them.
+    pub integrity: Integrity,
 }
 
 impl Default for PoolConfig {
@@ -78,6 +81,7 @@ impl Default for PoolConfig {
                 .parse()
                 .expect("the schema's store admission parses"),
             admission_window: DEFAULT_ADMISSION_WINDOW,
+            integrity: Integrity::default(),
         }
     }
 }

@@ -24,6 +24,7 @@
 #![deny(unsafe_code)]
 
 pub mod alloc;
+mod checksum;
 mod error;
 mod index;
 mod policy;
@@ -32,6 +33,7 @@ pub mod region;
 pub mod shared_fd;
 mod window;
 
+pub use checksum::{checksum, Summer};
 pub use error::PoolError;
 pub use pool::{
     CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,
