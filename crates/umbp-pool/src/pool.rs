@@ -425,54 +425,11 @@ impl Pool {
         }
     }
 
-    /// Checks `obj`'s bytes against the checksum kept with it: `true` when they match or
-    /// the object has none. On a mismatch the object is removed from the pool (the caller's
-    /// pin keeps its memory until dropped; nobody finds it again), counted in
-    /// [`PoolStats::corrupt_detected`] and logged, and `false` is answered: the caller must
-    /// fail the load. The bytes cannot change while `obj` pins them (committed objects are
-    /// immutable), so what was verified is what the caller copies next.
+    /// Checks `obj`'s bytes against the checksum kept with it ([`PinnedObject::verify`]):
+    /// `true` when they match or the object has none; `false` (the object removed and
+    /// counted) when the caller must fail the load.
     pub fn verify(&self, obj: &PinnedObject) -> bool {
-        let Some(want) = obj.checksum() else {
-            return true;
-        };
-        let c = &self.inner.counters;
-        c.verified.fetch_add(1, Ordering::Relaxed);
-        if crate::checksum(obj.as_slice()) == want {
-            return true;
-        }
-        self.discard_corrupt(obj, "its DRAM copy");
-        false
-    }
-
-    /// Counts `obj` as corrupt and removes it from the pool, if it is still the entry its pin
-    /// holds (not already removed). `where_` says where the damage was found, for the log.
-    pub fn discard_corrupt(&self, obj: &PinnedObject, where_: &str) {
-        let inner = &self.inner;
-        inner
-            .counters
-            .corrupt_detected
-            .fetch_add(1, Ordering::Relaxed);
-        let mut shard = inner.shards[obj.shard as usize].write();
-        let e = shard.entry(obj.idx);
-        let key = e.key;
-        let live = e.state == crate::index::EntryState::Live && e.slot.offset == obj.offset;
-        let freed = if live {
-            shard.remove(obj.idx, false)
-        } else {
-            None
-        };
-        drop(shard);
-        log::warn!(
-            "umbp: object {:?} failed its checksum in {where_}: removed; its load fails and the \
-             engine recomputes it",
-            key
-        );
-        if live {
-            inner.finish_removals(
-                freed.into_iter().collect(),
-                vec![(key, RemoveCause::Corrupt)],
-            );
-        }
+        obj.verify()
     }
 
     /// Flips the bits of `mask` in byte `offset` of `key`'s object; whether it was there.
@@ -688,6 +645,52 @@ impl Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+impl PinnedObject {
+    /// Checks the bytes against the checksum kept with the object: `true` when they match or
+    /// the object has none. On a mismatch the object is removed from the pool (this pin keeps
+    /// its memory until dropped; nobody finds it again), counted in
+    /// [`PoolStats::corrupt_detected`] and logged, and `false` is answered: the caller must
+    /// not hand the bytes on (fail the load, skip the write to another tier). The bytes
+    /// cannot change while pinned (committed objects are never written), so what was
+    /// verified is what the caller copies next.
+    pub fn verify(&self) -> bool {
+        let Some(want) = self.checksum() else {
+            return true;
+        };
+        let inner = &self.inner;
+        inner.counters.verified.fetch_add(1, Ordering::Relaxed);
+        if crate::checksum(self.as_slice()) == want {
+            return true;
+        }
+        inner
+            .counters
+            .corrupt_detected
+            .fetch_add(1, Ordering::Relaxed);
+        let mut shard = inner.shards[self.shard as usize].write();
+        let e = shard.entry(self.idx);
+        let key = e.key;
+        // Still the entry this pin holds (not removed meanwhile): removed now.
+        let live = e.state == crate::index::EntryState::Live && e.slot.offset == self.offset;
+        let freed = if live {
+            shard.remove(self.idx, false)
+        } else {
+            None
+        };
+        drop(shard);
+        log::warn!(
+            "umbp: object {key:?} failed its checksum: removed from the pool; its load fails \
+             and the engine recomputes it"
+        );
+        if live {
+            inner.finish_removals(
+                freed.into_iter().collect(),
+                vec![(key, RemoveCause::Corrupt)],
+            );
+        }
+        false
     }
 }
 

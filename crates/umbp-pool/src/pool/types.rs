@@ -93,7 +93,8 @@ pub struct PoolStats {
     pub integrity: umbp_core::Integrity,
     /// Objects whose bytes were checked against their checksum.
     pub verified: u64,
-    /// Objects whose bytes did not match their checksum (each removed, its load failed).
+    /// Objects whose bytes did not match their checksum (each removed, its load failed). The
+    /// store's stats (umbp-store) add the objects its disk and remote tiers refused as damaged.
     pub corrupt_detected: u64,
     /// Keys the `on_reuse` admission remembers as seen once.
     pub admission_seen: u64,
