@@ -304,6 +304,10 @@ impl StandaloneClient {
             disk,
             channel_transfers,
             transfer_channels,
+            verified,
+            corrupt_detected,
+            integrity,
+            integrity_sample_every,
         } = s;
         let d = PyDict::new(py);
         d.set_item("boot_id", boot_id)?;
@@ -334,6 +338,10 @@ impl StandaloneClient {
         d.set_item("cuda_imports", cuda_imports)?;
         d.set_item("channel_transfers", channel_transfers)?;
         d.set_item("transfer_channels", transfer_channels)?;
+        d.set_item("integrity", integrity)?;
+        d.set_item("integrity_sample_every", integrity_sample_every)?;
+        d.set_item("verified", verified)?;
+        d.set_item("corrupt_detected", corrupt_detected)?;
         let remote = remote
             .map(|r| {
                 crate::store::remote_stats_dict(

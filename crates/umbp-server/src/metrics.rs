@@ -95,6 +95,8 @@ pub(crate) struct Gauges {
     pub(crate) promotions: u64,
     pub(crate) admissions_skipped: u64,
     pub(crate) admissions_forced: u64,
+    pub(crate) verified: u64,
+    pub(crate) corrupt_detected: u64,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
     pub(crate) disk: Option<umbp_store::DiskStats>,
 }
@@ -296,6 +298,19 @@ impl Metrics {
             "Stores kept on the key's first sighting because the client asked (admit_now: a \
              request's priority or umbp_store=now) where store_admission=on_reuse would not.",
             g.admissions_forced,
+        );
+        counter(
+            &mut o,
+            "pool_verified_total",
+            "Objects whose bytes a load checked against their checksum (--integrity).",
+            g.verified,
+        );
+        counter(
+            &mut o,
+            "corrupt_detected_total",
+            "Objects whose bytes failed their checksum on the way to a client, in any tier \
+             (pool, disk, remote): each removed and its load failed, never copied out.",
+            g.corrupt_detected,
         );
         if let Some(r) = &g.remote {
             for (name, help, v) in [

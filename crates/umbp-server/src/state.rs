@@ -57,6 +57,8 @@ impl State {
             g.ghost_hits = p.ghost_hits;
             g.admissions_skipped = p.admissions_skipped;
             g.admissions_forced = p.admissions_forced;
+            g.verified = p.verified;
+            g.corrupt_detected = p.corrupt_detected;
         }
         g.remote = self.store.remote_stats();
         g.disk = self.store.disk_stats();
