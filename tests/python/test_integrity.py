@@ -86,11 +86,11 @@ def test_off_verifies_nothing():
         s.close()
 
 
-def test_the_default_is_sampled_and_a_bad_setting_names_the_option():
+def test_the_default_is_off_and_a_bad_setting_names_the_option():
     s = umbp.EmbeddedStore(16 << 20, prefault=False)
     try:
         st = s.stats()
-        assert (st["integrity"], st["integrity_sample_every"]) == ("sample", 16)
+        assert (st["integrity"], st["integrity_sample_every"]) == ("off", 0)
     finally:
         s.close()
     with pytest.raises(umbp.ConfigError, match="integrity"):

@@ -404,7 +404,7 @@ pub const INTEGRITY: OptionSpec = OptionSpec {
     name: "integrity",
     scope: Scope::Embedded,
     kind: Kind::Choice(INTEGRITIES),
-    default: DefaultValue::Str("sample"),
+    default: DefaultValue::Str("off"),
     nullable: false,
     default_doc: None,
     doc: "End-to-end checksums of the pool's objects (XXH3-64, computed by the copy threads \
@@ -412,8 +412,10 @@ pub const INTEGRITY: OptionSpec = OptionSpec {
           `\"all\"`: every load verifies its object before copying it out; `\"sample\"`: one \
           load in `integrity_sample_every`; `\"off\"`: no checksums. A mismatch fails that \
           block's load (vLLM recomputes it), removes the object and counts in \
-          `corrupt_detected` (`umbp_corrupt_detected_total`). Costs: see \
-          [benchmarks.md](benchmarks.md#integrity-checksums-umbp-bench-copy---verify).",
+          `corrupt_detected` (`umbp_corrupt_detected_total`). Off by default: summing every \
+          store cost 12-25 % of the host copy's store rate here (`\"sample\"` loads cost \
+          nothing measurable, `\"all\"` loads 36-40 %; see \
+          [benchmarks.md](benchmarks.md#integrity-checksums-umbp-bench-copy---verify)).",
     also_rejected: None,
 };
 /// `integrity_sample_every`.
