@@ -101,8 +101,8 @@ class Transfer:
     def failures(self) -> list[tuple[int, str, str]]:
         """(key index, kind, message) of each failed key; kind is "invalid_range",
         "size_mismatch", "pool", "device", "device_lost" (the device is unusable until the
-        process restarts), "unsupported" or "server" (standalone: the transfer failed as a
-        whole)."""
+        process restarts), "unsupported", "server" (standalone: the transfer failed as a
+        whole) or "corrupt" (the stored object failed its checksum: removed, nothing copied)."""
         ...
     def failure(self) -> tuple[str, str] | None:
         """Why a standalone transfer failed as a whole, `(kind, message)` with the kind of
@@ -140,6 +140,8 @@ class EmbeddedStore:
         segment_bytes: int = ...,
         eviction_policy: Literal["s3fifo", "lru"] = ...,
         store_admission: Literal["all", "on_reuse"] = ...,
+        integrity: Literal["off", "sample", "all"] = ...,
+        integrity_sample_every: int = ...,
         num_workers: int = ...,
         timeout_ms: int = ...,
         cuda_copy_method: Literal["auto", "dma", "staged"] = ...,
@@ -218,6 +220,11 @@ class EmbeddedStore:
         copies); how many were in the pool."""
     def clear(self) -> int: ...
     def stats(self) -> dict[str, object]: ...
+    def _debug_corrupt(
+        self, keys: Keys, offset: int = 0, mask: int = 1, *, tier: Literal["pool", "disk"] = "pool"
+    ) -> int:
+        """For tests only: flips the bits of `mask` in byte `offset` of each key's object in
+        the pool or in the disk tier's segment file; how many were there."""
     def close(self) -> None: ...
     def __enter__(self) -> EmbeddedStore: ...
     def __exit__(self, *args: object) -> None: ...

@@ -26,8 +26,9 @@ Every exception has a ``kind``, the same in embedded and standalone mode for the
 from the kind (``session_lost`` and ``unavailable`` are ``ServerUnavailable``, ...); decide on
 ``e.kind`` rather than on the message's words. Per-key failures (``Transfer.failures()``, in
 either mode) name theirs with one vocabulary too: ``invalid_range``, ``size_mismatch``,
-``pool``, ``device``, ``device_lost``, ``unsupported``, and ``server`` (standalone: the
-transfer failed as a whole; ``Transfer.failure()`` gives its error's kind and message).
+``pool``, ``device``, ``device_lost``, ``unsupported``, ``server`` (standalone: the
+transfer failed as a whole; ``Transfer.failure()`` gives its error's kind and message) and
+``corrupt`` (the stored object failed its checksum: removed, nothing copied; `integrity`).
 """
 
 from umbp._native import (

@@ -5,7 +5,9 @@ use anyhow::{bail, ensure, Result};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use serde_json::json;
 use umbp_copy::{CopyEngine, Direction, HostMover, MemoryKind, MemoryRegistry};
-use umbp_core::{GroupLayout, KeyBuilder, KeyOutcome, LayerSpec, PoolConfig, RankTopology};
+use umbp_core::{
+    GroupLayout, Integrity, KeyBuilder, KeyOutcome, LayerSpec, PoolConfig, RankTopology,
+};
 use umbp_pool::Pool;
 
 use crate::common::progress;
@@ -30,6 +32,14 @@ pub struct Args {
     /// Measured rounds (the best of each is reported).
     #[arg(long, default_value_t = 3)]
     rounds: u32,
+    /// Integrity settings to measure side by side (comma-separated: off, sample, all), each
+    /// with a pool and engine of its own, rounds interleaved; printed as ratios to the first.
+    /// Also prints the checksum's own speed beside CRC32C's.
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    verify: Vec<String>,
+    /// With `sample` in --verify: one load in this many verifies its object.
+    #[arg(long, default_value_t = umbp_core::options::INTEGRITY_SAMPLE_EVERY.default_u64())]
+    sample_every: u64,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
@@ -94,11 +104,32 @@ pub fn run(a: &Args) -> Result<()> {
             .collect(),
     )?;
     let capacity = (total * 5 / 4).next_multiple_of(1 << 20);
-    let pool = Arc::new(Pool::new(PoolConfig::with_capacity(capacity))?);
-    let registry = Arc::new(MemoryRegistry::new());
-    // SAFETY: `cache` lives until the end of this function, after the engine is closed.
-    unsafe { registry.register(base, cache_len as u64, MemoryKind::Host)? };
-    let engine = CopyEngine::new(Arc::clone(&pool), registry, Arc::new(HostMover), workers)?;
+    let settings = a
+        .verify
+        .iter()
+        .map(|v| Integrity::from_options(v.trim(), a.sample_every))
+        .collect::<Result<Vec<_>, _>>()?;
+    ensure!(!settings.is_empty(), "--verify needs at least one setting");
+    // One pool and engine per setting, alive together so the rounds interleave (a machine
+    // whose speed drifts moves every setting alike).
+    let mut arms = Vec::new();
+    for &integrity in &settings {
+        let pool = Arc::new(Pool::new(PoolConfig {
+            integrity,
+            ..PoolConfig::with_capacity(capacity)
+        })?);
+        let registry = Arc::new(MemoryRegistry::new());
+        // SAFETY: `cache` lives until the end of this function, after the engines are closed.
+        unsafe { registry.register(base, cache_len as u64, MemoryKind::Host)? };
+        let engine = CopyEngine::new(Arc::clone(&pool), registry, Arc::new(HostMover), workers)?;
+        arms.push(Arm {
+            integrity,
+            pool,
+            engine,
+            store: f64::MAX,
+            load: f64::MAX,
+        });
+    }
     let kb = KeyBuilder::new("bench-copy", RankTopology::default())?;
 
     let mut rng = StdRng::seed_from_u64(42);
@@ -111,15 +142,9 @@ pub fn run(a: &Args) -> Result<()> {
         .iter()
         .map(|b| kb.key(0, &b.to_le_bytes()))
         .collect::<Result<_, _>>()?;
-    let expected: Vec<Vec<u8>> = sources
-        .iter()
-        .take(16)
-        .map(|&b| block_bytes(&cache, &layout, b))
-        .collect();
 
     let ceil_src = vec![1u8; total as usize];
     let mut ceil_dst = vec![0u8; total as usize];
-    let (mut best_store, mut best_load) = (f64::MAX, f64::MAX);
     let (mut best_memcpy, mut best_stream) = (f64::MAX, f64::MAX);
     let wait = |job: umbp_copy::JobHandle| -> Result<f64> {
         let t0 = Instant::now();
@@ -131,47 +156,80 @@ pub fn run(a: &Args) -> Result<()> {
         Ok(secs)
     };
     for round in 0..=a.rounds {
-        pool.clear();
         let c_memcpy = contiguous_copy(&ceil_src, &mut ceil_dst, workers, false);
         let c_stream = contiguous_copy(&ceil_src, &mut ceil_dst, workers, true);
-        let t0 = Instant::now();
-        let job = engine.submit(Direction::Store, keys.clone(), layout.plan(&sources)?)?;
-        let s = wait(job)?.max(t0.elapsed().as_secs_f64());
-        let t0 = Instant::now();
-        let job = engine.submit(Direction::Load, keys.clone(), layout.plan(&targets)?)?;
-        let l = wait(job)?.max(t0.elapsed().as_secs_f64());
-        if round == 0 {
-            // Warm-up round: verify bytes, do not time.
-            for (i, want) in expected.iter().enumerate() {
-                ensure!(
-                    &block_bytes(&cache, &layout, targets[i]) == want,
-                    "restored block {} differs from stored block {}",
-                    targets[i],
-                    sources[i]
-                );
+        for arm in &mut arms {
+            arm.pool.clear();
+            // What this store reads (an earlier arm's load may have written source blocks).
+            let expected: Vec<Vec<u8>> = if round == 0 {
+                sources
+                    .iter()
+                    .take(16)
+                    .map(|&b| block_bytes(&cache, &layout, b))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let t0 = Instant::now();
+            let job = arm
+                .engine
+                .submit(Direction::Store, keys.clone(), layout.plan(&sources)?)?;
+            let s = wait(job)?.max(t0.elapsed().as_secs_f64());
+            let t0 = Instant::now();
+            let job = arm
+                .engine
+                .submit(Direction::Load, keys.clone(), layout.plan(&targets)?)?;
+            let l = wait(job)?.max(t0.elapsed().as_secs_f64());
+            if round == 0 {
+                // Warm-up round: verify bytes, do not time.
+                for (i, want) in expected.iter().enumerate() {
+                    ensure!(
+                        &block_bytes(&cache, &layout, targets[i]) == want,
+                        "restored block {} differs from stored block {}",
+                        targets[i],
+                        sources[i]
+                    );
+                }
+                continue;
             }
+            progress!(
+                "round {round}, integrity {}: store {:.2} GB/s, load {:.2} GB/s",
+                arm.integrity,
+                total as f64 / s / 1e9,
+                total as f64 / l / 1e9,
+            );
+            arm.store = arm.store.min(s);
+            arm.load = arm.load.min(l);
+        }
+        if round == 0 {
             progress!("warm-up done, restored bytes verified");
             continue;
         }
         progress!(
-            "round {round}: store {:.2} GB/s, load {:.2} GB/s; contiguous memcpy {:.2} GB/s, streaming {:.2} GB/s",
-            total as f64 / s / 1e9,
-            total as f64 / l / 1e9,
+            "round {round}: contiguous memcpy {:.2} GB/s, streaming {:.2} GB/s",
             total as f64 / c_memcpy / 1e9,
             total as f64 / c_stream / 1e9
         );
-        best_store = best_store.min(s);
-        best_load = best_load.min(l);
         best_memcpy = best_memcpy.min(c_memcpy);
         best_stream = best_stream.min(c_stream);
     }
-    engine.close();
-    let store_gbps = total as f64 / best_store / 1e9;
-    let load_gbps = total as f64 / best_load / 1e9;
-    let gbps = 2.0 * total as f64 / (best_store + best_load) / 1e9;
+    for arm in &arms {
+        arm.engine.close();
+        let st = arm.pool.stats();
+        ensure!(
+            st.corrupt_detected == 0,
+            "integrity {}: {} objects failed their checksum",
+            arm.integrity,
+            st.corrupt_detected
+        );
+    }
+    let gb = |secs: f64| total as f64 / secs / 1e9;
+    let first = &arms[0];
+    let (store_gbps, load_gbps) = (gb(first.store), gb(first.load));
+    let gbps = 2.0 * total as f64 / (first.store + first.load) / 1e9;
     // The ceiling is the faster of the two contiguous copies of the same bytes.
-    let memcpy_gbps = total as f64 / best_memcpy / 1e9;
-    let stream_gbps = total as f64 / best_stream / 1e9;
+    let memcpy_gbps = gb(best_memcpy);
+    let stream_gbps = gb(best_stream);
     let ceiling_gbps = memcpy_gbps.max(stream_gbps);
     let ratio = gbps / ceiling_gbps;
     println!(
@@ -193,6 +251,42 @@ pub fn run(a: &Args) -> Result<()> {
     println!(
         "  contiguous streaming   {stream_gbps:>8.2} GB/s  (UMBP's streaming copy; ceiling = the faster: {ceiling_gbps:.2})"
     );
+    let mut rows = Vec::new();
+    if arms.len() > 1 || first.integrity != Integrity::Off {
+        println!(
+            "integrity (ratios to {}; sample verifies 1 load in {}):",
+            first.integrity.as_str(),
+            a.sample_every
+        );
+        println!("  setting      store GB/s  ratio   load GB/s  ratio");
+        for arm in &arms {
+            let (st, ld) = (gb(arm.store), gb(arm.load));
+            println!(
+                "  {:<10} {st:>10.2}  {:>5.3}  {ld:>10.2}  {:>5.3}",
+                arm.integrity.as_str(),
+                st / store_gbps,
+                ld / load_gbps
+            );
+            rows.push(json!({
+                "integrity": arm.integrity.as_str(),
+                "store_gbps": st,
+                "load_gbps": ld,
+                "store_ratio": st / store_gbps,
+                "load_ratio": ld / load_gbps,
+            }));
+        }
+        let hs = checksum_speeds();
+        println!(
+            "checksum speed, one thread (GB/s): xxh3-64 {:.2} hot / {:.2} cold; crc32c {:.2} hot / {:.2} cold",
+            hs.xxh3_hot, hs.xxh3_cold, hs.crc_hot, hs.crc_cold
+        );
+        rows.push(json!({
+            "checksum_gbps": {
+                "xxh3_hot": hs.xxh3_hot, "xxh3_cold": hs.xxh3_cold,
+                "crc32c_hot": hs.crc_hot, "crc32c_cold": hs.crc_cold,
+            }
+        }));
+    }
     if a.json {
         println!(
             "{}",
@@ -212,11 +306,69 @@ pub fn run(a: &Args) -> Result<()> {
                 "ratio": ratio,
                 "store_ratio": store_gbps / ceiling_gbps,
                 "load_ratio": load_gbps / ceiling_gbps,
+                "integrity": rows,
             })
         );
     }
+    drop(arms);
     drop(cache);
     Ok(())
+}
+
+/// One integrity setting's pool, engine and best times.
+struct Arm {
+    integrity: Integrity,
+    pool: Arc<Pool>,
+    engine: CopyEngine,
+    store: f64,
+    load: f64,
+}
+
+/// How fast one thread checksums: the pool's XXH3-64 and CRC32C (hardware instructions where
+/// the CPU has them), on 32 KiB in cache ("hot") and on 256 MiB read once ("cold").
+struct HashSpeeds {
+    xxh3_hot: f64,
+    xxh3_cold: f64,
+    crc_hot: f64,
+    crc_cold: f64,
+}
+
+fn checksum_speeds() -> HashSpeeds {
+    const HOT: usize = 32 << 10;
+    const COLD: usize = 256 << 20;
+    let buf: Vec<u8> = (0..COLD)
+        .map(|i| ((i as u64).wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let best = |f: &dyn Fn() -> u64, bytes: usize, reps: usize| -> f64 {
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let mut acc = 0u64;
+            for _ in 0..reps {
+                acc ^= f();
+            }
+            std::hint::black_box(acc);
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        (bytes * reps) as f64 / best / 1e9
+    };
+    let hot = &buf[..HOT];
+    let reps = (1usize << 30) / HOT;
+    let chunks = |f: fn(&[u8]) -> u64| buf.chunks(HOT).fold(0u64, |a, c| a ^ f(c));
+    HashSpeeds {
+        xxh3_hot: best(
+            &|| umbp_pool::checksum(std::hint::black_box(hot)),
+            HOT,
+            reps,
+        ),
+        xxh3_cold: best(&|| chunks(umbp_pool::checksum), COLD, 1),
+        crc_hot: best(
+            &|| u64::from(crc32c::crc32c(std::hint::black_box(hot))),
+            HOT,
+            reps,
+        ),
+        crc_cold: best(&|| chunks(|c| u64::from(crc32c::crc32c(c))), COLD, 1),
+    }
 }
 
 fn block_bytes(cache: &[u8], layout: &GroupLayout, b: u64) -> Vec<u8> {

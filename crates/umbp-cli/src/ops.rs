@@ -206,6 +206,10 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "cuda_imports": s.cuda_imports,
                 "channel_transfers": s.channel_transfers,
                 "transfer_channels": s.transfer_channels,
+                "integrity": s.integrity,
+                "integrity_sample_every": s.integrity_sample_every,
+                "verified": s.verified,
+                "corrupt_detected": s.corrupt_detected,
                 "remote": remote,
                 "disk": disk,
             })
@@ -263,6 +267,16 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
     println!("  evictions            {}", s.evictions);
     println!("  bytes in             {}", b(s.bytes_in));
     println!("  bytes out            {}", b(s.bytes_out));
+    println!("integrity");
+    println!(
+        "  checksums            {}",
+        match s.integrity.as_str() {
+            "sample" => format!("sample (1 load in {})", s.integrity_sample_every),
+            other => other.to_owned(),
+        }
+    );
+    println!("  verified             {}", s.verified);
+    println!("  corrupt detected     {}", s.corrupt_detected);
     println!("transfers");
     println!("  stores               {}", s.stores);
     println!("  loads                {}", s.loads);

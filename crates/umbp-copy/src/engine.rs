@@ -605,12 +605,30 @@ fn store_batch(
         ranges,
     );
     let after = job.after.read();
+    let mut sums = vec![None; copies.len()];
     // SAFETY: `submit` checked every range against live registrations, which the job holds
     // until it finishes; each reservation is `object_bytes` long and ours alone.
-    let outcomes = unsafe { mover.gather(&copies, after.as_ref()) };
+    let outcomes = unsafe {
+        if pool.integrity().sums() {
+            mover.gather_summed(&copies, after.as_ref(), &mut sums)
+        } else {
+            mover.gather(&copies, after.as_ref())
+        }
+    };
     drop(after);
+    // A sum of ranges that stop short of the object's end is not the object's.
+    for (sum, c) in sums.iter_mut().zip(&copies) {
+        if c.extent() != job.plan.object_bytes() {
+            *sum = None;
+        }
+    }
     drop(copies);
-    for ((at, i, res), outcome) in todo.into_iter().zip(outcomes) {
+    for (((at, i, mut res), outcome), sum) in todo.into_iter().zip(outcomes).zip(sums) {
+        // Where the mover could not sum the bytes (a DMA moved them), the pool sums the
+        // object at commit, on this worker, before it becomes visible.
+        if let Some(sum) = sum {
+            res.set_checksum(sum);
+        }
         results[at] = match outcome {
             Ok(()) => match pool.commit_as(res, job.keys[i], job.admit) {
                 CommitOutcome::Stored => KeyOutcome::Done,
@@ -649,6 +667,13 @@ fn load_batch(
                         ),
                     )
                 }
+                // Verified before any byte is copied out; the pin keeps the bytes as
+                // verified until the copy is done (committed objects are never written).
+                Some(obj) if pool.verify_due() && !pool.verify(&obj) => KeyOutcome::failed(
+                    FailureKind::Corrupt,
+                    "the stored object failed its checksum (integrity) and was removed; \
+                     nothing was copied",
+                ),
                 Some(obj) => {
                     todo.push((results.len(), i, obj));
                     KeyOutcome::Pending

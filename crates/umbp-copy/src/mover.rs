@@ -9,6 +9,11 @@ use umbp_core::KeyOutcome;
 use umbp_core::{CopyRange, FailureKind, KeyFailure};
 
 use crate::memcpy;
+use umbp_pool::Summer;
+
+/// Bytes the host mover sums and then copies at a time while summing a store: small enough
+/// that the copy reads them from the cache the sum brought them into.
+const SUM_CHUNK: u64 = 32 << 10;
 
 impl From<MoveError> for KeyFailure {
     fn from(e: MoveError) -> Self {
@@ -175,6 +180,24 @@ pub trait Mover: Send + Sync + std::fmt::Debug {
         after: Option<&OrderToken>,
     ) -> Vec<MoveResult>;
 
+    /// [`Mover::gather`], also answering in `sums[i]` the checksum ([`umbp_pool::checksum`])
+    /// of block `i`'s object where the mover can compute it while the bytes pass a CPU; where
+    /// it cannot (a DMA engine moved them), it leaves `sums[i]` `None` and the pool sums the
+    /// object when it is committed. `sums` is as long as `blocks`.
+    ///
+    /// # Safety
+    /// As for [`Mover::gather`].
+    unsafe fn gather_summed(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+        sums: &mut [Option<u64>],
+    ) -> Vec<MoveResult> {
+        let _ = sums;
+        // SAFETY: the caller's guarantees are `gather`'s.
+        unsafe { self.gather(blocks, after) }
+    }
+
     /// Copies each object into its block's engine ranges.
     ///
     /// # Safety
@@ -218,6 +241,51 @@ impl Mover for HostMover {
         vec![Ok(()); blocks.len()]
     }
 
+    unsafe fn gather_summed(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        _after: Option<&OrderToken>,
+        sums: &mut [Option<u64>],
+    ) -> Vec<MoveResult> {
+        let mut summer = Summer::new();
+        for (b, sum) in blocks.iter().zip(sums.iter_mut()) {
+            // The sum is of the object, so the ranges must tile it in order; a layout's do
+            // (runs concatenated), anything else is summed by the pool at commit.
+            let mut next = 0;
+            let in_order = b.ranges.iter().all(|r| {
+                let ok = r.object_offset == next;
+                next = r.object_offset + r.len;
+                ok
+            });
+            summer.reset();
+            for r in b.ranges {
+                let mut done = 0;
+                while done < r.len {
+                    let n = (r.len - done).min(SUM_CHUNK);
+                    let src = (r.host_addr + done) as *const u8;
+                    if in_order {
+                        // SAFETY: the caller guarantees the engine range is readable for
+                        // `r.len` bytes while the call lasts.
+                        summer.update(unsafe { std::slice::from_raw_parts(src, n as usize) });
+                    }
+                    // SAFETY: as in `gather`; the chunk was just read, so the copy reads it
+                    // from the cache.
+                    unsafe {
+                        memcpy::copy(
+                            b.object.add((r.object_offset + done) as usize),
+                            src,
+                            n as usize,
+                        )
+                    };
+                    done += n;
+                }
+            }
+            *sum = in_order.then(|| summer.finish());
+        }
+        memcpy::fence();
+        vec![Ok(()); blocks.len()]
+    }
+
     unsafe fn scatter(
         &self,
         blocks: &[BlockCopy<'_>],
@@ -250,6 +318,43 @@ mod tests {
     impl TokenOwner for Counter {
         fn release(&self, raw: u64) {
             self.0.fetch_add(raw, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn the_host_mover_sums_objects_whose_ranges_tile_them_in_order() {
+        // Two pieces of 100 KiB (more than one summing chunk each) from one source.
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let at = src.as_ptr() as u64;
+        let mut obj = vec![0u8; 200_000];
+        let in_order = [
+            CopyRange {
+                host_addr: at + 100_000,
+                object_offset: 0,
+                len: 100_000,
+            },
+            CopyRange {
+                host_addr: at,
+                object_offset: 100_000,
+                len: 100_000,
+            },
+        ];
+        let swapped = [in_order[1], in_order[0]];
+        for (ranges, summed) in [(&in_order, true), (&swapped, false)] {
+            obj.fill(0);
+            let blocks = [BlockCopy {
+                object: obj.as_mut_ptr(),
+                ranges,
+            }];
+            let mut sums = [None];
+            // SAFETY: both buffers live through the call and do not overlap.
+            let r = unsafe { HostMover.gather_summed(&blocks, None, &mut sums) };
+            assert_eq!(r, vec![Ok(())]);
+            let mut want = src[100_000..].to_vec();
+            want.extend_from_slice(&src[..100_000]);
+            assert_eq!(obj, want, "the copy is the same either way");
+            let expect = summed.then(|| umbp_pool::checksum(&want));
+            assert_eq!(sums[0], expect, "in order: {summed}");
         }
     }
 

@@ -4,6 +4,7 @@
 //! which the standalone server's environment variables map onto one to one.
 
 use crate::caching::{EvictionPolicy, StoreAdmission, DEFAULT_ADMISSION_WINDOW};
+use crate::integrity::Integrity;
 use crate::{options, CoreError};
 
 pub use crate::sizes::{HugepageSize, GIB, MIB};
@@ -53,6 +54,8 @@ pub struct PoolConfig {
     /// that follows (released by that load; counted in `leases_expired` when it runs out
     /// first). 0: lookups take no leases. [`DEFAULT_LOOKUP_LEASE_MS`] unless set.
     pub lookup_lease_ms: u64,
+    /// Whether objects are checksummed and how many loads verify them.
+    pub integrity: Integrity,
 }
 
 /// How long a lookup's hits are kept for their load by default: 5 s.
@@ -86,6 +89,7 @@ impl Default for PoolConfig {
                 .expect("the schema's store admission parses"),
             admission_window: DEFAULT_ADMISSION_WINDOW,
             lookup_lease_ms: DEFAULT_LOOKUP_LEASE_MS,
+            integrity: Integrity::default(),
         }
     }
 }

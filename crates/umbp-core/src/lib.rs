@@ -5,6 +5,8 @@
 //!   block ids into scatter/gather [`CopyRange`]s.
 //! * [`strided`]: the runs of one block of a strided tensor view ([`TensorView`]), so a layout
 //!   can be built from what the engine's tensors really look like.
+//! * [`integrity`]: whether objects are checksummed and how many loads verify them
+//!   ([`Integrity`]).
 //! * [`config`]: pool configuration ([`PoolConfig`]) with up-front validation.
 //! * [`outcome`]: the one vocabulary of failures ([`ErrorKind`]) and per-key outcomes
 //!   ([`KeyOutcome`], [`FailureKind`]) every crate and both modes use.
@@ -22,6 +24,7 @@ pub mod address;
 pub mod caching;
 pub mod config;
 pub mod error;
+pub mod integrity;
 pub mod key;
 pub mod layout;
 pub mod options;
@@ -32,6 +35,7 @@ pub mod strided;
 pub use caching::{Admit, EvictionPolicy, StoreAdmission};
 pub use config::{HugepageSize, MemoryBacking, PoolConfig, DEFAULT_LOOKUP_LEASE_MS};
 pub use error::CoreError;
+pub use integrity::Integrity;
 pub use key::{BlockKey, KeyBuilder, RankTopology};
 pub use layout::{
     CopyRange, GroupLayout, KvLayout, LayerSpec, LayoutSummary, RangePlan, MAX_GROUP_STRIDES,

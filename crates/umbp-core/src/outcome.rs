@@ -130,11 +130,14 @@ pub enum FailureKind {
     /// Standalone mode: the transfer failed as a whole, so every key did (the server went away
     /// before answering, refused the transfer, or could not take it); the message says why.
     Server,
+    /// The stored object's bytes did not match its checksum (`integrity`): it was removed
+    /// and nothing was copied; the engine recomputes the block.
+    Corrupt,
 }
 
 impl FailureKind {
     /// Every failure kind.
-    pub const ALL: [FailureKind; 7] = [
+    pub const ALL: [FailureKind; 8] = [
         FailureKind::InvalidRange,
         FailureKind::SizeMismatch,
         FailureKind::Pool,
@@ -142,6 +145,7 @@ impl FailureKind {
         FailureKind::DeviceLost,
         FailureKind::Unsupported,
         FailureKind::Server,
+        FailureKind::Corrupt,
     ];
 
     /// The failure's name, on the wire and in Python (`Job.errors()`, `Transfer.errors()`).
@@ -154,6 +158,7 @@ impl FailureKind {
             FailureKind::DeviceLost => "device_lost",
             FailureKind::Unsupported => "unsupported",
             FailureKind::Server => "server",
+            FailureKind::Corrupt => "corrupt",
         }
     }
 
@@ -170,7 +175,7 @@ impl FailureKind {
             FailureKind::Pool => ErrorKind::Internal,
             FailureKind::Device => ErrorKind::Device,
             FailureKind::DeviceLost => ErrorKind::DeviceLost,
-            FailureKind::Server => ErrorKind::TransferFailed,
+            FailureKind::Server | FailureKind::Corrupt => ErrorKind::TransferFailed,
         }
     }
 }

@@ -25,6 +25,13 @@ use crate::store::Store;
 pub trait ObjectBytes: Send {
     /// The bytes.
     fn bytes(&self) -> &[u8];
+
+    /// Whether the bytes are still what their owner stored (the pool's checksum, when it
+    /// keeps one), asked on the writer's thread just before writing: a damaged object is not
+    /// written (its owner counts it), so the disk's own checksum never vouches for it.
+    fn intact(&self) -> bool {
+        true
+    }
 }
 
 impl ObjectBytes for Vec<u8> {
@@ -269,14 +276,16 @@ impl Behind {
                 }
             };
             let data = obj.bytes();
-            self.pace(store.cfg.write_bytes_per_s, data.len() as u64);
-            match store.write(&key, data, &mut buf) {
-                Ok(_) => {}
-                Err(DiskError::TooLarge { .. } | DiskError::Closed) => {
-                    add(&store.c.writes_dropped, 1)
+            if obj.intact() {
+                self.pace(store.cfg.write_bytes_per_s, data.len() as u64);
+                match store.write(&key, data, &mut buf) {
+                    Ok(_) => {}
+                    Err(DiskError::TooLarge { .. } | DiskError::Closed) => {
+                        add(&store.c.writes_dropped, 1)
+                    }
+                    // Counted and logged by the store.
+                    Err(_) => {}
                 }
-                // Counted and logged by the store.
-                Err(_) => {}
             }
             drop(obj);
             let mut s = self.state.lock();

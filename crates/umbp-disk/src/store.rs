@@ -465,6 +465,38 @@ impl Store {
         }
     }
 
+    /// Flips the bits of `mask` in byte `offset` of `key`'s object in its segment file (the
+    /// data file, through an ordinary descriptor, synced); whether the disk held the key.
+    /// Damage for tests of the integrity checks only.
+    #[doc(hidden)]
+    pub fn debug_corrupt(&self, key: &BlockKey, offset: u64, mask: u8) -> Result<bool, DiskError> {
+        use std::os::unix::fs::FileExt;
+        let Some(loc) = self.index.read().get(key).copied() else {
+            return Ok(false);
+        };
+        let Some(seg) = self.segments.lock().get(&loc.seg).cloned() else {
+            return Ok(false);
+        };
+        let at = loc.offset + HEADER_BYTES + offset % loc.len.max(1);
+        let flip = || -> std::io::Result<()> {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&seg.dat)?;
+            let mut b = [0u8];
+            f.read_exact_at(&mut b, at)?;
+            b[0] ^= mask;
+            f.write_all_at(&b, at)?;
+            f.sync_data()
+        };
+        flip().map_err(|source| DiskError::Fs {
+            what: "damaging an object (a test's hook)",
+            path: seg.dat.clone(),
+            source,
+        })?;
+        Ok(true)
+    }
+
     /// Forgets `key` (its bytes stay until its segment is dropped). Whether it was held.
     pub fn remove(&self, key: &BlockKey) -> bool {
         self.index.write().remove(key).is_some()

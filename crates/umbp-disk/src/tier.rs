@@ -212,6 +212,14 @@ impl DiskTier {
         n
     }
 
+    /// Flips the bits of `mask` in byte `offset` (modulo its length) of `key`'s object in
+    /// its segment file; whether the disk held the key. Damage for tests of the integrity
+    /// checks only: the next read of the key fails its checksum.
+    #[doc(hidden)]
+    pub fn debug_corrupt(&self, key: &BlockKey, offset: u64, mask: u8) -> Result<bool, DiskError> {
+        self.store.debug_corrupt(key, offset, mask)
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> DiskStats {
         self.store.stats()

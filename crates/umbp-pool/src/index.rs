@@ -32,6 +32,8 @@ pub(crate) struct Entry {
     pub len: u64,
     pub pins: u32,
     pub state: EntryState,
+    /// The object's checksum ([`crate::checksum`]), when the pool keeps them.
+    pub sum: Option<u64>,
 }
 
 /// The index shard. Callers hold the shard's lock.
@@ -92,6 +94,7 @@ impl Shard {
             len,
             pins: 0,
             state: EntryState::Live,
+            sum: None,
         };
         let idx = match self.vacant.pop() {
             Some(i) => {
@@ -108,6 +111,11 @@ impl Shard {
         self.policy.insert(idx, fp, len, tick);
         self.live += 1;
         idx
+    }
+
+    /// Records the checksum of `idx`'s object.
+    pub fn set_sum(&mut self, idx: u32, sum: Option<u64>) {
+        self.entries[idx as usize].sum = sum;
     }
 
     /// Tells the policy `idx` was read.

@@ -28,6 +28,7 @@
 #![deny(unsafe_code)]
 
 pub mod alloc;
+mod checksum;
 mod error;
 mod index;
 mod lease;
@@ -37,6 +38,7 @@ pub mod region;
 pub mod shared_fd;
 mod window;
 
+pub use checksum::{checksum, Summer};
 pub use error::PoolError;
 pub use pool::{
     CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,

@@ -88,6 +88,8 @@ impl Pool {
             closed: AtomicBool::new(false),
             spill: Default::default(),
             leases,
+            integrity: cfg.integrity,
+            verify_tick: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&inner);
         let evictor = std::thread::Builder::new()
@@ -168,6 +170,7 @@ impl Pool {
                     inner: Arc::clone(inner),
                     slot: Some(slot),
                     len,
+                    sum: None,
                 });
             }
             let full = || PoolError::Full {
@@ -205,14 +208,19 @@ impl Pool {
     /// it; it is never [`CommitOutcome::Skipped`].
     pub fn commit_as(&self, mut res: Reservation, key: BlockKey, how: Admit) -> CommitOutcome {
         let inner = &self.inner;
+        let fp = key.fingerprint();
+        if !inner.admit_as(fp, how) {
+            drop(res);
+            return CommitOutcome::Skipped;
+        }
+        let sum = match (inner.integrity.sums(), res.sum) {
+            (false, _) => None,
+            (true, Some(sum)) => Some(sum),
+            (true, None) => Some(crate::checksum(res.as_mut_slice())),
+        };
         let slot = res.slot.take().expect("live reservation");
         let len = res.len;
         drop(res);
-        let fp = key.fingerprint();
-        if !inner.admit_as(fp, how) {
-            inner.alloc.lock().free(slot);
-            return CommitOutcome::Skipped;
-        }
         let si = shard_of(fp);
         let mut shard = inner.shards[si].write();
         if shard.find(&key, fp).is_some() {
@@ -226,6 +234,7 @@ impl Pool {
         }
         let tick = inner.tick.fetch_add(1, Ordering::Relaxed);
         let idx = shard.insert(key, fp, slot, len, tick);
+        shard.set_sum(idx, sum);
         inner.alloc.lock().set_owner(slot, owner_tag(si, idx));
         drop(shard);
         let c = &inner.counters;
@@ -265,6 +274,10 @@ impl Pool {
             return Ok(CommitOutcome::Skipped);
         }
         let mut r = self.reserve(data.len() as u64)?;
+        if self.inner.integrity.sums() {
+            // Summed from the caller's bytes, so a copy that damaged them is found later.
+            r.set_checksum(crate::checksum(data));
+        }
         r.as_mut_slice().copy_from_slice(data);
         Ok(self.commit(r, key))
     }
@@ -401,6 +414,45 @@ impl Pool {
     /// get: for readers that are not the engine (the remote tier's writer).
     pub fn peek(&self, key: &BlockKey) -> Option<PinnedObject> {
         self.pin(key, false)
+    }
+
+    /// The integrity setting: whether objects are checksummed and how many loads verify them.
+    pub fn integrity(&self) -> umbp_core::Integrity {
+        self.inner.integrity
+    }
+
+    /// Whether the load asking now should verify its object ([`Pool::verify`]): every load
+    /// with `integrity` `all`, one in `integrity_sample_every` with `sample`, none with `off`.
+    pub fn verify_due(&self) -> bool {
+        match self.inner.integrity.verify_every() {
+            0 => false,
+            1 => true,
+            every => self
+                .inner
+                .verify_tick
+                .fetch_add(1, Ordering::Relaxed)
+                .is_multiple_of(u64::from(every)),
+        }
+    }
+
+    /// Checks `obj`'s bytes against the checksum kept with it ([`PinnedObject::verify`]):
+    /// `true` when they match or the object has none; `false` (the object removed and
+    /// counted) when the caller must fail the load.
+    pub fn verify(&self, obj: &PinnedObject) -> bool {
+        obj.verify()
+    }
+
+    /// Flips the bits of `mask` in byte `offset` of `key`'s object; whether it was there.
+    /// Damage for tests of the integrity checks only ([`PinnedObject::debug_flip`]).
+    #[doc(hidden)]
+    pub fn debug_corrupt(&self, key: &BlockKey, offset: u64, mask: u8) -> bool {
+        match self.pin(key, false) {
+            Some(obj) => {
+                obj.debug_flip(offset % obj.len().max(1), mask);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Pins `key`'s object (marking it most recently used when `touch`); counts the pin only.
@@ -573,6 +625,9 @@ impl Pool {
             },
             admissions_skipped: r(&c.admissions_skipped),
             admissions_forced: r(&c.admissions_forced),
+            integrity: inner.integrity,
+            verified: r(&c.verified),
+            corrupt_detected: r(&c.corrupt_detected),
             admission_seen,
             bytes_in: r(&c.bytes_in),
             bytes_out: r(&c.bytes_out),
@@ -621,5 +676,54 @@ impl Drop for Pool {
     }
 }
 
+impl PinnedObject {
+    /// Checks the bytes against the checksum kept with the object: `true` when they match or
+    /// the object has none. On a mismatch the object is removed from the pool (this pin keeps
+    /// its memory until dropped; nobody finds it again), counted in
+    /// [`PoolStats::corrupt_detected`] and logged, and `false` is answered: the caller must
+    /// not hand the bytes on (fail the load, skip the write to another tier). The bytes
+    /// cannot change while pinned (committed objects are never written), so what was
+    /// verified is what the caller copies next.
+    pub fn verify(&self) -> bool {
+        let Some(want) = self.checksum() else {
+            return true;
+        };
+        let inner = &self.inner;
+        inner.counters.verified.fetch_add(1, Ordering::Relaxed);
+        if crate::checksum(self.as_slice()) == want {
+            return true;
+        }
+        inner
+            .counters
+            .corrupt_detected
+            .fetch_add(1, Ordering::Relaxed);
+        let mut shard = inner.shards[self.shard as usize].write();
+        let e = shard.entry(self.idx);
+        let key = e.key;
+        // Still the entry this pin holds (not removed meanwhile): removed now.
+        let live = e.state == crate::index::EntryState::Live && e.slot.offset == self.offset;
+        let freed = if live {
+            shard.remove(self.idx, false)
+        } else {
+            None
+        };
+        drop(shard);
+        log::warn!(
+            "umbp: object {key:?} failed its checksum: removed from the pool; its load fails \
+             and the engine recomputes it"
+        );
+        if live {
+            inner.finish_removals(
+                freed.into_iter().collect(),
+                vec![(key, RemoveCause::Corrupt)],
+            );
+        }
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod integrity_tests;

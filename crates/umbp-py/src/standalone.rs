@@ -311,6 +311,10 @@ impl StandaloneClient {
             leases_ended,
             leases_active,
             leased_bytes,
+            verified,
+            corrupt_detected,
+            integrity,
+            integrity_sample_every,
         } = s;
         let d = PyDict::new(py);
         d.set_item("boot_id", boot_id)?;
@@ -348,6 +352,10 @@ impl StandaloneClient {
         d.set_item("cuda_imports", cuda_imports)?;
         d.set_item("channel_transfers", channel_transfers)?;
         d.set_item("transfer_channels", transfer_channels)?;
+        d.set_item("integrity", integrity)?;
+        d.set_item("integrity_sample_every", integrity_sample_every)?;
+        d.set_item("verified", verified)?;
+        d.set_item("corrupt_detected", corrupt_detected)?;
         let remote = remote
             .map(|r| {
                 crate::store::remote_stats_dict(

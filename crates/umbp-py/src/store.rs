@@ -8,8 +8,8 @@ use pyo3::types::{PyDict, PyTuple};
 use umbp_copy::{Direction, JobHandle};
 use umbp_core::Admit;
 use umbp_core::{
-    options, EvictionPolicy, GroupLayout, HugepageSize, KvLayout, LayerSpec, LayoutSummary,
-    MemoryBacking, PoolConfig, StoreAdmission, TensorView,
+    options, EvictionPolicy, GroupLayout, HugepageSize, Integrity, KvLayout, LayerSpec,
+    LayoutSummary, MemoryBacking, PoolConfig, StoreAdmission, TensorView,
 };
 use umbp_store::{
     CopyMethod, CudaOptions, DiskConfig, DiskStats, DiskWrite, EmbeddedStore as CoreStore,
@@ -106,7 +106,8 @@ impl EmbeddedStore {
     #[pyo3(signature = (capacity_bytes, *, high_watermark=None, low_watermark=None,
         use_hugepages=None, hugepage_size=None, numa_node=None, prefault=None,
         prefault_threads=None, memfd=None, segment_bytes=None, eviction_policy=None,
-        store_admission=None, num_workers=None, timeout_ms=None,
+        store_admission=None, integrity=None, integrity_sample_every=None, num_workers=None,
+        timeout_ms=None,
         cuda_copy_method=None, cuda_staging_bytes=None, cuda_max_ctas=None,
         cuda_pin_chunk_bytes=None, cuda_batch_blocks=None, remote_url=None, remote_ttl_s=None,
         remote_write=None, remote_timeout_ms=None, remote_write_backlog=None,
@@ -128,6 +129,8 @@ impl EmbeddedStore {
         segment_bytes: Option<u64>,
         eviction_policy: Option<&str>,
         store_admission: Option<&str>,
+        integrity: Option<&str>,
+        integrity_sample_every: Option<u64>,
         num_workers: Option<usize>,
         timeout_ms: Option<u64>,
         cuda_copy_method: Option<&str>,
@@ -181,6 +184,13 @@ impl EmbeddedStore {
                 },
                 admission_window: pool.admission_window,
                 lookup_lease_ms: lookup_lease_ms.unwrap_or(pool.lookup_lease_ms),
+                integrity: match (integrity, integrity_sample_every) {
+                    (None, None) => pool.integrity,
+                    (mode, every) => Integrity::from_options(
+                        mode.unwrap_or(pool.integrity.as_str()),
+                        every.unwrap_or(options::INTEGRITY_SAMPLE_EVERY.default_u64()),
+                    )?,
+                },
             },
             num_workers: num_workers.unwrap_or(defaults.num_workers),
             timeout: timeout_ms.map_or(defaults.timeout, Duration::from_millis),
@@ -391,6 +401,37 @@ impl EmbeddedStore {
         Ok(without_gil(py, || s.clear())?)
     }
 
+    /// For tests of the integrity checks only: flips the bits of `mask` in byte `offset`
+    /// (modulo the object's length) of each key's object, in the pool (`tier="pool"`) or in
+    /// the disk tier's segment file (`tier="disk"`); how many of the keys were there.
+    #[pyo3(signature = (keys, offset=0, mask=1, *, tier="pool"))]
+    fn _debug_corrupt(
+        &self,
+        py: Python<'_>,
+        keys: &Keys,
+        offset: u64,
+        mask: u8,
+        tier: &str,
+    ) -> Result<u64> {
+        let disk = match tier {
+            "pool" => false,
+            "disk" => true,
+            other => {
+                return Err(Error::Config(format!(
+                    "tier {other:?}: choose \"pool\" or \"disk\""
+                )))
+            }
+        };
+        let s = self.live()?;
+        without_gil(py, || {
+            let mut n = 0;
+            for k in &keys.keys {
+                n += u64::from(s.debug_corrupt(k, offset, mask, disk)?);
+            }
+            Ok(n)
+        })
+    }
+
     /// The disk tier's counters (None without `disk_dir`).
     fn disk_stats<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyDict>>> {
         let st = self.live()?;
@@ -465,6 +506,10 @@ impl EmbeddedStore {
         d.set_item("leases_ended", s.leases_ended)?;
         d.set_item("leases_active", s.leases_active)?;
         d.set_item("leased_bytes", s.leased_bytes)?;
+        d.set_item("integrity", s.integrity.as_str())?;
+        d.set_item("integrity_sample_every", s.integrity.verify_every())?;
+        d.set_item("verified", s.verified)?;
+        d.set_item("corrupt_detected", s.corrupt_detected)?;
         let p = &s.placement;
         d.set_item(
             "hugepages_requested",

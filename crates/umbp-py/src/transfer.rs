@@ -167,8 +167,9 @@ impl Transfer {
     /// Keys that ended "failed", by key index, with why in one word and in words (empty until
     /// finished): "invalid_range", "size_mismatch", "pool", "device" (one device call
     /// failed), "device_lost" (the device is unusable until the process restarts),
-    /// "unsupported", or "server" (standalone: the transfer failed as a whole; see
-    /// `failure()`).
+    /// "unsupported", "server" (standalone: the transfer failed as a whole; see
+    /// `failure()`) or "corrupt" (the stored object failed its checksum: removed, nothing
+    /// copied).
     fn failures(&self) -> Result<Vec<(usize, &'static str, String)>> {
         let outcomes = self.outcomes()?.unwrap_or_default();
         Ok(umbp_core::outcome::failures(&outcomes)

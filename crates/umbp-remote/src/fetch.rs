@@ -317,8 +317,17 @@ fn put_fetched(
             return Ok(false);
         }
     };
+    // A checksummed value's sum is the pool's (XXH3-64 of the payload), checked here while
+    // copying: the pool keeps it. A keyed value leaves the pool to sum it at commit.
+    let sum = match &check {
+        object::Check::Sum(sum) => Some(*sum),
+        object::Check::Mac { .. } => None,
+    };
     // On an error, dropping the reservation frees it; nothing was visible.
     object::copy_checked(r.as_mut_slice(), payload, check)?;
+    if let Some(sum) = sum {
+        r.set_checksum(sum);
+    }
     {
         let mut fr = inner.from_remote.lock();
         if fr.len() >= MAX_TRACKED {

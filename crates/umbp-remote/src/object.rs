@@ -127,6 +127,19 @@ impl Seal {
 
     /// The header of `key`'s object `payload`: its first [`Seal::header_bytes`] bytes.
     pub fn header(&self, key: &BlockKey, payload: &[u8]) -> [u8; KEYED_HEADER_BYTES] {
+        self.header_with(key, payload, None)
+    }
+
+    /// [`Seal::header`], where `sum` (when given) is the payload's XXH3-64 as the pool kept
+    /// it since the object was stored: a checksummed value carries it as is, without hashing
+    /// the payload again, so damage the bytes took in DRAM since is found by whoever fetches
+    /// them. A keyed value's MAC is always computed over the payload.
+    pub fn header_with(
+        &self,
+        key: &BlockKey,
+        payload: &[u8],
+        sum: Option<u64>,
+    ) -> [u8; KEYED_HEADER_BYTES] {
         let mut h = [0u8; KEYED_HEADER_BYTES];
         h[..4].copy_from_slice(MAGIC);
         h[8..72].copy_from_slice(key.as_bytes());
@@ -134,7 +147,8 @@ impl Seal {
         match self {
             Seal::Checksum => {
                 h[4] = CHECKSUMMED;
-                h[80..88].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+                let sum = sum.unwrap_or_else(|| xxh3_64(payload));
+                h[80..88].copy_from_slice(&sum.to_le_bytes());
             }
             Seal::Keyed(k) => {
                 h[4] = KEYED;
@@ -173,6 +187,8 @@ pub struct Encoded<'a> {
     pub key: &'a BlockKey,
     /// Its bytes.
     pub payload: &'a [u8],
+    /// The payload's XXH3-64 as the pool kept it, if it does ([`Seal::header_with`]).
+    pub sum: Option<u64>,
 }
 
 impl redis::ToRedisArgs for Encoded<'_> {
@@ -182,7 +198,7 @@ impl redis::ToRedisArgs for Encoded<'_> {
     {
         use std::io::Write;
         let mut w = out.writer_for_next_arg();
-        let header = self.seal.header(self.key, self.payload);
+        let header = self.seal.header_with(self.key, self.payload, self.sum);
         // Writes into a growing in-memory buffer cannot fail.
         w.write_all(&header[..self.seal.header_bytes()])
             .and_then(|()| w.write_all(self.payload))

@@ -135,8 +135,15 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
                 add(&c.writes_evicted, 1);
                 continue;
             };
+            // A checksummed value carries the pool's sum as is (checked by every reader); a
+            // keyed one is sealed over the bytes, so they are verified first (a damaged
+            // object is counted and removed by the pool, and not written).
+            let sum = obj.checksum();
+            if sum.is_some() && matches!(inner.seal, object::Seal::Keyed(_)) && !obj.verify() {
+                continue;
+            }
             batch_bytes += obj.len();
-            batch.push((key, object::remote_key(&key), obj));
+            batch.push((key, object::remote_key(&key), obj, sum));
         }
         c.backlog_bytes.store(backlog.bytes, Ordering::Relaxed);
         if batch.is_empty() {
@@ -144,13 +151,14 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
         }
         let pairs: Vec<(String, object::Encoded<'_>)> = batch
             .iter()
-            .map(|(key, name, obj)| {
+            .map(|(key, name, obj, sum)| {
                 (
                     name.clone(),
                     object::Encoded {
                         seal: &inner.seal,
                         key,
                         payload: obj.as_slice(),
+                        sum: *sum,
                     },
                 )
             })

@@ -101,6 +101,8 @@ pub(crate) struct Gauges {
     pub(crate) leases_refused: u64,
     pub(crate) leases_ended: u64,
     pub(crate) leased_bytes: u64,
+    pub(crate) verified: u64,
+    pub(crate) corrupt_detected: u64,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
     pub(crate) disk: Option<umbp_store::DiskStats>,
 }
@@ -352,6 +354,19 @@ impl Metrics {
             "pool_leased_bytes",
             "Bytes of the objects that hold lookup leases now.",
             g.leased_bytes,
+        );
+        counter(
+            &mut o,
+            "pool_verified_total",
+            "Objects whose bytes a load checked against their checksum (--integrity).",
+            g.verified,
+        );
+        counter(
+            &mut o,
+            "corrupt_detected_total",
+            "Objects whose bytes failed their checksum on the way to a client, in any tier \
+             (pool, disk, remote): each removed and its load failed, never copied out.",
+            g.corrupt_detected,
         );
         if let Some(r) = &g.remote {
             for (name, help, v) in [

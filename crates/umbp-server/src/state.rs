@@ -63,6 +63,8 @@ impl State {
             g.leases_refused = p.leases_refused;
             g.leases_ended = p.leases_ended;
             g.leased_bytes = p.leased_bytes;
+            g.verified = p.verified;
+            g.corrupt_detected = p.corrupt_detected;
         }
         g.remote = self.store.remote_stats();
         g.disk = self.store.disk_stats();

@@ -27,6 +27,13 @@ impl ObjectBytes for Spilled {
     fn bytes(&self) -> &[u8] {
         self.0.as_slice()
     }
+
+    /// With integrity on, every object is verified before it goes to disk (on the writer's
+    /// thread, off the engine's path): the disk's own checksum then covers the pool's bytes,
+    /// so damage they took in DRAM never reaches the disk.
+    fn intact(&self) -> bool {
+        self.0.verify()
+    }
 }
 
 /// Opens the tier and hands it every object the pool evicts, and with eager writes every
@@ -114,6 +121,9 @@ pub(crate) fn write_pool(disk: &DiskTier, pool: &Pool) -> u64 {
             continue;
         }
         let Some(obj) = pool.peek(&key) else { continue };
+        if !obj.verify() {
+            continue;
+        }
         match disk.write_now(&key, obj.as_slice()) {
             Ok(true) => written += 1,
             Ok(false) => {}
@@ -141,6 +151,11 @@ fn into_pool(pool: &Arc<Pool>) -> Sink {
         let Ok(mut r) = pool.try_reserve(bytes.len() as u64) else {
             return false;
         };
+        if pool.integrity().sums() {
+            // The disk tier checked these bytes against its own checksum; summed for the pool
+            // from the read buffer, before the copy reads them again from the cache.
+            r.set_checksum(umbp_pool::checksum(bytes));
+        }
         r.as_mut_slice().copy_from_slice(bytes);
         pool.commit(r, *key);
         true

@@ -245,6 +245,27 @@ impl EmbeddedStore {
         self.shared.remote.as_ref().is_none_or(|r| r.flush(timeout))
     }
 
+    /// Flips the bits of `mask` in byte `offset` of `key`'s object, in the pool (`disk`
+    /// false) or in its disk tier's segment file (`disk` true); whether the object was
+    /// there. Damage for tests of the integrity checks only (the Python binding's
+    /// `_debug_corrupt`).
+    #[doc(hidden)]
+    pub fn debug_corrupt(
+        &self,
+        key: &BlockKey,
+        offset: u64,
+        mask: u8,
+        disk: bool,
+    ) -> Result<bool, StoreError> {
+        if !disk {
+            return Ok(self.shared.pool.debug_corrupt(key, offset, mask));
+        }
+        match &self.shared.disk {
+            None => Ok(false),
+            Some(d) => Ok(d.debug_corrupt(key, offset, mask)?),
+        }
+    }
+
     /// The disk tier's counters (`None` without one).
     pub fn disk_stats(&self) -> Option<umbp_disk::DiskStats> {
         self.shared.disk.as_ref().map(|d| d.stats())
@@ -458,7 +479,12 @@ impl EmbeddedStore {
     /// Pool counters. [`StoreError::Closed`] after `close`.
     pub fn stats(&self) -> Result<PoolStats, StoreError> {
         self.check_open()?;
-        Ok(self.shared.pool.stats())
+        let mut s = self.shared.pool.stats();
+        // Damage found on the way to the engine in any tier: the pool's own, and objects the
+        // disk and remote tiers refused to hand over.
+        s.corrupt_detected += self.disk_stats().map_or(0, |d| d.corrupt)
+            + self.remote_stats().map_or(0, |r| r.corrupt);
+        Ok(s)
     }
 
     /// Stored / removed notifications.

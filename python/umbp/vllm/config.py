@@ -78,6 +78,8 @@ class ConnectorConfig:
     dram_prefault: bool
     eviction_policy: str
     store_admission: str
+    integrity: str
+    integrity_sample_every: int
     remote_url: str | None
     remote_ttl_s: int
     remote_write: str

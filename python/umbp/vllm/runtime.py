@@ -243,6 +243,8 @@ class EmbeddedRuntime:
             prefault=cfg.dram_prefault,
             eviction_policy=cfg.eviction_policy,
             store_admission=cfg.store_admission,
+            integrity=cfg.integrity,
+            integrity_sample_every=cfg.integrity_sample_every,
             num_workers=cfg.num_workers,
             timeout_ms=cfg.timeout_ms,
             remote_url=cfg.remote_url,

@@ -118,6 +118,12 @@ POOL_GAUGES: tuple[tuple[str, str, str], ...] = (
 POOL_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("evictions", "vllm:umbp_pool_evictions", "Objects the UMBP pool evicted to make room."),
     (
+        "corrupt_detected",
+        "vllm:umbp_corrupt_detected",
+        "KV objects that failed their checksum on the way to the engine, in any UMBP tier "
+        "(integrity): removed, their blocks recomputed, never restored.",
+    ),
+    (
         "remote_hits",
         "vllm:umbp_remote_hits",
         "Objects fetched from UMBP's remote tier into the pool on a lookup.",

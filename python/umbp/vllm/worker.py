@@ -143,6 +143,7 @@ class _Dropped:
 def _pool_fields(s: dict[str, Any], remote: dict[str, Any]) -> dict[str, int]:
     """A pool's occupancy and cumulative counts, from its stats (and its remote tier's)."""
     fields = {k: int(s[k]) for k in ("used_bytes", "capacity_bytes", "objects", "evictions")}
+    fields["corrupt_detected"] = int(s.get("corrupt_detected", 0))
     if "hits" in remote:
         fields["remote_hits"] = int(remote["hits"])
     return fields

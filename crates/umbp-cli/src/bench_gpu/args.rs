@@ -85,6 +85,12 @@ pub struct Args {
     /// Milliseconds one matmul loop runs (at least 8 idle copy jobs long).
     #[arg(long, default_value_t = 300)]
     pub(super) load_ms: u64,
+    /// The pool's checksums (`off`, `sample`, `all`; see `integrity`): with a sum, each
+    /// stored object is summed by its copy worker after the DMA, before the commit; a
+    /// verified load reads its object once more before the copy. Run once per setting to
+    /// compare.
+    #[arg(long, default_value = umbp_core::options::INTEGRITY.default_str())]
+    pub(super) integrity: String,
     /// Print a JSON object as the last line.
     #[arg(long)]
     pub(super) json: bool,

@@ -230,6 +230,10 @@ pub(super) fn prepare(
     let store = EmbeddedStore::new(StoreConfig {
         pool: PoolConfig {
             prefault: true,
+            integrity: umbp_core::Integrity::from_options(
+                &a.integrity,
+                umbp_core::options::INTEGRITY_SAMPLE_EVERY.default_u64(),
+            )?,
             ..PoolConfig::with_capacity(capacity.next_multiple_of(64 << 20))
         },
         num_workers: a.workers,

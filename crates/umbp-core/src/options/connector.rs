@@ -100,6 +100,9 @@ pub struct ConnectorOptions {
     pub eviction_policy: String,
     /// `"all"` or `"on_reuse"`.
     pub store_admission: String,
+    /// `"off"`, `"sample"` or `"all"`.
+    pub integrity: String,
+    pub integrity_sample_every: u64,
     /// The socket path (a `unix://` address is resolved to its path).
     pub endpoint: Option<String>,
     pub startup_timeout_ms: u64,
@@ -182,6 +185,11 @@ impl ConnectorOptions {
                              --disk-capacity (UMBP_DISK_CAPACITY), --disk-write-mb-per-s \
                              (UMBP_DISK_WRITE_MB_PER_S), --disk-write (UMBP_DISK_WRITE) and \
                              --disk-close-write-s (UMBP_DISK_CLOSE_WRITE_S)"
+                        }
+                        Mode::Standalone if name.starts_with("integrity") => {
+                            "is not accepted in standalone mode: the server owns the pool and \
+                             its checksums; start it with --integrity (UMBP_INTEGRITY) and \
+                             --integrity-sample-every (UMBP_INTEGRITY_SAMPLE_EVERY)"
                         }
                         Mode::Standalone
                             if name == EVICTION_POLICY.name || name == STORE_ADMISSION.name =>

@@ -396,6 +396,44 @@ pub const STORE_ADMISSION: OptionSpec = OptionSpec {
           `admissions_skipped`; writes far fewer bytes for a few points of hit rate).",
     also_rejected: None,
 };
+/// The `integrity` settings (`umbp_core::integrity::Integrity`).
+pub const INTEGRITIES: &[&str] = &["off", "sample", "all"];
+
+/// `integrity` (also the store's and the server's).
+pub const INTEGRITY: OptionSpec = OptionSpec {
+    name: "integrity",
+    scope: Scope::Embedded,
+    kind: Kind::Choice(INTEGRITIES),
+    default: DefaultValue::Str("off"),
+    nullable: false,
+    default_doc: None,
+    doc: "End-to-end checksums of the pool's objects (XXH3-64, computed by the copy threads \
+          while the bytes pass them, by the disk and remote tiers from the bytes they read). \
+          `\"all\"`: every load verifies its object before copying it out; `\"sample\"`: one \
+          load in `integrity_sample_every`; `\"off\"`: no checksums. A mismatch fails that \
+          block's load (vLLM recomputes it), removes the object and counts in \
+          `corrupt_detected` (`umbp_corrupt_detected_total`). Off by default: summing every \
+          store cost 12-25 % of the host copy's store rate here (`\"sample\"` loads cost \
+          nothing measurable, `\"all\"` loads 36-40 %; see \
+          [benchmarks.md](benchmarks.md#integrity-checksums-umbp-bench-copy---verify)).",
+    also_rejected: None,
+};
+/// `integrity_sample_every`.
+pub const INTEGRITY_SAMPLE_EVERY: OptionSpec = OptionSpec {
+    name: "integrity_sample_every",
+    scope: Scope::Embedded,
+    kind: Kind::Int {
+        min: 1,
+        max: 1 << 20,
+        unit: Unit::Count,
+    },
+    default: DefaultValue::Int(16),
+    nullable: false,
+    default_doc: None,
+    doc: "With `integrity: \"sample\"`, one load in this many verifies its object (1: every \
+          load, as `\"all\"`).",
+    also_rejected: None,
+};
 /// `endpoint`.
 pub const ENDPOINT: OptionSpec = OptionSpec {
     name: "endpoint",
@@ -661,6 +699,8 @@ pub const SCHEMA: &[OptionSpec] = &[
     DRAM_PREFAULT,
     EVICTION_POLICY,
     STORE_ADMISSION,
+    INTEGRITY,
+    INTEGRITY_SAMPLE_EVERY,
     REMOTE_URL,
     REMOTE_TTL_S,
     REMOTE_WRITE,

@@ -49,6 +49,8 @@ pub(super) struct Counters {
     pub(super) objects: AtomicU64,
     pub(super) admissions_skipped: AtomicU64,
     pub(super) admissions_forced: AtomicU64,
+    pub(super) verified: AtomicU64,
+    pub(super) corrupt_detected: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -125,6 +127,10 @@ pub(super) struct Inner {
     pub(super) spill: Spill,
     /// Lookup leases: their clock, bound and counters ([`crate::lease`]).
     pub(super) leases: Arc<LeaseBook>,
+    /// Whether objects are checksummed, and how many loads verify them.
+    pub(super) integrity: umbp_core::Integrity,
+    /// Loads asked whether to verify (the sampling's count).
+    pub(super) verify_tick: AtomicU64,
     /// This pool itself, for handles made inside it (spilled objects).
     pub(super) me: std::sync::Weak<Inner>,
 }
@@ -136,6 +142,8 @@ pub struct Reservation {
     pub(super) inner: Arc<Inner>,
     pub(super) slot: Option<Slot>,
     pub(super) len: u64,
+    /// The checksum its writer computed ([`Reservation::set_checksum`]).
+    pub(super) sum: Option<u64>,
 }
 
 // SAFETY: a reservation refers to memory no one else can reach until it is committed.
@@ -158,6 +166,13 @@ impl Reservation {
         // SAFETY: the slot lies inside the region (the allocator hands out offsets below its
         // capacity, which is at most the region's length).
         unsafe { self.inner.region.base().add(slot.offset as usize) }
+    }
+
+    /// Gives the checksum ([`crate::checksum`]) of the bytes written, computed where they
+    /// passed the writer's CPU; a pool that keeps checksums sums the object at commit when
+    /// its writer did not. The sum must be of the bytes as committed: the pool trusts it.
+    pub fn set_checksum(&mut self, sum: u64) {
+        self.sum = Some(sum);
     }
 
     /// The object's bytes, for writing.
@@ -222,6 +237,33 @@ impl PinnedObject {
         // SAFETY: committed objects are never written again, and the pin keeps the slot from
         // being freed or reused while `self` lives.
         unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len as usize) }
+    }
+
+    /// The checksum kept with the object ([`crate::checksum`]); `None` where the pool keeps
+    /// none (`integrity` off when it was committed).
+    pub fn checksum(&self) -> Option<u64> {
+        // The entry stays in its slab while pinned (doomed, not vacant), so `idx` is ours.
+        self.inner.shards[self.shard as usize]
+            .read()
+            .entry(self.idx)
+            .sum
+    }
+
+    /// Flips the bits of `mask` in byte `offset` of the committed object: damage for tests
+    /// of the integrity checks (nothing else may call it; readers of the object race with it).
+    #[doc(hidden)]
+    pub fn debug_flip(&self, offset: u64, mask: u8) {
+        assert!(
+            offset < self.len,
+            "offset {offset} is past the object's {} bytes",
+            self.len
+        );
+        // SAFETY: the byte lies inside the pinned object, which stays allocated while `self`
+        // lives; writing it breaks the objects' immutability on purpose, for tests only.
+        unsafe {
+            let p = self.as_ptr().add(offset as usize) as *mut u8;
+            p.write_volatile(p.read_volatile() ^ mask);
+        }
     }
 }
 

@@ -15,6 +15,8 @@ pub enum RemoveCause {
     Removed,
     /// Removed by a clear.
     Cleared,
+    /// Removed because its bytes failed their checksum.
+    Corrupt,
 }
 
 /// How an evicted object is handed to the spill hook ([`Pool::set_spill`](super::Pool::set_spill)).
@@ -99,6 +101,13 @@ pub struct PoolStats {
     /// Commits stored on a key's first sighting because the writer asked for it
     /// ([`umbp_core::Admit::Now`]) where `on_reuse` would have skipped them.
     pub admissions_forced: u64,
+    /// Whether objects are checksummed, and how many loads verify them.
+    pub integrity: umbp_core::Integrity,
+    /// Objects whose bytes were checked against their checksum.
+    pub verified: u64,
+    /// Objects whose bytes did not match their checksum (each removed, its load failed). The
+    /// store's stats (umbp-store) add the objects its disk and remote tiers refused as damaged.
+    pub corrupt_detected: u64,
     /// Keys the `on_reuse` admission remembers as seen once.
     pub admission_seen: u64,
     /// Bytes committed.

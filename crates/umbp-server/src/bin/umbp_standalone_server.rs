@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use clap::builder::{PossibleValuesParser, RangedU64ValueParser};
 use clap::Parser;
 use umbp_core::options::{self, Kind, OptionSpec};
-use umbp_core::{HugepageSize, PoolConfig};
+use umbp_core::{HugepageSize, Integrity, PoolConfig};
 use umbp_proto::{Endpoint, DEFAULT_ENDPOINT};
 use umbp_server::{
     Access, ServerConfig, DEFAULT_BUSY_POLL, DEFAULT_COPY_WORKERS, DEFAULT_SHUTDOWN_GRACE,
@@ -74,6 +74,14 @@ struct Args {
     /// or looked up; the first store is skipped and counted).
     #[arg(long = "store-admission", env = "UMBP_STORE_ADMISSION", default_value = options::STORE_ADMISSION.default_str(), value_parser = PossibleValuesParser::new(options::STORE_ADMISSIONS))]
     store_admission: String,
+    /// Checksums of the pool's objects: all (every load verifies its object), sample (one
+    /// load in --integrity-sample-every) or off. A damaged object fails its load, is removed
+    /// and counted (umbp_corrupt_detected_total).
+    #[arg(long, env = "UMBP_INTEGRITY", default_value = options::INTEGRITY.default_str(), value_parser = PossibleValuesParser::new(options::INTEGRITIES))]
+    integrity: String,
+    /// With --integrity sample, one load in this many verifies its object.
+    #[arg(long = "integrity-sample-every", env = "UMBP_INTEGRITY_SAMPLE_EVERY", default_value_t = options::INTEGRITY_SAMPLE_EVERY.default_u64())]
+    integrity_sample_every: u64,
     /// Copy worker threads, shared by every client.
     #[arg(long, env = "UMBP_NUM_WORKERS", default_value_t = DEFAULT_COPY_WORKERS)]
     workers: usize,
@@ -363,6 +371,8 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
                 .parse()
                 .context("--store-admission / UMBP_STORE_ADMISSION")?,
             lookup_lease_ms: a.lookup_lease_ms,
+            integrity: Integrity::from_options(&a.integrity, a.integrity_sample_every)
+                .context("--integrity / --integrity-sample-every (UMBP_INTEGRITY*)")?,
             ..PoolConfig::default()
         },
         num_workers: a.workers,
@@ -566,6 +576,8 @@ mod tests {
         ("prefault", &options::DRAM_PREFAULT),
         ("eviction_policy", &options::EVICTION_POLICY),
         ("store_admission", &options::STORE_ADMISSION),
+        ("integrity", &options::INTEGRITY),
+        ("integrity_sample_every", &options::INTEGRITY_SAMPLE_EVERY),
         ("timeout_ms", &options::TIMEOUT_MS),
         ("remote_url", &options::REMOTE_URL),
         ("remote_ttl_s", &options::REMOTE_TTL_S),
