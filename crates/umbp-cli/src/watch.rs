@@ -77,29 +77,58 @@ impl Source {
                 })
             }
             Source::Engines { dir, timeout } => {
-                let sockets = lookup_sockets(dir)?;
-                if sockets.is_empty() {
-                    bail!(
-                        "no engine lookup sockets (umbp-*-dp*-w*.sock) in {} or its \
-                         umbp-<uid> folder; give the connector's lookup_dir",
+                let (sockets, skipped) = lookup_sockets(dir)?;
+                if skipped > 0 && !SKIP_NOTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    eprintln!(
+                        "umbp stats: skipped {skipped} socket(s) in {} that another user owns",
                         dir.display()
                     );
                 }
-                // One socket at a time: a killed engine leaves its socket behind, and one
-                // that does not answer must not hide the others.
+                if sockets.is_empty() {
+                    bail!(
+                        "no engine lookup sockets (umbp-*-dp*-w*.sock) of this user in {} or its \
+                         umbp-<uid> folder{}; give the connector's lookup_dir",
+                        dir.display(),
+                        if skipped > 0 {
+                            format!(" ({skipped} of other users skipped)")
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+                // Every socket at once, each given at most PER_SOCKET: a killed engine leaves
+                // its socket behind, and one that never answers must neither hide the others
+                // nor add its wait to theirs.
                 let expected = sockets.len() as u64;
+                let per = (*timeout).min(PER_SOCKET);
                 let mut answers = Vec::new();
                 let mut first_err = None;
-                for path in sockets {
-                    match LookupClient::new(vec![path], *timeout).wait_ready(*timeout) {
-                        Ok(mut a) => answers.append(&mut a),
-                        Err(e) => {
-                            first_err.get_or_insert(e);
+                for chunk in sockets.chunks(64) {
+                    let got: Vec<_> = std::thread::scope(|s| {
+                        let asks: Vec<_> = chunk
+                            .iter()
+                            .map(|path| {
+                                s.spawn(move || {
+                                    LookupClient::new(vec![path.clone()], per).wait_ready(per)
+                                })
+                            })
+                            .collect();
+                        asks.into_iter().map(|a| a.join()).collect()
+                    });
+                    for r in got {
+                        match r {
+                            Ok(Ok(mut a)) => answers.append(&mut a),
+                            Ok(Err(e)) => {
+                                first_err.get_or_insert(e.to_string());
+                            }
+                            Err(_) => {
+                                first_err.get_or_insert("a socket's reader panicked".into());
+                            }
                         }
                     }
                 }
                 if answers.is_empty() {
-                    let e = first_err.map_or_else(String::new, |e| e.to_string());
+                    let e = first_err.unwrap_or_default();
                     bail!(
                         "none of the {expected} engine workers in {} answered: {e}",
                         dir.display()
@@ -113,24 +142,39 @@ impl Source {
     }
 }
 
-/// The lookup sockets of `dir` and of `dir/umbp-<uid>` (where the connector puts them).
-fn lookup_sockets(dir: &Path) -> Result<Vec<PathBuf>> {
+/// How long one engine worker's lookup socket gets to answer, at most: 1 s (a worker answers
+/// in microseconds; the sockets are asked all at once).
+const PER_SOCKET: Duration = Duration::from_secs(1);
+
+/// Whether the note about other users' sockets was printed already.
+static SKIP_NOTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The lookup sockets of this user in `dir` and in `dir/umbp-<uid>` (where the connector puts
+/// them), and how many sockets of other users were skipped (never connected to: one planted by
+/// another user could hold the command, or learn who asks).
+fn lookup_sockets(dir: &Path) -> Result<(Vec<PathBuf>, usize)> {
+    use std::os::unix::fs::MetadataExt;
     // SAFETY: getuid has no preconditions and cannot fail.
     let uid = unsafe { libc::getuid() };
     let mut out = Vec::new();
+    let mut skipped = 0;
     for d in [dir.to_path_buf(), dir.join(format!("umbp-{uid}"))] {
         let Ok(entries) = std::fs::read_dir(&d) else {
             continue;
         };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("umbp-") && name.ends_with(".sock") && name.contains("-dp") {
-                out.push(e.path());
+            if !(name.starts_with("umbp-") && name.ends_with(".sock") && name.contains("-dp")) {
+                continue;
+            }
+            match std::fs::symlink_metadata(e.path()) {
+                Ok(m) if m.uid() == uid => out.push(e.path()),
+                _ => skipped += 1,
             }
         }
     }
     out.sort();
-    Ok(out)
+    Ok((out, skipped))
 }
 
 /// Sums the workers' `key=value` answers (`umbp-store-lookup`'s describe).

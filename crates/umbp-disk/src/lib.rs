@@ -19,9 +19,18 @@
 //! - **Restart.** [`DiskTier::open`] rebuilds the index from the index files (time logged)
 //!   and goes on filling the newest segment; a torn record is skipped, and a torn object fails
 //!   its checksum when read: a miss.
-//! - **Failures.** A directory that cannot be made, written or locked, or a file system with
-//!   less room than the capacity, is an error at start-up ([`DiskError`]); at run time I/O
-//!   errors (disk full, directory removed) are counted misses or dropped writes.
+//! - **Trust.** The directory is checked from `/` down before anything is read or written
+//!   there ([`umbp_unix::safedir`]): it must be the process's user's and writable by nobody
+//!   else, every parent root's or that user's and not writable by others without the sticky
+//!   bit, every symbolic link on the way root's or that user's. Files are opened relative to
+//!   the directory's descriptor and never through a link (`openat2` with
+//!   `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`, or `openat` with `O_NOFOLLOW` where the kernel
+//!   has no `openat2`); new ones exclusively (`O_EXCL`), mode 0600. The lock file must be the
+//!   user's (mode narrowed to 0600), so no other user can hold its lock.
+//! - **Failures.** A directory that cannot be made, written or locked, that another user
+//!   could change, or a file system with less room than the capacity, is an error at start-up
+//!   ([`DiskError`]) saying what to change; at run time I/O errors (disk full, directory
+//!   removed, a name taken by a planted link) are counted misses or dropped writes.
 //!
 //! Files by job: `config` ([`DiskConfig`]), [`format`], `segment`, `store` (index, write,
 //! read, rebuild), `behind` (write-behind), `promote` (reads for lookups), `tier`
@@ -53,3 +62,5 @@ mod full_tests;
 mod model_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod trust_tests;

@@ -8,8 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
+use std::os::fd::OwnedFd;
 use umbp_core::BlockKey;
-use umbp_unix::file::{self, IoFile};
+
+use umbp_unix::file;
+use umbp_unix::safedir::SafeDir;
+use umbp_unix::UnixError;
 
 use crate::buf::AlignedBuf;
 use crate::config::DiskConfig;
@@ -61,8 +65,22 @@ pub(crate) struct Store {
     pub c: Counters,
     closed: AtomicBool,
     last_warn: Mutex<Option<Instant>>,
+    /// The directory, by descriptor: every file is opened relative to it.
+    dir: Arc<SafeDir>,
     /// Held open for the lock.
-    _lock: IoFile,
+    _lock: OwnedFd,
+}
+
+/// Why the directory (or a file of it) is refused, as [`DiskError::Dir`] says it: the
+/// problem, on the path it concerns when that is not the directory itself.
+fn refusal(dir: &std::path::Path, e: &UnixError) -> String {
+    match e {
+        UnixError::Untrusted { path, why } if path == dir => why.clone(),
+        UnixError::Untrusted { path, why } => format!("{} {why}", path.display()),
+        e => format!(
+            "cannot be written ({e}); make it writable by this user or choose another directory"
+        ),
+    }
 }
 
 impl Store {
@@ -77,23 +95,21 @@ impl Store {
             dir: dir.clone(),
             why,
         };
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            dir_err(format!(
-                "cannot be created ({e}); create it or choose another directory"
-            ))
-        })?;
-        if !dir.is_dir() {
-            return Err(dir_err("is not a directory".into()));
-        }
-        let lock = IoFile::open(&dir.join(LOCK_FILE), true, false).map_err(|e| {
-            dir_err(format!(
-                "cannot be written ({e}); make it writable by this user or choose another directory"
-            ))
-        })?;
+        // Checked from / down and opened once; nothing below is reached by path again.
+        let sdir = Arc::new(SafeDir::open(&dir, true).map_err(|e| dir_err(refusal(&dir, &e)))?);
+        let lock = sdir
+            .open_lock(LOCK_FILE)
+            .map_err(|e| dir_err(refusal(&dir, &e)))?;
         if !file::try_lock_exclusive(&lock)
             .map_err(|e| dir_err(format!("cannot be locked ({e})")))?
         {
             return Err(DiskError::InUse { dir });
+        }
+        if SafeDir::has_openat2() == Some(false) {
+            log::info!(
+                "disk tier {}: the kernel has no openat2 (ENOSYS); files are opened with openat and O_NOFOLLOW instead",
+                dir.display()
+            );
         }
         let t = Instant::now();
         let store = Store {
@@ -108,11 +124,12 @@ impl Store {
             c: Counters::default(),
             closed: AtomicBool::new(false),
             last_warn: Mutex::new(None),
+            dir: sdir,
             _lock: lock,
         };
         let newest_end = store.rebuild()?;
         let took = t.elapsed();
-        let space = file::fs_space(&store._lock).map_err(|e| dir_err(format!("fstatvfs: {e}")))?;
+        let space = file::fs_space(&*store.dir).map_err(|e| dir_err(format!("fstatvfs: {e}")))?;
         if space.read_only {
             return Err(dir_err(
                 "is on a read-only file system; choose a writable directory".into(),
@@ -164,15 +181,14 @@ impl Store {
     /// and the oldest while they exceed the capacity. Returns where the newest segment's last
     /// indexed object ends (`None` without segments).
     fn rebuild(&self) -> Result<Option<u64>, DiskError> {
-        let dir = &self.cfg.dir;
-        let entries = std::fs::read_dir(dir).map_err(|source| DiskError::Fs {
+        let names = self.dir.names().map_err(|source| DiskError::Io {
             what: "listing",
-            path: dir.clone(),
+            path: self.cfg.dir.clone(),
             source,
         })?;
         let mut ids: BTreeMap<u64, (bool, bool)> = BTreeMap::new();
-        for e in entries.flatten() {
-            if let Some((id, is_idx)) = e.file_name().to_str().and_then(segment::parse_name) {
+        for name in names {
+            if let Some((id, is_idx)) = segment::parse_name(&name) {
                 let slot = ids.entry(id).or_default();
                 if is_idx {
                     slot.1 = true;
@@ -186,18 +202,18 @@ impl Store {
         let mut ends = HashMap::new();
         for (&id, &(dat, idx)) in &ids {
             self.next_id.fetch_max(id + 1, Ordering::Relaxed);
-            let (d, i) = segment::names(dir, id);
+            let (d, i) = segment::names(id);
             if !(dat && idx) {
-                let _ = std::fs::remove_file(&d);
-                let _ = std::fs::remove_file(&i);
+                let _ = self.dir.remove(&d);
+                let _ = self.dir.remove(&i);
                 continue;
             }
-            let (seg, records) = Segment::open(dir, id, self.cfg.direct_io)?;
+            let (seg, records) = Segment::open(&self.dir, id, self.cfg.direct_io)?;
             self.direct.store(seg.file.is_direct(), Ordering::Relaxed);
             let Some(records) = records else {
                 log::warn!(
                     "disk tier: {} has no readable index of this version; dropping the segment",
-                    d.display()
+                    seg.dat.display()
                 );
                 seg.drop_files();
                 continue;
@@ -266,7 +282,7 @@ impl Store {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let seg = Arc::new(Segment::create(
-            &self.cfg.dir,
+            &self.dir,
             id,
             self.seg_bytes,
             self.cfg.direct_io,

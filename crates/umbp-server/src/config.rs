@@ -89,6 +89,9 @@ pub struct ServerConfig {
     /// spares the wake-up of a blocked thread on each transfer (tens of µs on a VM) at the cost
     /// of a core for that long after each transfer of each busy channel.
     pub busy_poll: Duration,
+    /// Descriptors the clients of one uid may make the server hold, at most (None: half of
+    /// the descriptors the server has for clients).
+    pub max_fds_per_uid: Option<usize>,
 }
 
 impl ServerConfig {
@@ -110,6 +113,7 @@ impl ServerConfig {
             metrics_allow_remote: false,
             max_message_bytes: umbp_proto::DEFAULT_MAX_MESSAGE_BYTES,
             busy_poll: DEFAULT_BUSY_POLL,
+            max_fds_per_uid: None,
         }
     }
 }

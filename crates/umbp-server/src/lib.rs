@@ -22,12 +22,15 @@
 //! / `lookup` → `state` → `sessions` → `listen`, `metrics`; no two files use each
 //! other.
 
+mod budget;
 mod config;
 mod error;
 mod listen;
 mod lookup;
+mod lookup_pool;
 mod memory;
 mod metrics;
+mod metrics_port;
 mod pidwatch;
 mod ratelog;
 mod refusal;

@@ -1,5 +1,6 @@
 //! The listening socket: binding (stale sockets replaced, live ones never stolen), its mode,
-//! and accepted connections that know their peer and tell the server when they close.
+//! and accepted connections that know their peer, are charged to its descriptor budget
+//! (`budget`) and tell the server when they close.
 
 use std::io;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -9,11 +10,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use std::os::fd::AsRawFd;
+
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::Connected;
 
+use crate::budget::{Budget, Charge, Counted, Pending, Short, Silent};
+use crate::config::Access;
 use crate::error::ServerError;
+use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
 
 /// Who is at the other end of a connection (from `SO_PEERCRED`), and which connection it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +32,9 @@ pub struct PeerInfo {
     pub gid: u32,
     /// The peer's process id (0 when the kernel could not tell, e.g. another pid namespace).
     pub pid: u32,
+    /// Set when the connection got no descriptor budget: every request on it is refused with
+    /// this reason, and it is closed soon after.
+    pub(crate) refused: Option<Short>,
 }
 
 /// Called with the connection's id when a connection closes.
@@ -34,9 +43,16 @@ pub(crate) type OnClose = Arc<dyn Fn(u64) + Send + Sync>;
 /// An accepted connection: the stream, its peer, and a hook run when it is dropped (the
 /// connection closed, or the server dropped it).
 pub(crate) struct PeerConn {
+    /// While it has sent nothing (or, refused, until it is closed): its entry among the
+    /// silent connections, removed before the stream closes.
+    pending: Option<Pending>,
+    /// Whether its first bytes end its silence (not for a refused one, closed regardless).
+    heard_clears: bool,
     stream: UnixStream,
     peer: PeerInfo,
     on_close: OnClose,
+    _charge: Option<Charge>,
+    _lingering: Option<Counted>,
 }
 
 impl std::fmt::Debug for PeerConn {
@@ -49,6 +65,9 @@ impl std::fmt::Debug for PeerConn {
 
 impl Drop for PeerConn {
     fn drop(&mut self) {
+        // Out of the silent connections before the descriptor closes (nobody may shut down a
+        // reused number).
+        self.pending = None;
         (self.on_close)(self.peer.conn);
     }
 }
@@ -67,7 +86,13 @@ impl AsyncRead for PeerConn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if self.heard_clears && self.pending.is_some() && buf.filled().len() > before {
+            // Heard from: no longer silent.
+            self.pending = None;
+        }
+        r
     }
 }
 
@@ -102,21 +127,139 @@ impl AsyncWrite for PeerConn {
 }
 
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+static ACCEPT_FAILED: RateLimited = RateLimited::new();
+static NO_SLOT: RateLimited = RateLimited::new();
 
-/// Wraps an accepted stream with its peer's credentials.
-pub(crate) fn accept(stream: UnixStream, on_close: OnClose) -> io::Result<PeerConn> {
+/// What the gRPC accept loop needs.
+pub(crate) struct Acceptor {
+    pub(crate) budget: Arc<Budget>,
+    pub(crate) access: Access,
+    pub(crate) on_close: OnClose,
+}
+
+/// Accepts gRPC connections until `stop` changes, handing each, charged to its uid's
+/// descriptor budget, to `tx`. While the total budget is spent nothing is accepted: new
+/// connections wait in the kernel's backlog. A connection that waits for its uid's budget
+/// waits on a task of its own (at most [`crate::budget::MAX_PARKED`] at once); one that gets
+/// none is still served, every request refused with the reason, and closed after
+/// [`crate::budget::REFUSED_LINGER`].
+pub(crate) async fn accept_loop(
+    listener: UnixListener,
+    a: Acceptor,
+    tx: tokio::sync::mpsc::Sender<io::Result<PeerConn>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let a = Arc::new(a);
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.changed() => return,
+            r = async {
+                a.budget.room().await;
+                listener.accept().await
+            } => r,
+        };
+        let stream = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                ACCEPT_FAILED.log(|skipped| {
+                    tracing::warn!(skipped, "accept failed: {e}; retrying in 100 ms");
+                });
+                // Out of descriptors, say: wait for some to close rather than spin.
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        // Charged now when there is room (the usual case); otherwise it waits for its budget
+        // on a task, in one of a bounded number of places.
+        let now = match stream.peer_cred() {
+            Ok(c) if a.access.check(&creds(&c, 0)).is_ok() => a.budget.try_now(c.uid(), 1).ok(),
+            _ => None,
+        };
+        let parked = match now {
+            Some(_) => None,
+            None => match a.budget.park() {
+                Some(p) => Some(p),
+                None => {
+                    NO_SLOT.log(|skipped| {
+                        tracing::warn!(
+                            skipped,
+                            "a connection closed at once: {} connections wait for their descriptor budget already",
+                            crate::budget::MAX_PARKED
+                        );
+                    });
+                    continue;
+                }
+            },
+        };
+        let (a, tx) = (Arc::clone(&a), tx.clone());
+        tokio::spawn(async move {
+            if let Ok(Some(conn)) = admit(stream, &a, now).await {
+                drop(parked);
+                let _ = tx.send(Ok(conn)).await;
+            }
+        });
+    }
+}
+
+/// Charges a new connection to its uid (waiting as [`Budget::take`] does) and wraps it; a
+/// refused one is wrapped to be answered with the reason, or dropped (`None`) when too many
+/// refused ones are open already.
+async fn admit(
+    stream: UnixStream,
+    a: &Acceptor,
+    now: Option<Charge>,
+) -> io::Result<Option<PeerConn>> {
     let cred = stream.peer_cred()?;
-    let peer = PeerInfo {
-        conn: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
-        uid: cred.uid(),
-        gid: cred.gid(),
-        pid: cred.pid().map_or(0, |p| p.max(0) as u32),
+    let mut peer = creds(&cred, NEXT_CONN.fetch_add(1, Ordering::Relaxed));
+    // A uid that may not use the server gets no budget: its requests are refused by
+    // `Access::check`, and the connection closed soon.
+    let charge = if now.is_some() {
+        now
+    } else if a.access.check(&peer).is_ok() {
+        match a.budget.take(peer.uid, 1).await {
+            Ok(c) => Some(c),
+            Err(short) => {
+                NO_SLOT.log(|skipped| {
+                    tracing::warn!(skipped, uid = peer.uid, "connection refused: {short}");
+                });
+                peer.refused = Some(short);
+                None
+            }
+        }
+    } else {
+        None
     };
-    Ok(PeerConn {
+    let hs = &a.budget.handshakes;
+    let fd = stream.as_raw_fd();
+    let (pending, lingering) = match charge {
+        Some(_) => (hs.enter(peer.uid, fd, Silent::Grpc), None),
+        None => {
+            let Some(slot) = a.budget.linger() else {
+                return Ok(None);
+            };
+            (hs.enter(peer.uid, fd, Silent::Refused), Some(slot))
+        }
+    };
+    Ok(Some(PeerConn {
+        heard_clears: charge.is_some(),
+        pending: Some(pending),
         stream,
         peer,
-        on_close,
-    })
+        on_close: Arc::clone(&a.on_close),
+        _charge: charge,
+        _lingering: lingering,
+    }))
+}
+
+/// A connection's peer as `PeerInfo` (connection number `conn`).
+fn creds(c: &tokio::net::unix::UCred, conn: u64) -> PeerInfo {
+    PeerInfo {
+        conn,
+        uid: c.uid(),
+        gid: c.gid(),
+        pid: c.pid().map_or(0, |p| p.max(0) as u32),
+        refused: None,
+    }
 }
 
 /// The credentials of a std Unix stream's peer (`SO_PEERCRED`): uid, gid, pid.

@@ -113,11 +113,17 @@ pub(crate) fn register_vmm(
     }
     let dev = device(&r.device)?;
     // Every ticket is taken (and its descriptor closed after mapping) whatever happens.
+    // Their charges go when this returns, after the descriptors (declared first: dropped
+    // last).
+    let mut _charges = Vec::with_capacity(r.chunks.len());
     let mut fds: Vec<(OwnedFd, u64, u64)> = Vec::with_capacity(r.chunks.len());
     let mut missing = None;
     for c in &r.chunks {
         match cs.take_ticket(c.ticket) {
-            Some(fd) => fds.push((fd, c.offset, c.size)),
+            Some((fd, charge)) => {
+                fds.push((fd, c.offset, c.size));
+                _charges.push(charge);
+            }
             None => missing = missing.or(Some(c.ticket)),
         }
     }

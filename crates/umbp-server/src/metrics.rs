@@ -1,13 +1,9 @@
-//! Counters, latency histograms and the opt-in Prometheus endpoint.
+//! Counters and latency histograms, rendered for the opt-in Prometheus endpoint
+//! (`metrics_port`).
 
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 /// Upper bounds of the transfer latency buckets, in seconds.
 const BUCKETS: [f64; 14] = [
@@ -543,61 +539,4 @@ impl Metrics {
             .render(&mut o, "umbp_transfer_seconds", "direction=\"load\"");
         o
     }
-}
-
-/// Serves `GET /metrics` on `listener` until `stop` resolves; every other path is a 404.
-pub(crate) async fn serve(
-    listener: TcpListener,
-    render: Arc<dyn Fn() -> String + Send + Sync>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    loop {
-        tokio::select! {
-            _ = stop.changed() => return,
-            accepted = listener.accept() => {
-                let Ok((mut sock, _)) = accepted else { continue };
-                let render = Arc::clone(&render);
-                tokio::spawn(async move {
-                    // Read the request head (up to 8 KiB), however it is split.
-                    let mut buf = vec![0u8; 8192];
-                    let mut n = 0;
-                    while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                        match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf[n..])).await {
-                            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
-                            Ok(Ok(k)) => n += k,
-                        }
-                    }
-                    let req = String::from_utf8_lossy(&buf[..n]);
-                    let path = req.split_whitespace().nth(1).unwrap_or("");
-                    let (status, body) = if req.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
-                        ("200 OK", render())
-                    } else {
-                        ("404 Not Found", "only GET /metrics is served here\n".to_string())
-                    };
-                    let head = format!(
-                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                        body.len()
-                    );
-                    let _ = sock.write_all(head.as_bytes()).await;
-                    let _ = sock.write_all(body.as_bytes()).await;
-                    let _ = sock.shutdown().await;
-                });
-            }
-        }
-    }
-}
-
-/// Binds the metrics listener, refusing a non-loopback address unless allowed.
-pub(crate) async fn bind(
-    addr: SocketAddr,
-    allow_remote: bool,
-) -> Result<TcpListener, crate::error::ServerError> {
-    if !addr.ip().is_loopback() && !allow_remote {
-        return Err(crate::error::ServerError::Config(format!(
-            "--metrics-address {addr} is not a loopback address; pass --metrics-allow-remote to expose metrics beyond this host"
-        )));
-    }
-    TcpListener::bind(addr)
-        .await
-        .map_err(|e| crate::error::ServerError::Config(format!("--metrics-address {addr}: {e}")))
 }

@@ -5,13 +5,29 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio_stream::StreamExt;
 use umbp_store::EmbeddedStore;
 
+use crate::budget::{self, Budget};
 use crate::config::ServerConfig;
 use crate::error::ServerError;
 use crate::state::State;
-use crate::{listen, metrics, ratelog, service, sessions, side};
+use crate::{listen, metrics, metrics_port, service, sessions, side};
+
+/// The descriptor budgets of a server of `cfg` (see `budget`): the process's limit, raised
+/// to its hard limit, less a reserve for the server's own files (its disk segments among
+/// them); half of it per uid unless `--max-fds-per-uid` says otherwise.
+fn descriptor_budget(cfg: &ServerConfig) -> (Arc<Budget>, usize) {
+    let limit = budget::raise_nofile();
+    let disk = cfg
+        .store
+        .disk
+        .as_ref()
+        .map_or(0, |d| 2 * d.max_segments() as usize + 8);
+    let reserve = budget::RESERVE + metrics_port::MAX_CONNECTIONS + disk;
+    let total = limit.saturating_sub(reserve).max(64);
+    let per_uid = cfg.max_fds_per_uid.unwrap_or(total / 2).clamp(1, total);
+    (Budget::new(total, per_uid), limit)
+}
 
 /// Serves until `shutdown` resolves, then stops: new transfers are refused, in-flight ones
 /// get `shutdown_grace` to finish, then every session is released, the socket files are
@@ -56,6 +72,17 @@ pub async fn serve(
             return Err(e.into());
         }
     };
+    let (budget, nofile) = descriptor_budget(&cfg);
+    let lookups = match crate::lookup_pool::LookupPool::new(lookup_threads(&cfg)) {
+        Ok(l) => l,
+        Err(e) => {
+            unlink();
+            return Err(ServerError::Config(format!(
+                "cannot start the lookup threads: {e}"
+            )));
+        }
+    };
+    let (fds_total, fds_per_uid) = budget.limits();
     let boot_id = umbp_core::key::hex(&sessions::random_bytes()[..8]);
     let m = Arc::new(metrics::Metrics::default());
     let sessions = Arc::new(sessions::Sessions::new(Arc::clone(&store), Arc::clone(&m)));
@@ -71,11 +98,13 @@ pub async fn serve(
         busy_poll: cfg.busy_poll,
         draining: AtomicBool::new(false),
         in_flight: AtomicU64::new(0),
+        budget: Arc::clone(&budget),
+        lookups,
     });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     if let Some(addr) = cfg.metrics_address {
-        let l = match metrics::bind(addr, cfg.metrics_allow_remote).await {
+        let l = match metrics_port::bind(addr, cfg.metrics_allow_remote).await {
             Ok(l) => l,
             Err(e) => {
                 unlink();
@@ -86,8 +115,13 @@ pub async fn serve(
         let render: Arc<dyn Fn() -> String + Send + Sync> =
             Arc::new(move || st.metrics.render(&st.gauges()));
         tracing::info!(%addr, "Prometheus metrics at http://{addr}/metrics");
-        tasks.push(tokio::spawn(metrics::serve(l, render, stop_rx.clone())));
+        tasks.push(tokio::spawn(metrics_port::serve(
+            l,
+            render,
+            stop_rx.clone(),
+        )));
     }
+    tasks.push(tokio::spawn(sweep(Arc::clone(&budget), stop_rx.clone())));
     tasks.push(tokio::spawn(side::serve(
         fd_listener,
         Arc::clone(&state),
@@ -101,28 +135,27 @@ pub async fn serve(
         placement = ?p.placement,
         workers = cfg.store.num_workers,
         took_ms = t.elapsed().as_millis() as u64,
+        fds_for_clients = fds_total,
+        fds_per_uid,
+        rlimit_nofile = nofile,
         "UMBP standalone server ready"
     );
     let on_close: listen::OnClose = {
         let s = Arc::clone(&sessions);
         Arc::new(move |conn| s.end_connection(conn))
     };
-    static ACCEPT_FAILED: ratelog::RateLimited = ratelog::RateLimited::new();
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
-        .then(move |r| {
-            let accepted = r.and_then(|s| listen::accept(s, Arc::clone(&on_close)));
-            async move {
-                if let Err(e) = &accepted {
-                    ACCEPT_FAILED.log(|skipped| {
-                        tracing::warn!(skipped, "accept failed: {e}; retrying in 100 ms");
-                    });
-                    // Out of descriptors, say: wait for some to close rather than spin.
-                    tokio::time::sleep(ratelog::ACCEPT_BACKOFF).await;
-                }
-                accepted
-            }
-        })
-        .filter_map(|r| r.ok().map(Ok::<_, std::io::Error>));
+    let (conn_tx, conn_rx) = tokio::sync::mpsc::channel(64);
+    tasks.push(tokio::spawn(listen::accept_loop(
+        listener,
+        listen::Acceptor {
+            budget: Arc::clone(&budget),
+            access: cfg.access.clone(),
+            on_close,
+        },
+        conn_tx,
+        stop_rx.clone(),
+    )));
+    let incoming = tokio_stream::wrappers::ReceiverStream::new(conn_rx);
     let svc = umbp_proto::v1::store_server::StoreServer::new(service::Service {
         state: Arc::clone(&state),
     })
@@ -175,7 +208,34 @@ pub async fn serve(
     unlink();
     let st = Arc::clone(&sessions);
     let _ = tokio::task::spawn_blocking(move || st.end_all()).await;
+    state.lookups.close();
     store.close();
     tracing::info!("stopped");
     result
+}
+
+/// Lookup threads: a quarter of the cores (one to four), which leaves the rest to the copy
+/// workers; eight with a remote or disk tier, where a lookup may wait on the network or the
+/// drive.
+fn lookup_threads(cfg: &ServerConfig) -> usize {
+    if cfg.store.remote.is_some() || cfg.store.disk.is_some() {
+        return 8;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / 4).clamp(1, 4)
+}
+
+/// Closes silent connections past their deadline, and refused ones once they were told,
+/// every 100 ms until `stop` changes.
+async fn sweep(budget: Arc<Budget>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {
+                budget.handshakes.expire();
+            }
+        }
+    }
 }

@@ -39,17 +39,26 @@ fn pages_missing(addr: u64, len: u64) -> Option<usize> {
 }
 
 /// A client's name as the logs and `stats` show it: control characters escaped (a newline
-/// in a name must not forge a log line), at most 128 characters.
+/// in a name must not forge a log line), and so are the invisible characters that reorder or
+/// hide text (bidirectional overrides such as U+202E, zero-width characters, line and
+/// paragraph separators), at most 128 characters.
 fn printable_name(name: &str) -> String {
     let mut out = String::new();
     for c in name.chars() {
-        if c.is_control() {
+        if c.is_control() || invisible(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
         }
     }
     out.chars().take(128).collect()
+}
+
+/// Characters that change how the text around them shows without showing themselves.
+fn invisible(c: char) -> bool {
+    matches!(c,
+        '\u{061C}' | '\u{200B}'..='\u{200F}' | '\u{2028}'..='\u{202E}' | '\u{2060}'..='\u{2069}'
+        | '\u{FEFF}' | '\u{FFF9}'..='\u{FFFB}')
 }
 
 impl Service {
@@ -69,6 +78,12 @@ impl Service {
             .access
             .check(&p)
             .map_err(|m| self.refuse(status(ErrorKind::Denied, m)))?;
+        if let Some(short) = p.refused {
+            return Err(self.refuse(status(
+                ErrorKind::Resource,
+                format!("this connection got no descriptor budget and is closed: {short}"),
+            )));
+        }
         Ok(p)
     }
 
@@ -90,7 +105,11 @@ impl Service {
     }
 
     /// The descriptor session `cs` sent over the side channel under `ticket` (used once).
-    fn ticket(&self, cs: &ClientSession, ticket: u64) -> Result<std::os::fd::OwnedFd, Status> {
+    fn ticket(
+        &self,
+        cs: &ClientSession,
+        ticket: u64,
+    ) -> Result<(std::os::fd::OwnedFd, crate::budget::Charge), Status> {
         cs.take_ticket(ticket).ok_or_else(|| {
             self.refuse(status(ErrorKind::NotFound, format!(
                 "descriptor ticket {ticket} is unknown to session {} (send the memfd over the side channel first; each ticket is used once)",
@@ -240,7 +259,7 @@ impl Store for Service {
         &self,
         req: Request<v1::ExistsRequest>,
     ) -> Result<Response<v1::ExistsReply>, Status> {
-        self.peer(&req)?;
+        let peer = self.peer(&req)?;
         let t = Instant::now();
         let mut r = req.into_inner();
         let keys = LookupKeys::parse(&mut r).map_err(|s| self.refuse(s))?;
@@ -277,16 +296,14 @@ impl Store for Service {
                 v1::ExistsReply { present, prefix }
             })
         };
-        // With a remote tier a lookup may wait on the network: off the runtime's threads,
-        // which serve every client's transfers.
-        let reply = if self.state.store.has_remote() {
-            tokio::task::spawn_blocking(answer)
-                .await
-                .map_err(|e| status(ErrorKind::Internal, format!("the lookup failed: {e}")))?
-        } else {
-            answer()
-        }
-        .map_err(|e| self.store_err(e))?;
+        // On the lookup threads, in this connection's turn (`lookup_pool`): never on the
+        // runtime's threads, which answer every client's pings and transfers.
+        let reply = self
+            .state
+            .lookups
+            .run(peer.conn, answer)
+            .await?
+            .map_err(|e| self.store_err(e))?;
         let m = &self.state.metrics;
         m.lookups.fetch_add(1, Ordering::Relaxed);
         m.lookup_keys.fetch_add(n_keys as u64, Ordering::Relaxed);
@@ -322,11 +339,18 @@ impl Store for Service {
             ),
             )));
         }
+        // The session's pidfd: waits while the server's descriptors are spent by others.
+        let fds = self.state.budget.take(peer.uid, 1).await.map_err(|short| {
+            self.refuse(status(
+                ErrorKind::Resource,
+                format!("cannot attach: {short}"),
+            ))
+        })?;
         let name = printable_name(&r.client_name);
         let cs = self
             .state
             .sessions
-            .attach(peer, name)
+            .attach(peer, name, fds)
             .map_err(|e| self.store_err(e))?;
         crate::pidwatch::watch(peer.pid, cs.id, Arc::clone(&self.state.sessions));
         Ok(Response::new(v1::AttachReply {
@@ -370,7 +394,8 @@ impl Store for Service {
         let peer = self.peer(&req)?;
         let r = req.into_inner();
         let cs = self.session(&peer, r.session_id)?;
-        let fd = self.ticket(&cs, r.ticket)?;
+        // The charge outlives the descriptor (closed at the end of the blocking job).
+        let (fd, _fd_charge) = self.ticket(&cs, r.ticket)?;
         let len = r.length;
         let cs2 = Arc::clone(&cs);
         let out = tokio::task::spawn_blocking(move || -> Result<u64, Status> {
@@ -423,7 +448,7 @@ impl Store for Service {
         let peer = self.peer(&req)?;
         let r = req.into_inner();
         let cs = self.session(&peer, r.session_id)?;
-        let fd = self.ticket(&cs, r.ticket)?;
+        let (fd, _fd_charge) = self.ticket(&cs, r.ticket)?;
         use std::os::fd::AsFd;
         let page = CompletionMapping::map(fd.as_fd(), r.length)
             .map_err(|m| self.refuse(status(ErrorKind::InvalidArgument, m)))?;
@@ -613,5 +638,10 @@ mod tests {
             "x\\nINFO forged\\r\\u{1b}[31m"
         );
         assert_eq!(printable_name(&"a".repeat(500)).len(), 128);
+        // A right-to-left override would show "vllm-\u{202e}gnp.exe" as "vllm-exe.png".
+        assert_eq!(
+            printable_name("vllm-\u{202e}gnp.exe\u{200b}\u{2066}"),
+            "vllm-\\u{202e}gnp.exe\\u{200b}\\u{2066}"
+        );
     }
 }

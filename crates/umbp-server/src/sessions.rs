@@ -23,6 +23,7 @@ use umbp_proto::completion::{CompletionPage, MAX_PAGE_BYTES, SLOT_BYTES};
 use umbp_proto::SECRET_BYTES;
 use umbp_store::{EmbeddedStore, Session, SessionRelease};
 
+use crate::budget::Charge;
 use crate::listen::PeerInfo;
 use crate::metrics::Metrics;
 
@@ -64,8 +65,9 @@ pub(crate) enum Backing {
 pub(crate) struct Resources {
     /// The server-side memory behind each registration.
     pub(crate) backings: HashMap<RegionId, Backing>,
-    /// Descriptors received on the side channel and not yet used, by ticket.
-    pub(crate) tickets: HashMap<u64, OwnedFd>,
+    /// Descriptors received on the side channel and not yet used, by ticket, each with its
+    /// charge to the client's descriptor budget.
+    pub(crate) tickets: HashMap<u64, (OwnedFd, Charge)>,
     /// CUDA IPC imports of this session by handle: one allocation is opened once per session.
     pub(crate) ipc: HashMap<[u8; 64], std::sync::Weak<IpcImport>>,
     /// The client's completion page, when it registered one (transfers still running hold it
@@ -122,12 +124,18 @@ pub(crate) struct ClientSession {
     /// Set when its release begins (a transfer channel opened after that ends at once).
     pub(crate) released: std::sync::atomic::AtomicBool,
     next_ticket: AtomicU64,
+    /// The session's pidfd, charged to the client's descriptor budget.
+    _fds: Charge,
 }
 
 impl ClientSession {
     /// Keeps descriptors from the side channel and returns their tickets; refuses (and closes
     /// them) when the session would hold more than [`MAX_PENDING_DESCRIPTORS`] unused.
-    pub(crate) fn add_tickets(&self, fds: Vec<OwnedFd>) -> Result<Vec<u64>, String> {
+    pub(crate) fn add_tickets(
+        &self,
+        fds: Vec<OwnedFd>,
+        mut charge: Charge,
+    ) -> Result<Vec<u64>, String> {
         let mut res = self.res.lock();
         if res.tickets.len() + fds.len() > MAX_PENDING_DESCRIPTORS {
             return Err(format!(
@@ -141,7 +149,7 @@ impl ClientSession {
             .into_iter()
             .map(|fd| {
                 let t = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-                res.tickets.insert(t, fd);
+                res.tickets.insert(t, (fd, charge.split(1)));
                 t
             })
             .collect())
@@ -152,8 +160,9 @@ impl ClientSession {
         self.next_ticket.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Takes the descriptor of `ticket` (each ticket is used once).
-    pub(crate) fn take_ticket(&self, ticket: u64) -> Option<OwnedFd> {
+    /// Takes the descriptor of `ticket` (each ticket is used once), with its charge (release
+    /// it when the descriptor is closed).
+    pub(crate) fn take_ticket(&self, ticket: u64) -> Option<(OwnedFd, Charge)> {
         self.res.lock().tickets.remove(&ticket)
     }
 
@@ -225,6 +234,7 @@ impl Sessions {
         &self,
         peer: PeerInfo,
         name: String,
+        fds: Charge,
     ) -> Result<Arc<ClientSession>, umbp_store::StoreError> {
         let session = self.store.open_session()?;
         let cs = Arc::new(ClientSession {
@@ -239,6 +249,7 @@ impl Sessions {
             released: std::sync::atomic::AtomicBool::new(false),
             transfers: Mutex::new(HashMap::new()),
             next_ticket: AtomicU64::new(1),
+            _fds: fds,
         });
         self.by_id.lock().insert(cs.id, Arc::clone(&cs));
         self.metrics

@@ -31,6 +31,10 @@ pub(crate) struct State {
     /// Set when the server starts shutting down: new transfers are refused.
     pub(crate) draining: AtomicBool,
     pub(crate) in_flight: AtomicU64,
+    /// Descriptor budgets (`budget`).
+    pub(crate) budget: Arc<crate::budget::Budget>,
+    /// Where lookups run (`lookup_pool`).
+    pub(crate) lookups: crate::lookup_pool::LookupPool,
 }
 
 impl State {

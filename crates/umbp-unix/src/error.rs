@@ -69,6 +69,18 @@ pub enum Op {
     Mbind,
     /// `madvise(MADV_POPULATE_WRITE)`.
     Populate,
+    /// `openat2` / `openat` of a name in a directory.
+    Openat,
+    /// `mkdirat`.
+    Mkdir,
+    /// `readlinkat`.
+    Readlink,
+    /// `unlinkat`.
+    Unlink,
+    /// Reading a directory's entries (`getdents64`).
+    ReadDir,
+    /// `fchmod`.
+    Fchmod,
 }
 
 impl Op {
@@ -107,6 +119,12 @@ impl Op {
             Op::Statvfs => "fstatvfs",
             Op::Mbind => "mbind",
             Op::Populate => "madvise(MADV_POPULATE_WRITE)",
+            Op::Openat => "openat",
+            Op::Mkdir => "mkdirat",
+            Op::Readlink => "readlinkat",
+            Op::Unlink => "unlinkat",
+            Op::ReadDir => "reading the directory",
+            Op::Fchmod => "fchmod",
         }
     }
 }
@@ -137,6 +155,15 @@ pub enum UnixError {
         /// The most the receiver takes.
         max: usize,
     },
+    /// A directory or file another user could change (its owner or its mode), refused before
+    /// anything is read or written there; `why` says what to change.
+    #[error("{}: {why}", path.display())]
+    Untrusted {
+        /// The path refused (a directory on the way, a link, or a file).
+        path: std::path::PathBuf,
+        /// What is wrong and what to change.
+        why: String,
+    },
 }
 
 impl UnixError {
@@ -151,6 +178,7 @@ impl UnixError {
     pub fn op(&self) -> Op {
         match self {
             UnixError::Os { op, .. } | UnixError::TooManyFds { op, .. } => *op,
+            UnixError::Untrusted { .. } => Op::Open,
         }
     }
 
@@ -158,7 +186,7 @@ impl UnixError {
     pub fn errno(&self) -> Option<i32> {
         match self {
             UnixError::Os { errno, .. } => Some(*errno),
-            UnixError::TooManyFds { .. } => None,
+            UnixError::TooManyFds { .. } | UnixError::Untrusted { .. } => None,
         }
     }
 
@@ -175,11 +203,17 @@ impl UnixError {
             UnixError::TooManyFds { .. } => {
                 std::io::Error::new(std::io::ErrorKind::InvalidData, self.to_string())
             }
+            UnixError::Untrusted { .. } => {
+                std::io::Error::new(std::io::ErrorKind::PermissionDenied, self.to_string())
+            }
         }
     }
 
     /// What kind of failure this is, for callers that report `umbp_core` kinds.
     pub fn kind(&self) -> ErrorKind {
+        if matches!(self, UnixError::Untrusted { .. }) {
+            return ErrorKind::Denied;
+        }
         let Some(errno) = self.errno() else {
             return ErrorKind::InvalidArgument;
         };

@@ -8,6 +8,7 @@ use std::path::Path;
 use rustix::fs::{FallocateFlags, FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
+use crate::safedir::{Access, Create, SafeDir};
 use crate::{Op, UnixError};
 
 /// A file opened for reading and writing, with direct I/O when the file system has it.
@@ -36,6 +37,19 @@ impl IoFile {
         }
         let fd = rustix::fs::open(path, flags, mode).map_err(|e| UnixError::os(Op::Open, e))?;
         Ok(IoFile { fd, direct: false })
+    }
+
+    /// Opens the file `name` of the trusted directory `dir` for reading and writing, never
+    /// through a link ([`SafeDir::open_file`]): `Create::New` makes it (mode 0600, refused
+    /// when the name exists), `Create::No` needs it to exist. `O_DIRECT` as [`IoFile::open`].
+    pub fn open_in(
+        dir: &SafeDir,
+        name: &str,
+        create: Create,
+        direct: bool,
+    ) -> Result<IoFile, UnixError> {
+        let (fd, direct) = dir.open_file(name, Access::ReadWrite, create, direct)?;
+        Ok(IoFile { fd, direct })
     }
 
     /// Whether reads and writes bypass the page cache (then every buffer, offset and length

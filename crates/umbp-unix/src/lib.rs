@@ -15,6 +15,8 @@
 //! * [`process`]: a pidfd, the file-creation mask, random bytes;
 //! * [`file`]: files opened for direct I/O (`O_DIRECT`, past the page cache), positioned
 //!   reads and writes, space reservation, advisory locks and the file system's free space;
+//! * [`safedir`]: a directory only this user can change, checked from `/` down, and files in
+//!   it opened by descriptor without following links (`openat2`);
 //! * [`clock`]: the host-wide monotonic clock and the page size.
 //!
 //! Built on `rustix`; every operation fails with [`UnixError`], which names the call and the
@@ -32,6 +34,7 @@ pub mod mapping;
 pub mod memfd;
 pub mod peer;
 pub mod process;
+pub mod safedir;
 pub mod socket;
 
 pub use error::{Op, UnixError};

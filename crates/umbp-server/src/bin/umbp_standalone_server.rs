@@ -116,6 +116,13 @@ struct Args {
     /// Largest gRPC message accepted or sent, in bytes.
     #[arg(long = "max-message-bytes", env = "UMBP_MAX_MESSAGE_BYTES", default_value_t = umbp_proto::DEFAULT_MAX_MESSAGE_BYTES as u64, value_parser = clap::value_parser!(u64).range(4096..=1 << 30))]
     max_message_bytes: u64,
+    /// Descriptors the clients of one uid may make the server hold at once (connections,
+    /// sessions, descriptors sent and not yet registered, transfer channels); past it that
+    /// uid is refused with a message, other uids are not. Default: half of what the server has
+    /// for clients (its RLIMIT_NOFILE, raised to the hard limit, less a reserve). Lower it
+    /// when several uids you do not trust may connect.
+    #[arg(long = "max-fds-per-uid", env = "UMBP_MAX_FDS_PER_UID", value_parser = clap::value_parser!(u64).range(16..))]
+    max_fds_per_uid: Option<u64>,
     /// A shared remote tier behind the pool, on an existing Redis / Valkey: redis://host:port
     /// (one server) or redis+cluster://host:port,host:port (a cluster; user:password@ before
     /// the hosts; rediss:// and rediss+cluster:// for TLS). Off when unset. See docs/remote.md.
@@ -406,6 +413,7 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
     cfg.metrics_allow_remote = a.metrics_allow_remote;
     cfg.max_message_bytes = a.max_message_bytes as usize;
     cfg.busy_poll = Duration::from_micros(a.busy_poll_us);
+    cfg.max_fds_per_uid = a.max_fds_per_uid.map(|n| n as usize);
     Ok(cfg)
 }
 
@@ -610,6 +618,7 @@ mod tests {
         "remote_secret_file",
         "busy_poll_us",
         "lookup_lease_ms",
+        "max_fds_per_uid",
         "log",
     ];
 

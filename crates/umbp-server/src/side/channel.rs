@@ -155,12 +155,14 @@ impl Replies {
     }
 }
 
-/// Serves the channel of session `cs` on `stream` until it ends (runs on its own thread).
+/// Serves the channel of session `cs` on `stream` until it ends (runs on its own thread),
+/// holding `_fds`, its descriptors' charge to the client's budget.
 pub(crate) fn serve(
     st: Arc<State>,
     cs: Arc<ClientSession>,
     stream: UnixStream,
     rt: tokio::runtime::Handle,
+    _fds: crate::budget::Charge,
 ) {
     let sid = cs.id;
     let refuse = |kind, why: &str| super::refusal::refuse(&stream, kind, why);

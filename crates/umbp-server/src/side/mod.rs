@@ -4,13 +4,14 @@
 //! ticket per descriptor to name in the registration request.
 
 use std::io::Write;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
 use umbp_core::ErrorKind;
-use umbp_proto::{FdHeader, MAX_FDS_PER_MESSAGE};
+use umbp_proto::FdHeader;
 
+use crate::budget::{Charge, Silent};
 use crate::listen::{peer_of, PeerInfo};
 use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
 use crate::state::State;
@@ -20,96 +21,131 @@ mod refusal;
 
 use refusal::refuse;
 
-/// Accepts side-channel connections until `stop` changes.
+/// Accepts side-channel connections until `stop` changes. While the total descriptor budget
+/// is spent nothing is accepted (connections wait in the kernel's backlog).
 pub(crate) async fn serve(
     listener: tokio::net::UnixListener,
     state: Arc<State>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
-        tokio::select! {
+        let accepted = tokio::select! {
             _ = stop.changed() => return,
-            accepted = listener.accept() => {
-                let stream = match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(e) => {
-                        ACCEPT_FAILED.log(|skipped| {
-                            tracing::warn!(skipped, "descriptor side channel: accept failed: {e}; retrying in 100 ms");
-                        });
-                        tokio::time::sleep(ACCEPT_BACKOFF).await;
-                        continue;
-                    }
-                };
-                let state = Arc::clone(&state);
-                let rt = tokio::runtime::Handle::current();
-                tokio::spawn(handshake(stream, state, rt));
+            r = async {
+                state.budget.room().await;
+                listener.accept().await
+            } => r,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                ACCEPT_FAILED.log(|skipped| {
+                    tracing::warn!(
+                        skipped,
+                        "descriptor side channel: accept failed: {e}; retrying in 100 ms"
+                    );
+                });
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
             }
-        }
+        };
+        // Charged now when there is room (the usual case: no waiting); otherwise it waits for
+        // its budget on a task, in one of a bounded number of places.
+        let now = match stream.peer_cred() {
+            Ok(c) => state.budget.try_now(c.uid(), 1).ok(),
+            Err(_) => None,
+        };
+        let wait = match now {
+            Some(c) => Admission::Charged(c),
+            None => match state.budget.park() {
+                Some(p) => Admission::Waiting(p),
+                None => {
+                    let Ok(s) = stream.into_std() else { continue };
+                    refuse(
+                        &s,
+                        ErrorKind::Resource,
+                        &format!(
+                            "{} connections wait for their descriptor budget already; try again",
+                            crate::budget::MAX_PARKED
+                        ),
+                    );
+                    continue;
+                }
+            },
+        };
+        let state = Arc::clone(&state);
+        let rt = tokio::runtime::Handle::current();
+        tokio::spawn(handshake(stream, state, rt, wait));
     }
 }
 
 static ACCEPT_FAILED: RateLimited = RateLimited::new();
 
-/// How long a connection to the side channel may take to send its header: 2 s (a client
-/// sends it at once after connecting).
-const HEADER_DEADLINE: Duration = Duration::from_secs(2);
-/// Connections of one uid that may wait for their header at once: 64. Past it new ones are
-/// refused at once, so idle connections cannot pile up.
-const MAX_WAITING_PER_UID: usize = 64;
-
-/// Connections waiting for their header, per uid.
-static WAITING: parking_lot::Mutex<Vec<(u32, usize)>> = parking_lot::Mutex::new(Vec::new());
-
-/// One connection of `uid` counted in [`WAITING`] while it lives.
-struct Waiting(u32);
-
-impl Waiting {
-    fn enter(uid: u32) -> Option<Waiting> {
-        let mut w = WAITING.lock();
-        match w.iter_mut().find(|(u, _)| *u == uid) {
-            Some((_, n)) if *n >= MAX_WAITING_PER_UID => return None,
-            Some((_, n)) => *n += 1,
-            None => w.push((uid, 1)),
-        }
-        Some(Waiting(uid))
-    }
-}
-
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        let mut w = WAITING.lock();
-        if let Some(i) = w.iter().position(|(u, _)| *u == self.0) {
-            w[i].1 -= 1;
-            if w[i].1 == 0 {
-                w.swap_remove(i);
-            }
-        }
-    }
+/// A new connection's descriptor: charged already, or waiting for its budget in a place.
+enum Admission {
+    Charged(Charge),
+    Waiting(crate::budget::Counted),
 }
 
 /// A header's bytes and the descriptors that came with it.
 type Received = (Vec<u8>, Vec<OwnedFd>);
 
-/// Receives one header with its descriptors without blocking (`WouldBlock` when nothing has
-/// come yet), closing every descriptor on any error.
-fn receive(stream: &impl AsFd) -> std::io::Result<Result<Received, String>> {
+/// Receives one header with at most `max_fds` descriptors without blocking (`WouldBlock`
+/// when nothing has come yet), closing every descriptor on any error.
+fn receive(stream: &impl AsFd, max_fds: usize) -> std::io::Result<Result<Received, String>> {
     let mut data = vec![0u8; FdHeader::BYTES + 1];
-    match umbp_unix::fdpass::recv_with_fds(stream, &mut data, MAX_FDS_PER_MESSAGE, true) {
+    match umbp_unix::fdpass::recv_with_fds(stream, &mut data, max_fds, true) {
         Ok(got) => {
             data.truncate(got.len);
             Ok(Ok((data, got.fds)))
         }
         Err(e) if e.would_block() => Err(e.to_io()),
-        Err(umbp_unix::UnixError::TooManyFds { max, .. }) => {
-            Ok(Err(format!("more than {max} descriptors in one message")))
-        }
+        Err(umbp_unix::UnixError::TooManyFds { .. }) => Ok(Err(format!(
+            "more descriptors than the {max_fds} the header announced (or the server could not take them)"
+        ))),
         Err(e) => Ok(Err(format!("recvmsg: {}", e.to_io()))),
     }
 }
 
-/// Waits (on the runtime, holding no thread) for a connection's header, at most
-/// [`HEADER_DEADLINE`], then hands it to [`handle`].
-async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio::runtime::Handle) {
+/// What a connection's first bytes came to.
+enum First {
+    /// The header is there (not read yet): the descriptors it announces.
+    Header(usize),
+    /// Not a header; refuse with this.
+    Bad(String),
+    /// The peer closed (or the connection was closed for its silence).
+    Closed,
+}
+
+/// Looks at the header without taking it (nor its descriptors, which stay in the socket and
+/// cost the server nothing until received): `WouldBlock` until something came.
+fn peek_header(stream: &impl AsFd) -> std::io::Result<First> {
+    let mut b = [0u8; FdHeader::BYTES];
+    match umbp_unix::socket::recv_nowait(stream, &mut b, true) {
+        Ok(0) => Ok(First::Closed),
+        // A client sends its header in one message: what came is all there is.
+        Ok(n) if n < FdHeader::BYTES => Ok(First::Bad(
+            FdHeader::decode(&b[..n]).map_or_else(|e| e.to_string(), |_| String::new()),
+        )),
+        Ok(_) => Ok(match FdHeader::decode(&b) {
+            Ok(h) => First::Header(h.count as usize),
+            Err(e) => First::Bad(e.to_string()),
+        }),
+        Err(e) if e.would_block() => Err(e.to_io()),
+        Err(e) => Ok(First::Bad(format!("recv: {}", e.to_io()))),
+    }
+}
+
+/// Takes a connection's descriptor budget, waits (on the runtime, holding no thread) for its
+/// header, at most [`crate::budget::HANDSHAKE_DEADLINE`] (sooner when the slot is needed: see `budget`),
+/// takes the budget of the descriptors it announces, receives them and hands them to
+/// [`handle`].
+async fn handshake(
+    stream: tokio::net::UnixStream,
+    state: Arc<State>,
+    rt: tokio::runtime::Handle,
+    admission: Admission,
+) {
     let Ok(std_stream) = stream.into_std() else {
         return;
     };
@@ -128,59 +164,71 @@ async fn handshake(stream: tokio::net::UnixStream, state: Arc<State>, rt: tokio:
         uid,
         gid,
         pid,
+        refused: None,
     };
     if let Err(m) = state.access.check(&peer) {
         return refuse(&std_stream, ErrorKind::Denied, &m);
     }
-    let Some(waiting) = Waiting::enter(uid) else {
-        return refuse(
-            &std_stream,
-            ErrorKind::Denied,
-            &format!(
-                "uid {uid} has {MAX_WAITING_PER_UID} side-channel connections waiting to send their header; send it at once after connecting"
-            ),
-        );
+    let mut charge = match admission {
+        Admission::Charged(c) => c,
+        Admission::Waiting(place) => match state.budget.take(uid, 1).await {
+            Ok(c) => {
+                drop(place);
+                c
+            }
+            Err(short) => return refuse(&std_stream, ErrorKind::Resource, &short.to_string()),
+        },
     };
     let Ok(stream) = tokio::net::UnixStream::from_std(std_stream) else {
         return;
     };
-    let deadline = tokio::time::Instant::now() + HEADER_DEADLINE;
-    let received = loop {
-        if tokio::time::timeout_at(deadline, stream.readable())
-            .await
-            .is_err()
-        {
-            let Ok(s) = stream.into_std() else { return };
-            return refuse(
-                &s,
-                ErrorKind::InvalidArgument,
-                &format!(
-                    "no header within {} s of connecting",
-                    HEADER_DEADLINE.as_secs()
-                ),
-            );
+    let pending = state
+        .budget
+        .handshakes
+        .enter(uid, stream.as_raw_fd(), Silent::Side);
+    let first = loop {
+        if stream.readable().await.is_err() {
+            return;
         }
-        match stream.try_io(tokio::io::Interest::READABLE, || receive(&stream)) {
-            Ok(r) => break r,
+        match stream.try_io(tokio::io::Interest::READABLE, || peek_header(&stream)) {
+            Ok(f) => break f,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => {
-                let Ok(s) = stream.into_std() else { return };
-                return refuse(&s, ErrorKind::Internal, &format!("recvmsg: {e}"));
-            }
+            Err(e) => break First::Bad(format!("recv: {e}")),
         }
     };
-    drop(waiting);
+    // Heard from (or gone): out of the silent connections before anything may close it.
+    drop(pending);
     let Ok(std_stream) = stream.into_std() else {
         return;
+    };
+    let count = match first {
+        First::Header(n) => n,
+        First::Bad(m) => return refuse(&std_stream, ErrorKind::InvalidArgument, &m),
+        First::Closed => return,
+    };
+    // The descriptors announced (or, for a transfer channel, the three copies of the socket
+    // its threads hold), before any is taken in.
+    let more = if count == 0 { CHANNEL_FDS } else { count };
+    match state.budget.take(uid, more).await {
+        Ok(c) => charge.merge(c),
+        Err(short) => return refuse(&std_stream, ErrorKind::Resource, &short.to_string()),
+    }
+    let received = match receive(&std_stream, count) {
+        Ok(r) => r,
+        Err(e) => Err(format!("recvmsg: {e}")),
     };
     let _ = std_stream.set_nonblocking(false);
     let _ = std_stream.set_read_timeout(Some(Duration::from_secs(5)));
     let _ = std_stream.set_write_timeout(Some(Duration::from_secs(5)));
     match received {
-        Ok((data, fds)) => handle(std_stream, peer, data, fds, state, rt),
+        Ok((data, fds)) => handle(std_stream, peer, data, fds, charge, state, rt),
         Err(m) => refuse(&std_stream, ErrorKind::InvalidArgument, &m),
     }
 }
+
+/// Descriptors a transfer channel holds besides its connection: three copies of the socket
+/// (its writer's, its reply path's, and the one its session shuts down at release).
+const CHANNEL_FDS: usize = 3;
 
 /// Checks a received header against its session and answers: tickets for its descriptors, or
 /// a transfer channel for a header of none. Nothing here waits on the client.
@@ -189,6 +237,7 @@ fn handle(
     peer: PeerInfo,
     data: Vec<u8>,
     fds: Vec<OwnedFd>,
+    mut charge: Charge,
     state: Arc<State>,
     rt: tokio::runtime::Handle,
 ) {
@@ -236,13 +285,16 @@ fn handle(
         let sid = cs.id;
         if let Err(e) = std::thread::Builder::new()
             .name(format!("umbp-chan-r{sid}"))
-            .spawn(move || channel::serve(state, cs, stream, rt))
+            .spawn(move || channel::serve(state, cs, stream, rt, charge))
         {
             tracing::warn!(session = sid, "transfer channel: no reader thread: {e}");
         }
         return;
     }
-    let tickets = match cs.add_tickets(fds) {
+    // The connection's own descriptor goes with this answer; the rest stay with the tickets.
+    charge.shrink_to(1 + fds.len());
+    let kept = charge.split(fds.len());
+    let tickets = match cs.add_tickets(fds, kept) {
         Ok(t) => t,
         Err(m) => return refuse(&stream, ErrorKind::Registration, &m),
     };

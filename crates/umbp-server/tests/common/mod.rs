@@ -53,6 +53,19 @@ impl Server {
     /// With `address_space` bytes of virtual memory at most (`RLIMIT_AS`): an allocation past
     /// it fails, and the server aborts instead of taking the machine's memory.
     pub fn start_limited(sock: &Path, extra: &[&str], address_space: Option<u64>) -> Server {
+        let limits: Vec<_> = address_space
+            .map(|a| (libc::RLIMIT_AS, a))
+            .into_iter()
+            .collect();
+        Self::start_with_limits(sock, extra, &limits)
+    }
+
+    /// With each `(resource, value)` resource limit set (soft and hard) in the server.
+    pub fn start_with_limits(
+        sock: &Path,
+        extra: &[&str],
+        limits: &[(libc::__rlimit_resource_t, u64)],
+    ) -> Server {
         let log = sock.with_extension("log");
         let f = std::fs::OpenOptions::new()
             .create(true)
@@ -60,16 +73,19 @@ impl Server {
             .open(&log)
             .unwrap();
         let mut cmd = Command::new(server_bin());
-        if let Some(limit) = address_space {
+        if !limits.is_empty() {
+            let limits = limits.to_vec();
             // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
             unsafe {
                 std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                    let r = libc::rlimit {
-                        rlim_cur: limit,
-                        rlim_max: limit,
-                    };
-                    if libc::setrlimit(libc::RLIMIT_AS, &r) != 0 {
-                        return Err(std::io::Error::last_os_error());
+                    for &(resource, limit) in &limits {
+                        let r = libc::rlimit {
+                            rlim_cur: limit,
+                            rlim_max: limit,
+                        };
+                        if libc::setrlimit(resource, &r) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
                     }
                     Ok(())
                 });
@@ -103,10 +119,14 @@ impl Server {
         s
     }
 
+    /// Waits until the server has logged that it is ready (its socket is bound earlier, before
+    /// its pool and tiers exist).
     pub fn wait_ready(&self) {
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(20) {
-            if std::os::unix::net::UnixStream::connect(self.endpoint.path()).is_ok() {
+            if std::os::unix::net::UnixStream::connect(self.endpoint.path()).is_ok()
+                && self.log_text().contains("standalone server ready")
+            {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
