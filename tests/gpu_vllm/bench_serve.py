@@ -12,7 +12,7 @@ for every arm; only the KV tier differs:
 |---|---|
 | none | prefix caching, no connector |
 | native | `--kv-offloading-backend native --kv-offloading-size D` |
-| lmcache | LMCache's multiprocess server (`--l1-size-gb D`) + `--kv-offloading-backend lmcache` |
+| lmcache | LMCache's multiprocess server (`--l1-size-gb D`) + its `LMCacheMPConnector` |
 | umbp-embedded | `UMBPStoreConnector`, `mode: embedded`, `total_capacity_bytes: D` |
 | umbp-standalone | `umbp_standalone_server --capacity D`, `mode: standalone` |
 
@@ -78,17 +78,17 @@ PRESETS: dict[str, dict] = {
         extra_engine_args=[],
     ),
     "cpu-tiny": dict(
-        shape="tiny",
-        block_size=16,
-        gpu_blocks=64,
+        shape="tiny-kv",
+        block_size=32,  # vLLM CPU's attention takes multiples of 32
+        gpu_blocks=80,  # 80 MiB (twin: 40 MiB each), an allocation of its own mapping
         host_gib=1,
         max_num_seqs=4,
-        max_batched_tokens=2048,
-        max_model_len=2048,
+        max_batched_tokens=1024,
+        max_model_len=1024,
         engine_timeout=600,
-        prefix=dict(prefix_len=128, suffix_len=16, output_len=4, uses={2: 2, 8: 2}),
+        prefix=dict(prefix_len=256, suffix_len=16, output_len=4, uses={2: 2, 8: 2}),
         random=dict(input_len=128, output_len=4, prompts=16),
-        chat=dict(first_len=128, user_len=32, output_len=4, turns={2: 3, 8: 2}, clients=4),
+        chat=dict(first_len=256, user_len=32, output_len=4, turns={2: 3, 8: 2}, clients=4),
         twin=dict(ws=2, turns=3, gpu_util=None),
         probe=dict(n=2, length=256, output_len=4),
         slo={"ttft": 5000, "tpot": 1000},
@@ -200,10 +200,18 @@ class Run:
             time.sleep(3)
             if not srv.alive():
                 raise RuntimeError(f"LMCache server exited:\n{srv.tail()}")
-            ktc = {"kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                                 "lmcache.mp.port": port}}  # fmt: skip
-            flags = ["--kv-offloading-backend", "lmcache", "--kv-offloading-size", str(gib)]
-            return flags + ["--kv-transfer-config", json.dumps(ktc)], srv
+            # LMCache's own connector module (matched to its server) rather than vLLM's
+            # in-tree copy, which `--kv-offloading-backend lmcache` would pick.
+            ktc = {
+                "kv_connector": "LMCacheMPConnector",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "lmcache.mp.host": "tcp://127.0.0.1",
+                    "lmcache.mp.port": port,
+                },
+            }
+            return ["--kv-transfer-config", json.dumps(ktc)], srv
         extra: dict = {"mode": "embedded", "total_capacity_bytes": cap, "lookup_instance": tag}
         srv = None
         if arm == "umbp-standalone":
@@ -538,7 +546,11 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=3600, help="stop starting work after")
     ap.add_argument("--arm-estimate-s", type=float, default=60, help="skip an arm with less left")
     ap.add_argument("--reserve-s", type=float, default=20, help="skip a point with less left")
+    ap.add_argument("--print", default=None, help="print the tables of a results file and exit")
     a = ap.parse_args()
+    if a.print:
+        print_tables(json.loads(Path(a.print).read_text()))
+        return
     run = Run(a)
     arms = [x for x in a.arms.split(",") if x]
     workloads = [w for w in a.workloads.split(",") if w and w != "twin"]

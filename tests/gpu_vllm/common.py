@@ -53,6 +53,12 @@ SHAPES["tiny"] = dict(
     num_key_value_heads=2,
     head_dim=32,
 )
+#: As `tiny`, with Llama-8B-sized KV heads (32 KiB of KV per token): the serving bench's shape on
+#: vLLM CPU, whose small GPU-pool stand-in is then a tensor of its own mapping (standalone mode
+#: shares only page-aligned memory; vLLM CPU allocates small caches on the heap).
+SHAPES["tiny-kv"] = dict(
+    SHAPES["tiny"], num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=128
+)
 SHAPES["swa"] = dict(
     SHAPES["llama8b-8l"],
     architectures=["MistralForCausalLM"],

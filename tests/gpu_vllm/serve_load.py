@@ -99,7 +99,7 @@ def vllm_bench(base_url: str, model: str, argv: list[str], slo: dict, log) -> di
         [
             "--base-url", base_url, "--model", model, "--tokenizer", model,
             "--backend", "openai", "--endpoint", "/v1/completions",
-            "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+            "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--save-detailed",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             *(["--goodput", *goodput] if goodput else []), *argv,
         ]
