@@ -51,7 +51,7 @@ if [ "$MODE" = start ]; then
   { nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
       --format=csv; lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400; } >"$OUT/machine.txt"
   cat "$OUT/machine.txt" | head -4
-  copy_bench "$OUT/copy.jsonl" "auto stream16 stream64 libc auto:1"
+  copy_bench "$OUT/copy.jsonl" "${COPY_VARIANTS:-auto stream16 libc}"
   cd "$C"
   setsid nohup python3 tests/gpu_vllm/bench_serve.py --preset "${PRESET:-gpu-8b}" \
     --out "$W/serve.json" --keep "$W/run" --deadline-s "$DEADLINE_S" \

@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,23 +57,24 @@ from common import SHAPES, model_dir, server_bin  # noqa: E402
 from serve_engine import Proc, Serve, delta, free_port  # noqa: E402
 
 #: Engine and workload sizes. `gpu-8b`: Llama-3-8B's shape (128 KiB of KV per token) with a
-#: 2 GiB GPU pool (16,384 tokens) and a 24 GiB host tier, sized so that every arm's points fit
-#: one device session; `cpu-tiny`: the harness's own check on vLLM CPU.
+#: 1 GiB GPU pool (8,192 tokens) and a 16 GiB host tier, sized so that every arm's points fit
+#: the few minutes of GPU time a session here gets; `cpu-tiny`: the harness's own check on vLLM CPU.
 PRESETS: dict[str, dict] = {
     "gpu-8b": dict(
         shape="llama8b",
         block_size=16,
-        gpu_blocks=1024,
-        host_gib=24,
-        max_num_seqs=16,
+        gpu_blocks=512,
+        host_gib=16,
+        max_num_seqs=8,
         max_batched_tokens=8192,
         max_model_len=4096,
         engine_timeout=420,
+        point_timeout=240,
         prefix=dict(prefix_len=1024, suffix_len=64, output_len=32, uses={2: 3, 8: 2}),
-        random=dict(input_len=1024, output_len=64, prompts=128),
-        chat=dict(first_len=1024, user_len=128, output_len=32, turns={2: 4, 8: 3}, clients=16),
+        random=dict(input_len=1024, output_len=64, prompts=96),
+        chat=dict(first_len=1024, user_len=128, output_len=32, turns={2: 4, 8: 3}, clients=8),
         twin=dict(ws=2, turns=4, gpu_util=0.42),
-        probe=dict(n=4, length=2048, output_len=8),
+        probe=dict(n=3, length=2048, output_len=8),
         slo={"ttft": 300, "tpot": 50},
         warmup=dict(input_len=256, output_len=8, prompts=16),
         extra_engine_args=[],
@@ -86,6 +88,7 @@ PRESETS: dict[str, dict] = {
         max_batched_tokens=1024,
         max_model_len=1024,
         engine_timeout=600,
+        point_timeout=900,
         prefix=dict(prefix_len=256, suffix_len=16, output_len=4, uses={2: 2, 8: 2}),
         random=dict(input_len=128, output_len=4, prompts=16),
         chat=dict(first_len=256, user_len=32, output_len=4, turns={2: 3, 8: 2}, clients=4),
@@ -124,7 +127,7 @@ class Run:
             "device": a.device or platform.node(),
             "command": " ".join(sys.argv),
             "preset": a.preset,
-            "config": {k: v for k, v in self.cfg.items() if k != "engine_timeout"},
+            "config": {k: v for k, v in self.cfg.items() if not k.endswith("_timeout")},
             "kv_bytes_per_token": kv_bytes_per_token(self.cfg["shape"]),
             "gpu_pool_tokens": self.h_tokens,
             "versions": versions(),
@@ -199,6 +202,7 @@ class Run:
             )  # fmt: skip
             time.sleep(3)
             if not srv.alive():
+                srv.stop()
                 raise RuntimeError(f"LMCache server exited:\n{srv.tail()}")
             # LMCache's own connector module (matched to its server) rather than vLLM's
             # in-tree copy, which `--kv-offloading-backend lmcache` would pick.
@@ -228,6 +232,7 @@ class Run:
             while not sock.exists() and srv.alive() and time.time() < deadline:
                 time.sleep(0.05)
             if not sock.exists():
+                srv.stop()
                 raise RuntimeError(f"umbp_standalone_server did not listen:\n{srv.tail()}")
             extra = {"mode": "standalone", "endpoint": f"unix://{sock}"}
         ktc = {
@@ -253,10 +258,16 @@ class Run:
             if srv:
                 servers.append(srv)
         gpu_util = self.cfg["twin"]["gpu_util"] if len(tags) > 1 else None
-        for tag in tags:
-            args = self.engine_args(gpu_blocks, gpu_util) + flags_by_tag[tag]
-            engines.append(Serve(self.model, args, self.root / f"engine-{tag}.log", self.env(arm)))
-        startup = [e.wait_healthy(self.cfg["engine_timeout"]) for e in engines]
+        try:
+            for tag in tags:
+                args = self.engine_args(gpu_blocks, gpu_util) + flags_by_tag[tag]
+                log = self.root / f"engine-{tag}.log"
+                engines.append(Serve(self.model, args, log, self.env(arm)))
+            startup = [e.wait_healthy(self.cfg["engine_timeout"]) for e in engines]
+        except BaseException:
+            for p in engines + servers:
+                p.stop(grace=5)
+            raise
         return engines, servers, startup
 
     # -- points ------------------------------------------------------------------------------
@@ -270,10 +281,10 @@ class Run:
         c0 = sum(e.cpu() for e in engines)
         s0 = sum(s.cpu() for s in servers)
         t0 = time.time()
-        try:
-            rec = load()
-        except Exception as e:  # a point that breaks is a result too
-            rec = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        rec = self.bounded(load, min(self.cfg["point_timeout"], max(30.0, self.left())))
+        for e in engines:
+            if not e.alive():
+                rec.setdefault("error", f"the engine exited:\n{e.tail(800)}")
         rec["wall_s"] = round(time.time() - t0, 2)
         time.sleep(0.5)  # let the last steps' stats reach /metrics
         m1 = [e.metrics() for e in engines]
@@ -294,6 +305,23 @@ class Run:
             + (f" ERROR {rec['error']}" if "error" in rec else "")
         )
         return rec
+
+    @staticmethod
+    def bounded(load, timeout: float) -> dict:
+        """`load()` on a thread of its own, given up after `timeout` seconds (a client can
+        wait forever on an engine that stopped answering; stopping the engine frees it)."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["rec"] = load()
+            except Exception as e:  # a point that breaks is a result too
+                box["rec"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout)
+        return box.get("rec") or {"error": f"no answer within {timeout:.0f} s"}
 
     def bench(self, e: Serve, argv: list[str]):
         return lambda: serve_load.vllm_bench(e.base, self.model, argv, self.cfg["slo"], self.log)
@@ -388,6 +416,8 @@ class Run:
             )  # fmt: skip
             for wl in workloads:
                 for i, (name, desc, _) in enumerate(self.points_for(wl)):
+                    if not e.alive():
+                        raise RuntimeError(f"the engine exited:\n{e.tail(1500)}")
                     if self.left() < self.a.reserve_s:
                         out["points"][name] = {**desc, "not_run": "out of time"}
                         continue
@@ -510,11 +540,13 @@ def derive(rec: dict, bpt: int) -> None:
 
 def versions() -> dict:
     out = {"python": platform.python_version()}
+    from importlib import metadata
+
     for mod in ("vllm", "torch", "umbp", "lmcache"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001 - a missing peer is a fact to record
-            out[mod] = f"not importable: {type(e).__name__}: {e}"[:300]
+        try:  # the installed version, without importing it here
+            out[mod] = metadata.version(mod)
+        except metadata.PackageNotFoundError:
+            out[mod] = "not installed"
     try:
         out["gpu"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,pcie.link.gen.max,pcie.link.width.max",

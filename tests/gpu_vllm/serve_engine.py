@@ -7,6 +7,7 @@ Nothing here knows about workloads; bench_serve.py drives the engine through `se
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -79,8 +81,28 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+_LIVE: set[Proc] = set()
+
+
+def stop_all(*_args) -> None:
+    """Stops every process this module started that still runs (at exit, on SIGTERM)."""
+    for p in list(_LIVE):
+        p.stop(grace=5)
+
+
+def _on_term(signum, _frame) -> None:
+    stop_all()
+    raise SystemExit(128 + signum)
+
+
+atexit.register(stop_all)
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _on_term)
+
+
 class Proc:
-    """A helper process (a tier's server) in its own session, logging to a file."""
+    """A helper process (a tier's server) in its own session, logging to a file; stopped
+    with its whole process group, at the latest when this process exits."""
 
     def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
         self.args, self.log = args, log
@@ -93,6 +115,7 @@ class Proc:
                 env=env,
                 start_new_session=True,
             )
+        _LIVE.add(self)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -119,6 +142,7 @@ class Proc:
             os.killpg(self.proc.pid, signal.SIGKILL)  # helpers left in the group
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(30)
+        _LIVE.discard(self)
 
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
