@@ -359,9 +359,12 @@ def serve(d: dict, plt):
     """The serving bake-off (tests/gpu_vllm/bench_serve.py): TTFT p50 and throughput against
     the offered rate per arm for each shared-prefix working set, chat TTFT, and where each
     arm's prompt tokens came from."""
-    arms = [a for a in ARM_STYLE if a in d["arms"]]
+    arms = [a for a in ARM_STYLE if a in d["arms"]
+            and any("req_per_s" in p for p in d["arms"][a].get("points", {}).values())]  # fmt: skip
     sets = sorted({p["ws"] for a in arms for p in d["arms"][a].get("points", {}).values()
                    if p.get("workload") == "prefix"})  # fmt: skip
+    if not sets:
+        return _serve_twin(d, plt)
     fig, axes = plt.subplots(2, len(sets) + 1, figsize=(4.2 * (len(sets) + 1), 7.2), dpi=110)
     h = d["gpu_pool_tokens"]
     for col, ws in enumerate(sets):
@@ -428,7 +431,31 @@ def serve(d: dict, plt):
     ax.set_xlim(0, 100)
     ax.set_xlabel("share of prompt tokens (%)")
     ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"Serving bake-off, {d['device']}, {d['date']}: {d['versions'].get('gpu') or ''}")
+    fig.suptitle(f"Serving bake-off (Llama-3-8B shape), {d['device']}, {d['date']}")
+    return fig
+
+
+def _serve_twin(d: dict, plt):
+    """Two engines behind a round-robin client: where each arm's prompt tokens came from."""
+    twin = {a: p for a, p in d.get("twin", {}).items() if "req_per_s" in p}
+    arms = [a for a in ARM_STYLE if a in twin]
+    fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=110)
+    ys = range(len(arms))
+    local = [100 * (twin[a].get("local_hit_share") or 0) for a in arms]
+    ext = [100 * (twin[a].get("external_hit_share") or 0) for a in arms]
+    labels = [
+        f"{ARM_STYLE[a][0]}" + (" (one shared server)" if twin[a].get("shared_tier") else "")
+        for a in arms
+    ]
+    ax.barh(ys, local, color="tab:gray", label="the engine's own GPU cache")
+    ax.barh(ys, ext, left=local, color="tab:cyan", label="restored from the tier")
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels(labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of prompt tokens (%)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"Two engines, chat turns round-robin: {d['device']}, {d['date']}", fontsize=8)
     return fig
 
 

@@ -120,6 +120,7 @@ class Run:
         self.t_end = time.time() + a.deadline_s
         self.h_tokens = self.cfg["gpu_blocks"] * self.cfg["block_size"]
         self.rates: dict[str, float] = {}
+        self.prefix = ""  # of log names: "twin-" for the two-engine runs
         self.log = open(self.root / "bench.log", "a")  # noqa: SIM115
         self.res: dict = {
             "kind": "serve",
@@ -198,7 +199,7 @@ class Run:
             srv = Proc(
                 [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
                  "--port", str(port), "--l1-size-gb", str(gib)],
-                self.root / f"lmcache-{tag}.log", self.env(arm),
+                self.root / f"lmcache-{self.prefix}{tag}.log", self.env(arm),
             )  # fmt: skip
             time.sleep(3)
             if not srv.alive():
@@ -219,7 +220,7 @@ class Run:
         extra: dict = {"mode": "embedded", "total_capacity_bytes": cap, "lookup_instance": tag}
         srv = None
         if arm == "umbp-standalone":
-            folder = self.root / f"server-{tag}"
+            folder = self.root / f"server-{self.prefix}{tag}"
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
             sock = folder / "umbp.sock"
@@ -261,7 +262,7 @@ class Run:
         try:
             for tag in tags:
                 args = self.engine_args(gpu_blocks, gpu_util) + flags_by_tag[tag]
-                log = self.root / f"engine-{tag}.log"
+                log = self.root / f"engine-{self.prefix}{arm}-{tag}.log"
                 engines.append(Serve(self.model, args, log, self.env(arm)))
             startup = [e.wait_healthy(self.cfg["engine_timeout"]) for e in engines]
         except BaseException:
@@ -432,8 +433,10 @@ class Run:
                         **self.point(f"{arm} {name}", engines, servers, load),
                     }
                     out["points"][name] = rec
-                    if first_arm and desc.get("rate") == "inf" and rec.get("req_per_s"):
-                        self.rates[f"{desc['workload']}{desc['ws']}"] = rec["req_per_s"]
+                    key = f"{desc['workload']}{desc['ws']}"
+                    if (first_arm and key not in self.rates and desc.get("rate") == "inf"
+                            and rec.get("req_per_s")):  # fmt: skip
+                        self.rates[key] = rec["req_per_s"]
                         self.res["saturation_req_s"] = dict(self.rates)
                     self.save()
             if self.left() > 30:
@@ -478,6 +481,7 @@ class Run:
         tw, ch = self.cfg["twin"], self.cfg["chat"]
         out: dict = {}
         self.res["twin"] = out
+        self.prefix = "twin-"
         for arm in arms:
             if self.left() < self.a.arm_estimate_s:
                 out[arm] = {"not_run": f"out of time ({self.left():.0f} s left)"}
@@ -579,11 +583,21 @@ def main() -> None:
     ap.add_argument("--arm-estimate-s", type=float, default=60, help="skip an arm with less left")
     ap.add_argument("--reserve-s", type=float, default=20, help="skip a point with less left")
     ap.add_argument("--print", default=None, help="print the tables of a results file and exit")
+    ap.add_argument(
+        "--saturation-from",
+        default=None,
+        help="a results file whose measured saturation rates the rate points use (to add arms "
+        "to an earlier run on the same machine kind); default: the first arm's `inf` points",
+    )
     a = ap.parse_args()
     if a.print:
         print_tables(json.loads(Path(a.print).read_text()))
         return
     run = Run(a)
+    if a.saturation_from:
+        run.rates = dict(json.loads(Path(a.saturation_from).read_text())["saturation_req_s"])
+        run.res["saturation_req_s"] = dict(run.rates)
+        run.res["saturation_from"] = a.saturation_from
     arms = [x for x in a.arms.split(",") if x]
     workloads = [w for w in a.workloads.split(",") if w and w != "twin"]
     for i, arm in enumerate(arms):
