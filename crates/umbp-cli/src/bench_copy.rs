@@ -55,12 +55,20 @@ impl Mover for Batched {
         self.0
     }
 
-    unsafe fn gather(&self, blocks: &[BlockCopy<'_>], after: Option<&OrderToken>) -> Vec<MoveResult> {
+    unsafe fn gather(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
         // SAFETY: forwarded contract.
         unsafe { HostMover.gather(blocks, after) }
     }
 
-    unsafe fn scatter(&self, blocks: &[BlockCopy<'_>], after: Option<&OrderToken>) -> Vec<MoveResult> {
+    unsafe fn scatter(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
         // SAFETY: forwarded contract.
         unsafe { HostMover.scatter(blocks, after) }
     }
@@ -138,20 +146,31 @@ pub fn run(a: &Args) -> Result<()> {
                 a.host_copy
             );
         };
-        ensure!(memcpy::set(c), "--host-copy {}: this CPU cannot run it", a.host_copy);
+        ensure!(
+            memcpy::set(c),
+            "--host-copy {}: this CPU cannot run it",
+            a.host_copy
+        );
     }
     let engine_copy = memcpy::chosen();
     progress!(
         "engine copy: {} ({}; measured at start, GB/s: {})",
         engine_copy.name(),
-        if a.host_copy == "auto" { cal.how } else { "--host-copy" },
+        if a.host_copy == "auto" {
+            cal.how
+        } else {
+            "--host-copy"
+        },
         cal.gbps
             .iter()
             .map(|(c, g)| format!("{} {g:.1}", c.name()))
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let candidates: Vec<HostCopy> = HostCopy::ALL.into_iter().filter(|c| c.supported()).collect();
+    let candidates: Vec<HostCopy> = HostCopy::ALL
+        .into_iter()
+        .filter(|c| c.supported())
+        .collect();
     let kb = KeyBuilder::new("bench-copy", RankTopology::default())?;
 
     let mut rng = StdRng::seed_from_u64(42);

@@ -161,7 +161,10 @@ pub fn calibration() -> Option<&'static Calibration> {
 pub fn measure(threads: usize, per_thread: usize, rounds: u32) -> Vec<(HostCopy, f64)> {
     const PIECE: usize = 32 << 10;
     let per_thread = per_thread.next_multiple_of(PIECE);
-    let cands: Vec<HostCopy> = HostCopy::ALL.into_iter().filter(|c| c.supported()).collect();
+    let cands: Vec<HostCopy> = HostCopy::ALL
+        .into_iter()
+        .filter(|c| c.supported())
+        .collect();
     let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..threads)
         .map(|t| (vec![t as u8 | 1; per_thread], vec![0u8; per_thread]))
         .collect();
@@ -377,16 +380,25 @@ mod tests {
     fn every_supported_copy_copies_every_length_and_alignment() {
         let src: Vec<u8> = (0..20_000u32).map(|i| (i * 7 % 253) as u8).collect();
         for how in HostCopy::ALL.into_iter().filter(|c| c.supported()) {
-            for len in [0, 1, 63, 64, 127, 255, 256, 4095, 4096, 4097, 10_001, 16_384] {
+            for len in [
+                0, 1, 63, 64, 127, 255, 256, 4095, 4096, 4097, 10_001, 16_384,
+            ] {
                 for off in [0, 1, 15, 33] {
                     let mut dst = vec![0u8; len + 80];
                     // SAFETY: both buffers hold `len` bytes past the offsets; `how` is
                     // supported.
                     unsafe { copy_with(how, dst.as_mut_ptr().add(off), src.as_ptr().add(3), len) };
                     fence();
-                    assert_eq!(&dst[off..off + len], &src[3..3 + len], "{how:?} len {len} off {off}");
+                    assert_eq!(
+                        &dst[off..off + len],
+                        &src[3..3 + len],
+                        "{how:?} len {len} off {off}"
+                    );
                     assert!(dst[..off].iter().all(|b| *b == 0), "{how:?} wrote before");
-                    assert!(dst[off + len..].iter().all(|b| *b == 0), "{how:?} wrote after");
+                    assert!(
+                        dst[off + len..].iter().all(|b| *b == 0),
+                        "{how:?} wrote after"
+                    );
                 }
             }
         }
