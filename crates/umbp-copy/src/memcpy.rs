@@ -119,10 +119,10 @@ pub fn set(copy: HostCopy) -> bool {
 
 /// Chooses this process's bulk copy once: from `UMBP_HOST_COPY` (`stream16`, `stream32`,
 /// `stream64`, `libc`; `auto` or unset measures), else by timing every candidate this CPU
-/// supports with `threads` threads, each copying 32 KiB pieces between 8 MiB buffers of its
-/// own flushed out of the caches before each pass, so that every copy reads and writes memory
-/// as the engine's do (about 0.1-0.3 s, once per process). Later calls return the first
-/// result.
+/// supports with `threads` threads (at most one per core, 16 in all), each copying 32 KiB
+/// pieces between 8 MiB buffers of its own flushed out of the caches before each pass, so that
+/// every copy reads and writes memory as the engine's do (about 0.1-0.3 s, once per process).
+/// Later calls return the first result.
 pub fn calibrate(threads: usize) -> &'static Calibration {
     CALIBRATION.get_or_init(|| {
         let forced = std::env::var("UMBP_HOST_COPY").ok();
@@ -135,7 +135,10 @@ pub fn calibrate(threads: usize) -> &'static Calibration {
                 };
             }
         }
-        let gbps = measure(threads.clamp(1, 64), 8 << 20, 5);
+        // At most one thread per core and 16 in all (256 MiB of buffers), whatever the
+        // engine's worker count.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let gbps = measure(threads.clamp(1, cores.min(16)), 8 << 20, 5);
         let best = gbps
             .iter()
             .copied()
