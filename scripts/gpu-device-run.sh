@@ -10,7 +10,9 @@
 # (one CUDA client through the standalone server against embedded mode, 64 and 8 KiB pieces,
 # answered through the completion page and then by replies only), ttft (time to first token on
 # a real vLLM CUDA engine, embedded and standalone, or the modes of MODES, e.g.
-# embedded,standalone,standalone-spin: needs VLLM=1) or none; TESTS=0 skips pytest.
+# embedded,standalone,standalone-spin: needs VLLM=1), serve (the serving bake-off of
+# tests/gpu_vllm/bench_serve.py, every arm and workload, or ARMS / WORKLOADS: needs VLLM=1) or
+# none; TESTS=0 skips pytest.
 # VLLM=1: vLLM's CUDA build is unpacked in $VLLM_SITE (default /tmp/vsite: the offline bundle of
 # ../shared/tools/vllm-cuda/, `assemble.sh` run once per chunk before this); the real-engine
 # tests (tests/gpu_vllm/) run too, filtered by VLLM_TESTS (a pytest -k expression, default all).
@@ -70,6 +72,14 @@ case "${BENCH:-shapes}" in
       --modes "${MODES:-embedded,standalone}" \
       >"$OUT/bench.txt" 2>"$OUT/bench.err"
     ;;
+  serve)
+    # The serving bake-off (docs/serving-bakeoff.md) in the foreground; where a call cannot
+    # last that long, scripts/gpu-serve-device.sh runs it detached over several calls.
+    timeout "${BENCH_TIMEOUT:-3000}" python3 "$T/gpu_vllm/bench_serve.py" --preset gpu-8b \
+      --out "$OUT/serve.json" --keep /tmp/umbp-serve --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+      --arms "${ARMS:-none,native,lmcache,umbp-embedded,umbp-standalone}" \
+      --workloads "${WORKLOADS:-prefix2,prefix8,random,chat2,chat8,twin}" >"$OUT/bench.txt" 2>"$OUT/bench.err"
+    ;;
   none) : >"$OUT/bench.txt" ;;
 esac
 echo "bench rc=$?"
@@ -86,5 +96,5 @@ if [ "${VLLM:-0}" = 1 ] && [ "${VLLM_TESTS:-all}" != none ]; then
     | tee "$OUT/pytest_vllm.txt" | grep -E "^(standalone|embedded)|passed|failed|FAILED|ERROR|skipped" | tail -40
 fi
 # Engine and server logs, traces and verifier summaries of both, in one file.
-(cd /tmp && find umbp-ttft umbp-gpu-vllm \( -name '*.log' -o -name '*.verify.json' -o -name 'trace-*' \) \
+(cd /tmp && find umbp-ttft umbp-gpu-vllm umbp-serve \( -name '*.log' -o -name '*.verify.json' -o -name 'trace-*' \) \
   -size -20M 2>/dev/null | tar -cJf "$OUT/vllm-logs.tar.xz" -T - 2>/dev/null) || true

@@ -18,6 +18,9 @@ Each results file says its `kind`; one PNG per file, named after it:
   SET / GET of the same sizes.
 - `server`: `umbp bench server --json` (one object per run): GB/s through the server against
   embedded mode, per piece size and direction.
+- `serve`: the serving bake-off (`tests/gpu_vllm/bench_serve.py --out`): TTFT p50 and
+  throughput against the offered rate per arm (no offload, vLLM native, LMCache, UMBP in both
+  modes), chat TTFT, and each arm's share of prompt tokens from vLLM's cache and from its tier.
 
     python scripts/plot_results.py            # (re)writes docs/img/<name>.png
     python scripts/plot_results.py --check    # exit 1 if a committed PNG differs from a re-run
@@ -336,7 +339,128 @@ def disk(d: dict, plt):
     )
 
 
+ARM_STYLE = {
+    "none": ("no offload", "black", "^", "--"),
+    "native": ("vLLM native CPU offload", "tab:green", "D", "-"),
+    "lmcache": ("LMCache", "tab:purple", "v", "-"),
+    "umbp-embedded": ("UMBP embedded", "tab:blue", "o", "-"),
+    "umbp-standalone": ("UMBP standalone", "tab:orange", "s", "-"),
+}
+
+
+def _serve_points(d: dict, arm: str, workload: str, ws: int) -> list[dict]:
+    pts = d["arms"].get(arm, {}).get("points", {}).values()
+    return [
+        p for p in pts if p.get("workload") == workload and p.get("ws") == ws and "req_per_s" in p
+    ]
+
+
+def serve(d: dict, plt):
+    """The serving bake-off (tests/gpu_vllm/bench_serve.py): TTFT p50 and throughput against
+    the offered rate per arm for each shared-prefix working set, chat TTFT, and where each
+    arm's prompt tokens came from."""
+    arms = [a for a in ARM_STYLE if a in d["arms"]
+            and any("req_per_s" in p for p in d["arms"][a].get("points", {}).values())]  # fmt: skip
+    sets = sorted({p["ws"] for a in arms for p in d["arms"][a].get("points", {}).values()
+                   if p.get("workload") == "prefix"})  # fmt: skip
+    if not sets:
+        return _serve_twin(d, plt)
+    fig, axes = plt.subplots(2, len(sets) + 1, figsize=(4.2 * (len(sets) + 1), 7.2), dpi=110)
+    h = d["gpu_pool_tokens"]
+    for col, ws in enumerate(sets):
+        top, bottom = axes[0][col], axes[1][col]
+        inf_x = None
+        for arm in arms:
+            pts = _serve_points(d, arm, "prefix", ws)
+            finite = [p["rate_req_s"] for p in pts if p.get("rate_req_s") not in (None, "inf")
+                      and p["rate_req_s"] != float("inf")]  # fmt: skip
+            inf_x = inf_x or (1.5 * max(finite) if finite else 1.0)
+            pts = sorted(
+                pts,
+                key=lambda p: inf_x if p.get("rate") == "inf" else p["rate_req_s"],
+            )
+            xs = [inf_x if p.get("rate") == "inf" else p["rate_req_s"] for p in pts]
+            label, color, marker, ls = ARM_STYLE[arm]
+            top.plot(xs, [p["ttft_p50_ms"] for p in pts], color=color, marker=marker, ls=ls,
+                     label=label)  # fmt: skip
+            bottom.plot(xs, [p["req_per_s"] for p in pts], color=color, marker=marker, ls=ls,
+                        label=label)  # fmt: skip
+        top.set_yscale("log")
+        top.set_title(f"shared prefixes, working set {ws}x GPU pool ({ws * h:,} tokens)")
+        top.set_ylabel("TTFT p50 (ms)")
+        bottom.set_ylabel("completed requests/s")
+        bottom.set_xlabel("offered rate (req/s); rightmost point: all at once")
+        if col == 0:
+            top.legend(fontsize=7)
+    # Chat TTFT p50 / p99 per arm and working set.
+    ax = axes[0][-1]
+    chat_sets = sorted({p["ws"] for a in arms for p in d["arms"][a].get("points", {}).values()
+                        if p.get("workload") == "chat"})  # fmt: skip
+    width = 0.8 / max(1, len(arms))
+    for i, arm in enumerate(arms):
+        vals = []
+        for ws in chat_sets:
+            pts = _serve_points(d, arm, "chat", ws)
+            vals.append(pts[0]["ttft_p50_ms"] if pts else 0)
+        xs = [j + i * width for j in range(len(chat_sets))]
+        ax.bar(xs, vals, width, color=ARM_STYLE[arm][1], label=ARM_STYLE[arm][0])
+    ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(chat_sets))])
+    ax.set_xticklabels([f"chat {ws}x" for ws in chat_sets])
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title("multi-turn chat")
+    # Where prompt tokens came from, per arm, at the heaviest reuse points.
+    ax = axes[1][-1]
+    cases = [(f"prefix {ws}x", "prefix", ws) for ws in sets] + [
+        (f"chat {ws}x", "chat", ws) for ws in chat_sets
+    ]
+    labels, local, ext = [], [], []
+    for name, wl, ws in cases:
+        for arm in arms:
+            pts = [p for p in _serve_points(d, arm, wl, ws) if p.get("rate") in (None, "inf")]
+            if not pts:
+                continue
+            labels.append(f"{name} {ARM_STYLE[arm][0]}")
+            local.append(100 * (pts[0].get("local_hit_share") or 0))
+            ext.append(100 * (pts[0].get("external_hit_share") or 0))
+    ys = range(len(labels))
+    ax.barh(ys, local, color="tab:gray", label="vLLM's own GPU cache")
+    ax.barh(ys, ext, left=local, color="tab:cyan", label="restored from the tier")
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels(labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of prompt tokens (%)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Serving bake-off (Llama-3-8B shape), {d['device']}, {d['date']}")
+    return fig
+
+
+def _serve_twin(d: dict, plt):
+    """Two engines behind a round-robin client: where each arm's prompt tokens came from."""
+    twin = {a: p for a, p in d.get("twin", {}).items() if "req_per_s" in p}
+    arms = [a for a in ARM_STYLE if a in twin]
+    fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=110)
+    ys = range(len(arms))
+    local = [100 * (twin[a].get("local_hit_share") or 0) for a in arms]
+    ext = [100 * (twin[a].get("external_hit_share") or 0) for a in arms]
+    labels = [
+        f"{ARM_STYLE[a][0]}" + (" (one shared server)" if twin[a].get("shared_tier") else "")
+        for a in arms
+    ]
+    ax.barh(ys, local, color="tab:gray", label="the engine's own GPU cache")
+    ax.barh(ys, ext, left=local, color="tab:cyan", label="restored from the tier")
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels(labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of prompt tokens (%)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"Two engines, chat turns round-robin: {d['device']}, {d['date']}", fontsize=8)
+    return fig
+
+
 KINDS = {
+    "serve": serve,
     "disk": disk,
     "ttft": ttft,
     "remote": remote,

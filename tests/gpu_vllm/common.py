@@ -53,6 +53,12 @@ SHAPES["tiny"] = dict(
     num_key_value_heads=2,
     head_dim=32,
 )
+#: As `tiny`, with Llama-8B-sized KV heads (32 KiB of KV per token): the serving bench's shape on
+#: vLLM CPU, whose small GPU-pool stand-in is then a tensor of its own mapping (standalone mode
+#: shares only page-aligned memory; vLLM CPU allocates small caches on the heap).
+SHAPES["tiny-kv"] = dict(
+    SHAPES["tiny"], num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, head_dim=128
+)
 SHAPES["swa"] = dict(
     SHAPES["llama8b-8l"],
     architectures=["MistralForCausalLM"],
@@ -82,13 +88,55 @@ SHAPES["mla"] = dict(
 )
 
 
+#: The word-level tokenizer `model_dir` writes beside each config: token i (i >= 3) is the word
+#: `w<i>`, words are split on whitespace and decoded joined by spaces, so any list of ids
+#: decodes to a text that encodes back to the same ids (`vllm serve` and `vllm bench serve`
+#: send text; no hub tokenizer is needed).
+SPECIALS = ("<unk>", "<s>", "</s>")
+VOCAB = 32000
+
+
+def write_tokenizer(out: Path, max_len: int) -> None:
+    added = [
+        dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False,
+             special=True)
+        for i, t in enumerate(SPECIALS)
+    ]  # fmt: skip
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), VOCAB)})
+    tok = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": max_len,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
 def model_dir(root: Path, shape: str, max_len: int = 40960) -> str:
-    """Writes `config.json` of `shape` under `root/shape` and returns the folder."""
+    """Writes `config.json` of `shape` under `root/shape`, with the word-level tokenizer of
+    `write_tokenizer`, and returns the folder."""
     out = root / shape
     out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out, max_len)
     cfg = dict(
         SHAPES[shape],
-        vocab_size=32000,
+        vocab_size=VOCAB,
         max_position_embeddings=max_len,
         rms_norm_eps=1e-5,
         bos_token_id=1,

@@ -73,17 +73,21 @@ class Verifier:
 
         def wait_for_save(self, meta):
             save(self, meta)  # the product first, exactly as it runs without the verifier
-            v.recheck()
-            v.after_save(meta)
+            if v.on():
+                v.recheck()
+                v.after_save(meta)
 
         def start_load_kv(self, meta, *a, **k):
             load(self, meta, *a, **k)
-            v.after_load(meta)
+            if v.on():
+                v.after_load(meta)
 
         def get_finished(self):
-            v.recheck()  # called after each step's forward pass was queued
+            on = v.on()
+            if on:
+                v.recheck()  # called after each step's forward pass was queued
             sending, recving = finished(self)
-            if recving:
+            if recving and on:
                 v.after_async_loads(recving, set(self.failed_recving))
             return sending, recving
 
@@ -91,6 +95,13 @@ class Verifier:
         W.WorkerSide.wait_for_save = wait_for_save
         W.WorkerSide.start_load_kv = start_load_kv
         W.WorkerSide.get_finished = get_finished
+
+    def on(self) -> bool:
+        """Whether to observe now: always, unless `$UMBP_VERIFY_GATE` names a file, which then
+        switches the verifier on while it exists (the serving bench times its points with the
+        verifier off and checks a probe with it on, in the same engine)."""
+        gate = os.environ.get("UMBP_VERIFY_GATE")
+        return not gate or os.path.exists(gate)
 
     def attach(self, ws, kv_caches) -> None:
         import torch

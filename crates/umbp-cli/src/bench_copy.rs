@@ -4,7 +4,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Result};
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use serde_json::json;
-use umbp_copy::{CopyEngine, Direction, HostMover, MemoryKind, MemoryRegistry};
+use umbp_copy::memcpy::{self, HostCopy};
+use umbp_copy::{
+    BlockCopy, CopyEngine, Direction, HostMover, MemoryKind, MemoryRegistry, MoveResult, Mover,
+    OrderToken,
+};
 use umbp_core::{
     GroupLayout, Integrity, KeyBuilder, KeyOutcome, LayerSpec, PoolConfig, RankTopology,
 };
@@ -40,26 +44,56 @@ pub struct Args {
     /// With `sample` in --verify: one load in this many verifies its object.
     #[arg(long, default_value_t = umbp_core::options::INTEGRITY_SAMPLE_EVERY.default_u64())]
     sample_every: u64,
+    /// The engine's bulk copy: `auto` (what the engine measured fastest at its start) or one
+    /// of `stream16`, `stream32`, `stream64`, `libc` (the same as `UMBP_HOST_COPY`).
+    #[arg(long, default_value = "auto")]
+    host_copy: String,
+    /// Blocks each worker copies per call (default: the host mover's own choice).
+    #[arg(long)]
+    batch_blocks: Option<usize>,
     /// Print a JSON object as the last line.
     #[arg(long)]
     json: bool,
 }
 
-/// Copy of `src` into `dst` split over `threads` threads, with the C library's `memcpy` or
-/// with UMBP's streaming copy; seconds taken.
-fn contiguous_copy(src: &[u8], dst: &mut [u8], threads: usize, streaming: bool) -> f64 {
+/// The host mover with another number of blocks per call, to measure the engine's batching.
+#[derive(Debug)]
+struct Batched(usize);
+
+impl Mover for Batched {
+    fn batch_size(&self, _object_bytes: u64, _pieces_per_block: usize) -> usize {
+        self.0
+    }
+
+    unsafe fn gather(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
+        // SAFETY: forwarded contract.
+        unsafe { HostMover.gather(blocks, after) }
+    }
+
+    unsafe fn scatter(
+        &self,
+        blocks: &[BlockCopy<'_>],
+        after: Option<&OrderToken>,
+    ) -> Vec<MoveResult> {
+        // SAFETY: forwarded contract.
+        unsafe { HostMover.scatter(blocks, after) }
+    }
+}
+
+/// Copy of `src` into `dst` split over `threads` threads with `how`; seconds taken.
+fn contiguous_copy(src: &[u8], dst: &mut [u8], threads: usize, how: HostCopy) -> f64 {
     let per = src.len().div_ceil(threads);
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for (d, sc) in dst.chunks_mut(per).zip(src.chunks(per)) {
             s.spawn(move || {
-                if streaming {
-                    // SAFETY: `d` and `sc` are equal-length, distinct buffers.
-                    unsafe { umbp_copy::memcpy::copy(d.as_mut_ptr(), sc.as_ptr(), d.len()) };
-                    umbp_copy::memcpy::fence();
-                } else {
-                    d.copy_from_slice(sc);
-                }
+                // SAFETY: `d` and `sc` are equal-length, distinct buffers; `how` is supported.
+                unsafe { memcpy::copy_with(how, d.as_mut_ptr(), sc.as_ptr(), d.len()) };
+                memcpy::fence();
             });
         }
     });
@@ -112,6 +146,11 @@ pub fn run(a: &Args) -> Result<()> {
     ensure!(!settings.is_empty(), "--verify needs at least one setting");
     // One pool and engine per setting, alive together so the rounds interleave (a machine
     // whose speed drifts moves every setting alike).
+    let mover: Arc<dyn Mover> = match a.batch_blocks {
+        Some(n) => Arc::new(Batched(n.max(1))),
+        None => Arc::new(HostMover),
+    };
+    let batch = mover.batch_size(object_bytes, a.layers as usize);
     let mut arms = Vec::new();
     for &integrity in &settings {
         let pool = Arc::new(Pool::new(PoolConfig {
@@ -121,7 +160,7 @@ pub fn run(a: &Args) -> Result<()> {
         let registry = Arc::new(MemoryRegistry::new());
         // SAFETY: `cache` lives until the end of this function, after the engines are closed.
         unsafe { registry.register(base, cache_len as u64, MemoryKind::Host)? };
-        let engine = CopyEngine::new(Arc::clone(&pool), registry, Arc::new(HostMover), workers)?;
+        let engine = CopyEngine::new(Arc::clone(&pool), registry, Arc::clone(&mover), workers)?;
         arms.push(Arm {
             integrity,
             pool,
@@ -130,6 +169,39 @@ pub fn run(a: &Args) -> Result<()> {
             load: f64::MAX,
         });
     }
+    let cal = memcpy::calibrate(workers).clone();
+    if a.host_copy != "auto" {
+        let Some(c) = HostCopy::from_name(&a.host_copy) else {
+            bail!(
+                "--host-copy {}: not one of auto, stream16, stream32, stream64, libc",
+                a.host_copy
+            );
+        };
+        ensure!(
+            memcpy::set(c),
+            "--host-copy {}: this CPU cannot run it",
+            a.host_copy
+        );
+    }
+    let engine_copy = memcpy::chosen();
+    progress!(
+        "engine copy: {} ({}; measured at start, GB/s: {})",
+        engine_copy.name(),
+        if a.host_copy == "auto" {
+            cal.how
+        } else {
+            "--host-copy"
+        },
+        cal.gbps
+            .iter()
+            .map(|(c, g)| format!("{} {g:.1}", c.name()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let candidates: Vec<HostCopy> = HostCopy::ALL
+        .into_iter()
+        .filter(|c| c.supported())
+        .collect();
     let kb = KeyBuilder::new("bench-copy", RankTopology::default())?;
 
     let mut rng = StdRng::seed_from_u64(42);
@@ -145,7 +217,7 @@ pub fn run(a: &Args) -> Result<()> {
 
     let ceil_src = vec![1u8; total as usize];
     let mut ceil_dst = vec![0u8; total as usize];
-    let (mut best_memcpy, mut best_stream) = (f64::MAX, f64::MAX);
+    let mut best_contiguous = vec![f64::MAX; candidates.len()];
     let wait = |job: umbp_copy::JobHandle| -> Result<f64> {
         let t0 = Instant::now();
         let res = job.wait(Duration::from_secs(600))?;
@@ -156,8 +228,10 @@ pub fn run(a: &Args) -> Result<()> {
         Ok(secs)
     };
     for round in 0..=a.rounds {
-        let c_memcpy = contiguous_copy(&ceil_src, &mut ceil_dst, workers, false);
-        let c_stream = contiguous_copy(&ceil_src, &mut ceil_dst, workers, true);
+        let contiguous: Vec<f64> = candidates
+            .iter()
+            .map(|&c| contiguous_copy(&ceil_src, &mut ceil_dst, workers, c))
+            .collect();
         for arm in &mut arms {
             arm.pool.clear();
             // What this store reads (an earlier arm's load may have written source blocks).
@@ -206,12 +280,17 @@ pub fn run(a: &Args) -> Result<()> {
             continue;
         }
         progress!(
-            "round {round}: contiguous memcpy {:.2} GB/s, streaming {:.2} GB/s",
-            total as f64 / c_memcpy / 1e9,
-            total as f64 / c_stream / 1e9
+            "round {round}: contiguous {}",
+            candidates
+                .iter()
+                .zip(&contiguous)
+                .map(|(c, t)| format!("{} {:.2} GB/s", c.name(), total as f64 / t / 1e9))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
-        best_memcpy = best_memcpy.min(c_memcpy);
-        best_stream = best_stream.min(c_stream);
+        for (b, t) in best_contiguous.iter_mut().zip(&contiguous) {
+            *b = b.min(*t);
+        }
     }
     for arm in &arms {
         arm.engine.close();
@@ -227,9 +306,22 @@ pub fn run(a: &Args) -> Result<()> {
     let first = &arms[0];
     let (store_gbps, load_gbps) = (gb(first.store), gb(first.load));
     let gbps = 2.0 * total as f64 / (first.store + first.load) / 1e9;
-    // The ceiling is the faster of the two contiguous copies of the same bytes.
-    let memcpy_gbps = gb(best_memcpy);
-    let stream_gbps = gb(best_stream);
+    // The ceiling is the fastest contiguous copy of the same bytes: the C library's `memcpy`
+    // or any of UMBP's streaming copies this CPU runs.
+    let contiguous_gbps: Vec<(HostCopy, f64)> = candidates
+        .iter()
+        .zip(&best_contiguous)
+        .map(|(c, t)| (*c, gb(*t)))
+        .collect();
+    let of = |want: fn(&HostCopy) -> bool| {
+        contiguous_gbps
+            .iter()
+            .filter(|(c, _)| want(c))
+            .map(|(_, g)| *g)
+            .fold(0.0, f64::max)
+    };
+    let memcpy_gbps = of(|c| *c == HostCopy::Libc);
+    let stream_gbps = of(|c| *c != HostCopy::Libc);
     let ceiling_gbps = memcpy_gbps.max(stream_gbps);
     let ratio = gbps / ceiling_gbps;
     println!(
@@ -249,7 +341,19 @@ pub fn run(a: &Args) -> Result<()> {
         "  contiguous memcpy      {memcpy_gbps:>8.2} GB/s  (C library memcpy, same threads, same bytes)"
     );
     println!(
-        "  contiguous streaming   {stream_gbps:>8.2} GB/s  (UMBP's streaming copy; ceiling = the faster: {ceiling_gbps:.2})"
+        "  contiguous streaming   {stream_gbps:>8.2} GB/s  (UMBP's fastest streaming copy; ceiling = the faster: {ceiling_gbps:.2})"
+    );
+    for (c, g) in &contiguous_gbps {
+        println!("    {:<9} {g:>8.2} GB/s contiguous", c.name());
+    }
+    println!(
+        "  engine copy: {} (calibration at start: {})",
+        engine_copy.name(),
+        cal.gbps
+            .iter()
+            .map(|(c, g)| format!("{} {g:.1} GB/s", c.name()))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let mut rows = Vec::new();
     if arms.len() > 1 || first.integrity != Integrity::Off {
@@ -292,6 +396,7 @@ pub fn run(a: &Args) -> Result<()> {
             "{}",
             json!({
                 "bench": "copy",
+                "cpu": cpu_model(),
                 "layers": a.layers,
                 "piece_bytes": a.piece_bytes,
                 "blocks": a.blocks,
@@ -307,6 +412,11 @@ pub fn run(a: &Args) -> Result<()> {
                 "store_ratio": store_gbps / ceiling_gbps,
                 "load_ratio": load_gbps / ceiling_gbps,
                 "integrity": rows,
+                "engine_copy": engine_copy.name(),
+                "batch_blocks": batch,
+                "engine_copy_how": if a.host_copy == "auto" { cal.how } else { "--host-copy" },
+                "calibration_gbps": cal.gbps.iter().map(|(c, g)| (c.name(), *g)).collect::<std::collections::BTreeMap<_, _>>(),
+                "contiguous_gbps": contiguous_gbps.iter().map(|(c, g)| (c.name(), *g)).collect::<std::collections::BTreeMap<_, _>>(),
             })
         );
     }
@@ -381,4 +491,13 @@ fn block_bytes(cache: &[u8], layout: &GroupLayout, b: u64) -> Vec<u8> {
             cache[at..at + l.block_bytes as usize].to_vec()
         })
         .collect()
+}
+
+/// The CPU's model name (`/proc/cpuinfo`), for the results.
+fn cpu_model() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    text.lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
 }

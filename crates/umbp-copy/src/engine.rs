@@ -175,6 +175,14 @@ impl CopyEngine {
                 format!("{num_workers} is outside 1..=256"),
             )));
         }
+        // The process's bulk host copy, measured once on this CPU (crate::memcpy).
+        let cal = crate::memcpy::calibrate(num_workers);
+        log::debug!(
+            "host copy: {} ({}; GB/s {:?})",
+            cal.chosen.name(),
+            cal.how,
+            cal.gbps
+        );
         let (tx, rx) = channel::<Arc<JobState>>();
         let rx = Arc::new(Mutex::new(rx));
         // Held while a worker reserves one batch, so a batch's objects are neighbours in the

@@ -214,7 +214,8 @@ pub trait Mover: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Copies between host memories (streaming stores for large pieces, see [`crate::memcpy`]).
+/// Copies between host memories (large pieces with the bulk copy chosen for this CPU, see
+/// [`crate::memcpy`]).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct HostMover;
 
