@@ -345,6 +345,7 @@ ARM_STYLE = {
     "lmcache": ("LMCache", "tab:purple", "v", "-"),
     "umbp-embedded": ("UMBP embedded", "tab:blue", "o", "-"),
     "umbp-standalone": ("UMBP standalone", "tab:orange", "s", "-"),
+    "umbp-dma": ("UMBP embedded, DMA only", "tab:cyan", "P", ":"),
 }
 
 

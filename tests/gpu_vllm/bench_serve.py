@@ -15,6 +15,7 @@ for every arm; only the KV tier differs:
 | lmcache | LMCache's multiprocess server (`--l1-size-gb D`) + its `LMCacheMPConnector` |
 | umbp-embedded | `UMBPStoreConnector`, `mode: embedded`, `total_capacity_bytes: D` |
 | umbp-standalone | `umbp_standalone_server --capacity D`, `mode: standalone` |
+| umbp-dma | umbp-embedded with `cuda_staging_bytes: 0`: the GPU's copy engines only, no staging kernels |
 
 Each arm gets a fresh engine (and tier server); between points both vLLM's prefix cache and the
 tier are dropped (`POST /reset_prefix_cache?reset_external=true`) and every point draws prompts
@@ -99,7 +100,7 @@ PRESETS: dict[str, dict] = {
         extra_engine_args=["--enforce-eager"],
     ),
 }
-ARMS = ("none", "native", "lmcache", "umbp-embedded", "umbp-standalone")
+ARMS = ("none", "native", "lmcache", "umbp-embedded", "umbp-standalone", "umbp-dma")
 
 
 def kv_bytes_per_token(shape: str) -> int:
@@ -218,6 +219,9 @@ class Run:
             }
             return ["--kv-transfer-config", json.dumps(ktc)], srv
         extra: dict = {"mode": "embedded", "total_capacity_bytes": cap, "lookup_instance": tag}
+        if arm == "umbp-dma":
+            # No staging slots: every piece moves by the copy engines (DMA), no SM kernels.
+            extra["cuda_staging_bytes"] = 0
         srv = None
         if arm == "umbp-standalone":
             folder = self.root / f"server-{self.prefix}{tag}"

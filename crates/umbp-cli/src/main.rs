@@ -4,6 +4,10 @@
 //! A binary of its own (built and installed with cargo): no library links it, so neither clap
 //! nor the benchmarks are part of the Python extension.
 
+// `umbp stats --json` builds one flat object of ~50 fields with serde_json's `json!`, whose
+// expansion nests deeper than the default limit of 128.
+#![recursion_limit = "256"]
+
 use clap::{Parser, Subcommand};
 
 mod bench_cache;
