@@ -409,6 +409,9 @@ def serve(d: dict, plt):
     ax.set_xticklabels([f"chat {ws}x" for ws in chat_sets])
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_title("multi-turn chat")
+    if not chat_sets:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no chat workload in this run", ha="center", transform=ax.transAxes)
     # Where prompt tokens came from, per arm, at the heaviest reuse points.
     ax = axes[1][-1]
     cases = [(f"prefix {ws}x", "prefix", ws) for ws in sets] + [

@@ -12,7 +12,7 @@ for every arm; only the KV tier differs:
 |---|---|
 | none | prefix caching, no connector |
 | native | `--kv-offloading-backend native --kv-offloading-size D` |
-| lmcache | LMCache's multiprocess server (`--l1-size-gb D`) + its `LMCacheMPConnector` |
+| lmcache | LMCache's multiprocess server (`--l1-size-gb D --eviction-policy LRU`) + its `LMCacheMPConnector` |
 | umbp-embedded | `UMBPStoreConnector`, `mode: embedded`, `total_capacity_bytes: D` |
 | umbp-standalone | `umbp_standalone_server --capacity D`, `mode: standalone` |
 | umbp-dma | umbp-embedded with `cuda_staging_bytes: 0`: the GPU's copy engines only, no staging kernels |
@@ -199,7 +199,11 @@ class Run:
             port = free_port()
             srv = Proc(
                 [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
-                 "--port", str(port), "--l1-size-gb", str(gib)],
+                 "--port", str(port), "--l1-size-gb", str(gib),
+                 # LMCache 0.5.6 refuses to start without a policy ("Legacy L1 configuration
+                 # requires --l1-size-gb and --eviction-policy"); LRU, the first of
+                 # the policies it offers.
+                 "--eviction-policy", "LRU"],
                 self.root / f"lmcache-{self.prefix}{tag}.log", self.env(arm),
             )  # fmt: skip
             time.sleep(3)
