@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 
 use redis::cluster::{cluster_pipe, ClusterClient, ClusterClientBuilder, ClusterConnection};
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Client, Connection, RedisResult};
+use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
+
+use crate::link::Link;
+use crate::resp::with_bulk_limit;
 
 /// The `(host, port)` of every primary that serves slots, from `CLUSTER NODES`.
 fn primaries(nodes: &str) -> Vec<(String, u16)> {
@@ -129,10 +132,11 @@ impl Target {
     }
 }
 
-/// A client that makes connections (cheap to clone; connects nothing by itself).
+/// A client that makes connections (cheap to clone; connects nothing by itself). A single
+/// server's connections read their replies within bounds ([`Link`]).
 #[derive(Clone)]
 pub(crate) enum Backend {
-    Single(Client),
+    Single(ConnectionInfo),
     Cluster(ClusterClient),
 }
 
@@ -155,7 +159,7 @@ impl Backend {
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
         Ok(match target {
-            Target::Single(u) => Backend::Single(Client::open(u.as_str()).map_err(err)?),
+            Target::Single(u) => Backend::Single(u.as_str().into_connection_info().map_err(err)?),
             Target::Cluster(seeds) => Backend::Cluster(
                 ClusterClientBuilder::new(seeds.iter().map(String::as_str))
                     .connection_timeout(timeout)
@@ -207,12 +211,7 @@ impl Backend {
 
     pub(crate) fn connect(&self, timeout: Duration) -> RedisResult<Conn> {
         Ok(match self {
-            Backend::Single(c) => {
-                let con = c.get_connection_with_timeout(timeout)?;
-                con.set_read_timeout(Some(timeout))?;
-                con.set_write_timeout(Some(timeout))?;
-                Conn::Single(con)
-            }
+            Backend::Single(info) => Conn::Single(Link::connect_to(info, timeout)?),
             Backend::Cluster(c) => {
                 let con = c.get_connection()?;
                 con.set_read_timeout(Some(timeout))?;
@@ -231,7 +230,9 @@ pub(crate) enum SetBatch {
 
 /// One live connection.
 pub(crate) enum Conn {
-    Single(Connection),
+    Single(Link),
+    /// The `redis` crate's own connections: its cluster pipelines work on nothing else, so
+    /// their replies are not bounded here (see docs/remote.md).
     Cluster(Box<ClusterConnection>),
 }
 
@@ -260,7 +261,9 @@ pub(crate) fn is_transport(e: &redis::RedisError) -> bool {
 impl Conn {
     /// The first `limit + 1` bytes of every key's value (`GETRANGE`, pipelined, per node on a
     /// cluster), so a value longer than `limit` shows as such without being read whole;
-    /// `None` for absent keys (an absent key reads as empty, which no value is).
+    /// `None` for absent keys (an absent key reads as empty, which no value is). A reply
+    /// longer than `limit + 1` bytes, whatever the remote claims, is not read: an error
+    /// ([`crate::resp::is_too_long`]) that leaves the connection closed.
     pub(crate) fn get_many(
         &mut self,
         keys: &[String],
@@ -269,6 +272,16 @@ impl Conn {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
+        with_bulk_limit(limit.saturating_add(1), || {
+            self.get_many_within(keys, limit)
+        })
+    }
+
+    fn get_many_within(
+        &mut self,
+        keys: &[String],
+        limit: u64,
+    ) -> RedisResult<Vec<Option<Vec<u8>>>> {
         let got: Vec<Vec<u8>> = match self {
             Conn::Single(c) => {
                 let mut p = redis::pipe();
@@ -303,10 +316,11 @@ impl Conn {
         keys.iter()
             .map(|k| {
                 let cmd = redis::cmd("GETRANGE").arg(k).arg(0).arg(limit).clone();
-                let r: RedisResult<Vec<u8>> = match self {
-                    Conn::Single(c) => cmd.query(c),
-                    Conn::Cluster(c) => cmd.query(c.as_mut()),
-                };
+                let r: RedisResult<Vec<u8>> =
+                    with_bulk_limit(limit.saturating_add(1), || match self {
+                        Conn::Single(c) => cmd.query(c),
+                        Conn::Cluster(c) => cmd.query(c.as_mut()),
+                    });
                 match r {
                     Err(e) if is_wrong_type(&e) => Ok(Some(vec![0])),
                     Ok(v) => Ok((!v.is_empty()).then_some(v)),

@@ -179,6 +179,19 @@ fn get_chunk(inner: &TierState, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> 
             inner.succeeded();
             Some(v)
         }
+        Err(e) if crate::resp::is_too_long(&e) => {
+            // A value longer than any object (or a reply past the reader's bounds) was not
+            // read: that key is a bad object, the chunk's others miss, and the connection,
+            // left in the middle of the reply, is dropped. The remote is not down.
+            *slot = None;
+            add(&inner.c.corrupt, 1);
+            add(&inner.c.misses, chunk.len() as u64);
+            log::warn!(
+                "remote tier: a reply to a lookup was longer than the largest object ({e}); {} keys taken as misses",
+                chunk.len()
+            );
+            None
+        }
         Err(e) if is_transport(&e) => {
             // A timed-out pipeline may still answer later: never reuse the connection.
             *slot = None;

@@ -24,14 +24,17 @@
 //! The crate's files, by job: [`config`](RemoteConfig) (settings, URL, secret file),
 //! `tier` (the running [`RemoteTier`]), `fetch` (reads into the pool), `write` (stores
 //! behind the pool), `state` (what the tier's threads share), `stats` ([`RemoteStats`]),
-//! `conn` (connections to one server or a cluster), [`object`] (the value format) and
+//! `conn` (connections to one server or a cluster), `link` (a one-server connection whose
+//! replies `resp` reads within bounds, whatever the peer claims), [`object`] (the value format) and
 //! `error` ([`RemoteError`]).
 
 mod config;
 mod conn;
 mod error;
 mod fetch;
+mod link;
 pub mod object;
+mod resp;
 mod state;
 mod stats;
 mod tier;

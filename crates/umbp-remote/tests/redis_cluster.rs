@@ -852,3 +852,37 @@ fn lookups_follow_a_resharding_cluster() -> Result<()> {
     check_restored(&pb, &ks, len);
     Ok(())
 }
+
+#[test]
+fn a_password_and_a_database_in_a_one_server_url_are_used() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start(1, false)?;
+    let port = r.nodes[0].port;
+    r.cli(port, &["config", "set", "requirepass", "s3cret"])?;
+    let url = |pw: &str, db: u32| format!("redis://:{pw}@127.0.0.1:{port}/{db}");
+    let ks = keys("remote-it-auth", 4);
+    let pa = pool();
+    let ta = start_tier(config(url("s3cret", 3)), Arc::clone(&pa))?;
+    for (i, k) in ks.iter().enumerate() {
+        pa.put(*k, &payload(i, 4096))?;
+    }
+    ta.write_keys(&ks);
+    assert!(ta.flush(Duration::from_secs(5)));
+    assert!(ta.stats().writes >= 4, "{:?}", ta.stats());
+    // The same database finds them; another database of the same server does not; a wrong
+    // password is an error (the remote is down for that tier), not a hang.
+    let pb = pool();
+    let tb = start_tier(config(url("s3cret", 3)), Arc::clone(&pb))?;
+    assert_eq!(tb.fetch_prefix(&ks), 4);
+    check_restored(&pb, &ks, 4096);
+    let tc = start_tier(config(url("s3cret", 0)), pool())?;
+    assert_eq!(tc.fetch_prefix(&ks), 0);
+    assert_eq!(tc.stats().misses, 1, "{:?}", tc.stats());
+    let td = start_tier(config(url("wrong", 3)), pool())?;
+    assert_eq!(td.fetch_prefix(&ks), 0);
+    let s = td.stats();
+    assert!(!s.connected && s.errors >= 1, "{s:?}");
+    Ok(())
+}
