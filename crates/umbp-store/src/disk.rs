@@ -52,9 +52,13 @@ pub(crate) fn open(cfg: DiskConfig, pool: &Arc<Pool>) -> Result<Arc<DiskTier>, D
                 d.enqueue(key, Box::new(Spilled(obj)));
             }
             // A store found the pool full and needs the memory now: the bytes are copied
-            // into the backlog when it has room, and the pin goes here.
+            // into the backlog when it has room, and the pin goes here. With integrity on
+            // they are verified first, as the writer verifies a `Behind` object: damaged
+            // bytes are never written (the object is counted in `corrupt_detected`).
             SpillKind::Now => {
-                d.enqueue_copy(key, obj.as_slice());
+                if obj.verify() {
+                    d.enqueue_copy(key, obj.as_slice());
+                }
             }
         }
     })));
