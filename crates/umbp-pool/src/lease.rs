@@ -111,10 +111,22 @@ impl LeaseBook {
 struct Lease {
     /// Leases outstanding on the object.
     count: u32,
+    /// Grants on this record so far (wrapping): tells [`Leases::take_back`] whether another
+    /// grant came after the one it undoes.
+    seq: u32,
     /// When the newest runs out (lease clock).
     until: u64,
     /// The object's bytes.
     len: u64,
+}
+
+/// What one [`Leases::grant`] changed, so that [`Leases::take_back`] can undo exactly it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Grant {
+    /// The record's expiry before this grant extended it.
+    prev_until: u64,
+    /// The record's `seq` this grant left.
+    seq: u32,
 }
 
 /// One index shard's leases, by entry id. Callers hold the shard's lock.
@@ -165,41 +177,56 @@ impl Leases {
         sub(&b.bytes, l.len);
     }
 
-    /// Takes one lease on `idx` (an object of `len` bytes); false when the bound on leased
+    /// Takes one lease on `idx` (an object of `len` bytes); `None` when the bound on leased
     /// bytes refuses it (counted).
-    pub fn grant(&mut self, idx: u32, len: u64) -> bool {
+    pub fn grant(&mut self, idx: u32, len: u64) -> Option<Grant> {
         let b = Arc::clone(&self.book);
         let now = b.now_ms();
         self.expire_if_due(idx, now);
         let until = now + b.ms;
-        if let Some(l) = self.map.get_mut(&idx) {
+        let grant = if let Some(l) = self.map.get_mut(&idx) {
+            let g = Grant {
+                prev_until: l.until,
+                seq: l.seq.wrapping_add(1),
+            };
             l.count += 1;
+            l.seq = g.seq;
             l.until = until;
+            g
         } else {
             if !b.take_bytes(len) {
                 add(&b.refused, 1);
-                return false;
+                return None;
             }
             self.map.insert(
                 idx,
                 Lease {
                     count: 1,
+                    seq: 0,
                     until,
                     len,
                 },
             );
-        }
+            Grant {
+                prev_until: 0,
+                seq: 0,
+            }
+        };
         add(&b.granted, 1);
         add(&b.active, 1);
-        true
+        Some(grant)
     }
 
-    /// Takes back one lease [`Leases::grant`] just gave on `idx` (the lookup did not report
-    /// the key after all): as if it had never been granted.
-    pub fn take_back(&mut self, idx: u32) {
+    /// Takes back the lease `g` that [`Leases::grant`] gave on `idx` (the lookup did not
+    /// report the key after all): as if it had never been granted, so the record's expiry
+    /// goes back to what it was unless another grant has extended it since.
+    pub fn take_back(&mut self, idx: u32, g: Grant) {
         let Some(l) = self.map.get_mut(&idx) else {
             return;
         };
+        if l.seq == g.seq {
+            l.until = g.prev_until;
+        }
         l.count -= 1;
         let l = *l;
         let b = &self.book;
@@ -281,11 +308,11 @@ mod tests {
     fn leases_are_given_back_by_loads_and_expire_counted() {
         let book = Arc::new(LeaseBook::new(1000, 100));
         let mut l = Leases::new(Arc::clone(&book));
-        assert!(l.grant(1, 40));
-        assert!(l.grant(1, 40));
-        assert!(l.grant(2, 40));
+        assert!(l.grant(1, 40).is_some());
+        assert!(l.grant(1, 40).is_some());
+        assert!(l.grant(2, 40).is_some());
         // 120 bytes would pass the bound of 100: refused.
-        assert!(!l.grant(3, 40));
+        assert!(l.grant(3, 40).is_none());
         assert!(l.holds(1) && l.holds(2) && !l.holds(3));
         l.release(1);
         assert!(l.holds(1), "one lease of two given back");
@@ -306,11 +333,37 @@ mod tests {
         );
         assert_eq!((g(&book.active), g(&book.bytes)), (0, 0));
         // A lease taken back leaves no trace; one ended with its object counts as ended.
-        assert!(l.grant(4, 10));
-        l.take_back(4);
-        assert!(l.grant(5, 10));
+        let grant = l.grant(4, 10).unwrap();
+        l.take_back(4, grant);
+        assert!(l.grant(5, 10).is_some());
         l.end(5);
         assert_eq!((g(&book.granted), g(&book.ended)), (4, 1));
         assert_eq!((g(&book.active), g(&book.bytes)), (0, 0));
+    }
+
+    /// A prefix lookup leases past its first refused key and takes those leases back: the
+    /// expiry of an object leased before must be what it was, or a load after that earlier
+    /// lease ran out would still find it leased (found by tests/lease_model.rs).
+    #[test]
+    fn a_lease_taken_back_leaves_the_earlier_expiry() {
+        let book = Arc::new(LeaseBook::new(1000, 1000));
+        let mut l = Leases::new(Arc::clone(&book));
+        assert!(l.grant(1, 10).is_some()); // runs out at 1000
+        book.advance(500);
+        let later = l.grant(1, 10).unwrap(); // would run out at 1500
+        l.take_back(1, later);
+        book.advance(500);
+        assert!(!l.holds(1), "the first lease ran out at 1000");
+        // Undone after another grant extended it: that grant's expiry stays.
+        let mut l = Leases::new(Arc::clone(&book));
+        let first = l.grant(2, 10).unwrap();
+        book.advance(100);
+        assert!(l.grant(2, 10).is_some());
+        l.take_back(2, first);
+        book.advance(950);
+        assert!(
+            l.holds(2),
+            "the second grant's lease runs until 1050 after it"
+        );
     }
 }

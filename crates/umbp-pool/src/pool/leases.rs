@@ -7,6 +7,7 @@ use umbp_core::BlockKey;
 
 use super::inner::{shard_of, SHARDS};
 use super::Pool;
+use crate::lease::Grant;
 
 impl Pool {
     /// [`Pool::prefix_hits_with`] that leases the hits it reports: how many keys from the
@@ -33,17 +34,14 @@ impl Pool {
     pub fn lease_prefix_with(&self, n: usize, key: impl Fn(usize) -> BlockKey) -> usize {
         let got = self.lease_keys(n, &key, None);
         let leased = got.iter().take_while(|g| g.is_some()).count();
-        // Leases past the first failure were taken for keys the lookup does not report.
-        let back: Vec<(usize, u32)> = got
-            .iter()
-            .enumerate()
-            .skip(leased)
-            .filter_map(|(i, g)| g.map(|idx| (i, idx)))
-            .collect();
-        if self.inner.leases.on() {
-            for (i, idx) in back {
+        // Leases past the first failure were taken for keys the lookup does not report:
+        // undone, expiry included.
+        for (i, g) in got.iter().enumerate().skip(leased) {
+            if let Some((idx, Some(grant))) = *g {
                 let fp = key(i).fingerprint();
-                self.inner.shards[shard_of(fp)].write().take_back_lease(idx);
+                self.inner.shards[shard_of(fp)]
+                    .write()
+                    .take_back_lease(idx, grant);
             }
         }
         leased
@@ -59,13 +57,14 @@ impl Pool {
     }
 
     /// Leases `key(i)` for every `i < n` (that `want` marks, when given), shard by shard; per
-    /// key, the entry id leased, or `None` (absent, refused, or not wanted).
+    /// key, the entry id and its lease (none when leases are off), or `None` (absent,
+    /// refused, or not wanted).
     fn lease_keys(
         &self,
         n: usize,
         key: impl Fn(usize) -> BlockKey,
         want: Option<&[bool]>,
-    ) -> Vec<Option<u32>> {
+    ) -> Vec<Option<(u32, Option<Grant>)>> {
         let inner = &self.inner;
         let mut out = vec![None; n];
         let wanted = |i: usize| want.is_none_or(|w| w[i]);
@@ -83,15 +82,15 @@ impl Pool {
             if !on {
                 let shard = inner.shards[s].read();
                 for &(i, k, fp) in items {
-                    out[i] = shard.find(&k, fp);
+                    out[i] = shard.find(&k, fp).map(|idx| (idx, None));
                 }
                 continue;
             }
             let mut shard = inner.shards[s].write();
             for &(i, k, fp) in items {
                 if let Some(idx) = shard.find(&k, fp) {
-                    if shard.lease(idx) {
-                        out[i] = Some(idx);
+                    if let Some(g) = shard.lease(idx) {
+                        out[i] = Some((idx, Some(g)));
                     }
                 }
             }
