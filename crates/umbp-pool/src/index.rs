@@ -5,7 +5,7 @@ use hashbrown::HashTable;
 use umbp_core::BlockKey;
 
 use crate::alloc::Slot;
-use crate::lease::Leases;
+use crate::lease::{Grant, Leases};
 use crate::policy::{new_policy, PolicyCounters, ShardPolicy, QUEUES};
 use umbp_core::caching::EvictionPolicy;
 
@@ -32,8 +32,9 @@ pub(crate) struct Entry {
     pub len: u64,
     pub pins: u32,
     pub state: EntryState,
-    /// The object's checksum ([`crate::checksum`]), when the pool keeps them.
-    pub sum: Option<u64>,
+    /// Whether the shard's `sums` hold this object's checksum (a flag in the padding after
+    /// `state`: a pool without `integrity` pays nothing per entry for checksums).
+    has_sum: bool,
 }
 
 /// The index shard. Callers hold the shard's lock.
@@ -43,6 +44,9 @@ pub(crate) struct Shard {
     /// entry, and membership tests (`contains_fp`) never touch entries at all.
     table: HashTable<TableSlot>,
     entries: Vec<Entry>,
+    /// Checksums by entry id ([`crate::checksum`]), for the entries whose `has_sum` is set;
+    /// empty until the first one is recorded (`integrity` on).
+    sums: Vec<u64>,
     vacant: Vec<u32>,
     policy: Box<dyn ShardPolicy>,
     /// Lookup leases on this shard's entries ([`crate::lease`]).
@@ -55,6 +59,7 @@ impl Shard {
         Shard {
             table: HashTable::new(),
             entries: Vec::new(),
+            sums: Vec::new(),
             vacant: Vec::new(),
             policy: new_policy(policy),
             leases,
@@ -94,7 +99,7 @@ impl Shard {
             len,
             pins: 0,
             state: EntryState::Live,
-            sum: None,
+            has_sum: false,
         };
         let idx = match self.vacant.pop() {
             Some(i) => {
@@ -115,7 +120,20 @@ impl Shard {
 
     /// Records the checksum of `idx`'s object.
     pub fn set_sum(&mut self, idx: u32, sum: Option<u64>) {
-        self.entries[idx as usize].sum = sum;
+        let i = idx as usize;
+        self.entries[i].has_sum = sum.is_some();
+        if let Some(v) = sum {
+            if self.sums.len() <= i {
+                self.sums.resize(self.entries.len().max(i + 1), 0);
+            }
+            self.sums[i] = v;
+        }
+    }
+
+    /// The checksum recorded for `idx`'s object, if any.
+    pub fn sum(&self, idx: u32) -> Option<u64> {
+        let i = idx as usize;
+        self.entries[i].has_sum.then(|| self.sums[i])
     }
 
     /// Tells the policy `idx` was read.
@@ -199,15 +217,15 @@ impl Shard {
         self.leases.holds(idx)
     }
 
-    /// Takes a lookup's lease on live entry `idx`; false when the bound refuses it.
-    pub fn lease(&mut self, idx: u32) -> bool {
+    /// Takes a lookup's lease on live entry `idx`; `None` when the bound refuses it.
+    pub fn lease(&mut self, idx: u32) -> Option<Grant> {
         let len = self.entries[idx as usize].len;
         self.leases.grant(idx, len)
     }
 
-    /// Takes back a lease [`Shard::lease`] just gave.
-    pub fn take_back_lease(&mut self, idx: u32) {
-        self.leases.take_back(idx);
+    /// Takes back the lease `g` that [`Shard::lease`] gave.
+    pub fn take_back_lease(&mut self, idx: u32, g: Grant) {
+        self.leases.take_back(idx, g);
     }
 
     /// A load used one of `idx`'s leases.
@@ -246,9 +264,51 @@ impl Shard {
     /// Bytes of metadata this shard holds.
     pub fn metadata_bytes(&self) -> usize {
         self.entries.capacity() * std::mem::size_of::<Entry>()
+            + self.sums.capacity() * 8
             + self.vacant.capacity() * 4
             + self.table.capacity() * (std::mem::size_of::<TableSlot>() + 1)
             + self.policy.metadata_bytes()
             + self.leases.metadata_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::lease::LeaseBook;
+
+    /// Every object costs one entry: its size is the pool's metadata per object (with the
+    /// table's slot), so growing it is a decision, not an accident. A 64-byte key, the slot
+    /// (24), the length, the pins, the state and the checksum's flag fill 104 bytes; a
+    /// checksum (with `integrity` on) lives beside, 8 bytes more.
+    #[test]
+    fn an_entry_stays_at_104_bytes() {
+        assert_eq!(std::mem::size_of::<Entry>(), 104);
+    }
+
+    #[test]
+    fn checksums_are_kept_only_for_the_entries_that_have_one() {
+        let mut s = Shard::new(
+            EvictionPolicy::Lru,
+            Leases::new(Arc::new(LeaseBook::new(0, 0))),
+        );
+        let slot = |i: u64| Slot {
+            offset: i * 4096,
+            bytes: 4096,
+            segment: 0,
+            index: i as u32,
+        };
+        let k = |i: u8| BlockKey::from_bytes([i; 64]);
+        let a = s.insert(k(1), 1, slot(0), 4096, 0);
+        let b = s.insert(k(2), 2, slot(1), 4096, 0);
+        assert_eq!(s.sum(a), None);
+        let before = s.sums.capacity();
+        assert_eq!(before, 0, "no integrity, no checksum storage");
+        s.set_sum(b, Some(7));
+        assert_eq!((s.sum(a), s.sum(b)), (None, Some(7)));
+        s.set_sum(b, None);
+        assert_eq!(s.sum(b), None);
     }
 }

@@ -243,10 +243,7 @@ impl PinnedObject {
     /// none (`integrity` off when it was committed).
     pub fn checksum(&self) -> Option<u64> {
         // The entry stays in its slab while pinned (doomed, not vacant), so `idx` is ours.
-        self.inner.shards[self.shard as usize]
-            .read()
-            .entry(self.idx)
-            .sum
+        self.inner.shards[self.shard as usize].read().sum(self.idx)
     }
 
     /// Flips the bits of `mask` in byte `offset` of the committed object: damage for tests
