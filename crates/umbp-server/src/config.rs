@@ -6,7 +6,7 @@ use std::time::Duration;
 use umbp_proto::Endpoint;
 use umbp_store::StoreConfig;
 
-use crate::listen::PeerInfo;
+use crate::peer::PeerInfo;
 
 /// Who may use the server besides its own user.
 #[derive(Debug, Clone, Default)]

@@ -31,6 +31,7 @@ mod lookup_pool;
 mod memory;
 mod metrics;
 mod metrics_port;
+mod peer;
 mod pidwatch;
 mod ratelog;
 mod refusal;

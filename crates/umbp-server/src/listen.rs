@@ -16,26 +16,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::Connected;
 
-use crate::budget::{Budget, Charge, Counted, Pending, Short, Silent};
+use crate::budget::{Budget, Charge, Counted, Pending, Silent};
 use crate::config::Access;
 use crate::error::ServerError;
 use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
 
-/// Who is at the other end of a connection (from `SO_PEERCRED`), and which connection it is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerInfo {
-    /// Unique per accepted connection.
-    pub conn: u64,
-    /// The peer's user id.
-    pub uid: u32,
-    /// The peer's group id.
-    pub gid: u32,
-    /// The peer's process id (0 when the kernel could not tell, e.g. another pid namespace).
-    pub pid: u32,
-    /// Set when the connection got no descriptor budget: every request on it is refused with
-    /// this reason, and it is closed soon after.
-    pub(crate) refused: Option<Short>,
-}
+pub use crate::peer::PeerInfo;
 
 /// Called with the connection's id when a connection closes.
 pub(crate) type OnClose = Arc<dyn Fn(u64) + Send + Sync>;
