@@ -72,13 +72,17 @@ fi
 step "Python tests (bindings, lookup service, connector options, packaging)"
 python -m pytest -q -p no:cacheprovider tests/python
 if [ -z "$VLLM_SKIPPED" ]; then
-  step "vLLM tests (real vLLM CPU engines, two at a time)"
-  # An engine under test keeps about one core busy (the rest is waiting: start-up, its
-  # processes' hand-offs), so two run side by side; UMBP_TEST_JOBS=1 runs them one by one.
+  step "vLLM tests (real vLLM CPU engines; about 40 minutes on 2 cores)"
+  # UMBP_TEST_JOBS=2 runs two at a time (pytest-xdist): an engine under test keeps about one
+  # core busy. Not the default yet: its first full run had failures not yet looked into.
   # A short base folder: pytest-xdist adds a level (popen-gwN), and the lookup sockets under a
   # test's tmp_path must stay within a Unix socket path's 108 bytes.
-  python -m pytest -q -p no:cacheprovider -n "${UMBP_TEST_JOBS:-2}" --dist load \
-    --basetemp "$(mktemp -d /tmp/umbp-vt.XXXXXX)" tests/vllm
+  if [ "${UMBP_TEST_JOBS:-1}" -gt 1 ]; then
+    python -m pytest -q -p no:cacheprovider -n "$UMBP_TEST_JOBS" --dist load \
+      --basetemp "$(mktemp -d /tmp/umbp-vt.XXXXXX)" tests/vllm
+  else
+    python -m pytest -q -p no:cacheprovider tests/vllm
+  fi
   for v in 0.33.0 0.34.0; do
     step "vLLM $v's connector API objects (its Python files over this venv, ~60 MB)"
     # The wheel (~320 MB) is downloaded to a temporary folder and deleted once unpacked.
