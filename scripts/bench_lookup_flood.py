@@ -70,7 +70,7 @@ def main():
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="umbp-flood-"))
     sock = d / "s.sock"
-    log = open(d / "server.log", "wb")
+    log = open(d / "server.log", "wb")  # noqa: SIM115 (the server writes it until stopped)
     srv = subprocess.Popen(
         [a.server, "--address", str(sock), "--capacity", "1GiB", "--prefault", "false"],
         stdout=log,
@@ -96,8 +96,7 @@ def main():
         idle = measure(c, layout, a.seconds, "idle")
         stop, counter = mp.Event(), mp.Value("q", 0)
         procs = [
-            mp.Process(target=flooder, args=(str(sock), stop, counter))
-            for _ in range(a.flooders)
+            mp.Process(target=flooder, args=(str(sock), stop, counter)) for _ in range(a.flooders)
         ]
         for p in procs:
             p.start()
@@ -110,14 +109,18 @@ def main():
         for p in procs:
             p.join(60)
         cores = os.cpu_count()
-        print(f"{a.flooders} flooders x {FLOOD_BLOCKS * FLOOD_RANKS:,} keys per lookup, "
-              f"{lookups_per_s:.1f} lookups/s during the flood; {cores} cores")
+        print(
+            f"{a.flooders} flooders x {FLOOD_BLOCKS * FLOOD_RANKS:,} keys per lookup, "
+            f"{lookups_per_s:.1f} lookups/s during the flood; {cores} cores"
+        )
         print(f"{'':22}{'idle':>10}{'flood':>10}{'ratio':>8}")
         for name, i, f in (("ping", idle[0], flood[0]), ("store 32 x 64 KiB", idle[1], flood[1])):
             for q in (50, 99):
                 a_, b_ = np.percentile(i, q), np.percentile(f, q)
                 print(f"{name + f' p{q} ms':22}{a_:10.2f}{b_:10.2f}{b_ / a_:8.2f}")
-            print(f"{name + ' mean ms':22}{i.mean():10.2f}{f.mean():10.2f}{f.mean() / i.mean():8.2f}")
+            print(
+                f"{name + ' mean ms':22}{i.mean():10.2f}{f.mean():10.2f}{f.mean() / i.mean():8.2f}"
+            )
         c.close()
     finally:
         srv.terminate()
