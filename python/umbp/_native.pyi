@@ -293,6 +293,16 @@ class StandaloneClient:
     ) -> tuple[list[bool], int]:
         """`ranks`: (tp, pcp, dcp, pp) each; `hashes` packed, `hash_bytes` each. Returns the
         per-block answers (empty with `prefix_only`) and the leading blocks all ranks hold."""
+    def holds_across_ranks(
+        self,
+        namespace: str,
+        ranks: Sequence[tuple[int, int, int, int]],
+        group: int,
+        hashes: bytes,
+        hash_bytes: int,
+    ) -> list[bool]:
+        """Per block, whether every rank has it in the server's DRAM pool now: no lease, no
+        lower tier, no hit or miss counted (for watching evictions, never before a load)."""
     def store(
         self,
         layout_id: int,
@@ -349,6 +359,9 @@ class LookupClient:
         ...
     def prefix_hits(self, group: int, packed_hashes: bytes, hash_len: int) -> int: ...
     def exists_all(self, group: int, packed_hashes: bytes, hash_len: int) -> list[bool]: ...
+    def holds_all(self, group: int, packed_hashes: bytes, hash_len: int) -> list[bool] | None:
+        """What every worker's pool holds now, leasing nothing (for watching evictions);
+        None when a worker did not answer."""
     def clear(self, timeout_ms: int = 10000) -> int: ...
     def wait_ready(self, timeout_ms: int) -> list[str]: ...
     @property

@@ -42,6 +42,35 @@ def test_scheduler_hits_only_blocks_every_rank_holds(tmp_path):
         store.close()
 
 
+def test_holds_all_watches_the_pool_without_leasing_or_counting(tmp_path):
+    """`holds_all` (the connector's eviction watch) answers what every rank's pool holds
+    but takes no lease and counts no hit: a lease renewed by every watch would keep the
+    watched blocks from eviction for as long as they are watched."""
+    ranks = [worker(tmp_path, tp) for tp in range(2)]
+    client = umbp.LookupClient([r[3].path for r in ranks], timeout_ms=1000)
+    client.wait_ready(5000)
+    ids = list(range(10))
+    packed = b"".join(hashes(ids))
+    for tp, (store, _cache, layout, _srv) in enumerate(ranks):
+        n = 10 if tp == 0 else 7
+        keys = umbp.KeyBuilder("lk", tp=tp).keys(0, hashes(ids[:n]))
+        assert set(store.store(layout, 0, ids[:n], keys).wait()) == {"done"}
+    before = [r[0].stats() for r in ranks]
+    assert client.holds_all(0, packed, 32) == [True] * 7 + [False] * 3
+    for (store, *_), b in zip(ranks, before):
+        s = store.stats()
+        assert (s["leases"], s["hits"], s["misses"]) == (b["leases"], b["hits"], b["misses"])
+    # A lookup a load follows does lease what it reports: each rank what it holds.
+    assert client.exists_all(0, packed, 32) == [True] * 7 + [False] * 3
+    assert [r[0].stats()["leases"] - b["leases"] for r, b in zip(ranks, before)] == [10, 7]
+    # A rank that is gone: no answer (None), not "nothing held".
+    ranks[1][3].shutdown()
+    assert client.holds_all(0, packed, 32) is None
+    for store, _c, _l, srv in ranks:
+        srv.shutdown()
+        store.close()
+
+
 def test_engines_with_different_instances_never_answer_each_other(tmp_path):
     a = umbp.socket_path(tmp_path, "model-a", 0, 0)
     b = umbp.socket_path(tmp_path, "model-b", 0, 0)

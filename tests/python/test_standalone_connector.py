@@ -102,6 +102,11 @@ def test_hits_need_every_rank(server):  # noqa: F811
     assert look.prefix_hits(0, packed(1), HASH) == 4
     assert look.exists_all(0, packed(1), HASH) == [True] * 4 + [False] * (peer.BLOCKS - 4)
     assert look.prefix_hits(0, packed(2), HASH) == 0
+    # The events' eviction watch: the same answer, no lease taken, no hit counted.
+    before = r0.store.client.stats()
+    assert look.holds_all(0, packed(1), HASH) == [True] * 4 + [False] * (peer.BLOCKS - 4)
+    after = r0.store.client.stats()
+    assert (after["leases"], after["hits"]) == (before["leases"], before["hits"])
     # reset_external: the whole pool, every client's objects.
     assert look.clear() == peer.BLOCKS + 4
     assert look.prefix_hits(0, packed(1), HASH) == 0

@@ -26,6 +26,8 @@ impl StandaloneClient {
     /// Per block, whether every rank of `ranks` holds it, with keys built in the server from
     /// `namespace`, `group` and the packed `hashes` (`hash_bytes` each). Returns the per-block
     /// answer (empty with `prefix_only`) and the number of leading blocks every rank holds.
+    /// Every block reported held is leased for the load that follows (the server's
+    /// `--lookup-lease-ms`).
     pub fn exists_across_ranks(
         &self,
         namespace: &str,
@@ -35,30 +37,31 @@ impl StandaloneClient {
         hash_bytes: u32,
         prefix_only: bool,
     ) -> Result<(Vec<bool>, usize)> {
-        let r = self.lookup(v1::ExistsRequest {
-            keys: Some(v1::KeySet {
-                packed: Vec::new(),
-                namespace: namespace.into(),
-                group,
-                hash_bytes,
-                hashes: hashes.to_vec(),
-            }),
-            ranks: ranks
-                .iter()
-                .map(|r| v1::Ranks {
-                    tp: r.tp.into(),
-                    pcp: r.pcp.into(),
-                    dcp: r.dcp.into(),
-                    pp: r.pp.into(),
-                })
-                .collect(),
-            packed_ranks: 0,
-            prefix_only,
-        })?;
+        let mut req = ranks_request(namespace, ranks, group, hashes, hash_bytes);
+        req.prefix_only = prefix_only;
+        let r = self.lookup(req)?;
         Ok((
             r.present.iter().map(|p| *p != 0).collect(),
             r.prefix as usize,
         ))
+    }
+
+    /// Per block, whether every rank of `ranks` has it in the server's DRAM pool now, as
+    /// [`exists_across_ranks`](Self::exists_across_ranks) but leasing nothing, reading no
+    /// lower tier and counting no hit or miss: for watching which stored blocks were evicted
+    /// (the connector's `BlockRemoved` events), never for a lookup a load follows.
+    pub fn holds_across_ranks(
+        &self,
+        namespace: &str,
+        ranks: &[RankTopology],
+        group: u32,
+        hashes: &[u8],
+        hash_bytes: u32,
+    ) -> Result<Vec<bool>> {
+        let mut req = ranks_request(namespace, ranks, group, hashes, hash_bytes);
+        req.peek = true;
+        let r = self.lookup(req)?;
+        Ok(r.present.iter().map(|p| *p != 0).collect())
     }
 
     fn lookup(&self, req: v1::ExistsRequest) -> Result<v1::ExistsReply> {
@@ -97,6 +100,35 @@ impl StandaloneClient {
     }
 }
 
+/// A request with keys built in the server: `namespace`, `group`, hashes, for every rank.
+fn ranks_request(
+    namespace: &str,
+    ranks: &[RankTopology],
+    group: u32,
+    hashes: &[u8],
+    hash_bytes: u32,
+) -> v1::ExistsRequest {
+    v1::ExistsRequest {
+        keys: Some(v1::KeySet {
+            packed: Vec::new(),
+            namespace: namespace.into(),
+            group,
+            hash_bytes,
+            hashes: hashes.to_vec(),
+        }),
+        ranks: ranks
+            .iter()
+            .map(|r| v1::Ranks {
+                tp: r.tp.into(),
+                pcp: r.pcp.into(),
+                dcp: r.dcp.into(),
+                pp: r.pp.into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
 fn packed_request(keys: &[BlockKey], ranks: u32, prefix_only: bool) -> v1::ExistsRequest {
     let mut packed = Vec::with_capacity(keys.len() * umbp_proto::KEY_BYTES);
     for k in keys {
@@ -110,5 +142,6 @@ fn packed_request(keys: &[BlockKey], ranks: u32, prefix_only: bool) -> v1::Exist
         ranks: Vec::new(),
         packed_ranks: ranks,
         prefix_only,
+        peek: false,
     }
 }

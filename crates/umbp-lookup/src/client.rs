@@ -140,7 +140,7 @@ impl LookupClient {
         self.call_all_payload(op, Payload::Body(body), None, timeout)
     }
 
-    /// Sends a hash request (`PrefixHits` / `Exists`), through the shared buffer when it is
+    /// Sends a hash request (`PrefixHits` / `Exists` / `Holds`), through the shared buffer when it is
     /// large and the buffer exists.
     fn call_hashes(
         &self,
@@ -162,10 +162,10 @@ impl LookupClient {
             });
             if let Some(w) = writer.as_mut() {
                 w.write(packed);
-                let shm_op = if op == Op::PrefixHits {
-                    Op::PrefixHitsShm
-                } else {
-                    Op::ExistsShm
+                let shm_op = match op {
+                    Op::PrefixHits => Op::PrefixHitsShm,
+                    Op::Holds => Op::HoldsShm,
+                    _ => Op::ExistsShm,
                 };
                 let payload = Payload::Shared(group, hash_len as u32, packed.len() as u64);
                 // The lock stays held until every answer is in: the buffer is this call's.
@@ -306,12 +306,39 @@ impl LookupClient {
     /// Which blocks every worker holds. Any failure makes every block a miss.
     pub fn exists_all(&self, group: u32, packed_hashes: &[u8], hash_len: usize) -> Vec<bool> {
         let n = packed_hashes.len() / hash_len.max(1);
+        self.all_hold(Op::Exists, group, packed_hashes, hash_len)
+            .unwrap_or_else(|| vec![false; n])
+    }
+
+    /// Which blocks every worker's pool holds now, taking no lease and reading no lower tier
+    /// (for watching which stored blocks were evicted; a lookup a load follows is
+    /// [`exists_all`](Self::exists_all)). `None` when a worker did not answer: nothing can
+    /// be said then, and nothing should be reported removed.
+    pub fn holds_all(
+        &self,
+        group: u32,
+        packed_hashes: &[u8],
+        hash_len: usize,
+    ) -> Option<Vec<bool>> {
+        self.all_hold(Op::Holds, group, packed_hashes, hash_len)
+    }
+
+    /// Per block, whether every worker answered 1 to `op` (`Exists` or `Holds`); `None` on
+    /// any failure.
+    fn all_hold(
+        &self,
+        op: Op,
+        group: u32,
+        packed_hashes: &[u8],
+        hash_len: usize,
+    ) -> Option<Vec<bool>> {
+        let n = packed_hashes.len() / hash_len.max(1);
         if self.endpoints.is_empty() || n == 0 {
             // No worker holds anything: never report blocks no one was asked about.
-            return vec![false; n];
+            return Some(vec![false; n]);
         }
         let mut all = vec![true; n];
-        let answers = self.call_hashes(Op::Exists, group, packed_hashes, hash_len);
+        let answers = self.call_hashes(op, group, packed_hashes, hash_len);
         for (r, ep) in answers.into_iter().zip(&self.endpoints) {
             match r {
                 Ok(b) if b.len() == n && b.iter().all(|&x| x <= 1) => {
@@ -322,17 +349,17 @@ impl LookupClient {
                 Ok(_) => {
                     ep.warn(&LookupError::Protocol {
                         path: ep.name(),
-                        message: "exists answer has the wrong length or values".into(),
+                        message: format!("{op:?} answer has the wrong length or values"),
                     });
-                    return vec![false; n];
+                    return None;
                 }
                 Err(e) => {
                     ep.warn(&e);
-                    return vec![false; n];
+                    return None;
                 }
             }
         }
-        all
+        Some(all)
     }
 
     /// Clears every worker's pool; returns the objects removed. Tries every worker, and

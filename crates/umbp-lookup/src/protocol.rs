@@ -7,8 +7,9 @@
 //! | 5..8 | zero | zero |
 //! | 8..12 | body length, little-endian | body length |
 //!
-//! Request bodies: `PrefixHits` / `Exists`: group `u32`, hash length `u32`, then the packed
-//! hashes. Replies: `PrefixHits`: hits `u32`; `Exists`: one byte per hash (0/1); `Clear`:
+//! Request bodies: `PrefixHits` / `Exists` / `Holds`: group `u32`, hash length `u32`, then the
+//! packed hashes. Replies: `PrefixHits`: hits `u32`; `Exists` and `Holds`: one byte per hash
+//! (0/1); `Clear`:
 //! removed `u64`; `Ping`: worker description (UTF-8).
 
 use std::io::{Read, Write};
@@ -44,6 +45,11 @@ pub enum Op {
     PrefixHitsShm = 6,
     /// `Exists` with the hashes in the shared buffer.
     ExistsShm = 7,
+    /// Which blocks the worker's pool holds now, leasing nothing and reading no lower tier
+    /// (the connector's event bookkeeping; a lookup a load follows is `Exists`).
+    Holds = 8,
+    /// `Holds` with the hashes in the shared buffer.
+    HoldsShm = 9,
 }
 
 impl Op {
@@ -56,6 +62,8 @@ impl Op {
             5 => Op::AttachShm,
             6 => Op::PrefixHitsShm,
             7 => Op::ExistsShm,
+            8 => Op::Holds,
+            9 => Op::HoldsShm,
             _ => return None,
         })
     }
@@ -282,6 +290,8 @@ mod fuzz {
             (Op::Exists as u8, hashes_body(1, 16, &[9u8; 16 * 5])),
             (Op::PrefixHitsShm as u8, shm_body(0, 32, 0, 320)),
             (Op::ExistsShm as u8, shm_body(2, 8, 64, 8)),
+            (Op::Holds as u8, hashes_body(3, 16, &[7u8; 16 * 2])),
+            (Op::HoldsShm as u8, shm_body(1, 16, 0, 32)),
         ] {
             let mut f = header(REQ_MAGIC, op, body.len()).to_vec();
             f.extend_from_slice(&body);

@@ -18,6 +18,8 @@ struct Worker {
     describe_bytes: AtomicUsize,
     /// Prefix lookups panic while set.
     panics: std::sync::atomic::AtomicBool,
+    /// `Holds` requests answered (they must never arrive as `Exists`).
+    holds_asked: AtomicU64,
 }
 
 impl LookupTarget for Worker {
@@ -31,6 +33,11 @@ impl LookupTarget for Worker {
         Ok(packed.chunks(hl).take_while(|h| held.contains(*h)).count() as u32)
     }
     fn exists(&self, _g: u32, packed: &[u8], hl: usize) -> Result<Vec<bool>, String> {
+        let held = self.held.lock();
+        Ok(packed.chunks(hl).map(|h| held.contains(h)).collect())
+    }
+    fn holds(&self, _g: u32, packed: &[u8], hl: usize) -> Result<Vec<bool>, String> {
+        self.holds_asked.fetch_add(1, Ordering::Relaxed);
         let held = self.held.lock();
         Ok(packed.chunks(hl).map(|h| held.contains(h)).collect())
     }
@@ -115,6 +122,33 @@ fn a_block_hits_only_when_every_worker_holds_it() {
     assert_eq!(e.client.prefix_hits(0, &hashes(0..3000), 32), 3000);
     assert_eq!(e.client.clear(Duration::from_secs(5)).unwrap(), 13500);
     assert_eq!(e.client.prefix_hits(0, &hashes(0..100), 32), 0);
+}
+
+#[test]
+fn holds_asks_every_worker_and_says_nothing_when_one_is_gone() {
+    let mut e = engine("holds", 2, 1000);
+    e.client.wait_ready(Duration::from_secs(5)).unwrap();
+    hold(&e.workers[0], 0..10);
+    hold(&e.workers[1], 0..6);
+    let small = e.client.holds_all(0, &hashes(4..8), 32);
+    assert_eq!(small, Some(vec![true, true, false, false]));
+    // Through the shared buffer too (over 16 KiB of hashes).
+    hold(&e.workers[0], 0..3000);
+    hold(&e.workers[1], 0..2000);
+    let big = e.client.holds_all(0, &hashes(0..3000), 32).unwrap();
+    assert_eq!(big.iter().filter(|x| **x).count(), 2000);
+    for w in &e.workers {
+        assert_eq!(
+            w.holds_asked.load(Ordering::Relaxed),
+            2,
+            "one Holds per call"
+        );
+    }
+    // A worker that does not answer: not "nothing is held" (that would report every
+    // tracked block removed) but no answer.
+    e.servers.pop().unwrap().shutdown();
+    assert_eq!(e.client.holds_all(0, &hashes(0..4), 32), None);
+    assert_eq!(e.client.exists_all(0, &hashes(0..4), 32), vec![false; 4]);
 }
 
 #[test]

@@ -312,6 +312,13 @@ impl Pool {
         out
     }
 
+    /// Which of `keys` are committed now, as [`Pool::exists_many`] but counting nothing (no
+    /// hit, no miss) and leasing nothing: for bookkeeping that watches the pool (the
+    /// connector's `BlockRemoved` events), not for lookups a load follows.
+    pub fn holds_many(&self, keys: &[BlockKey]) -> Vec<bool> {
+        self.presence(keys)
+    }
+
     fn presence(&self, keys: &[BlockKey]) -> Vec<bool> {
         self.presence_with(keys.len(), |i| keys[i])
     }

@@ -123,6 +123,19 @@ impl LookupClient {
         without_gil(py, || c.exists_all(group, packed_hashes, hash_len))
     }
 
+    /// Which blocks every worker's pool holds now, leasing nothing and reading no lower tier
+    /// (for watching evictions; never before a load). None when a worker did not answer.
+    fn holds_all(
+        &self,
+        py: Python<'_>,
+        group: u32,
+        packed_hashes: &[u8],
+        hash_len: usize,
+    ) -> Option<Vec<bool>> {
+        let c = self.live().ok()?;
+        without_gil(py, || c.holds_all(group, packed_hashes, hash_len))
+    }
+
     /// Clears every worker's pool; returns the objects removed.
     #[pyo3(signature = (timeout_ms=10000))]
     fn clear(&self, py: Python<'_>, timeout_ms: u64) -> Result<u64> {

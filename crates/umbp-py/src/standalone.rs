@@ -231,6 +231,28 @@ impl StandaloneClient {
         })?)
     }
 
+    /// Per block, whether every rank of `ranks` has it in the server's DRAM pool now, as
+    /// `exists_across_ranks` but leasing nothing, reading no lower tier and counting no hit
+    /// or miss (for watching evictions; never before a load).
+    fn holds_across_ranks(
+        &self,
+        py: Python<'_>,
+        namespace: &str,
+        ranks: Vec<(u16, u16, u16, u16)>,
+        group: u32,
+        hashes: &[u8],
+        hash_bytes: u32,
+    ) -> Result<Vec<bool>> {
+        let c = self.live()?;
+        let ranks: Vec<RankTopology> = ranks
+            .into_iter()
+            .map(|(tp, pcp, dcp, pp)| RankTopology { tp, pcp, dcp, pp })
+            .collect();
+        Ok(without_gil(py, || {
+            c.holds_across_ranks(namespace, &ranks, group, hashes, hash_bytes)
+        })?)
+    }
+
     /// Starts storing `block_ids` of cache group `group` of layout `layout_id` into the
     /// server's pool under `keys`. `admit_now` keeps each block on its key's first sighting
     /// even under the server's `--store-admission on_reuse`.

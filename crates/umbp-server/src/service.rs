@@ -263,12 +263,24 @@ impl Store for Service {
         let t = Instant::now();
         let mut r = req.into_inner();
         let keys = LookupKeys::parse(&mut r).map_err(|s| self.refuse(s))?;
-        let prefix_only = r.prefix_only;
+        let (prefix_only, peek) = (r.prefix_only, r.peek);
         let (n, n_ranks) = (keys.blocks(), keys.n_ranks());
         let n_keys = n * n_ranks;
         let store = Arc::clone(&self.state.store);
         let answer = move || -> Result<v1::ExistsReply, StoreError> {
-            Ok(if prefix_only {
+            Ok(if peek {
+                let mut present = vec![1u8; n];
+                for i in 0..n_ranks {
+                    for (p, f) in present.iter_mut().zip(store.holds(&keys.rank(i)?)?) {
+                        *p &= f as u8;
+                    }
+                }
+                let prefix = present.iter().take_while(|p| **p == 1).count() as u64;
+                if prefix_only {
+                    present.clear();
+                }
+                v1::ExistsReply { present, prefix }
+            } else if prefix_only {
                 let mut prefix = n;
                 // Every rank's remote fetch shares one deadline.
                 let deadline = store.remote_deadline();

@@ -61,6 +61,15 @@ impl LookupTarget for StoreLookup {
         self.store.exists(&keys).map_err(|e| e.to_string())
     }
 
+    fn holds(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {
+        self.store.check_open().map_err(|e| e.to_string())?;
+        let keys = self
+            .keys
+            .keys_packed(group, packed, hash_len)
+            .map_err(|e| e.to_string())?;
+        self.store.holds(&keys).map_err(|e| e.to_string())
+    }
+
     /// The engine's reset: this worker's pool, and the engine's namespace in the remote tier
     /// (which would otherwise hand the objects back at the next lookup).
     fn clear(&self) -> u64 {

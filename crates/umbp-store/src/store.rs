@@ -166,6 +166,15 @@ impl EmbeddedStore {
         Ok(found)
     }
 
+    /// Which keys are in the DRAM pool now: no lease is taken, no lower tier is read, no hit
+    /// or miss is counted. For watching the pool (which stored objects were evicted since),
+    /// never for a lookup a load follows: use [`exists`](Self::exists) there.
+    /// [`StoreError::Closed`] after `close`.
+    pub fn holds(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
+        self.check_open()?;
+        Ok(self.shared.pool.holds_many(keys))
+    }
+
     /// How many keys, from the first, are in the pool (with a disk or remote tier, as
     /// [`exists`](Self::exists), the missing rest is read from them first); each is leased as
     /// [`exists`](Self::exists) says. [`StoreError::Closed`] after `close`.

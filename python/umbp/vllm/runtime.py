@@ -112,7 +112,7 @@ class Runtime(Protocol):
     # Scheduler side.
     def lookup_client(self) -> Any:
         """A client that asks about every rank of the engine at once (`prefix_hits`,
-        `exists_all`, `clear`, as `umbp.LookupClient`)."""
+        `exists_all`, `holds_all`, `clear`, as `umbp.LookupClient`)."""
         ...
 
     def scheduler_shutdown(self) -> None:

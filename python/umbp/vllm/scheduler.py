@@ -603,7 +603,11 @@ class SchedulerSide:
 
         for st in stores:
             t = st.transfer
-            present = self.client.exists_all(t.group, t.hashes, t.hash_len)
+            # Which landed; `holds_all` takes no lease (the pool may evict them as it likes)
+            # and reads no lower tier (the events are the CPU medium's).
+            present = self.client.holds_all(t.group, t.hashes, t.hash_len)
+            if present is None:
+                continue
             hashes = [t.hashes[i * t.hash_len : (i + 1) * t.hash_len] for i in range(len(present))]
             room = self.cfg.kv_event_max_objects - len(self.tracked)
             new = [
@@ -653,7 +657,11 @@ class SchedulerSide:
             by_group.setdefault(g, []).append(h)
         for g, hashes in by_group.items():
             packed, hash_len = pack_hashes(hashes)
-            present = self.client.exists_all(g, packed, hash_len)
+            # Never `exists_all`: its leases, renewed here every second, would keep every
+            # tracked block from eviction; and a failed answer says nothing was removed.
+            present = self.client.holds_all(g, packed, hash_len)
+            if present is None:
+                continue
             gone = [h for h, p in zip(hashes, present) if not p]
             for h in gone:
                 del self.tracked[h]

@@ -277,6 +277,17 @@ class ServerLookups:
             return [False] * (len(packed_hashes) // max(1, hash_len))
         return present
 
+    def holds_all(self, group: int, packed_hashes: bytes, hash_len: int) -> list[bool] | None:
+        """Which blocks every rank has in the server's pool now, leasing nothing (for the
+        events' eviction watch); None on any failure."""
+        try:
+            return self.client.holds_across_ranks(
+                self.namespace, self.ranks, group, packed_hashes, hash_len
+            )
+        except umbp.UmbpError as e:
+            self.failures.note(e)
+            return None
+
     def clear(self, timeout_ms: int = 10000) -> int:
         """Empties the server's whole pool, every engine's objects (reset_external), and this
         engine's namespace in the server's remote tier, if it has one (which would otherwise

@@ -427,6 +427,9 @@ impl EventLoop {
             Some(Op::Exists) => {
                 protocol::parse_hashes_body(&body).and_then(|(g, hl, p)| self.exists(g, p, hl))
             }
+            Some(Op::Holds) => {
+                protocol::parse_hashes_body(&body).and_then(|(g, hl, p)| self.holds(g, p, hl))
+            }
             Some(Op::Clear) => Ok(self.target.clear().to_le_bytes().to_vec()),
             Some(Op::AttachShm) => match (fds.pop(), fds.is_empty()) {
                 (Some(fd), true) => ShmReader::map(fd).map(|r| {
@@ -442,6 +445,9 @@ impl EventLoop {
             Some(Op::ExistsShm) => self
                 .hashes_from_shm(c, &body)
                 .and_then(|(g, hl, p)| self.exists(g, &p, hl)),
+            Some(Op::HoldsShm) => self
+                .hashes_from_shm(c, &body)
+                .and_then(|(g, hl, p)| self.holds(g, &p, hl)),
             None => Err(format!("unknown operation {code}")),
         }))
         .unwrap_or_else(|_| Err("the worker's store panicked answering this request".into()));
@@ -498,10 +504,25 @@ impl EventLoop {
     }
 
     fn exists(&self, group: u32, packed: &[u8], hl: usize) -> Result<Vec<u8>, String> {
+        self.per_block(group, packed, hl, |g, c, h| self.target.exists(g, c, h))
+    }
+
+    fn holds(&self, group: u32, packed: &[u8], hl: usize) -> Result<Vec<u8>, String> {
+        self.per_block(group, packed, hl, |g, c, h| self.target.holds(g, c, h))
+    }
+
+    /// One byte per block from `answer`, asked chunk by chunk.
+    fn per_block(
+        &self,
+        group: u32,
+        packed: &[u8],
+        hl: usize,
+        answer: impl Fn(u32, &[u8], usize) -> Result<Vec<bool>, String>,
+    ) -> Result<Vec<u8>, String> {
         self.check_keys(packed.len(), hl)?;
         let mut out = Vec::with_capacity(packed.len() / hl);
         for chunk in packed.chunks(CHUNK_KEYS * hl) {
-            let v = self.target.exists(group, chunk, hl)?;
+            let v = answer(group, chunk, hl)?;
             if v.len() != chunk.len() / hl {
                 return Err(format!(
                     "the store answered {} of {} blocks",

@@ -17,6 +17,10 @@ pub trait LookupTarget: Send + Sync + 'static {
         packed_hashes: &[u8],
         hash_len: usize,
     ) -> Result<Vec<bool>, String>;
+    /// Which blocks this worker's pool holds now, taking no lease and reading no lower tier
+    /// (what the connector's `BlockRemoved` events watch; a load never follows it).
+    fn holds(&self, group: u32, packed_hashes: &[u8], hash_len: usize)
+        -> Result<Vec<bool>, String>;
     /// Removes every object; returns how many.
     fn clear(&self) -> u64;
     /// A short description of the worker (for `Ping`).

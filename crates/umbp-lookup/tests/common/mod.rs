@@ -12,6 +12,9 @@ impl LookupTarget for AllHeld {
     fn exists(&self, _g: u32, packed: &[u8], hl: usize) -> Result<Vec<bool>, String> {
         Ok(vec![true; packed.len() / hl])
     }
+    fn holds(&self, _g: u32, packed: &[u8], hl: usize) -> Result<Vec<bool>, String> {
+        Ok(vec![true; packed.len() / hl])
+    }
     fn clear(&self) -> u64 {
         0
     }
