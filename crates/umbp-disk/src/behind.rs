@@ -81,6 +81,9 @@ struct Pending {
     obj: Obj,
 }
 
+/// The longest a cancel waits for writes of the keys it removed (one object's write, paced).
+const CANCEL_WAIT: Duration = Duration::from_secs(5);
+
 #[derive(Default)]
 struct State {
     items: VecDeque<Pending>,
@@ -98,6 +101,8 @@ pub(crate) struct Behind {
     state: Mutex<State>,
     work: Condvar,
     idle: Condvar,
+    /// Notified whenever a write ends (a cancel waits for writes of the keys it removed).
+    written: Condvar,
     /// When the rate allows the next write to start.
     next_start: Mutex<Instant>,
     /// Where key-only entries get their bytes.
@@ -120,6 +125,7 @@ impl Behind {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
             idle: Condvar::new(),
+            written: Condvar::new(),
             next_start: Mutex::new(Instant::now()),
             source: parking_lot::RwLock::new(None),
         }
@@ -204,8 +210,9 @@ impl Behind {
     }
 
     /// Takes the keys `matches` accepts out of the queue (their objects are released); keys
-    /// being written now are dropped from the index once written. Returns how many entries
-    /// left the queue.
+    /// being written now are dropped from the index once written, and the call waits for
+    /// that (up to [`CANCEL_WAIT`]): when it returns, no write of theirs can still show up
+    /// in the index. Returns how many entries left the queue.
     pub fn cancel(&self, store: &Store, matches: impl Fn(&BlockKey) -> bool) -> u64 {
         let mut s = self.state.lock();
         let before = s.items.len();
@@ -227,10 +234,23 @@ impl Behind {
         }
         // What is left of the matching keys is being written.
         let writing: Vec<BlockKey> = s.keys.iter().filter(|k| matches(k)).copied().collect();
-        s.cancelled.extend(writing);
+        s.cancelled.extend(writing.iter().copied());
         store.c.backlog_bytes_set(s.bytes);
         if s.items.is_empty() && s.in_flight == 0 {
             self.idle.notify_all();
+        }
+        // A write that ends after this returns would leave its key in the index for a moment
+        // (a lookup could promote what was removed): wait for them.
+        let until = Instant::now() + CANCEL_WAIT;
+        while writing.iter().any(|k| s.cancelled.contains(k)) {
+            if self.written.wait_until(&mut s, until).timed_out() {
+                log::warn!(
+                    "umbp: disk tier: {} write(s) of removed objects still running after \
+                     {CANCEL_WAIT:?}; they leave the index when they end",
+                    writing.iter().filter(|k| s.cancelled.contains(k)).count()
+                );
+                break;
+            }
         }
         n
     }
@@ -300,6 +320,7 @@ impl Behind {
             if s.items.is_empty() && s.in_flight == 0 {
                 self.idle.notify_all();
             }
+            self.written.notify_all();
         }
     }
 

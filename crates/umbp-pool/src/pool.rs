@@ -5,6 +5,7 @@
 //! [`Pool`] API.
 
 mod admit;
+mod clearing;
 mod evict;
 // The one module with `unsafe`: the handles' slices of the arena, valid by the allocator's
 // and the pins' invariants, which no wrapper below the pool can own (with the shared state
@@ -32,6 +33,7 @@ use evict::evictor_loop;
 pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
+pub use clearing::Clearing;
 pub use inner::{PinnedObject, Reservation};
 pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
 
@@ -506,15 +508,17 @@ impl Pool {
         true
     }
 
-    /// Removes every object (pinned ones are freed when unpinned). Returns how many.
+    /// Removes every object (pinned ones are freed when unpinned). Returns how many. With a
+    /// lower tier, clear it inside [`Pool::begin_clear`] instead.
     pub fn clear(&self) -> u64 {
-        self.clear_where(|_| true)
+        self.begin_clear().all()
     }
 
     /// Removes the objects of one key namespace (`namespace_id`: the first 16 bytes of its
     /// keys, [`BlockKey::namespace_id`]); other namespaces are untouched. Returns how many.
+    /// With a lower tier, clear it inside [`Pool::begin_clear`] instead.
     pub fn clear_namespace(&self, namespace_id: &[u8; 16]) -> u64 {
-        self.clear_where(|k| k.namespace_id() == *namespace_id)
+        self.begin_clear().namespace(namespace_id)
     }
 
     /// The keys of every object in the pool now (a snapshot, shard by shard).
@@ -527,7 +531,7 @@ impl Pool {
         out
     }
 
-    fn clear_where(&self, matches: impl Fn(&BlockKey) -> bool) -> u64 {
+    pub(super) fn clear_where(&self, matches: impl Fn(&BlockKey) -> bool) -> u64 {
         let inner = &self.inner;
         let mut removed = 0;
         for shard in inner.shards.iter() {

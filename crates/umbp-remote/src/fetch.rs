@@ -34,6 +34,9 @@ pub(crate) struct FetchJob {
     started: Arc<AtomicBool>,
     /// Per chunk: (index of its first key, which of its keys are now in the pool).
     reply: mpsc::Sender<(usize, Vec<bool>)>,
+    /// The pool's clears ended when the lookup began: a value read before a clear of the
+    /// remote and the pool is not committed after it ([`umbp_pool::Pool::commit_unless_cleared`]).
+    epoch: u64,
 }
 
 /// Asks the fetch threads for `keys` (those the pool missed) and waits for their answers
@@ -66,6 +69,7 @@ pub(crate) fn fetch_keys(
     let (tx, rx) = mpsc::channel();
     let started = Arc::new(AtomicBool::new(false));
     let job = FetchJob {
+        epoch: inner.pool.clear_epoch(),
         keys: keys.to_vec(),
         prefix,
         deadline,
@@ -217,6 +221,7 @@ fn take_chunk(
     chunk: &[BlockKey],
     values: Values,
     prefix: bool,
+    epoch: u64,
 ) -> (Vec<bool>, bool) {
     let c = &inner.c;
     let limit = inner.value_limit();
@@ -240,7 +245,7 @@ fn take_chunk(
                         object::parse(&inner.seal, key, v)
                     }
                 })
-                .and_then(|(payload, check)| put_fetched(inner, *key, payload, check))
+                .and_then(|(payload, check)| put_fetched(inner, *key, payload, check, epoch))
             {
                 Ok(stored) => stored,
                 Err(why) => {
@@ -285,7 +290,7 @@ fn serve_fetch(inner: &TierState, slots: &mut [Option<Conn>; 2], job: FetchJob) 
                     .map_err(|_| ()),
                 None => Err(()),
             };
-            let (present, stop) = take_chunk(inner, chunks[ci], current, job.prefix);
+            let (present, stop) = take_chunk(inner, chunks[ci], current, job.prefix, job.epoch);
             // The caller gone (timed out) or a prefix broken: no more chunks (a fetched-ahead
             // one is dropped).
             let go_on = job.reply.send((ci * FETCH_CHUNK, present)).is_ok() && !stop;
@@ -310,13 +315,14 @@ fn serve_fetch(inner: &TierState, slots: &mut [Option<Conn>; 2], job: FetchJob) 
 }
 
 /// Puts a fetched object in the pool, its checksum or MAC checked while it is copied in:
-/// `Ok(true)` stored (or already there), `Ok(false)` no room, `Err` a bad checksum or MAC
-/// (nothing stored).
+/// `Ok(true)` stored (or already there), `Ok(false)` no room or a clear since `epoch`, `Err`
+/// a bad checksum or MAC (nothing stored).
 fn put_fetched(
     inner: &TierState,
     key: BlockKey,
     payload: &[u8],
     check: object::Check<'_>,
+    epoch: u64,
 ) -> Result<bool, object::Reject> {
     if inner.pool.contains(&key) {
         return Ok(true);
@@ -350,9 +356,17 @@ fn put_fetched(
     }
     // Already present: another fetch (or the engine) committed it first. Its entry in the
     // set stays for that commit's event (one entry per key).
-    if inner.pool.commit(r, key) == CommitOutcome::Stored {
-        add(&inner.c.hits, 1);
-        add(&inner.c.bytes_fetched, payload.len() as u64);
+    match inner.pool.commit_unless_cleared(r, key, epoch) {
+        Some(CommitOutcome::Stored) => {
+            add(&inner.c.hits, 1);
+            add(&inner.c.bytes_fetched, payload.len() as u64);
+        }
+        Some(_) => {}
+        // Read before a clear that has run since: what it read may be what was cleared.
+        None => {
+            add(&inner.c.misses, 1);
+            return Ok(false);
+        }
     }
     Ok(true)
 }

@@ -145,9 +145,11 @@ pub(crate) fn write_pool(disk: &DiskTier, pool: &Pool) -> u64 {
 }
 
 /// The sink promoted objects go to: the pool, without evicting (what does not fit in its
-/// free room misses: evicting would push out what the same lookup just counted).
+/// free room misses: evicting would push out what the same lookup just counted). Made before
+/// the disk is read: an object a clear removed meanwhile is not committed (a miss).
 fn into_pool(pool: &Arc<Pool>) -> Sink {
     let pool = Arc::clone(pool);
+    let epoch = pool.clear_epoch();
     Arc::new(move |key: &BlockKey, bytes: &[u8]| {
         if pool.contains(key) {
             return true;
@@ -161,8 +163,7 @@ fn into_pool(pool: &Arc<Pool>) -> Sink {
             r.set_checksum(umbp_pool::checksum(bytes));
         }
         r.as_mut_slice().copy_from_slice(bytes);
-        pool.commit(r, *key);
-        true
+        pool.commit_unless_cleared(r, *key, epoch).is_some()
     })
 }
 
@@ -338,6 +339,95 @@ mod tests {
         assert_eq!(s.prefix_hits(&keys[..4]).unwrap(), 0);
         assert_eq!(s.disk_stats().unwrap().removed, 4);
         assert_eq!(s.exists(&keys[4..6]).unwrap(), vec![true; 2]);
+        s.close();
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A clear racing every tier's traffic: a writer keeps storing (its stores evict, and the
+    /// evictor spills to disk behind it), a reader keeps looking up what went to disk
+    /// (promotions), and the namespace is cleared in the middle. Every key stored before the
+    /// clear began must be gone, from the pool and the disk, once it returns and what was in
+    /// flight has landed. Before clears held evictions and promotions back, a spill or a
+    /// promotion in flight brought some back.
+    #[test]
+    fn a_clear_amid_evictions_spills_and_promotions_leaves_nothing_to_come_back() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let d = tmpdir("clear-race");
+        let s = Arc::new(store(&d));
+        let kb = KeyBuilder::new("clear-race", RankTopology::default()).unwrap();
+        let mut came_back = Vec::new();
+        for round in 0..12u32 {
+            let kb = kb.clone();
+            let key = move |i: usize| {
+                let mut h = [0u8; 8];
+                h[..4].copy_from_slice(&round.to_le_bytes());
+                h[4..].copy_from_slice(&(i as u32).to_le_bytes());
+                kb.key(0, &h).unwrap()
+            };
+            let done = Arc::new(AtomicUsize::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            let writer = {
+                let (s, done, stop, key) = (
+                    Arc::clone(&s),
+                    Arc::clone(&done),
+                    Arc::clone(&stop),
+                    key.clone(),
+                );
+                std::thread::spawn(move || {
+                    let mut i = 0;
+                    while !stop.load(Ordering::Relaxed) && i < 4000 {
+                        let _ = s.pool().put(key(i), &[(i % 251) as u8; 32 << 10]);
+                        i += 1;
+                        done.store(i, Ordering::Release);
+                    }
+                })
+            };
+            let reader = {
+                let (s, done, stop, key) = (
+                    Arc::clone(&s),
+                    Arc::clone(&done),
+                    Arc::clone(&stop),
+                    key.clone(),
+                );
+                std::thread::spawn(move || {
+                    let mut j = 0usize;
+                    while !stop.load(Ordering::Relaxed) {
+                        let n = done.load(Ordering::Acquire).max(1);
+                        // The oldest keys: the ones the evictor sent to disk.
+                        let ks: Vec<_> = (0..8).map(|x| key((j * 8 + x) % n.min(96))).collect();
+                        let _ = s.exists(&ks);
+                        j += 1;
+                    }
+                })
+            };
+            // Into the churn: the pool (4 MiB) holds about 128 objects; 200 put evicts.
+            wait_until("the writer's first 200 stores", || {
+                done.load(Ordering::Acquire) >= 200
+            });
+            let before = done.load(Ordering::Acquire);
+            s.clear_namespace("clear-race").unwrap();
+            // What was in flight lands (or not) now.
+            std::thread::sleep(Duration::from_millis(30));
+            stop.store(true, Ordering::Relaxed);
+            writer.join().unwrap();
+            reader.join().unwrap();
+            assert!(s.flush_disk(Duration::from_secs(10)));
+            let disk = s.shared.disk.as_ref().unwrap();
+            for i in 0..before {
+                let k = key(i);
+                if s.pool().contains(&k) || disk.contains(&k) {
+                    came_back.push((round, i, s.pool().contains(&k), before));
+                }
+            }
+            s.clear().unwrap();
+        }
+        assert!(
+            came_back.is_empty(),
+            "{} keys stored before a clear were back after it (round, key, in the pool, stores before the clear): {:?}",
+            came_back.len(),
+            &came_back[..came_back.len().min(10)]
+        );
         s.close();
         std::fs::remove_dir_all(&d).unwrap();
     }

@@ -433,11 +433,15 @@ impl EmbeddedStore {
     /// [`StoreError::Closed`] after `close`.
     pub fn clear(&self) -> Result<u64, StoreError> {
         self.check_open()?;
-        // The disk first: a lookup between the two would promote back what the pool lost.
+        // One clear of both tiers: no evicted object reaches the disk meanwhile, and no
+        // promotion that read the disk before commits after (`Pool::begin_clear`).
+        let clearing = self.shared.pool.begin_clear();
+        let n = clearing.all();
         if let Some(d) = &self.shared.disk {
             d.clear();
         }
-        Ok(self.shared.pool.clear())
+        drop(clearing);
+        Ok(n)
     }
 
     /// Drops `keys` from this store: from the pool and from the disk tier (its index, and
@@ -469,10 +473,14 @@ impl EmbeddedStore {
         let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
         // The remote first: a lookup between the two would fetch back what the pool lost.
         self.clear_remote_namespace(&id);
+        // The pool and the disk as one clear, as `clear` does.
+        let clearing = self.shared.pool.begin_clear();
+        let n = clearing.namespace(&id);
         if let Some(d) = &self.shared.disk {
             d.clear_namespace(&id);
         }
-        Ok(self.shared.pool.clear_namespace(&id))
+        drop(clearing);
+        Ok(n)
     }
 
     /// Removes the remote tier's objects of the namespace with id `namespace_id` (every rank,

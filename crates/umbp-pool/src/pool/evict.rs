@@ -65,6 +65,8 @@ impl Inner {
     /// is the policy's over the whole pool (exact for LRU).
     /// Evicted objects go to the spill hook, when one is set, as `kind`.
     pub(super) fn evict(&self, target: u64, cause: RemoveCause, kind: SpillKind) -> u64 {
+        // No clear runs while objects are on their way to the hook ([`super::clearing`]).
+        let _gate = self.spill.gate.read_recursive();
         let hook = self.spill.hook.read().clone();
         let hook = hook.as_ref().map(|h| (h, kind));
         let mut freed = 0u64;
@@ -189,6 +191,7 @@ impl Inner {
     /// hook, when one is set, as [`SpillKind::Now`]). Returns false when no such segment is
     /// left.
     pub(super) fn evict_oldest_segment(&self, tried: &mut Vec<u32>) -> bool {
+        let _gate = self.spill.gate.read_recursive();
         let mut cands: Vec<(u64, u32)> = Vec::new();
         let mut best: Option<(u64, usize, u32)> = None;
         for (si, shard) in self.shards.iter().enumerate() {

@@ -91,11 +91,17 @@ impl EventHub {
 /// how soon the pool needs its memory back ([`SpillKind`](super::SpillKind)).
 pub type SpillFn = Arc<dyn Fn(BlockKey, PinnedObject, super::SpillKind) + Send + Sync>;
 
-/// The spill hook, when set, and the bytes of spilled objects not yet released.
+/// The spill hook, when set, the bytes of spilled objects not yet released, and what keeps
+/// clears and spills apart ([`super::clearing`]).
 #[derive(Default)]
 pub(super) struct Spill {
     pub(super) hook: RwLock<Option<SpillFn>>,
     pub(super) pending: AtomicU64,
+    /// Held for reading by every eviction from before it takes an object until the hook has
+    /// it; for writing by a clear ([`super::Pool::begin_clear`]).
+    pub(super) gate: RwLock<()>,
+    /// Clears ended ([`super::Pool::clear_epoch`]).
+    pub(super) clears: AtomicU64,
 }
 
 impl std::fmt::Debug for Spill {
