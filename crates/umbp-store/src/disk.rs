@@ -13,6 +13,8 @@ use umbp_core::BlockKey;
 use umbp_disk::{DiskConfig, DiskError, DiskTier, DiskWrite, ObjectBytes, Sink};
 use umbp_pool::{PinnedObject, Pool, PoolEvent, SpillKind};
 
+use crate::tier::{PoolFill, Tier};
+
 /// Commits the eager forwarder may lag behind before the pool drops (and counts, in
 /// `events_dropped`) the next: those objects are written on eviction instead.
 const EAGER_EVENTS: usize = 65_536;
@@ -36,32 +38,11 @@ impl ObjectBytes for Spilled {
     }
 }
 
-/// Opens the tier and hands it every object the pool evicts, and with eager writes every
-/// object committed.
+/// Opens the tier; with eager writes it is handed every object committed too. Evicted
+/// objects reach it through the chain ([`Tier::spill`]).
 pub(crate) fn open(cfg: DiskConfig, pool: &Arc<Pool>) -> Result<Arc<DiskTier>, DiskError> {
     let eager = cfg.write == DiskWrite::Eager;
     let disk = Arc::new(DiskTier::open(cfg)?);
-    let d = Arc::downgrade(&disk);
-    pool.set_spill(Some(Arc::new(move |key, obj: PinnedObject, kind| {
-        let Some(d) = d.upgrade() else { return };
-        // Never waits. A full backlog drops (counted), which frees the object now; one the
-        // disk holds already is freed now too.
-        match kind {
-            // The watermark eviction: queued pinned, freed once written.
-            SpillKind::Behind => {
-                d.enqueue(key, Box::new(Spilled(obj)));
-            }
-            // A store found the pool full and needs the memory now: the bytes are copied
-            // into the backlog when it has room, and the pin goes here. With integrity on
-            // they are verified first, as the writer verifies a `Behind` object: damaged
-            // bytes are never written (the object is counted in `corrupt_detected`).
-            SpillKind::Now => {
-                if obj.verify() {
-                    d.enqueue_copy(key, obj.as_slice());
-                }
-            }
-        }
-    })));
     if eager {
         let p = Arc::downgrade(pool);
         disk.set_source(Some(Arc::new(move |key: &BlockKey| {
@@ -144,47 +125,74 @@ pub(crate) fn write_pool(disk: &DiskTier, pool: &Pool) -> u64 {
     written
 }
 
-/// The sink promoted objects go to: the pool, without evicting (what does not fit in its
-/// free room misses: evicting would push out what the same lookup just counted). Made before
-/// the disk is read: an object a clear removed meanwhile is not committed (a miss).
-fn into_pool(pool: &Arc<Pool>) -> Sink {
-    let pool = Arc::clone(pool);
-    let epoch = pool.clear_epoch();
-    Arc::new(move |key: &BlockKey, bytes: &[u8]| {
-        if pool.contains(key) {
-            return true;
+impl Tier for DiskTier {
+    fn name(&self) -> &'static str {
+        "disk"
+    }
+
+    fn deadline(&self) -> Instant {
+        DiskTier::deadline(self)
+    }
+
+    /// Takes every object (never waits): a full backlog drops it (counted), which frees it
+    /// now; one the disk holds already is freed now too.
+    fn spill(&self, key: BlockKey, obj: PinnedObject, kind: SpillKind) -> Option<PinnedObject> {
+        match kind {
+            // The watermark eviction: queued pinned, freed once written.
+            SpillKind::Behind => {
+                self.enqueue(key, Box::new(Spilled(obj)));
+            }
+            // A store found the pool full and needs the memory now: the bytes are copied
+            // into the backlog when it has room, and the pin goes here. With integrity on
+            // they are verified first, as the writer verifies a `Behind` object: damaged
+            // bytes are never written (the object is counted in `corrupt_detected`).
+            SpillKind::Now => {
+                if obj.verify() {
+                    self.enqueue_copy(key, obj.as_slice());
+                }
+            }
         }
-        let Ok(mut r) = pool.try_reserve(bytes.len() as u64) else {
-            return false;
-        };
-        if pool.integrity().sums() {
-            // The disk tier checked these bytes against its own checksum; summed for the pool
-            // from the read buffer, before the copy reads them again from the cache.
-            r.set_checksum(umbp_pool::checksum(bytes));
-        }
-        r.as_mut_slice().copy_from_slice(bytes);
-        pool.commit_unless_cleared(r, *key, epoch).is_some()
-    })
+        None
+    }
+
+    fn fill_prefix(&self, fill: &PoolFill, keys: &[BlockKey], deadline: Instant) -> usize {
+        self.promote_prefix(keys, deadline, sink(fill))
+    }
+
+    fn fill_present(&self, fill: &PoolFill, keys: &[BlockKey], deadline: Instant) -> Vec<bool> {
+        self.promote_present(keys, deadline, sink(fill))
+    }
+
+    fn forget(&self, keys: &[BlockKey]) {
+        self.remove_many(keys);
+    }
+
+    fn clear(&self) {
+        DiskTier::clear(self);
+    }
+
+    fn clear_namespace(&self, namespace_id: &[u8; 16]) -> Option<u64> {
+        Some(DiskTier::clear_namespace(self, namespace_id))
+    }
+
+    fn corrupt(&self) -> u64 {
+        self.stats().corrupt
+    }
+
+    /// The pool's objects go to disk (within the budget) for the next start.
+    fn write_out(&self, pool: &Pool) {
+        write_pool(self, pool);
+    }
+
+    fn close(&self) {
+        DiskTier::close(self);
+    }
 }
 
-/// Reads the leading `keys` the disk holds into the pool; how many from the first it did.
-pub(crate) fn promote_prefix(
-    disk: &DiskTier,
-    pool: &Arc<Pool>,
-    keys: &[BlockKey],
-    deadline: Instant,
-) -> usize {
-    disk.promote_prefix(keys, deadline, into_pool(pool))
-}
-
-/// Reads every one of `keys` the disk holds into the pool; which it did.
-pub(crate) fn promote_present(
-    disk: &DiskTier,
-    pool: &Arc<Pool>,
-    keys: &[BlockKey],
-    deadline: Instant,
-) -> Vec<bool> {
-    disk.promote_present(keys, deadline, into_pool(pool))
+/// The disk's readers hand each checked object to the lookup's fill.
+fn sink(fill: &PoolFill) -> Sink {
+    let fill = fill.clone();
+    Arc::new(move |key: &BlockKey, bytes: &[u8]| fill.put(key, bytes))
 }
 
 #[cfg(test)]

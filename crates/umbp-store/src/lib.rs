@@ -14,15 +14,18 @@ mod error;
 mod ids;
 mod kv_store;
 mod mapped;
+mod remote;
 mod session;
 mod shared;
 mod store;
+mod tier;
 
 pub use config::StoreConfig;
 pub use error::StoreError;
 pub use ids::{LayoutId, SessionId};
 pub use session::{RegionOffset, RelativeLayer, Session, SessionRelease};
 pub use store::EmbeddedStore;
+pub use tier::{PoolFill, Tier};
 pub use umbp_copy::{JobFinished, JobSet, MoveError};
 pub use umbp_cuda::{CopyMethod, CudaError, CudaOptions, CudaStats, PinStatus};
 pub use umbp_disk::{DiskConfig, DiskError, DiskStats, DiskWrite};

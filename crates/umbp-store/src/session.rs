@@ -361,11 +361,10 @@ impl Session {
         let mut regions: Vec<RegionId> = found.into_iter().map(|(id, _)| id).collect();
         regions.sort_unstable();
         regions.dedup();
-        if let Some(r) = &self.shared.remote {
-            // Fetched values are read as far as the largest object a layout makes.
-            for g in layout.groups() {
-                r.allow_object_bytes(g.object_bytes());
-            }
+        // A tier that fetches values reads them only as far as the largest object a layout
+        // makes.
+        for g in layout.groups() {
+            self.shared.tiers.allow_object_bytes(g.object_bytes());
         }
         let id = self.shared.new_layout_id();
         owned.layouts.insert(

@@ -15,6 +15,7 @@ use umbp_remote::RemoteTier;
 
 use crate::error::StoreError;
 use crate::ids::{LayoutId, SessionId};
+use crate::tier::TierChain;
 
 /// What every session of a store shares: the pool, the copy engine with its registry of all
 /// sessions' memory, the CUDA mover, and the counters that keep layout and session ids unique
@@ -34,10 +35,12 @@ pub(crate) struct StoreShared {
     /// The pool's registration for DMA, shared by every device's mover (pinned once, whatever
     /// the number of devices; released after the last mover, when the store closes).
     pub(crate) pinner: Mutex<Option<Arc<PoolPinner>>>,
-    /// The remote tier, when configured.
-    pub(crate) remote: Option<RemoteTier>,
-    /// The disk tier, when configured.
+    /// The remote tier, when configured (also in `tiers`; here for its own counters).
+    pub(crate) remote: Option<Arc<RemoteTier>>,
+    /// The disk tier, when configured (also in `tiers`; here for its own counters).
     pub(crate) disk: Option<Arc<umbp_disk::DiskTier>>,
+    /// Every tier under the pool, in order: what lookups, clears and close go through.
+    pub(crate) tiers: TierChain,
 }
 
 impl StoreShared {
@@ -147,16 +150,10 @@ impl StoreShared {
 
     pub(crate) fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
-            if let Some(r) = &self.remote {
-                r.close();
-            }
-            if let Some(d) = &self.disk {
-                // The pool's objects go to disk (within the budget) for the next start; then
-                // objects still queued are dropped (their pins released) before the pool goes.
-                crate::disk::write_pool(d, &self.pool);
-                self.pool.set_spill(None);
-                d.close();
-            }
+            // The disk tier writes the pool's objects out (within its budget) for the next
+            // start; then objects still queued are dropped (their pins released) before the
+            // pool goes.
+            self.tiers.close(&self.pool);
             self.engine.close();
             for m in self.cuda.lock().values() {
                 m.shutdown();

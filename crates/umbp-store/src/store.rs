@@ -21,6 +21,7 @@ use crate::error::StoreError;
 use crate::ids::LayoutId;
 use crate::session::Session;
 use crate::shared::StoreShared;
+use crate::tier::{Tier, TierChain};
 
 /// One worker's pool with its memory, layouts and copy engine.
 ///
@@ -35,8 +36,17 @@ pub struct EmbeddedStore {
 }
 
 impl EmbeddedStore {
-    /// Maps the pool and starts the copy workers.
+    /// Maps the pool and starts the copy workers, and the disk and remote tiers when
+    /// configured.
     pub fn new(cfg: StoreConfig) -> Result<Self, StoreError> {
+        Self::with_tiers(cfg, Vec::new())
+    }
+
+    /// [`EmbeddedStore::new`] with more tiers under the pool: `extra`, in order, after the
+    /// configured disk and remote tiers. A tier is wired only through the chain
+    /// ([`Tier`]): it is offered what the pool evicts, asked for what lookups miss, and
+    /// cleared, flushed and closed with the store.
+    pub fn with_tiers(cfg: StoreConfig, extra: Vec<Arc<dyn Tier>>) -> Result<Self, StoreError> {
         cfg.validate()?;
         let pool = Arc::new(Pool::new(cfg.pool.clone())?);
         let engine = CopyEngine::new(
@@ -56,17 +66,29 @@ impl EmbeddedStore {
             cfg.num_workers
         );
         let remote = match cfg.remote {
-            Some(rc) => Some(RemoteTier::start(rc, Arc::clone(&pool))?),
+            Some(rc) => Some(Arc::new(RemoteTier::start(rc, Arc::clone(&pool))?)),
             None => None,
         };
         let disk = match cfg.disk {
             Some(dc) => Some(crate::disk::open(dc, &pool)?),
             None => None,
         };
+        // Pool, disk, remote, then the caller's.
+        let mut chain: Vec<Arc<dyn Tier>> = Vec::new();
+        if let Some(d) = &disk {
+            chain.push(Arc::clone(d) as Arc<dyn Tier>);
+        }
+        if let Some(r) = &remote {
+            chain.push(Arc::clone(r) as Arc<dyn Tier>);
+        }
+        chain.extend(extra);
+        let tiers = TierChain::new(chain);
+        tiers.install_spill(&pool);
         let shared = Arc::new(StoreShared {
             pool,
             remote,
             disk,
+            tiers,
             engine,
             next_layout: AtomicU32::new(1),
             next_session: AtomicU64::new(1),
@@ -134,36 +156,7 @@ impl EmbeddedStore {
     /// pool's `lookup_lease_ms`. [`StoreError::Closed`] after `close`.
     pub fn exists(&self, keys: &[BlockKey]) -> Result<Vec<bool>, StoreError> {
         self.check_open()?;
-        let pool = &self.shared.pool;
-        let mut found = pool.exists_many_leased(keys);
-        if let Some(d) = &self.shared.disk {
-            let missing: Vec<usize> = (0..keys.len()).filter(|i| !found[*i]).collect();
-            if !missing.is_empty() {
-                let ks: Vec<BlockKey> = missing.iter().map(|i| keys[*i]).collect();
-                let got = crate::disk::promote_present(d, pool, &ks, d.deadline());
-                let got = pool.lease_where(&ks, &got);
-                for (i, got) in missing.into_iter().zip(got) {
-                    found[i] = got;
-                }
-            }
-        }
-        if let Some(r) = &self.shared.remote {
-            r.note_hits(
-                keys.iter()
-                    .zip(&found)
-                    .filter(|(_, f)| **f)
-                    .map(|(k, _)| *k),
-            );
-            let missing: Vec<usize> = (0..keys.len()).filter(|i| !found[*i]).collect();
-            if !missing.is_empty() {
-                let ks: Vec<BlockKey> = missing.iter().map(|i| keys[*i]).collect();
-                let got = pool.lease_where(&ks, &r.fetch_present(&ks));
-                for (i, got) in missing.into_iter().zip(got) {
-                    found[i] = got;
-                }
-            }
-        }
-        Ok(found)
+        Ok(self.shared.tiers.exists(&self.shared.pool, keys))
     }
 
     /// Which keys are in the DRAM pool now: no lease is taken, no lower tier is read, no hit
@@ -196,7 +189,7 @@ impl EmbeddedStore {
     /// remote tier): one deadline for the several calls of one request (every rank of a
     /// topology, say), so that together they wait the tier's timeout at most.
     pub fn remote_deadline(&self) -> Option<std::time::Instant> {
-        self.shared.remote.as_ref().map(RemoteTier::deadline)
+        self.shared.remote.as_ref().map(|r| r.deadline())
     }
 
     /// [`prefix_hits_with`](Self::prefix_hits_with) whose remote fetch ends at `deadline`
@@ -208,33 +201,10 @@ impl EmbeddedStore {
         deadline: Option<std::time::Instant>,
     ) -> Result<usize, StoreError> {
         self.check_open()?;
-        let pool = &self.shared.pool;
-        // Each tier's hits are leased before the next tier is asked, so that a slow disk or
-        // remote read cannot let the evictor take what was counted already.
-        let mut local = pool.prefix_hits_leased(n, &key);
-        if let (Some(d), true) = (&self.shared.disk, local < n) {
-            // DRAM, then disk, then the remote tier.
-            let rest: Vec<BlockKey> = (local..n).map(&key).collect();
-            let until = deadline.unwrap_or_else(|| d.deadline());
-            let promoted = crate::disk::promote_prefix(d, pool, &rest, until);
-            let leased = pool.lease_prefix_with(promoted, |i| rest[i]);
-            local += leased;
-            if leased < promoted {
-                // One was taken between its promotion and its lease: the prefix ends there.
-                return Ok(local);
-            }
-        }
-        let Some(r) = &self.shared.remote else {
-            return Ok(local);
-        };
-        r.note_hits((0..local).map(&key));
-        if local == n {
-            return Ok(local);
-        }
-        let rest: Vec<BlockKey> = (local..n).map(&key).collect();
-        let deadline = deadline.unwrap_or_else(|| r.deadline());
-        let fetched = r.fetch_prefix_by(&rest, deadline);
-        Ok(local + pool.lease_prefix_with(fetched, |i| rest[i]))
+        Ok(self
+            .shared
+            .tiers
+            .prefix_hits(&self.shared.pool, n, key, deadline))
     }
 
     /// Whether lookups may wait for a remote tier (then callers holding a lock other threads
@@ -245,7 +215,7 @@ impl EmbeddedStore {
 
     /// The remote tier's counters (`None` without one).
     pub fn remote_stats(&self) -> Option<RemoteStats> {
-        self.shared.remote.as_ref().map(RemoteTier::stats)
+        self.shared.remote.as_ref().map(|r| r.stats())
     }
 
     /// Waits until the remote tier has written every object committed so far (or dropped it),
@@ -433,15 +403,9 @@ impl EmbeddedStore {
     /// [`StoreError::Closed`] after `close`.
     pub fn clear(&self) -> Result<u64, StoreError> {
         self.check_open()?;
-        // One clear of both tiers: no evicted object reaches the disk meanwhile, and no
-        // promotion that read the disk before commits after (`Pool::begin_clear`).
-        let clearing = self.shared.pool.begin_clear();
-        let n = clearing.all();
-        if let Some(d) = &self.shared.disk {
-            d.clear();
-        }
-        drop(clearing);
-        Ok(n)
+        // One clear of the pool and the tiers under it: no evicted object reaches a tier
+        // meanwhile, and no fill that read a tier before commits after (`Pool::begin_clear`).
+        Ok(self.shared.tiers.clear(&self.shared.pool))
     }
 
     /// Drops `keys` from this store: from the pool and from the disk tier (its index, and
@@ -451,17 +415,7 @@ impl EmbeddedStore {
     /// transfer using it ends. [`StoreError::Closed`] after `close`.
     pub fn evict(&self, keys: &[BlockKey]) -> Result<u64, StoreError> {
         self.check_open()?;
-        // The disk first: a lookup between the two would promote back what the pool lost;
-        // and again after: the evictor may have handed it one of them meanwhile.
-        let forget_on_disk = || {
-            if let Some(d) = &self.shared.disk {
-                d.remove_many(keys);
-            }
-        };
-        forget_on_disk();
-        let n = keys.iter().filter(|k| self.shared.pool.remove(k)).count() as u64;
-        forget_on_disk();
-        Ok(n)
+        Ok(self.shared.tiers.evict(&self.shared.pool, keys))
     }
 
     /// Removes the objects of one key namespace (the string keys were built from) from the
@@ -471,26 +425,14 @@ impl EmbeddedStore {
     pub fn clear_namespace(&self, namespace: &str) -> Result<u64, StoreError> {
         self.check_open()?;
         let id = umbp_core::KeyBuilder::new(namespace, Default::default())?.namespace_id();
-        // The remote first: a lookup between the two would fetch back what the pool lost.
-        self.clear_remote_namespace(&id);
-        // The pool and the disk as one clear, as `clear` does.
-        let clearing = self.shared.pool.begin_clear();
-        let n = clearing.namespace(&id);
-        if let Some(d) = &self.shared.disk {
-            d.clear_namespace(&id);
-        }
-        drop(clearing);
-        Ok(n)
+        Ok(self.shared.tiers.clear_namespace(&self.shared.pool, &id))
     }
 
     /// Removes the remote tier's objects of the namespace with id `namespace_id` (every rank,
     /// whichever node wrote them); how many (`None` without a remote tier or when it failed).
     /// [`clear`](Self::clear) leaves the remote tier alone: other nodes and models share it.
     pub fn clear_remote_namespace(&self, namespace_id: &[u8; 16]) -> Option<u64> {
-        self.shared
-            .remote
-            .as_ref()
-            .and_then(|r| r.clear_namespace(namespace_id))
+        self.shared.tiers.clear_shared_namespace(namespace_id)
     }
 
     /// Pool counters. [`StoreError::Closed`] after `close`.
@@ -499,8 +441,7 @@ impl EmbeddedStore {
         let mut s = self.shared.pool.stats();
         // Damage found on the way to the engine in any tier: the pool's own, and objects the
         // disk and remote tiers refused to hand over.
-        s.corrupt_detected += self.disk_stats().map_or(0, |d| d.corrupt)
-            + self.remote_stats().map_or(0, |r| r.corrupt);
+        s.corrupt_detected += self.shared.tiers.corrupt();
         Ok(s)
     }
 

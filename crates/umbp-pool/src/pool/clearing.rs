@@ -37,6 +37,11 @@ impl Clearing<'_> {
         self.pool.clear_where(|_| true)
     }
 
+    /// Removes `key` ([`Pool::remove`]); whether it was there.
+    pub fn remove(&self, key: &BlockKey) -> bool {
+        self.pool.remove(key)
+    }
+
     /// Removes the objects of one key namespace (`namespace_id`: the first 16 bytes of its
     /// keys, [`BlockKey::namespace_id`]); other namespaces are untouched. Returns how many.
     pub fn namespace(&self, namespace_id: &[u8; 16]) -> u64 {
