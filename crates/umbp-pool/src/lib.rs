@@ -40,9 +40,10 @@ mod window;
 
 pub use checksum::{checksum, Summer};
 pub use error::PoolError;
+pub use pool::clearing::Clearing;
 pub use pool::{
-    Clearing, CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation,
-    SpillFn, SpillKind,
+    CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,
+    SpillKind,
 };
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};

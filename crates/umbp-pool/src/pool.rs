@@ -5,7 +5,7 @@
 //! [`Pool`] API.
 
 mod admit;
-mod clearing;
+pub(crate) mod clearing;
 mod evict;
 // The one module with `unsafe`: the handles' slices of the arena, valid by the allocator's
 // and the pins' invariants, which no wrapper below the pool can own (with the shared state
@@ -33,7 +33,6 @@ use evict::evictor_loop;
 pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
-pub use clearing::Clearing;
 pub use inner::{PinnedObject, Reservation};
 pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
 
