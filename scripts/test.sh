@@ -25,6 +25,8 @@ ruff check python tests scripts
 ruff format --check python tests scripts
 step "charts of docs/results/ reproduce docs/img/ (scripts/plot_results.py --check)"
 python scripts/plot_results.py --check
+step "architecture diagram matches the crates (scripts/arch_diagram.py --check)"
+python scripts/arch_diagram.py --check
 step "redis-server for the remote tier's tests (Debian's packages; installed when missing)"
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null ||
   ! command -v openssl >/dev/null; then
