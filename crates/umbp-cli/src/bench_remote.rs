@@ -366,7 +366,7 @@ fn tier_round(
         Some(_) => (&mut t.keyed_put, &mut t.keyed_get),
         None => (&mut t.tier_put, &mut t.tier_get),
     };
-    let ta = umbp_remote::RemoteTier::start(tier_config(url, bytes, secret), Arc::clone(&f.pa))?;
+    let ta = umbp_store::start_remote_tier(tier_config(url, bytes, secret), &f.pa)?;
     let s = Instant::now();
     ta.write_keys(&keys);
     ensure!(
@@ -382,11 +382,11 @@ fn tier_round(
         st.writes_dropped,
         st.errors
     );
-    let tb = umbp_remote::RemoteTier::start(tier_config(url, bytes, secret), Arc::clone(&f.pb))?;
+    let tb = umbp_store::start_remote_tier(tier_config(url, bytes, secret), &f.pb)?;
     // As a registered layout of this object size would allow.
     tb.allow_object_bytes(f.size as u64);
     let s = Instant::now();
-    let present = tb.fetch_present(&keys);
+    let present = tb.fetch_present(&keys, Arc::new(umbp_store::PoolFill::new(&f.pb)));
     get_times.push(s.elapsed().as_secs_f64());
     let missing = present.iter().filter(|p| !**p).count();
     ensure!(

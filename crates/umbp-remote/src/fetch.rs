@@ -1,6 +1,7 @@
-//! Reads into the pool: lookups hand the keys the pool missed to the fetch threads, which
-//! get them from the remote in pipelined chunks (the next chunk's request travelling while
-//! the last one is checked), check each value and put the good ones in the pool.
+//! Reads into the pool: lookups hand the keys the pool missed, and where to put them (a
+//! [`FetchSink`]: the lookup's fill of the pool), to the fetch threads, which get them from
+//! the remote in pipelined chunks (the next chunk's request travelling while the last one is
+//! checked), check each value and put the good ones in the sink.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
@@ -9,9 +10,9 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use umbp_core::BlockKey;
-use umbp_pool::CommitOutcome;
 
 use crate::conn::{self, is_redirect, is_transport, Conn};
+use crate::host::{FetchSink, Placed};
 use crate::object;
 use crate::state::{TierState, MAX_TRACKED};
 use crate::stats::add;
@@ -32,22 +33,23 @@ pub(crate) struct FetchJob {
     /// Set when a fetch thread takes the job (a job that waited in the queue all along says
     /// nothing about the remote).
     started: Arc<AtomicBool>,
-    /// Per chunk: (index of its first key, which of its keys are now in the pool).
+    /// Per chunk: (index of its first key, which of its keys are now in the sink).
     reply: mpsc::Sender<(usize, Vec<bool>)>,
-    /// The pool's clears ended when the lookup began: a value read before a clear of the
-    /// remote and the pool is not committed after it ([`umbp_pool::Pool::commit_unless_cleared`]).
-    epoch: u64,
+    /// Where the objects go: made when the lookup began, it commits no value read before a
+    /// clear of the remote and the pool after that clear ([`Placed::Cleared`]).
+    sink: Arc<dyn FetchSink>,
 }
 
 /// Asks the fetch threads for `keys` (those the pool missed) and waits for their answers
-/// until `deadline` at most; which keys are now in the pool. With `prefix`, stops at the
-/// first key the remote lacks.
+/// until `deadline` at most; which keys are now in `sink`. With `prefix`, stops at the first
+/// key the remote lacks.
 pub(crate) fn fetch_keys(
     inner: &TierState,
     jobs: &Mutex<Option<SyncSender<FetchJob>>>,
     keys: &[BlockKey],
     prefix: bool,
     deadline: Instant,
+    sink: Arc<dyn FetchSink>,
 ) -> Vec<bool> {
     let mut got = vec![false; keys.len()];
     if keys.is_empty() {
@@ -69,7 +71,7 @@ pub(crate) fn fetch_keys(
     let (tx, rx) = mpsc::channel();
     let started = Arc::new(AtomicBool::new(false));
     let job = FetchJob {
-        epoch: inner.pool.clear_epoch(),
+        sink,
         keys: keys.to_vec(),
         prefix,
         deadline,
@@ -120,7 +122,7 @@ pub(crate) fn fetch_keys(
 /// A fetch thread: serves lookups, one at a time, with its own connection.
 pub(crate) fn fetcher(inner: &TierState, jobs: &std::sync::Mutex<Receiver<FetchJob>>) {
     // Two connections: the next chunk's request travels on one while the last chunk's
-    // objects are checked and copied into the pool from the other.
+    // objects are checked and copied into the sink from the other.
     let mut slots: [Option<Conn>; 2] = [None, None];
     // Connect at start, so the first lookup does not pay for it (a cluster connection asks
     // every node for its slots).
@@ -214,14 +216,14 @@ fn get_chunk(inner: &TierState, slot: &mut Option<Conn>, chunk: &[BlockKey]) -> 
     }
 }
 
-/// Checks the values of `chunk` and puts the good ones in the pool; which keys are now
-/// there, and whether a prefix broke.
+/// Checks the values of `chunk` and puts the good ones in `sink`; which keys are now there,
+/// and whether a prefix broke.
 fn take_chunk(
     inner: &TierState,
     chunk: &[BlockKey],
     values: Values,
     prefix: bool,
-    epoch: u64,
+    sink: &dyn FetchSink,
 ) -> (Vec<bool>, bool) {
     let c = &inner.c;
     let limit = inner.value_limit();
@@ -245,7 +247,7 @@ fn take_chunk(
                         object::parse(&inner.seal, key, v)
                     }
                 })
-                .and_then(|(payload, check)| put_fetched(inner, *key, payload, check, epoch))
+                .and_then(|(payload, check)| put_fetched(inner, sink, *key, payload, check))
             {
                 Ok(stored) => stored,
                 Err(why) => {
@@ -290,7 +292,7 @@ fn serve_fetch(inner: &TierState, slots: &mut [Option<Conn>; 2], job: FetchJob) 
                     .map_err(|_| ()),
                 None => Err(()),
             };
-            let (present, stop) = take_chunk(inner, chunks[ci], current, job.prefix, job.epoch);
+            let (present, stop) = take_chunk(inner, chunks[ci], current, job.prefix, &*job.sink);
             // The caller gone (timed out) or a prefix broken: no more chunks (a fetched-ahead
             // one is dropped).
             let go_on = job.reply.send((ci * FETCH_CHUNK, present)).is_ok() && !stop;
@@ -314,59 +316,53 @@ fn serve_fetch(inner: &TierState, slots: &mut [Option<Conn>; 2], job: FetchJob) 
     }
 }
 
-/// Puts a fetched object in the pool, its checksum or MAC checked while it is copied in:
-/// `Ok(true)` stored (or already there), `Ok(false)` no room or a clear since `epoch`, `Err`
-/// a bad checksum or MAC (nothing stored).
+/// Puts a fetched object in `sink`, its checksum or MAC checked while it is copied in:
+/// `Ok(true)` stored (or already there), `Ok(false)` no room or a clear since the lookup
+/// began, `Err` a bad checksum or MAC (nothing stored).
 fn put_fetched(
     inner: &TierState,
+    sink: &dyn FetchSink,
     key: BlockKey,
     payload: &[u8],
     check: object::Check<'_>,
-    epoch: u64,
 ) -> Result<bool, object::Reject> {
-    if inner.pool.contains(&key) {
-        return Ok(true);
-    }
-    // Never evicts: on the lookup path a fetch must not push out what the same lookup just
-    // counted (or an earlier chunk of it). What does not fit in the free room misses.
-    let mut r = match inner.pool.try_reserve(payload.len() as u64) {
-        Ok(r) => r,
-        Err(e) => {
-            log::debug!("remote tier: a fetched object did not fit in the pool: {e}");
-            return Ok(false);
-        }
-    };
     // A checksummed value's sum is the pool's (XXH3-64 of the payload), checked here while
     // copying: the pool keeps it. A keyed value leaves the pool to sum it at commit.
     let sum = match &check {
         object::Check::Sum(sum) => Some(*sum),
         object::Check::Mac { .. } => None,
     };
-    // On an error, dropping the reservation frees it; nothing was visible.
-    object::copy_checked(r.as_mut_slice(), payload, check)?;
-    if let Some(sum) = sum {
-        r.set_checksum(sum);
-    }
-    {
+    let mut check = Some(check);
+    // Never evicts: on the lookup path a fetch must not push out what the same lookup just
+    // counted (or an earlier chunk of it). What does not fit in the free room misses.
+    let placed = sink.put_with(&key, payload.len() as u64, &mut |dst| {
+        let check = check.take().expect("put_with writes once");
+        // On an error the sink frees the room; nothing was visible.
+        object::copy_checked(dst, payload, check, |d, p| sink.copy(d, p))?;
+        // Before the commit: its event finds the key here.
         let mut fr = inner.from_remote.lock();
         if fr.len() >= MAX_TRACKED {
             fr.clear();
         }
         fr.insert(key);
-    }
-    // Already present: another fetch (or the engine) committed it first. Its entry in the
-    // set stays for that commit's event (one entry per key).
-    match inner.pool.commit_unless_cleared(r, key, epoch) {
-        Some(CommitOutcome::Stored) => {
+        Ok(sum)
+    })?;
+    Ok(match placed {
+        Placed::Held => true,
+        // The sink logs why.
+        Placed::NoRoom => false,
+        Placed::Stored => {
             add(&inner.c.hits, 1);
             add(&inner.c.bytes_fetched, payload.len() as u64);
+            true
         }
-        Some(_) => {}
+        // Another fetch (or the engine) committed it first, or the sink's admission declined
+        // it. Its entry in the set stays for that commit's event (one entry per key).
+        Placed::Discarded => true,
         // Read before a clear that has run since: what it read may be what was cleared.
-        None => {
+        Placed::Cleared => {
             add(&inner.c.misses, 1);
-            return Ok(false);
+            false
         }
-    }
-    Ok(true)
+    })
 }

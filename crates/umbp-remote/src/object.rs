@@ -334,15 +334,18 @@ pub fn parse<'s, 'v>(
 /// right after it was read for the copy.
 const PIECE: usize = 64 << 10;
 
-/// Copies `payload` into `dst` (as long) piece by piece, hashing each piece as it goes, and
-/// checks the result against `check`. One pass over the payload's memory instead of two.
-pub fn copy_checked(dst: &mut [u8], payload: &[u8], check: Check<'_>) -> Result<(), Reject> {
+/// Copies `payload` into `dst` (as long) piece by piece with `copy` (given two pieces of
+/// equal length), hashing each piece as it goes, and checks the result against `check`. One
+/// pass over the payload's memory instead of two. `copy` is the destination's: a copy whose
+/// stores need ordering (non-temporal ones) is ordered by its owner before the bytes are
+/// published ([`crate::FetchSink::copy`]).
+pub fn copy_checked(
+    dst: &mut [u8],
+    payload: &[u8],
+    check: Check<'_>,
+    copy: impl Fn(&mut [u8], &[u8]),
+) -> Result<(), Reject> {
     assert_eq!(dst.len(), payload.len(), "copy_checked needs equal lengths");
-    let copy = |d: &mut [u8], p: &[u8]| {
-        // SAFETY: `d` and `p` are equal-length pieces of two distinct slices (`dst` is
-        // borrowed mutably, so it cannot alias `payload`).
-        unsafe { umbp_copy::memcpy::copy(d.as_mut_ptr(), p.as_ptr(), p.len()) };
-    };
     let pieces = dst.chunks_mut(PIECE).zip(payload.chunks(PIECE));
     match check {
         Check::Sum(sum) => {
@@ -351,7 +354,6 @@ pub fn copy_checked(dst: &mut [u8], payload: &[u8], check: Check<'_>) -> Result<
                 copy(d, p);
                 h.update(p);
             }
-            umbp_copy::memcpy::fence();
             sum_matches(h.digest(), sum)
         }
         Check::Mac {
@@ -363,7 +365,6 @@ pub fn copy_checked(dst: &mut [u8], payload: &[u8], check: Check<'_>) -> Result<
                 copy(d, p);
                 state.update(p);
             }
-            umbp_copy::memcpy::fence();
             tag_matches(key, state, &tag)
         }
     }
@@ -421,7 +422,10 @@ mod tests {
             // Checking while copying agrees with decode.
             let (p, check) = parse(&seal, &k, &v).unwrap();
             let mut dst = vec![0u8; p.len()];
-            assert_eq!(copy_checked(&mut dst, p, check), Ok(()));
+            assert_eq!(
+                copy_checked(&mut dst, p, check, |d, p| d.copy_from_slice(p)),
+                Ok(())
+            );
             assert_eq!(dst, payload);
             // An empty payload is an object too.
             encode_into(&seal, &k, &[], &mut v);

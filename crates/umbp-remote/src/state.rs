@@ -1,7 +1,7 @@
 //! The state a running tier's threads share ([`TierState`]): its configuration and seal,
-//! the pool, the counters, whether the remote is in back-off after a failure (and making
-//! connections only outside it), the keys fetched from the remote and the on-reuse
-//! candidates, and the writer's queue.
+//! the store's objects it writes behind ([`Source`]), the counters, whether the remote is in
+//! back-off after a failure (and making connections only outside it), the keys fetched from
+//! the remote and the on-reuse candidates, and the writer's queue.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use umbp_core::BlockKey;
-use umbp_pool::{Pool, PoolEvent};
 
 use crate::config::RemoteConfig;
 use umbp_core::address::redact_url;
 
 use crate::conn::{Backend, Conn};
+use crate::host::{ObjectEvent, Source};
 use crate::object;
 use crate::stats::{add, Counters};
 
@@ -59,31 +59,33 @@ pub(crate) struct TierState {
     /// a fetched value is read only that far (0: none registered, nothing is fetched).
     pub(crate) max_object_bytes: AtomicU64,
     pub(crate) backend: Backend,
-    pub(crate) pool: Arc<Pool>,
+    /// The store whose commits it writes behind.
+    pub(crate) source: Arc<dyn Source>,
     pub(crate) c: Counters,
     pub(crate) closed: AtomicBool,
     /// No request before this instant (after a failure).
     pub(crate) down_until: Mutex<Option<Instant>>,
     /// Whether the remote's being down was logged as a warning (cleared on success).
     pub(crate) reported_down: AtomicBool,
-    /// Keys the fetchers put in the pool: their commits are not written back.
+    /// Keys the fetchers put in the store: their commits are not written back.
     pub(crate) from_remote: Mutex<HashSet<BlockKey>>,
     /// On-reuse policy: committed keys not written yet, and how often lookups hit them.
     pub(crate) candidates: Mutex<Tracked<Reuse>>,
-    /// The writer's queue: pool commits (through the forwarder thread), objects to write, stop.
+    /// The writer's queue: the store's commits (through the forwarder thread), objects to
+    /// write, stop.
     pub(crate) to_writer: Mutex<Option<SyncSender<WriterMsg>>>,
     /// `Write` messages sent and not yet taken by the writer.
     pub(crate) writes_queued: AtomicU64,
-    /// The pool's commits before the tier subscribed to them.
+    /// The store's commits before the tier subscribed to them.
     pub(crate) puts_before: u64,
 }
 
 /// What the writer thread is told.
 #[derive(Debug)]
 pub(crate) enum WriterMsg {
-    /// A pool event.
-    Pool(PoolEvent),
-    /// Write this object of the pool (on-reuse promotion, or `write_keys`).
+    /// A commit or removal in the store.
+    Event(ObjectEvent),
+    /// Write this object of the store (on-reuse promotion, or `write_keys`).
     Write(BlockKey),
     /// Stop.
     Stop,

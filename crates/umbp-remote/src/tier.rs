@@ -1,6 +1,7 @@
 //! The running tier ([`RemoteTier`]): starts the event forwarder, the writer and the fetch
-//! threads in front of a pool, and answers its callers: lookups ([`crate::fetch`]), writes
-//! ([`crate::write`]), deletes, namespace resets, counters, flush and close.
+//! threads behind a store's objects ([`Source`]), and answers its callers: lookups
+//! ([`crate::fetch`]), writes ([`crate::write`]), deletes, namespace resets, counters, flush
+//! and close.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -11,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use umbp_core::BlockKey;
-use umbp_pool::Pool;
 
 use crate::config::{read_secret, RemoteConfig};
 use umbp_core::address::redact_url;
@@ -19,12 +19,13 @@ use umbp_core::address::redact_url;
 use crate::conn::Backend;
 use crate::error::RemoteError;
 use crate::fetch::{self, FetchJob, FETCH_QUEUE, FETCH_THREADS};
+use crate::host::{FetchSink, Source};
 use crate::object;
 use crate::state::{TierState, Tracked, WriterMsg};
 use crate::stats::{Counters, RemoteStats};
 use crate::write;
 
-/// Pool events the writer may lag behind before the pool drops them (counted by the pool).
+/// Events the writer may lag behind before the source drops them (counted by the source).
 const EVENT_QUEUE: usize = 1 << 16;
 /// How long clearing a namespace may take in all (a `SCAN` that never ends stops there).
 const CLEAR_DEADLINE: Duration = Duration::from_secs(60);
@@ -38,27 +39,27 @@ pub struct RemoteTier {
 }
 
 impl RemoteTier {
-    /// Starts the tier in front of `pool`: checks the configuration (not the remote: a remote
-    /// that is down at start is a remote that misses), subscribes to the pool's commits and
-    /// starts the writer and fetch threads.
-    pub fn start(cfg: RemoteConfig, pool: Arc<Pool>) -> Result<RemoteTier, RemoteError> {
+    /// Starts the tier behind `source` (a store's pool): checks the configuration (not the
+    /// remote: a remote that is down at start is a remote that misses), subscribes to the
+    /// source's commits and starts the writer and fetch threads.
+    pub fn start(cfg: RemoteConfig, source: Arc<dyn Source>) -> Result<RemoteTier, RemoteError> {
         let target = cfg.validate()?;
         let seal = match &cfg.secret_file {
             Some(path) => object::Seal::Keyed(Box::new(read_secret(path)?)),
             None => object::Seal::Checksum,
         };
         let backend = Backend::new(&target, cfg.timeout)?;
-        let events = pool.subscribe(EVENT_QUEUE);
+        let events = source.subscribe(EVENT_QUEUE);
         // After subscribing: a commit racing with this line is counted here and also seen as
         // an event, so `flush` may return one such commit early (only commits made while the
         // tier starts). Read before subscribing, it would never return.
-        let puts_before = pool.stats().puts;
+        let puts_before = source.commits();
         let inner = Arc::new(TierState {
             cfg,
             seal,
             max_object_bytes: AtomicU64::new(0),
             backend,
-            pool,
+            source,
             c: Counters::default(),
             closed: AtomicBool::new(false),
             down_until: Mutex::new(None),
@@ -69,8 +70,8 @@ impl RemoteTier {
             writes_queued: AtomicU64::new(0),
             puts_before,
         });
-        // Bounded: when the writer lags this far, the forwarder waits, the pool's own queue
-        // fills and the pool drops (and counts) events instead of anything growing.
+        // Bounded: when the writer lags this far, the forwarder waits, the source's own queue
+        // fills and the source drops (and counts) events instead of anything growing.
         let (to_writer, writer_rx) = mpsc::sync_channel::<WriterMsg>(EVENT_QUEUE);
         *inner.to_writer.lock() = Some(to_writer.clone());
         let (fetch_tx, fetch_rx) = mpsc::sync_channel::<FetchJob>(FETCH_QUEUE);
@@ -86,14 +87,14 @@ impl RemoteTier {
                 .spawn(f)
                 .map_err(|source| RemoteError::Thread { what, source })
         };
-        // The forwarder blocks on the pool's events and hands them to the writer; it ends at
+        // The forwarder blocks on the source's events and hands them to the writer; it ends at
         // the first event after the writer is gone (not joined: it may wait for one forever).
         spawn(
             "umbp-remote-events".into(),
             "event forwarder",
             Box::new(move || {
                 for ev in events {
-                    if to_writer.send(WriterMsg::Pool(ev)).is_err() {
+                    if to_writer.send(WriterMsg::Event(ev)).is_err() {
                         return;
                     }
                 }
@@ -147,17 +148,22 @@ impl RemoteTier {
             .fetch_max(bytes, Ordering::Relaxed);
     }
 
-    /// Fetches `keys` (those the pool missed, in prefix order) into the pool, stopping at the
-    /// first the remote lacks; waits at most the tier's timeout. Returns how many keys from
-    /// the first are now in the pool.
-    pub fn fetch_prefix(&self, keys: &[BlockKey]) -> usize {
-        self.fetch_prefix_by(keys, Instant::now() + self.inner.cfg.timeout)
+    /// Fetches `keys` (those the pool missed, in prefix order) into `sink` (the lookup's fill
+    /// of the pool), stopping at the first the remote lacks; waits at most the tier's timeout.
+    /// Returns how many keys from the first are now in the sink.
+    pub fn fetch_prefix(&self, keys: &[BlockKey], sink: Arc<dyn FetchSink>) -> usize {
+        self.fetch_prefix_by(keys, Instant::now() + self.inner.cfg.timeout, sink)
     }
 
     /// [`fetch_prefix`](Self::fetch_prefix), waiting until `deadline` at most (one deadline
     /// for the several calls of one lookup).
-    pub fn fetch_prefix_by(&self, keys: &[BlockKey], deadline: Instant) -> usize {
-        let got = self.fetch(keys, true, deadline);
+    pub fn fetch_prefix_by(
+        &self,
+        keys: &[BlockKey],
+        deadline: Instant,
+        sink: Arc<dyn FetchSink>,
+    ) -> usize {
+        let got = self.fetch(keys, true, deadline, sink);
         got.iter().take_while(|p| **p).count()
     }
 
@@ -166,14 +172,21 @@ impl RemoteTier {
         Instant::now() + self.inner.cfg.timeout
     }
 
-    /// Fetches every key of `keys` (those the pool missed) that the remote holds into the pool;
-    /// waits at most the tier's timeout. Returns which are now in the pool.
-    pub fn fetch_present(&self, keys: &[BlockKey]) -> Vec<bool> {
-        self.fetch(keys, false, self.deadline())
+    /// Fetches every key of `keys` (those the pool missed) that the remote holds into `sink`
+    /// (the lookup's fill of the pool); waits at most the tier's timeout. Returns which are
+    /// now in the sink.
+    pub fn fetch_present(&self, keys: &[BlockKey], sink: Arc<dyn FetchSink>) -> Vec<bool> {
+        self.fetch(keys, false, self.deadline(), sink)
     }
 
-    fn fetch(&self, keys: &[BlockKey], prefix: bool, deadline: Instant) -> Vec<bool> {
-        fetch::fetch_keys(&self.inner, &self.fetch_tx, keys, prefix, deadline)
+    fn fetch(
+        &self,
+        keys: &[BlockKey],
+        prefix: bool,
+        deadline: Instant,
+        sink: Arc<dyn FetchSink>,
+    ) -> Vec<bool> {
+        fetch::fetch_keys(&self.inner, &self.fetch_tx, keys, prefix, deadline, sink)
     }
 
     /// Tells the tier that lookups hit `keys` in the pool (the on-reuse policy writes an object
@@ -182,8 +195,9 @@ impl RemoteTier {
         write::note_hits(&self.inner, keys);
     }
 
-    /// Queues the pool's objects of `keys` for writing, whatever the policy (objects not in
-    /// the pool are passed over). For publishing what a pool already holds, and benchmarks.
+    /// Queues the source's objects of `keys` for writing, whatever the policy (objects it
+    /// does not hold are passed over). For publishing what a pool already holds, and
+    /// benchmarks.
     pub fn write_keys(&self, keys: &[BlockKey]) {
         self.inner.send_writes(keys.iter().copied());
     }
@@ -248,13 +262,13 @@ impl RemoteTier {
         self.inner.c.snapshot()
     }
 
-    /// Waits until every pool commit so far has been written (or dropped, or passed over by
-    /// the policy), or `timeout` passes; whether it drained.
+    /// Waits until every commit of the source so far has been written (or dropped, or passed
+    /// over by the policy), or `timeout` passes; whether it drained.
     pub fn flush(&self, timeout: Duration) -> bool {
         let (i, end) = (&self.inner, Instant::now() + timeout);
         loop {
             let c = &i.c;
-            if c.commits_seen.load(Ordering::Acquire) + i.puts_before >= i.pool.stats().puts
+            if c.commits_seen.load(Ordering::Acquire) + i.puts_before >= i.source.commits()
                 && c.backlog_bytes.load(Ordering::Acquire) == 0
                 && !c.writing.load(Ordering::Acquire)
                 && i.writes_queued.load(Ordering::Acquire) == 0

@@ -1,4 +1,4 @@
-//! Stores behind the pool (write-behind): the writer thread follows the pool's commits (or,
+//! Stores behind the pool (write-behind): the writer thread follows the store's commits (or,
 //! with the on-reuse policy, the objects lookups hit twice) and writes objects to the remote
 //! in pipelined batches, bounded by a backlog in bytes and optionally a rate; what does not
 //! fit, or finds the remote down, is dropped and counted.
@@ -9,10 +9,10 @@ use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use umbp_core::BlockKey;
-use umbp_pool::PoolEvent;
 
 use crate::config::WritePolicy;
 use crate::conn::{is_redirect, is_transport, Conn};
+use crate::host::ObjectEvent;
 use crate::object;
 use crate::state::{Reuse, TierState, WriterMsg};
 use crate::stats::add;
@@ -61,7 +61,7 @@ struct Backlog {
     bytes: u64,
 }
 
-/// The writer thread: follows the pool's commits, writes objects in pipelined batches.
+/// The writer thread: follows the store's commits, writes objects in pipelined batches.
 pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
     let mut slot: Option<Conn> = None;
     let _ = inner.conn(&mut slot);
@@ -83,7 +83,7 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
         for m in first.into_iter().chain(rx.try_iter()) {
             match m {
                 WriterMsg::Stop => return,
-                WriterMsg::Pool(PoolEvent::Stored { key, bytes }) => {
+                WriterMsg::Event(ObjectEvent::Stored { key, bytes }) => {
                     c.commits_seen.fetch_add(1, Ordering::Release);
                     if inner.from_remote.lock().remove(&key) {
                         continue;
@@ -96,13 +96,13 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
                         WritePolicy::Never => {}
                     }
                 }
-                WriterMsg::Pool(PoolEvent::Removed { key, .. }) => {
+                WriterMsg::Event(ObjectEvent::Removed { key }) => {
                     if inner.cfg.write == WritePolicy::OnReuse {
                         inner.candidates.lock().map.remove(&key);
                     }
                 }
                 WriterMsg::Write(key) => {
-                    match inner.pool.peek(&key).map(|o| o.len()) {
+                    match inner.source.object(&key).map(|o| o.bytes().len() as u64) {
                         Some(bytes) => enqueue(inner, &mut backlog, key, bytes),
                         None => add(&c.writes_evicted, 1),
                     }
@@ -131,7 +131,7 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
                 break;
             };
             backlog.bytes -= bytes;
-            let Some(obj) = inner.pool.peek(&key) else {
+            let Some(obj) = inner.source.object(&key) else {
                 add(&c.writes_evicted, 1);
                 continue;
             };
@@ -139,10 +139,10 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
             // keyed one is sealed over the bytes, so they are verified first (a damaged
             // object is counted and removed by the pool, and not written).
             let sum = obj.checksum();
-            if sum.is_some() && matches!(inner.seal, object::Seal::Keyed(_)) && !obj.verify() {
+            if sum.is_some() && matches!(inner.seal, object::Seal::Keyed(_)) && !obj.intact() {
                 continue;
             }
-            batch_bytes += obj.len();
+            batch_bytes += obj.bytes().len() as u64;
             batch.push((key, object::remote_key(&key), obj, sum));
         }
         c.backlog_bytes.store(backlog.bytes, Ordering::Relaxed);
@@ -157,7 +157,7 @@ pub(crate) fn writer(inner: &TierState, rx: Receiver<WriterMsg>) {
                     object::Encoded {
                         seal: &inner.seal,
                         key,
-                        payload: obj.as_slice(),
+                        payload: obj.bytes(),
                         sum: *sum,
                     },
                 )

@@ -23,6 +23,7 @@ mod tier;
 pub use config::StoreConfig;
 pub use error::StoreError;
 pub use ids::{LayoutId, SessionId};
+pub use remote::start_remote_tier;
 pub use session::{RegionOffset, RelativeLayer, Session, SessionRelease};
 pub use store::EmbeddedStore;
 pub use tier::{PoolFill, Tier};

@@ -12,7 +12,6 @@ use umbp_cuda::CudaMover;
 use umbp_cuda::{CudaStats, PinStatus};
 use umbp_pool::{Pool, PoolEvent, PoolStats};
 use umbp_remote::RemoteStats;
-use umbp_remote::RemoteTier;
 
 use umbp_core::KeyOutcome;
 
@@ -66,7 +65,7 @@ impl EmbeddedStore {
             cfg.num_workers
         );
         let remote = match cfg.remote {
-            Some(rc) => Some(Arc::new(RemoteTier::start(rc, Arc::clone(&pool))?)),
+            Some(rc) => Some(Arc::new(crate::remote::start_remote_tier(rc, &pool)?)),
             None => None,
         };
         let disk = match cfg.disk {

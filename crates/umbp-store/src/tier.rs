@@ -10,7 +10,7 @@ use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use umbp_core::BlockKey;
-use umbp_pool::{CommitOutcome, PinnedObject, Pool, SpillKind};
+use umbp_pool::{CommitOutcome, PinnedObject, Pool, PoolError, SpillKind};
 
 /// A tier under the pool. Every method but [`Tier::name`] has the answer of a tier that
 /// holds nothing, so a tier implements what it does.
@@ -125,27 +125,56 @@ impl PoolFill {
         len: u64,
         write: impl FnOnce(&mut [u8]) -> Result<Option<u64>, E>,
     ) -> Result<bool, E> {
+        Ok(matches!(
+            self.place_with(key, len, write)?,
+            Filled::Held
+                | Filled::Committed(CommitOutcome::Stored)
+                | Filled::Committed(CommitOutcome::AlreadyPresent)
+        ))
+    }
+
+    /// [`PoolFill::put_with`], saying what became of the object.
+    pub(crate) fn place_with<E>(
+        &self,
+        key: &BlockKey,
+        len: u64,
+        write: impl FnOnce(&mut [u8]) -> Result<Option<u64>, E>,
+    ) -> Result<Filled, E> {
         if self.pool.contains(key) {
-            return Ok(true);
+            return Ok(Filled::Held);
         }
-        let Ok(mut r) = self.pool.try_reserve(len) else {
-            return Ok(false);
+        let mut r = match self.pool.try_reserve(len) {
+            Ok(r) => r,
+            Err(e) => return Ok(Filled::NoRoom(e)),
         };
         if let Some(sum) = write(r.as_mut_slice())? {
             if self.pool.integrity().sums() {
                 r.set_checksum(sum);
             }
         }
-        Ok(self
-            .pool
-            .commit_unless_cleared(r, *key, self.epoch)
-            .is_some_and(|o| o != CommitOutcome::Skipped))
+        Ok(match self.pool.commit_unless_cleared(r, *key, self.epoch) {
+            Some(o) => Filled::Committed(o),
+            None => Filled::Cleared,
+        })
     }
 
     /// The pool it fills.
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
     }
+}
+
+/// What [`PoolFill::place_with`] did with an object.
+#[derive(Debug)]
+pub(crate) enum Filled {
+    /// The pool held the key already: nothing was written.
+    Held,
+    /// No room in the pool's free memory (a fill never evicts): nothing was written.
+    NoRoom(PoolError),
+    /// Written, but a clear ran since the fill was made: dropped.
+    Cleared,
+    /// Written and committed: how the commit went.
+    Committed(CommitOutcome),
 }
 
 /// The tiers in order, and what the store asks of them.

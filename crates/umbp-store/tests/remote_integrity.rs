@@ -15,6 +15,7 @@ use anyhow::{ensure, Context, Result};
 use umbp_core::{BlockKey, Integrity, KeyBuilder, PoolConfig, RankTopology};
 use umbp_pool::Pool;
 use umbp_remote::{object, RemoteConfig, RemoteTier};
+use umbp_store::{start_remote_tier, PoolFill};
 
 /// One plain `redis-server` on a loopback port of its own; killed on drop.
 struct Redis {
@@ -98,12 +99,12 @@ fn pool() -> Arc<Pool> {
 }
 
 fn tier(url: String, pool: &Arc<Pool>) -> Result<RemoteTier> {
-    let t = RemoteTier::start(
+    let t = start_remote_tier(
         RemoteConfig {
             timeout: Duration::from_millis(2000),
             ..RemoteConfig::new(url)
         },
-        Arc::clone(pool),
+        pool,
     )?;
     t.allow_object_bytes(LEN as u64);
     Ok(t)
@@ -153,7 +154,7 @@ fn damage_in_redis_or_in_the_writers_dram_is_refused_and_the_rest_is_exact() -> 
         r.cli(&["setrange", &name, &at, "Z"])?.trim() == (object::HEADER_BYTES + LEN).to_string()
     );
     let b = tier(r.url(), &pb)?;
-    let got = b.fetch_present(&ks);
+    let got = b.fetch_present(&ks, Arc::new(PoolFill::new(&pb)));
     let want: Vec<bool> = (0..8).map(|i| i != 3 && i != 6).collect();
     assert_eq!(got, want);
     let s = b.stats();

@@ -16,7 +16,8 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
 use umbp_pool::Pool;
-use umbp_remote::{RemoteConfig, RemoteTier};
+use umbp_remote::RemoteConfig;
+use umbp_store::{start_remote_tier, PoolFill};
 
 const DECLARED: u64 = 512 << 20;
 const OBJECT: u64 = 64 << 10;
@@ -106,19 +107,19 @@ fn a_declared_512_mib_value_is_a_corrupt_miss_and_is_never_held() -> Result<()> 
         prefault: false,
         ..PoolConfig::with_capacity(16 << 20)
     })?);
-    let tier = RemoteTier::start(
+    let tier = start_remote_tier(
         RemoteConfig {
             timeout: Duration::from_secs(5),
             ..RemoteConfig::new(format!("redis://127.0.0.1:{port}"))
         },
-        Arc::clone(&pool),
+        &pool,
     )?;
     tier.allow_object_bytes(OBJECT);
     let ks = keys(4);
     // The peak from here on is this lookup's.
     std::fs::write("/proc/self/clear_refs", "5").context("resetting VmHWM")?;
     let before = status_kib("VmRSS:")?;
-    let got = tier.fetch_present(&ks);
+    let got = tier.fetch_present(&ks, Arc::new(PoolFill::new(&pool)));
     let s = tier.stats();
     let peak = status_kib("VmHWM:")?;
     let grew_mib = peak.saturating_sub(before) as f64 / 1024.0;
@@ -135,7 +136,7 @@ fn a_declared_512_mib_value_is_a_corrupt_miss_and_is_never_held() -> Result<()> 
         "the lookup grew the peak RSS by {grew_mib:.1} MiB against a 512 MiB lie"
     );
     // The tier is not taken for down: the next lookup asks again (and is refused again).
-    let again = tier.fetch_present(&ks[..1]);
+    let again = tier.fetch_present(&ks[..1], Arc::new(PoolFill::new(&pool)));
     ensure!(again == vec![false], "{again:?}");
     ensure!(tier.stats().corrupt > s.corrupt, "{:?}", tier.stats());
     tier.close();

@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
+use umbp_core::{BlockKey, GroupLayout, KeyBuilder, KvLayout, LayerSpec, PoolConfig, RankTopology};
 use umbp_pool::Pool;
 use umbp_remote::{object, RemoteConfig, RemoteTier, WritePolicy};
+use umbp_store::{start_remote_tier, EmbeddedStore, PoolFill, StoreConfig};
 
 fn have_redis() -> bool {
     let found = Command::new("redis-server")
@@ -242,9 +243,15 @@ const MAX_OBJECT: u64 = 1 << 20;
 
 /// A tier that fetches objects of up to [`MAX_OBJECT`] bytes.
 fn start_tier(cfg: RemoteConfig, pool: Arc<Pool>) -> Result<RemoteTier> {
-    let t = RemoteTier::start(cfg, pool)?;
+    let t = start_remote_tier(cfg, &pool)?;
     t.allow_object_bytes(MAX_OBJECT);
     Ok(t)
+}
+
+/// Where a fetch into `pool` goes: a fill of it made when the lookup begins, as the store's
+/// lookups make one.
+fn fill(pool: &Arc<Pool>) -> Arc<PoolFill> {
+    Arc::new(PoolFill::new(pool))
 }
 
 /// The stopped-node test's timeout.
@@ -298,7 +305,7 @@ fn cluster_node_b_restores_what_node_a_stored() -> Result<()> {
     let mut got = 0;
     let t = std::time::Instant::now();
     while t.elapsed() < Duration::from_secs(15) {
-        got = tb.fetch_prefix(&ks);
+        got = tb.fetch_prefix(&ks, fill(&pb));
         if got == ks.len() {
             break;
         }
@@ -314,8 +321,8 @@ fn cluster_node_b_restores_what_node_a_stored() -> Result<()> {
     assert_eq!(tb.stats().writes, 0);
     // Another namespace never meets these objects.
     let other = keys("remote-it-other", 4);
-    assert_eq!(tb.fetch_prefix(&other), 0);
-    assert_eq!(tb.fetch_present(&other), [false; 4]);
+    assert_eq!(tb.fetch_prefix(&other, fill(&pb)), 0);
+    assert_eq!(tb.fetch_present(&other, fill(&pb)), [false; 4]);
     Ok(())
 }
 
@@ -341,11 +348,11 @@ fn a_corrupted_remote_object_is_a_miss() -> Result<()> {
     let pb = pool();
     let tb = start_tier(config(r.url()), Arc::clone(&pb))?;
     assert_eq!(
-        tb.fetch_prefix(&ks),
+        tb.fetch_prefix(&ks, fill(&pb)),
         3,
         "the prefix stops at the corrupted object"
     );
-    let present = tb.fetch_present(&ks);
+    let present = tb.fetch_present(&ks, fill(&pb));
     assert_eq!(
         present,
         [true, true, true, false, true, false, true, true],
@@ -378,11 +385,11 @@ fn a_key_of_another_type_misses_alone() -> Result<()> {
         let pb = pool();
         let tb = start_tier(config(r.url()), Arc::clone(&pb))?;
         assert_eq!(
-            tb.fetch_present(&ks),
+            tb.fetch_present(&ks, fill(&pb)),
             [true, true, true, false, true, true, true, true],
             "cluster {cluster}"
         );
-        assert_eq!(tb.fetch_prefix(&ks), 3);
+        assert_eq!(tb.fetch_prefix(&ks, fill(&pb)), 3);
         check_restored(&pb, &ks[..3], len);
     }
     Ok(())
@@ -418,21 +425,21 @@ fn an_oversized_value_is_a_miss_and_is_not_read_whole() -> Result<()> {
     };
     // No layout registered: nothing is fetched at all.
     let p0 = pool();
-    let t0 = RemoteTier::start(config(r.url()), Arc::clone(&p0))?;
-    assert_eq!(t0.fetch_present(&ks), [false; 4]);
+    let t0 = start_remote_tier(config(r.url()), &p0)?;
+    assert_eq!(t0.fetch_present(&ks, fill(&p0)), [false; 4]);
     drop(t0);
     let pb = pool();
-    let tb = RemoteTier::start(config(r.url()), Arc::clone(&pb))?;
+    let tb = start_remote_tier(config(r.url()), &pb)?;
     tb.allow_object_bytes(len as u64);
     let before = sent(&r)?;
-    assert_eq!(tb.fetch_present(&ks), [true, true, false, true]);
+    assert_eq!(tb.fetch_present(&ks, fill(&pb)), [true, true, false, true]);
     let read = sent(&r)? - before;
     assert!(read < 1 << 20, "{read} bytes sent for 3 objects of 4 KiB");
     assert!(tb.stats().corrupt >= 1, "{:?}", tb.stats());
     check_restored(&pb, &ks[..2], len);
     // A larger allowed size (another layout) reads it, and rejects it as not an object.
     tb.allow_object_bytes(128 << 20);
-    assert_eq!(tb.fetch_present(&ks[2..3]), [false]);
+    assert_eq!(tb.fetch_present(&ks[2..3], fill(&pb)), [false]);
     Ok(())
 }
 
@@ -482,7 +489,7 @@ fn a_keyed_tier_takes_only_values_sealed_with_its_secret() -> Result<()> {
     let fetch = |cfg: RemoteConfig| -> Result<(Vec<bool>, Arc<Pool>, u64)> {
         let p = pool();
         let t = start_tier(cfg, Arc::clone(&p))?;
-        let got = t.fetch_present(&ks);
+        let got = t.fetch_present(&ks, fill(&p));
         Ok((got, p, t.stats().corrupt))
     };
     let (got, pb, _) = fetch(keyed(&ours))?;
@@ -498,11 +505,11 @@ fn a_keyed_tier_takes_only_values_sealed_with_its_secret() -> Result<()> {
     );
     // Secrets too short, or files that cannot be read, stop the tier at start-up.
     let short = secret("short", "tiny\n")?;
-    let e = RemoteTier::start(keyed(&short), pool())
+    let e = start_remote_tier(keyed(&short), &pool())
         .unwrap_err()
         .to_string();
     assert!(e.contains("at least 16"), "{e}");
-    let e = RemoteTier::start(keyed(&r.dir.join("absent")), pool())
+    let e = start_remote_tier(keyed(&r.dir.join("absent")), &pool())
         .unwrap_err()
         .to_string();
     assert!(e.contains("cannot read it"), "{e}");
@@ -527,14 +534,14 @@ fn a_stopped_cluster_node_makes_lookups_miss_within_the_timeout() -> Result<()> 
         Arc::clone(&pb),
     )?;
     // Connect B before the failure, as a running engine would be: both fetch threads.
-    assert_eq!(tb.fetch_prefix(&ks[..1]), 1);
-    assert_eq!(tb.fetch_prefix(&ks[..1]), 1);
+    assert_eq!(tb.fetch_prefix(&ks[..1], fill(&pb)), 1);
+    assert_eq!(tb.fetch_prefix(&ks[..1], fill(&pb)), 1);
 
     // SIGSTOP: the node accepts connections and never answers (worse than a crash).
     let victim = r.owner(&object::remote_key(&ks[2]))?;
     r.signal(victim, libc_sig::Sig::Stop);
     let t = Instant::now();
-    let got = tb.fetch_prefix(&ks[1..]);
+    let got = tb.fetch_prefix(&ks[1..], fill(&pb));
     let took = t.elapsed();
     assert!(
         got < ks.len() - 1,
@@ -546,7 +553,7 @@ fn a_stopped_cluster_node_makes_lookups_miss_within_the_timeout() -> Result<()> 
     );
     // Back-off: the next lookups miss at once instead of waiting again.
     let t = Instant::now();
-    tb.fetch_prefix(&ks[1..]);
+    tb.fetch_prefix(&ks[1..], fill(&pb));
     assert!(t.elapsed() < Duration::from_millis(50), "{:?}", t.elapsed());
     assert!(
         tb.stats().skipped_lookups + tb.stats().timeouts >= 2,
@@ -568,7 +575,7 @@ fn a_stopped_cluster_node_makes_lookups_miss_within_the_timeout() -> Result<()> 
     r.signal(victim, libc_sig::Sig::Cont);
     // After the back-off the tier reconnects by itself.
     let t = Instant::now();
-    while tb.fetch_prefix(&ks[1..]) < ks.len() - 1 {
+    while tb.fetch_prefix(&ks[1..], fill(&pb)) < ks.len() - 1 {
         assert!(
             t.elapsed() < Duration::from_secs(15),
             "never recovered: {:?}",
@@ -628,7 +635,10 @@ fn on_reuse_writes_at_the_second_hit_and_one_server_urls_work() -> Result<()> {
 
     let pb = pool();
     let tb = start_tier(config(r.url()), Arc::clone(&pb))?;
-    assert_eq!(tb.fetch_present(&ks), [true, false, false, false]);
+    assert_eq!(
+        tb.fetch_present(&ks, fill(&pb)),
+        [true, false, false, false]
+    );
     check_restored(&pb, &ks[..1], 4096);
     // Clearing the namespace on one server (SCAN + UNLINK) leaves other namespaces.
     let other = keys("remote-it-reuse-other", 2);
@@ -638,8 +648,8 @@ fn on_reuse_writes_at_the_second_hit_and_one_server_urls_work() -> Result<()> {
     assert_eq!(tb.clear_namespace(&ks[0].namespace_id()), Some(1));
     let pc = pool();
     let tc = start_tier(config(r.url()), Arc::clone(&pc))?;
-    assert_eq!(tc.fetch_present(&ks[..1]), [false]);
-    assert_eq!(tc.fetch_present(&other), [true, false]);
+    assert_eq!(tc.fetch_present(&ks[..1], fill(&pc)), [false]);
+    assert_eq!(tc.fetch_present(&other, fill(&pc)), [true, false]);
     Ok(())
 }
 
@@ -662,8 +672,8 @@ fn a_remote_that_is_down_misses_at_once_and_drops_writes() -> Result<()> {
     // Lookups of what the pool misses answer at once: a miss.
     let missing = keys("remote-it-down-missing", 8);
     let t = Instant::now();
-    assert_eq!(ta.fetch_prefix(&missing), 0);
-    assert_eq!(ta.fetch_present(&missing), [false; 8]);
+    assert_eq!(ta.fetch_prefix(&missing, fill(&pa)), 0);
+    assert_eq!(ta.fetch_present(&missing, fill(&pa)), [false; 8]);
     assert!(
         t.elapsed() < Duration::from_millis(300),
         "{:?}",
@@ -699,12 +709,16 @@ fn a_full_remote_refuses_writes_without_failing_lookups() -> Result<()> {
     assert!(s.errors >= 1, "{s:?}");
     // A refusal is no connection failure: lookups still ask, and find what was written.
     let missing = keys("remote-it-full-missing", 2);
-    assert_eq!(ta.fetch_prefix(&missing), 0);
+    assert_eq!(ta.fetch_prefix(&missing, fill(&pa)), 0);
     let s2 = ta.stats();
     assert_eq!(s2.skipped_lookups, 0, "{s2:?}");
     let pb = pool();
     let tb = start_tier(config(r.url()), Arc::clone(&pb))?;
-    let got = tb.fetch_present(&ks).iter().filter(|p| **p).count() as u64;
+    let got = tb
+        .fetch_present(&ks, fill(&pb))
+        .iter()
+        .filter(|p| **p)
+        .count() as u64;
     assert_eq!(got, s.writes);
     Ok(())
 }
@@ -795,7 +809,7 @@ fn tls_with_rediss_urls() -> Result<()> {
         }
         let pb = pool();
         let tb = start_tier(config(url), Arc::clone(&pb))?;
-        assert_eq!(tb.fetch_prefix(&ks), 6);
+        assert_eq!(tb.fetch_prefix(&ks, fill(&pb)), 6);
         check_restored(&pb, &ks, 8192);
         // Without #insecure the self-signed certificate is refused: the remote is down for
         // this tier, its lookups miss, nothing hangs.
@@ -805,7 +819,7 @@ fn tls_with_rediss_urls() -> Result<()> {
             Arc::clone(&pc),
         )?;
         let t = Instant::now();
-        assert_eq!(tc.fetch_prefix(&ks), 0);
+        assert_eq!(tc.fetch_prefix(&ks, fill(&pc)), 0);
         assert!(t.elapsed() < Duration::from_secs(3));
         let s = tc.stats();
         assert!(!s.connected && s.errors >= 1, "{s:?}");
@@ -829,7 +843,7 @@ fn lookups_follow_a_resharding_cluster() -> Result<()> {
     let pb = pool();
     let tb = start_tier(config(r.url()), Arc::clone(&pb))?;
     // B knows the slot map from before the move.
-    assert_eq!(tb.fetch_prefix(&ks[..1]), 1);
+    assert_eq!(tb.fetch_prefix(&ks[..1], fill(&pb)), 1);
     let id =
         |port: u16| -> Result<String> { Ok(r.cli(port, &["cluster", "myid"])?.trim().to_string()) };
     let (from, to) = (id(r.nodes[0].port)?, id(r.nodes[1].port)?);
@@ -848,7 +862,12 @@ fn lookups_follow_a_resharding_cluster() -> Result<()> {
         String::from_utf8_lossy(&out.stdout)
     );
     // Every object moved with its slots; B follows the redirections.
-    assert_eq!(tb.fetch_prefix(&ks), ks.len(), "{:?}", tb.stats());
+    assert_eq!(
+        tb.fetch_prefix(&ks, fill(&pb)),
+        ks.len(),
+        "{:?}",
+        tb.stats()
+    );
     check_restored(&pb, &ks, len);
     Ok(())
 }
@@ -875,14 +894,96 @@ fn a_password_and_a_database_in_a_one_server_url_are_used() -> Result<()> {
     // password is an error (the remote is down for that tier), not a hang.
     let pb = pool();
     let tb = start_tier(config(url("s3cret", 3)), Arc::clone(&pb))?;
-    assert_eq!(tb.fetch_prefix(&ks), 4);
+    assert_eq!(tb.fetch_prefix(&ks, fill(&pb)), 4);
     check_restored(&pb, &ks, 4096);
-    let tc = start_tier(config(url("s3cret", 0)), pool())?;
-    assert_eq!(tc.fetch_prefix(&ks), 0);
+    let pc = pool();
+    let tc = start_tier(config(url("s3cret", 0)), Arc::clone(&pc))?;
+    assert_eq!(tc.fetch_prefix(&ks, fill(&pc)), 0);
     assert_eq!(tc.stats().misses, 1, "{:?}", tc.stats());
-    let td = start_tier(config(url("wrong", 3)), pool())?;
-    assert_eq!(td.fetch_prefix(&ks), 0);
+    let pd = pool();
+    let td = start_tier(config(url("wrong", 3)), Arc::clone(&pd))?;
+    assert_eq!(td.fetch_prefix(&ks, fill(&pd)), 0);
     let s = td.stats();
     assert!(!s.connected && s.errors >= 1, "{s:?}");
+    Ok(())
+}
+
+/// A store with a remote tier in its chain, and a layout of `len`-byte objects over `buf`
+/// (so its remote tier reads values that large).
+fn remote_store(url: String, buf: &[u8], len: u64) -> Result<EmbeddedStore> {
+    let s = EmbeddedStore::new(StoreConfig {
+        pool: PoolConfig {
+            prefault: false,
+            ..PoolConfig::with_capacity(16 << 20)
+        },
+        num_workers: 1,
+        remote: Some(config(url)),
+        ..StoreConfig::default()
+    })?;
+    // SAFETY: `buf` outlives the store: the caller closes the store before dropping it.
+    unsafe { s.register_memory(buf.as_ptr() as u64, buf.len() as u64) }?;
+    s.register_layout(KvLayout::new(vec![GroupLayout::new(vec![LayerSpec {
+        base_addr: buf.as_ptr() as u64,
+        num_blocks: buf.len() as u64 / len,
+        block_stride: len,
+        block_bytes: len,
+    }])?])?)?;
+    Ok(s)
+}
+
+/// The remote tier as the store runs it, in its chain: what store A commits is written
+/// through, store B's lookups fill its pool from the remote (through each lookup's fill),
+/// B's evictions leave the shared remote alone, and B's namespace reset clears it.
+#[test]
+fn two_stores_share_objects_through_their_chains() -> Result<()> {
+    if !have_redis() {
+        return Ok(());
+    }
+    let r = Redis::start(1, false)?;
+    let len = 64 << 10;
+    let ks = keys("remote-it-store", 6);
+    let (buf_a, buf_b) = (vec![0u8; 2 * len], vec![0u8; 2 * len]);
+    let a = remote_store(r.url(), &buf_a, len as u64)?;
+    let b = remote_store(r.url(), &buf_b, len as u64)?;
+    for (i, k) in ks.iter().enumerate() {
+        a.pool().put(*k, &payload(i, len))?;
+    }
+    ensure!(
+        a.flush_remote(Duration::from_secs(10)),
+        "A's writes never drained"
+    );
+    assert_eq!(a.remote_stats().map(|s| s.writes), Some(6));
+
+    // B's first lookup also connects: on a loaded machine it may run past its deadline,
+    // which is a miss by design; ask again.
+    let t = Instant::now();
+    let mut got = b.prefix_hits(&ks)?;
+    while got < ks.len() && t.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(200));
+        got = b.prefix_hits(&ks)?;
+    }
+    assert_eq!(got, ks.len(), "{:?}", b.remote_stats());
+    check_restored(b.pool(), &ks, len);
+    let s = b.remote_stats().expect("a remote tier");
+    assert_eq!((s.hits, s.corrupt), (6, 0), "{s:?}");
+    // What B fetched is not written back.
+    assert!(b.flush_remote(Duration::from_secs(2)));
+    assert_eq!(b.remote_stats().map(|s| s.writes), Some(0));
+
+    // B's eviction leaves the remote (other nodes read it): a lookup fills them back.
+    assert_eq!(b.evict(&ks[..2])?, 2);
+    assert_eq!(b.exists(&ks[..2])?, [true, true]);
+    check_restored(b.pool(), &ks[..2], len);
+
+    // B's namespace reset clears the remote first: nothing comes back, in B or in a new
+    // store.
+    b.clear_namespace("remote-it-store")?;
+    assert_eq!(b.prefix_hits(&ks)?, 0);
+    let buf_c = vec![0u8; 2 * len];
+    let c = remote_store(r.url(), &buf_c, len as u64)?;
+    assert_eq!(c.exists(&ks)?, [false; 6]);
+    for s in [&a, &b, &c] {
+        s.close();
+    }
     Ok(())
 }
