@@ -56,11 +56,13 @@ pub(crate) fn summary(a: &Args, ran: Duration, arms: &[Arm], results: &[ArmResul
         human_bytes(a.disk_mib << 20),
         a.clients,
     );
+    // A space before every cell: a wider figure pushes its row out, never into its
+    // neighbour.
     let w = 18;
-    let head: String = results.iter().map(|r| format!("{:>w$}", r.name)).collect();
+    let head: String = results.iter().map(|r| format!(" {:>w$}", r.name)).collect();
     println!("  {:<38}{head}", "");
     let row = |label: &str, f: &dyn Fn(&ArmResult) -> String| {
-        let cells: String = results.iter().map(|r| format!("{:>w$}", f(r))).collect();
+        let cells: String = results.iter().map(|r| format!(" {:>w$}", f(r))).collect();
         println!("  {label:<38}{cells}");
     };
     row("operations", &|r| {
