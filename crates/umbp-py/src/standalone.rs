@@ -222,10 +222,7 @@ impl StandaloneClient {
         prefix_only: bool,
     ) -> Result<(Vec<bool>, usize)> {
         let c = self.live()?;
-        let ranks: Vec<RankTopology> = ranks
-            .into_iter()
-            .map(|(tp, pcp, dcp, pp)| RankTopology { tp, pcp, dcp, pp })
-            .collect();
+        let ranks = topologies(ranks);
         Ok(without_gil(py, || {
             c.exists_across_ranks(namespace, &ranks, group, hashes, hash_bytes, prefix_only)
         })?)
@@ -244,10 +241,7 @@ impl StandaloneClient {
         hash_bytes: u32,
     ) -> Result<Vec<bool>> {
         let c = self.live()?;
-        let ranks: Vec<RankTopology> = ranks
-            .into_iter()
-            .map(|(tp, pcp, dcp, pp)| RankTopology { tp, pcp, dcp, pp })
-            .collect();
+        let ranks = topologies(ranks);
         Ok(without_gil(py, || {
             c.holds_across_ranks(namespace, &ranks, group, hashes, hash_bytes)
         })?)
@@ -534,4 +528,12 @@ impl StandaloneClient {
         })?;
         Ok(Transfer::standalone(t, n, object_bytes))
     }
+}
+
+/// `(tp, pcp, dcp, pp)` tuples from Python as rank topologies.
+fn topologies(ranks: Vec<(u16, u16, u16, u16)>) -> Vec<RankTopology> {
+    ranks
+        .into_iter()
+        .map(|(tp, pcp, dcp, pp)| RankTopology { tp, pcp, dcp, pp })
+        .collect()
 }

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use umbp_core::KeyBuilder;
+use umbp_core::{BlockKey, KeyBuilder};
 use umbp_lookup::LookupTarget;
 use umbp_store::EmbeddedStore;
 
@@ -27,6 +27,22 @@ impl StoreLookup {
             keys,
             describe,
         }
+    }
+}
+
+impl StoreLookup {
+    /// This worker's keys of the packed hashes, once the store is known to be open (a closed
+    /// store holds nothing: its lookups fail, and the scheduler counts a miss).
+    fn open_keys(
+        &self,
+        group: u32,
+        packed: &[u8],
+        hash_len: usize,
+    ) -> Result<Vec<BlockKey>, String> {
+        self.store.check_open().map_err(|e| e.to_string())?;
+        self.keys
+            .keys_packed(group, packed, hash_len)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -53,20 +69,12 @@ impl LookupTarget for StoreLookup {
     }
 
     fn exists(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {
-        self.store.check_open().map_err(|e| e.to_string())?;
-        let keys = self
-            .keys
-            .keys_packed(group, packed, hash_len)
-            .map_err(|e| e.to_string())?;
+        let keys = self.open_keys(group, packed, hash_len)?;
         self.store.exists(&keys).map_err(|e| e.to_string())
     }
 
     fn holds(&self, group: u32, packed: &[u8], hash_len: usize) -> Result<Vec<bool>, String> {
-        self.store.check_open().map_err(|e| e.to_string())?;
-        let keys = self
-            .keys
-            .keys_packed(group, packed, hash_len)
-            .map_err(|e| e.to_string())?;
+        let keys = self.open_keys(group, packed, hash_len)?;
         self.store.holds(&keys).map_err(|e| e.to_string())
     }
 
