@@ -76,7 +76,9 @@ python -m pytest -q -p no:cacheprovider tests/python
 if [ -z "$VLLM_SKIPPED" ]; then
   step "vLLM tests (real vLLM CPU engines; about 40 minutes on 2 cores)"
   # UMBP_TEST_JOBS=2 runs two at a time (pytest-xdist): an engine under test keeps about one
-  # core busy. Not the default yet: its first full run had failures not yet looked into.
+  # core busy. Not the default yet: the two failures of its first full run were most likely the
+  # two KV event tests, which failed serially too (the events' watch leased what it watched; fixed
+  # 2026-12-07), but no full two-at-a-time run has passed since.
   # A short base folder: pytest-xdist adds a level (popen-gwN), and the lookup sockets under a
   # test's tmp_path must stay within a Unix socket path's 108 bytes.
   if [ "${UMBP_TEST_JOBS:-1}" -gt 1 ]; then
