@@ -64,6 +64,43 @@ fn clear_namespace_removes_only_that_namespace() {
 }
 
 #[test]
+fn a_fill_read_before_a_clear_commits_nothing_after_it() {
+    let p = pool(1 << 20, 64 << 10);
+    // A promotion that began before a clear (its epoch read then) and commits after it.
+    let before = p.clear_epoch();
+    let r = p.reserve(100).unwrap();
+    {
+        let c = p.begin_clear();
+        assert_eq!(c.all(), 0);
+        // While it runs, the epoch has not moved yet: it moves when the clear ends.
+        assert_eq!(p.clear_epoch(), before);
+    }
+    assert_eq!(p.clear_epoch(), before + 1);
+    assert_eq!(p.commit_unless_cleared(r, key(1), before), None);
+    assert!(!p.contains(&key(1)));
+    // Its room went back: the pool is empty.
+    assert_eq!(p.stats().used_bytes, 0);
+    // One that began after the clear commits.
+    let now = p.clear_epoch();
+    let r = p.reserve(100).unwrap();
+    assert_eq!(
+        p.commit_unless_cleared(r, key(1), now),
+        Some(CommitOutcome::Stored)
+    );
+    // Pool::clear and clear_namespace are clears too.
+    p.clear_namespace(&key(1).namespace_id());
+    assert_eq!(p.clear_epoch(), now + 1);
+    p.clear();
+    assert_eq!(p.clear_epoch(), now + 2);
+    // holds_many answers without counting a lookup.
+    p.put(key(2), &[2; 100]).unwrap();
+    let s = p.stats();
+    assert_eq!(p.holds_many(&[key(2), key(3)]), vec![true, false]);
+    let t = p.stats();
+    assert_eq!((t.hits, t.misses), (s.hits, s.misses));
+}
+
+#[test]
 fn readers_see_only_committed_objects() {
     let p = pool(1 << 20, 64 << 10);
     let mut r = p.reserve(1000).unwrap();
