@@ -16,21 +16,8 @@ use umbp_pool::Pool;
 use umbp_remote::{object, RemoteConfig, RemoteTier, WritePolicy};
 use umbp_store::{start_remote_tier, EmbeddedStore, PoolFill, StoreConfig};
 
-fn have_redis() -> bool {
-    let found = Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !found {
-        assert!(
-            std::env::var("UMBP_REQUIRE_REDIS").as_deref() != Ok("1"),
-            "redis-server is not on PATH (apt-get install redis-server)"
-        );
-        eprintln!("SKIP: redis-server is not on PATH (apt-get install redis-server)");
-    }
-    found
-}
+mod common;
+use common::have_redis;
 
 /// A free port whose cluster-bus port (+10000) is free too.
 fn free_port() -> u16 {

@@ -17,6 +17,8 @@ use umbp_pool::Pool;
 use umbp_remote::{object, RemoteConfig, RemoteTier};
 use umbp_store::{start_remote_tier, PoolFill};
 
+mod common;
+
 /// One plain `redis-server` on a loopback port of its own; killed on drop.
 struct Redis {
     port: u16,
@@ -26,17 +28,7 @@ struct Redis {
 
 impl Redis {
     fn start() -> Result<Option<Redis>> {
-        let found = Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !found {
-            assert!(
-                std::env::var("UMBP_REQUIRE_REDIS").as_deref() != Ok("1"),
-                "redis-server is not on PATH (apt-get install redis-server)"
-            );
-            eprintln!("SKIP: redis-server is not on PATH (apt-get install redis-server)");
+        if !common::have_redis() {
             return Ok(None);
         }
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
