@@ -430,16 +430,26 @@ class Run:
                     if self.left() < self.a.reserve_s:
                         out["points"][name] = {**desc, "not_run": "out of time"}
                         continue
-                    seed = 1000 + 100 * len(out["points"]) + i
-                    load = self.load_for(e, desc, seed)
-                    if desc.get("rate_req_s", 0) is None:
+                    runs = []
+                    for r in range(self.a.repeats):
+                        if runs and self.left() < self.a.reserve_s:
+                            break
+                        # Seeds differ between repeats and points, never between arms.
+                        seed = 1000 + 100 * len(out["points"]) + i + 10000 * r
+                        load = self.load_for(e, desc, seed)
+                        if desc.get("rate_req_s", 0) is None:
+                            break
+                        tag = f" #{r + 1}" if self.a.repeats > 1 else ""
+                        runs.append(
+                            {
+                                "seed": seed,
+                                **self.point(f"{arm} {name}{tag}", engines, servers, load),
+                            }
+                        )
+                    if not runs:
                         out["points"][name] = {**desc, "not_run": "no saturation rate measured"}
                         continue
-                    rec = {
-                        **desc,
-                        "seed": seed,
-                        **self.point(f"{arm} {name}", engines, servers, load),
-                    }
+                    rec = {**desc, **combine(runs)}
                     out["points"][name] = rec
                     key = f"{desc['workload']}{desc['ws']}"
                     if (first_arm and key not in self.rates and desc.get("rate") == "inf"
@@ -509,13 +519,22 @@ class Run:
                         "turns": turns, "shared_tier": shared, "host_gib_each": gib}  # fmt: skip
                 urls = [e.base for e in engines]
 
-                def load(urls=urls, conv=conv, turns=turns):
-                    return serve_load.chat(
-                        urls, self.model, conv, turns, ch["first_len"], ch["user_len"],
-                        ch["output_len"], ch["clients"], 4242, self.cfg["slo"],
-                    )  # fmt: skip
+                runs = []
+                for r in range(self.a.repeats):
+                    if runs and self.left() < self.a.reserve_s:
+                        break
+                    seed = 4242 + 10000 * r
 
-                rec = self.point(f"twin {arm}", engines, servers, load)
+                    def load(urls=urls, conv=conv, turns=turns, seed=seed):
+                        return serve_load.chat(
+                            urls, self.model, conv, turns, ch["first_len"], ch["user_len"],
+                            ch["output_len"], ch["clients"], seed, self.cfg["slo"],
+                        )  # fmt: skip
+
+                    tag = f" #{r + 1}" if self.a.repeats > 1 else ""
+                    rec = self.point(f"twin {arm}{tag}", engines, servers, load)
+                    runs.append({"seed": seed, **rec})
+                rec = combine(runs)
                 out[arm] = {**desc, "startup_s": [round(s, 1) for s in startup], **rec}
             except Exception as ex:
                 out[arm] = {"error": f"{type(ex).__name__}: {ex}"[-3000:]}
@@ -526,6 +545,42 @@ class Run:
                 for s in servers:
                     s.stop()
                 self.save()
+        self.prefix = ""
+
+
+#: The figures whose spread across repeats the results keep (`<key>_min`, `<key>_max`).
+SPREAD = ("req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+          "goodput_req_per_s", "external_hit_share", "engine_cpu_s")  # fmt: skip
+
+
+def combine(runs: list[dict]) -> dict:
+    """One point from its repeats: every number is the median of the repeats' (the middle one
+    of three; of two, their mean), the `SPREAD` figures also as min and max, and each repeat's
+    own record under `repeats`. One repeat is returned as it is."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    ok = [r for r in runs if "error" not in r] or runs
+    out: dict = {}
+    for k, v in ok[0].items():
+        if isinstance(v, dict) and k in ("metrics", "tokens_by_source"):  # counters: summed
+            out[k] = {m: round(sum(r.get(k, {}).get(m, 0) for r in ok), 6) for m in v}
+        elif not isinstance(v, (int, float, dict)):
+            out[k] = v
+    for k, v in ok[0].items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        vals = sorted(r[k] for r in ok if isinstance(r.get(k), (int, float)))
+        n = len(vals)
+        med = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+        out[k] = round(med, 4) if isinstance(med, float) else med
+        if k in SPREAD:
+            out[f"{k}_min"], out[f"{k}_max"] = vals[0], vals[-1]
+    out["seed"] = [r.get("seed") for r in runs]
+    out["repeats"] = runs
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        out["error"] = f"{len(errors)} of {len(runs)} repeats failed: {errors[0]}"[:1000]
+    return out
 
 
 def derive(rec: dict, bpt: int) -> None:
@@ -592,6 +647,11 @@ def main() -> None:
     ap.add_argument("--reserve-s", type=float, default=20, help="skip a point with less left")
     ap.add_argument("--print", default=None, help="print the tables of a results file and exit")
     ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of each point on the same engine (fresh prompts each, the same for every "
+        "arm); the results give the median and each figure's min and max",
+    )  # fmt: skip
+    ap.add_argument(
         "--saturation-from",
         default=None,
         help="a results file whose measured saturation rates the rate points use (to add arms "
@@ -607,12 +667,19 @@ def main() -> None:
         run.res["saturation_req_s"] = dict(run.rates)
         run.res["saturation_from"] = a.saturation_from
     arms = [x for x in a.arms.split(",") if x]
-    workloads = [w for w in a.workloads.split(",") if w and w != "twin"]
-    for i, arm in enumerate(arms):
+    for arm in arms + [x for x in a.twin_arms.split(",") if x]:
         if arm not in ARMS:
             raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
+    listed = [w for w in a.workloads.split(",") if w]
+    workloads = [w for w in listed if w != "twin"]
+    # `twin` runs where it is listed: before the arms when first (a deadline then cuts arms,
+    # not the two-engine runs), after them otherwise.
+    twin_first = bool(listed) and listed[0] == "twin"
+    if twin_first:
+        run.run_twin([x for x in a.twin_arms.split(",") if x])
+    for i, arm in enumerate(arms):
         run.run_arm(arm, workloads, first_arm=i == 0)
-    if "twin" in a.workloads.split(","):
+    if "twin" in listed and not twin_first:
         run.run_twin([x for x in a.twin_arms.split(",") if x])
     run.res["finished"] = time.strftime("%H:%M:%S")
     run.save()
@@ -638,11 +705,17 @@ def print_tables(res: dict) -> None:
             if "not_run" in p or "error" in p:
                 print(f"| {n} | {arm} | {p.get('not_run') or p.get('error')} |")
                 continue
+
+            def f(k: str, p=p) -> str:  # the median, and the range when there were repeats
+                if f"{k}_min" in p:
+                    return f"{p.get(k)} ({p[k + '_min']}–{p[k + '_max']})"
+                return str(p.get(k))
+
             print(
-                f"| {n} | {arm} | {p.get('req_per_s')} | {p.get('out_tok_per_s')} | "
-                f"{p.get('ttft_p50_ms')} | {p.get('ttft_p99_ms')} | {p.get('tpot_p50_ms')} | "
-                f"{p.get('goodput_req_per_s')} | {p.get('external_hit_share')} | "
-                f"{p.get('local_hit_share')} | {p.get('engine_cpu_s')} | {p.get('tier_cpu_s')} |"
+                f"| {n} | {arm} | {f('req_per_s')} | {f('out_tok_per_s')} | "
+                f"{f('ttft_p50_ms')} | {f('ttft_p99_ms')} | {f('tpot_p50_ms')} | "
+                f"{f('goodput_req_per_s')} | {f('external_hit_share')} | "
+                f"{p.get('local_hit_share')} | {f('engine_cpu_s')} | {p.get('tier_cpu_s')} |"
             )
     for arm in arms:
         a = res["arms"][arm]

@@ -49,6 +49,31 @@ def test_summaries_and_metric_deltas_are_computed_as_documented():
     }
 
 
+def test_repeats_combine_into_medians_ranges_and_summed_counters():
+    from bench_serve import combine
+
+    def rec(seed, rps, ttft, ext):
+        return {
+            "seed": seed, "workload": "prefix", "req_per_s": rps, "ttft_p50_ms": ttft,
+            "completed": 48, "metrics": {"vllm:prompt_tokens_by_source_total[x]": ext},
+            "tokens_by_source": {"external_kv_transfer": ext}, "vllm_bench": {"duration": 1.0},
+        }  # fmt: skip
+
+    one = rec(1, 10.0, 50.0, 100.0)
+    assert combine([one]) == one
+    c = combine([rec(1, 12.0, 70.0, 100.0), rec(2, 10.0, 50.0, 120.0), rec(3, 11.0, 90.0, 80.0)])
+    assert c["req_per_s"] == 11.0 and c["req_per_s_min"] == 10.0 and c["req_per_s_max"] == 12.0
+    assert c["ttft_p50_ms"] == 70.0 and (c["ttft_p50_ms_min"], c["ttft_p50_ms_max"]) == (50, 90)
+    assert c["completed"] == 48 and "completed_min" not in c
+    assert c["tokens_by_source"] == {"external_kv_transfer": 300.0}
+    assert c["metrics"]["vllm:prompt_tokens_by_source_total[x]"] == 300.0
+    assert c["seed"] == [1, 2, 3] and len(c["repeats"]) == 3 and "vllm_bench" not in c
+    assert c["workload"] == "prefix" and "error" not in c
+    # Two repeats: their mean; a failed repeat is left out of the figures and reported.
+    c = combine([rec(1, 12.0, 70.0, 1.0), rec(2, 10.0, 50.0, 1.0), {"seed": 3, "error": "boom"}])
+    assert c["req_per_s"] == 11.0 and c["error"].startswith("1 of 3 repeats failed: boom")
+
+
 def test_bench_serve_restores_and_verifies_on_vllm_cpu(tmp_path):
     if not server_bin():
         pytest.skip("needs umbp_standalone_server (scripts/venv.sh builds it into .venv/bin)")
