@@ -175,10 +175,14 @@ class Run:
 
     def engine_args(self, gpu_blocks: int, gpu_util: float | None) -> list[str]:
         c = self.cfg
+        # vLLM keeps one block back (its null block): a pool of N blocks serves N - 1 blocks of
+        # one request, so the twin engines' half pools (256 blocks of 16 at gpu-8b) cap the
+        # model length below the preset's.
+        max_len = min(c["max_model_len"], (gpu_blocks - 1) * c["block_size"])
         args = [
             "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0",
             "--tokenizer", self.model, "--enable-prefix-caching",
-            "--block-size", str(c["block_size"]), "--max-model-len", str(c["max_model_len"]),
+            "--block-size", str(c["block_size"]), "--max-model-len", str(max_len),
             "--max-num-seqs", str(c["max_num_seqs"]),
             "--max-num-batched-tokens", str(c["max_batched_tokens"]),
             "--num-gpu-blocks-override", str(gpu_blocks), "--enable-prompt-tokens-details",
@@ -203,13 +207,14 @@ class Run:
                  # LMCache 0.5.6 refuses to start without a policy ("Legacy L1 configuration
                  # requires --l1-size-gb and --eviction-policy"); LRU, the first of
                  # the policies it offers.
-                 "--eviction-policy", "LRU"],
+                 "--eviction-policy", "LRU",
+                 # Its metrics need `opentelemetry-exporter-prometheus`, which the GPU
+                 # machine's image lacks (the server exits at start without it); off, which
+                 # only saves LMCache work. UMBP's arms keep their metrics on.
+                 "--disable-metrics"],
                 self.root / f"lmcache-{self.prefix}{tag}.log", self.env(arm),
             )  # fmt: skip
-            time.sleep(3)
-            if not srv.alive():
-                srv.stop()
-                raise RuntimeError(f"LMCache server exited:\n{srv.tail()}")
+            wait_listening(srv, port, 120)
             # LMCache's own connector module (matched to its server) rather than vLLM's
             # in-tree copy, which `--kv-offloading-backend lmcache` would pick.
             ktc = {
@@ -272,7 +277,8 @@ class Run:
                 args = self.engine_args(gpu_blocks, gpu_util) + flags_by_tag[tag]
                 log = self.root / f"engine-{self.prefix}{arm}-{tag}.log"
                 engines.append(Serve(self.model, args, log, self.env(arm)))
-            startup = [e.wait_healthy(self.cfg["engine_timeout"]) for e in engines]
+            watch = tuple(servers)
+            startup = [e.wait_healthy(self.cfg["engine_timeout"], watch) for e in engines]
         except BaseException:
             for p in engines + servers:
                 p.stop(grace=5)
@@ -546,6 +552,27 @@ class Run:
                     s.stop()
                 self.save()
         self.prefix = ""
+
+
+def wait_listening(srv: Proc, port: int, timeout: float) -> None:
+    """Until `srv` accepts TCP connections on `port`; raises with its log's tail when it exits
+    or does not listen within `timeout` seconds (an engine would wait minutes for it)."""
+    import socket
+
+    deadline = time.time() + timeout
+    while True:
+        if not srv.alive():
+            srv.stop()
+            raise RuntimeError(f"the tier's server exited at start:\n{srv.tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.time() > deadline:
+                srv.stop()
+                raise RuntimeError(f"the tier's server did not listen in {timeout:.0f} s:\n"
+                                   f"{srv.tail()}") from None  # fmt: skip
+            time.sleep(0.2)
 
 
 #: The figures whose spread across repeats the results keep (`<key>_min`, `<key>_max`).

@@ -187,12 +187,18 @@ class Serve(Proc):
         self.t0 = time.time()
         super().__init__(cmd, log, env)
 
-    def wait_healthy(self, timeout: float) -> float:
-        """Seconds from start to healthy; raises with the log's tail if it never gets there."""
+    def wait_healthy(self, timeout: float, watch: tuple[Proc, ...] = ()) -> float:
+        """Seconds from start to healthy; raises with the log's tail if it never gets there, or
+        at once when a process it needs (`watch`: the tier's server) has exited."""
         deadline = self.t0 + timeout
         while True:
             if not self.alive():
                 raise RuntimeError(f"vllm serve exited (rc {self.proc.returncode}):\n{self.tail()}")
+            for w in watch:
+                if not w.alive():
+                    raise RuntimeError(
+                        f"the tier's server exited while vllm serve started:\n{w.tail()}"
+                    )
             if time.time() > deadline:
                 raise RuntimeError(f"vllm serve not healthy after {timeout:.0f} s:\n{self.tail()}")
             try:
