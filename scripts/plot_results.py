@@ -382,12 +382,15 @@ def serve(d: dict, plt):
             )
             xs = [inf_x if p.get("rate") == "inf" else p["rate_req_s"] for p in pts]
             label, color, marker, ls = ARM_STYLE[arm]
-            top.plot(xs, [p["ttft_p50_ms"] for p in pts], color=color, marker=marker, ls=ls,
-                     label=label)  # fmt: skip
-            bottom.plot(xs, [p["req_per_s"] for p in pts], color=color, marker=marker, ls=ls,
+            for ax, key in ((top, "ttft_p50_ms"), (bottom, "req_per_s")):
+                ax.plot(xs, [p[key] for p in pts], color=color, marker=marker, ls=ls,
                         label=label)  # fmt: skip
+                if all(f"{key}_min" in p for p in pts):  # repeats: their range
+                    ax.errorbar(xs, [p[key] for p in pts], fmt="none", ecolor=color, capsize=3,
+                                yerr=[[p[key] - p[f"{key}_min"] for p in pts],
+                                      [p[f"{key}_max"] - p[key] for p in pts]])  # fmt: skip
         top.set_yscale("log")
-        top.set_title(f"shared prefixes, working set {ws}x GPU pool ({ws * h:,} tokens)")
+        top.set_title(f"shared prefixes, {ws}x GPU pool ({ws * h:,} tokens)", fontsize=10)
         top.set_ylabel("TTFT p50 (ms)")
         bottom.set_ylabel("completed requests/s")
         bottom.set_xlabel("offered rate (req/s); rightmost point: all at once")
@@ -402,9 +405,15 @@ def serve(d: dict, plt):
         vals = []
         for ws in chat_sets:
             pts = _serve_points(d, arm, "chat", ws)
-            vals.append(pts[0]["ttft_p50_ms"] if pts else 0)
+            vals.append(pts[0] if pts else {"ttft_p50_ms": 0})
         xs = [j + i * width for j in range(len(chat_sets))]
-        ax.bar(xs, vals, width, color=ARM_STYLE[arm][1], label=ARM_STYLE[arm][0])
+        ys = [v["ttft_p50_ms"] for v in vals]
+        err = None
+        if all("ttft_p50_ms_min" in v for v in vals):  # repeats: their range
+            err = [[v["ttft_p50_ms"] - v["ttft_p50_ms_min"] for v in vals],
+                   [v["ttft_p50_ms_max"] - v["ttft_p50_ms"] for v in vals]]  # fmt: skip
+        ax.bar(xs, ys, width, color=ARM_STYLE[arm][1], label=ARM_STYLE[arm][0], yerr=err,
+               capsize=3)  # fmt: skip
     ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(chat_sets))])
     ax.set_xticklabels([f"chat {ws}x" for ws in chat_sets])
     ax.set_ylabel("TTFT p50 (ms)")
