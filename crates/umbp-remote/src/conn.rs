@@ -9,25 +9,9 @@ use redis::cluster::{cluster_pipe, ClusterClient, ClusterClientBuilder, ClusterC
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{ConnectionInfo, IntoConnectionInfo, RedisResult};
 
+use crate::cluster::ClusterReads;
 use crate::link::Link;
 use crate::resp::with_bulk_limit;
-
-/// The `(host, port)` of every primary that serves slots, from `CLUSTER NODES`.
-fn primaries(nodes: &str) -> Vec<(String, u16)> {
-    nodes
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let flags = f.get(2)?;
-            if !flags.contains("master") || flags.contains("fail") || f.len() < 9 {
-                return None;
-            }
-            let addr = f.get(1)?.split('@').next()?;
-            let (host, port) = addr.rsplit_once(':')?;
-            Some((host.to_string(), port.parse().ok()?))
-        })
-        .collect()
-}
 
 use umbp_core::address::redact_url;
 
@@ -132,19 +116,22 @@ impl Target {
     }
 }
 
-/// A client that makes connections (cheap to clone; connects nothing by itself). A single
-/// server's connections read their replies within bounds ([`Link`]).
+/// A client that makes connections (cheap to clone; connects nothing by itself). Values are
+/// read within bounds ([`Link`]) on both kinds: a cluster's through [`ClusterReads`].
 #[derive(Clone)]
 pub(crate) enum Backend {
     Single(ConnectionInfo),
-    Cluster(ClusterClient),
+    Cluster {
+        client: ClusterClient,
+        seeds: Vec<String>,
+    },
 }
 
 impl std::fmt::Debug for Backend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Backend::Single(_) => "Backend::Single",
-            Backend::Cluster(_) => "Backend::Cluster",
+            Backend::Cluster { .. } => "Backend::Cluster",
         })
     }
 }
@@ -160,8 +147,9 @@ impl Backend {
         }
         Ok(match target {
             Target::Single(u) => Backend::Single(u.as_str().into_connection_info().map_err(err)?),
-            Target::Cluster(seeds) => Backend::Cluster(
-                ClusterClientBuilder::new(seeds.iter().map(String::as_str))
+            Target::Cluster(seeds) => Backend::Cluster {
+                seeds: seeds.clone(),
+                client: ClusterClientBuilder::new(seeds.iter().map(String::as_str))
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
                     // A node that is down answers nothing on any retry; the tier retries
@@ -171,7 +159,7 @@ impl Backend {
                     .max_retry_wait(timeout.as_millis().min(1_000) as u64)
                     .build()
                     .map_err(err)?,
-            ),
+            },
         })
     }
 
@@ -201,7 +189,7 @@ impl Backend {
                 fill!(p);
                 SetBatch::Single(p)
             }
-            Backend::Cluster(_) => {
+            Backend::Cluster { .. } => {
                 let mut p = cluster_pipe();
                 fill!(p);
                 SetBatch::Cluster(p)
@@ -212,11 +200,14 @@ impl Backend {
     pub(crate) fn connect(&self, timeout: Duration) -> RedisResult<Conn> {
         Ok(match self {
             Backend::Single(info) => Conn::Single(Link::connect_to(info, timeout)?),
-            Backend::Cluster(c) => {
-                let con = c.get_connection()?;
+            Backend::Cluster { client, seeds } => {
+                let con = client.get_connection()?;
                 con.set_read_timeout(Some(timeout))?;
                 con.set_write_timeout(Some(timeout))?;
-                Conn::Cluster(Box::new(con))
+                Conn::Cluster(Box::new(ClusterConn {
+                    reads: ClusterReads::connect(seeds, timeout)?,
+                    rest: con,
+                }))
             }
         })
     }
@@ -231,9 +222,15 @@ pub(crate) enum SetBatch {
 /// One live connection.
 pub(crate) enum Conn {
     Single(Link),
-    /// The `redis` crate's own connections: its cluster pipelines work on nothing else, so
-    /// their replies are not bounded here (see docs/remote.md).
-    Cluster(Box<ClusterConnection>),
+    Cluster(Box<ClusterConn>),
+}
+
+/// A cluster: values are read by [`ClusterReads`] (bounded); writes, deletes and scans go
+/// through the `redis` crate's cluster connection, whose replies carry no values (see
+/// docs/remote.md).
+pub(crate) struct ClusterConn {
+    reads: ClusterReads,
+    rest: ClusterConnection,
 }
 
 /// Whether `e` (or one of a pipeline's errors) is a `WRONGTYPE` answer.
@@ -290,13 +287,7 @@ impl Conn {
                 }
                 p.query(c)?
             }
-            Conn::Cluster(c) => {
-                let mut p = cluster_pipe();
-                for k in keys {
-                    p.cmd("GETRANGE").arg(k).arg(0).arg(limit);
-                }
-                p.query(c)?
-            }
+            Conn::Cluster(c) => c.reads.get_ranges(keys, limit)?,
         };
         Ok(got
             .into_iter()
@@ -319,7 +310,7 @@ impl Conn {
                 let r: RedisResult<Vec<u8>> =
                     with_bulk_limit(limit.saturating_add(1), || match self {
                         Conn::Single(c) => cmd.query(c),
-                        Conn::Cluster(c) => cmd.query(c.as_mut()),
+                        Conn::Cluster(c) => c.reads.get_range(k, limit),
                     });
                 match r {
                     Err(e) if is_wrong_type(&e) => Ok(Some(vec![0])),
@@ -334,7 +325,7 @@ impl Conn {
     pub(crate) fn run_sets(&mut self, batch: &SetBatch) -> RedisResult<()> {
         match (self, batch) {
             (Conn::Single(c), SetBatch::Single(p)) => p.exec(c),
-            (Conn::Cluster(c), SetBatch::Cluster(p)) => p.exec(c),
+            (Conn::Cluster(c), SetBatch::Cluster(p)) => p.exec(&mut c.rest),
             _ => Err(redis::RedisError::from((
                 redis::ErrorKind::Client,
                 "a batch made for another kind of connection",
@@ -383,12 +374,13 @@ impl Conn {
                 }
             }
             Conn::Cluster(c) => {
+                let c = &mut c.rest;
                 let nodes: String = redis::from_redis_value(c.route_command(
                     redis::cmd("CLUSTER").arg("NODES"),
                     RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
                 )?)?;
                 let mut n = 0u64;
-                for (host, port) in primaries(&nodes) {
+                for (host, port) in crate::cluster::slot_map(&nodes).0 {
                     let mut cursor = 0u64;
                     loop {
                         if Instant::now() >= deadline {
@@ -444,7 +436,7 @@ impl Conn {
                 for k in keys {
                     p.cmd("DEL").arg(k).ignore();
                 }
-                p.exec(c)
+                p.exec(&mut c.rest)
             }
         }
     }
@@ -500,24 +492,6 @@ mod tests {
             let e = Target::parse(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{bad}: {e}");
         }
-    }
-
-    #[test]
-    fn primaries_from_cluster_nodes() {
-        let nodes = "\
-a1 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460
-b2 127.0.0.1:7001@17001 master - 0 0 2 connected 5461-10922
-c3 127.0.0.1:7002@17002 slave b2 0 0 2 connected
-d4 127.0.0.1:7003@17003 master,fail - 0 0 3 connected 10923-16383
-e5 127.0.0.1:7004@17004 master - 0 0 4 connected
-";
-        assert_eq!(
-            primaries(nodes),
-            [
-                ("127.0.0.1".to_string(), 7000),
-                ("127.0.0.1".to_string(), 7001)
-            ]
-        );
     }
 
     #[test]

@@ -35,6 +35,7 @@
 
 #![forbid(unsafe_code)]
 
+mod cluster;
 mod config;
 mod conn;
 mod error;

@@ -3,6 +3,8 @@
 //! was asked, with a bulk string it declares to be 512 MiB and then streams. The lookup is a
 //! miss counted `corrupt`, and the process's peak resident memory grows by far less than the
 //! value (with the `redis` crate's parser it grew by about 1 GiB: the value, then its copy).
+//! The same fake also passes for a one-node cluster (`CLUSTER SLOTS` and `CLUSTER NODES` name
+//! it as the primary of every slot), for a `redis+cluster://` remote.
 //!
 //! One test in this file: the peak (`VmHWM`, reset through `/proc/self/clear_refs`) is this
 //! process's, so nothing else may run beside it.
@@ -22,8 +24,9 @@ use umbp_store::{start_remote_tier, PoolFill};
 const DECLARED: u64 = 512 << 20;
 const OBJECT: u64 = 64 << 10;
 
-/// Reads one RESP command (an array of bulk strings) and returns its first word; None at EOF.
-fn command(r: &mut BufReader<TcpStream>) -> Option<String> {
+/// Reads one RESP command (an array of bulk strings) and returns its words, upper-cased; None
+/// at EOF.
+fn command(r: &mut BufReader<TcpStream>) -> Option<Vec<String>> {
     let mut line = String::new();
     r.read_line(&mut line).ok().filter(|n| *n > 0)?;
     let n: usize = line.trim().strip_prefix('*')?.parse().ok()?;
@@ -37,18 +40,36 @@ fn command(r: &mut BufReader<TcpStream>) -> Option<String> {
         w.truncate(len);
         words.push(String::from_utf8_lossy(&w).to_ascii_uppercase());
     }
-    words.into_iter().next()
+    Some(words)
 }
 
 /// Serves one connection: `GETRANGE` gets the 512 MiB lie, streamed until the reader hangs
-/// up; anything else gets `+OK`. Counts the bytes of the lie it could send.
-fn serve(s: TcpStream, sent: &AtomicU64) {
+/// up; `CLUSTER SLOTS` and `CLUSTER NODES` make it the one primary of a cluster (at `port`);
+/// anything else gets `+OK`. Counts the bytes of the lie it could send.
+fn serve(s: TcpStream, port: u16, sent: &AtomicU64) {
     let mut w = s.try_clone().expect("clone the socket");
     let mut r = BufReader::new(s);
     let zeros = vec![b'z'; 1 << 20];
-    while let Some(cmd) = command(&mut r) {
-        if cmd != "GETRANGE" {
-            if w.write_all(b"+OK\r\n").is_err() {
+    while let Some(words) = command(&mut r) {
+        let cmd = words.join(" ");
+        let reply = match cmd.as_str() {
+            "GETRANGE" => None,
+            _ if cmd.starts_with("GETRANGE ") => None,
+            "CLUSTER SLOTS" => Some(format!(
+                "*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:{port}\r\n$40\r\n{}\r\n",
+                "f".repeat(40)
+            )),
+            "CLUSTER NODES" => {
+                let line = format!(
+                    "{} 127.0.0.1:{port}@0 myself,master - 0 0 1 connected 0-16383\n",
+                    "f".repeat(40)
+                );
+                Some(format!("${}\r\n{line}\r\n", line.len()))
+            }
+            _ => Some("+OK\r\n".to_string()),
+        };
+        if let Some(reply) = reply {
+            if w.write_all(reply.as_bytes()).is_err() {
                 return;
             }
             continue;
@@ -99,10 +120,21 @@ fn a_declared_512_mib_value_is_a_corrupt_miss_and_is_never_held() -> Result<()> 
         std::thread::spawn(move || {
             for s in listener.incoming().flatten() {
                 let sent = Arc::clone(&sent);
-                std::thread::spawn(move || serve(s, &sent));
+                std::thread::spawn(move || serve(s, port, &sent));
             }
         });
     }
+    // One server, then the same fake as a one-node cluster.
+    for url in [
+        format!("redis://127.0.0.1:{port}"),
+        format!("redis+cluster://127.0.0.1:{port}"),
+    ] {
+        lookup_refuses_the_lie(&url, &sent).with_context(|| url.clone())?;
+    }
+    Ok(())
+}
+
+fn lookup_refuses_the_lie(url: &str, sent: &AtomicU64) -> Result<()> {
     let pool = Arc::new(Pool::new(PoolConfig {
         prefault: false,
         ..PoolConfig::with_capacity(16 << 20)
@@ -110,12 +142,13 @@ fn a_declared_512_mib_value_is_a_corrupt_miss_and_is_never_held() -> Result<()> 
     let tier = start_remote_tier(
         RemoteConfig {
             timeout: Duration::from_secs(5),
-            ..RemoteConfig::new(format!("redis://127.0.0.1:{port}"))
+            ..RemoteConfig::new(url.to_string())
         },
         &pool,
     )?;
     tier.allow_object_bytes(OBJECT);
     let ks = keys(4);
+    sent.store(0, Ordering::Relaxed);
     // The peak from here on is this lookup's.
     std::fs::write("/proc/self/clear_refs", "5").context("resetting VmHWM")?;
     let before = status_kib("VmRSS:")?;
@@ -124,7 +157,7 @@ fn a_declared_512_mib_value_is_a_corrupt_miss_and_is_never_held() -> Result<()> 
     let peak = status_kib("VmHWM:")?;
     let grew_mib = peak.saturating_sub(before) as f64 / 1024.0;
     eprintln!(
-        "RSS before {before} KiB, peak during the lookup {peak} KiB (+{grew_mib:.1} MiB); \
+        "{url}: RSS before {before} KiB, peak during the lookup {peak} KiB (+{grew_mib:.1} MiB); \
          the fake sent {} MiB of its lie before the reader hung up; {s:?}",
         sent.load(Ordering::Relaxed) >> 20
     );
