@@ -221,6 +221,9 @@ class Run:
                 "kv_connector": "LMCacheMPConnector",
                 "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
                 "kv_role": "kv_both",
+                # As the UMBP arms: a failed load is recomputed, not failed (run D's engine
+                # died on vLLM's `fail` path when LMCache's server stopped answering).
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
                     "lmcache.mp.host": "tcp://127.0.0.1",
                     "lmcache.mp.port": port,
