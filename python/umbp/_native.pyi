@@ -215,6 +215,14 @@ class EmbeddedStore:
         stream: int | None = None,
     ) -> Transfer:
         """`stream` (CUDA layouts): the copies wait for the work already queued on it."""
+    def pin(self, keys: Keys, ttl_s: float) -> list[str]:
+        """Pins `keys` in the pool for `ttl_s` seconds (never evicted while pinned; pinning
+        again renews): per key "pinned", "renewed", "missing" or "refused" (past the bytes a
+        namespace, a quarter of the pool, or the pool, half of it, may pin)."""
+    def unpin(self, keys: Keys) -> int:
+        """Releases the pins of `keys`; how many were pinned."""
+    def pin_stats(self) -> dict[str, int]:
+        """pinned, pinned_bytes, granted, renewed, released, expired, refused, ended."""
     def evict(self, keys: Keys) -> int:
         """Drops `keys` from this store, the pool and the disk tier (a remote tier keeps its
         copies); how many were in the pool."""

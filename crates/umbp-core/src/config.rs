@@ -56,6 +56,9 @@ pub struct PoolConfig {
     pub lookup_lease_ms: u64,
     /// Whether objects are checksummed and how many loads verify them.
     pub integrity: Integrity,
+    /// Bytes of objects one key namespace may keep from eviction (`Pool::keep`, the pins of
+    /// agents' KV); 0: a quarter of the pool. Every namespace together may keep at most half.
+    pub keep_namespace_bytes: u64,
 }
 
 /// How long a lookup's hits are kept for their load by default: 5 s.
@@ -90,11 +93,21 @@ impl Default for PoolConfig {
             admission_window: DEFAULT_ADMISSION_WINDOW,
             lookup_lease_ms: DEFAULT_LOOKUP_LEASE_MS,
             integrity: Integrity::default(),
+            keep_namespace_bytes: 0,
         }
     }
 }
 
 impl PoolConfig {
+    /// Bytes one namespace may keep in a pool of `capacity` usable bytes
+    /// ([`PoolConfig::keep_namespace_bytes`], 0 resolved to a quarter of it).
+    pub fn keep_namespace_bytes(&self, capacity: u64) -> u64 {
+        match self.keep_namespace_bytes {
+            0 => capacity / 4,
+            b => b,
+        }
+    }
+
     /// A default configuration of `capacity_bytes`.
     pub fn with_capacity(capacity_bytes: u64) -> Self {
         PoolConfig {

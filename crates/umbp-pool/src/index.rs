@@ -5,6 +5,7 @@ use hashbrown::HashTable;
 use umbp_core::BlockKey;
 
 use crate::alloc::Slot;
+use crate::keep::{KeepOutcome, Keeps};
 use crate::lease::{Grant, Leases};
 use crate::policy::{new_policy, PolicyCounters, ShardPolicy, QUEUES};
 use umbp_core::caching::EvictionPolicy;
@@ -51,11 +52,13 @@ pub(crate) struct Shard {
     policy: Box<dyn ShardPolicy>,
     /// Lookup leases on this shard's entries ([`crate::lease`]).
     leases: Leases,
+    /// Kept entries ([`crate::keep`]).
+    keeps: Keeps,
     live: usize,
 }
 
 impl Shard {
-    pub fn new(policy: EvictionPolicy, leases: Leases) -> Self {
+    pub fn new(policy: EvictionPolicy, leases: Leases, keeps: Keeps) -> Self {
         Shard {
             table: HashTable::new(),
             entries: Vec::new(),
@@ -63,6 +66,7 @@ impl Shard {
             vacant: Vec::new(),
             policy: new_policy(policy),
             leases,
+            keeps,
             live: 0,
         }
     }
@@ -175,6 +179,7 @@ impl Shard {
         let len = self.entries[idx as usize].len;
         self.policy.remove(idx, fp, len, evicted);
         self.leases.end(idx);
+        self.keeps.end(idx);
         self.live -= 1;
         if self.entries[idx as usize].pins == 0 {
             Some(self.vacate(idx))
@@ -192,12 +197,12 @@ impl Shard {
     /// Up to `limit` unpinned entries of the policy's `queue`, next to evict first, as
     /// `(rank, idx)` ([`ShardPolicy::candidates`]).
     pub fn candidates(&mut self, queue: usize, limit: usize, now: u64, out: &mut Vec<(u64, u32)>) {
-        let (entries, leases) = (&self.entries, &self.leases);
+        let (entries, leases, keeps) = (&self.entries, &self.leases, &self.keeps);
         self.policy.candidates(
             queue,
             limit,
             now,
-            &|i| entries[i as usize].pins > 0 || leases.holds(i),
+            &|i| entries[i as usize].pins > 0 || leases.holds(i) || keeps.holds(i),
             out,
         );
     }
@@ -209,12 +214,29 @@ impl Shard {
         e.state == EntryState::Live
             && e.pins == 0
             && !self.leases.holds(idx)
+            && !self.keeps.holds(idx)
             && self.policy.still_candidate(idx, queue, rank)
     }
 
-    /// Whether a lookup's lease keeps `idx` from eviction now.
+    /// Whether a lookup's lease or a keep protects `idx` from eviction now.
     pub fn leased(&self, idx: u32) -> bool {
-        self.leases.holds(idx)
+        self.leases.holds(idx) || self.keeps.holds(idx)
+    }
+
+    /// Keeps live entry `idx` for `ttl_ms` ([`crate::keep`]).
+    pub fn keep(&mut self, idx: u32, ttl_ms: u64) -> KeepOutcome {
+        let e = &self.entries[idx as usize];
+        self.keeps.keep(idx, e.len, e.key.namespace_id(), ttl_ms)
+    }
+
+    /// Releases the keep of `idx`; whether it was kept.
+    pub fn release_kept(&mut self, idx: u32) -> bool {
+        self.keeps.release(idx)
+    }
+
+    /// Counts and drops the keeps that ran out.
+    pub fn sweep_keeps(&mut self) {
+        self.keeps.sweep();
     }
 
     /// Takes a lookup's lease on live entry `idx`; `None` when the bound refuses it.
@@ -243,8 +265,10 @@ impl Shard {
     pub fn eviction_order(&self, out: &mut Vec<(u64, u32)>) {
         out.clear();
         self.policy.order(out);
-        let (entries, leases) = (&self.entries, &self.leases);
-        out.retain(|&(_, idx)| entries[idx as usize].pins == 0 && !leases.holds(idx));
+        let (entries, leases, keeps) = (&self.entries, &self.leases, &self.keeps);
+        out.retain(|&(_, idx)| {
+            entries[idx as usize].pins == 0 && !leases.holds(idx) && !keeps.holds(idx)
+        });
     }
 
     /// Ids of every live entry.
@@ -269,6 +293,7 @@ impl Shard {
             + self.table.capacity() * (std::mem::size_of::<TableSlot>() + 1)
             + self.policy.metadata_bytes()
             + self.leases.metadata_bytes()
+            + self.keeps.metadata_bytes()
     }
 }
 
@@ -277,6 +302,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::keep::KeepBook;
     use crate::lease::LeaseBook;
 
     /// Every object costs one entry: its size is the pool's metadata per object (with the
@@ -290,9 +316,11 @@ mod tests {
 
     #[test]
     fn checksums_are_kept_only_for_the_entries_that_have_one() {
+        let clock = Arc::new(LeaseBook::new(0, 0));
         let mut s = Shard::new(
             EvictionPolicy::Lru,
-            Leases::new(Arc::new(LeaseBook::new(0, 0))),
+            Leases::new(Arc::clone(&clock)),
+            Keeps::new(Arc::new(KeepBook::new(0, 0, clock))),
         );
         let slot = |i: u64| Slot {
             offset: i * 4096,

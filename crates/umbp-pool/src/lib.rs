@@ -31,6 +31,7 @@ pub mod alloc;
 mod checksum;
 mod error;
 mod index;
+mod keep;
 mod lease;
 mod policy;
 mod pool;
@@ -40,6 +41,7 @@ mod window;
 
 pub use checksum::{checksum, Summer};
 pub use error::PoolError;
+pub use keep::{KeepOutcome, KeepStats};
 pub use pool::clearing::Clearing;
 pub use pool::{
     CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,

@@ -12,6 +12,7 @@ mod evict;
 // and the spill hook, which hands out handles).
 #[allow(unsafe_code)]
 mod inner;
+mod keeps;
 mod leases;
 mod types;
 
@@ -25,6 +26,7 @@ use umbp_core::{Admit, BlockKey, CoreError, PoolConfig};
 
 use crate::alloc::Allocator;
 use crate::index::Shard;
+use crate::keep::{KeepBook, Keeps};
 use crate::lease::{LeaseBook, Leases};
 use crate::policy::PolicyCounters;
 use crate::region::{Placement, Region};
@@ -64,6 +66,11 @@ impl Pool {
         let alloc = Allocator::new(segment_bytes, num_segments);
         let capacity = alloc.capacity();
         let leases = Arc::new(LeaseBook::new(cfg.lookup_lease_ms, capacity / 2));
+        let keeps = Arc::new(KeepBook::new(
+            cfg.keep_namespace_bytes(capacity),
+            capacity / 2,
+            Arc::clone(&leases),
+        ));
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
             region,
@@ -73,6 +80,7 @@ impl Pool {
                     RwLock::new(Shard::new(
                         cfg.eviction_policy,
                         Leases::new(Arc::clone(&leases)),
+                        Keeps::new(Arc::clone(&keeps)),
                     ))
                 })
                 .collect(),
@@ -89,6 +97,7 @@ impl Pool {
             closed: AtomicBool::new(false),
             spill: Default::default(),
             leases,
+            keeps,
             integrity: cfg.integrity,
             verify_tick: AtomicU64::new(0),
         });

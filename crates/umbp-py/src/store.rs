@@ -183,6 +183,7 @@ impl EmbeddedStore {
                     None => pool.store_admission,
                 },
                 admission_window: pool.admission_window,
+                keep_namespace_bytes: pool.keep_namespace_bytes,
                 lookup_lease_ms: lookup_lease_ms.unwrap_or(pool.lookup_lease_ms),
                 integrity: match (integrity, integrity_sample_every) {
                     (None, None) => pool.integrity,
@@ -328,6 +329,66 @@ impl EmbeddedStore {
     fn exists(&self, py: Python<'_>, keys: &Keys) -> Result<Vec<bool>> {
         let s = self.live()?;
         Ok(bulk(py, lookup_weight(s, keys), || s.exists(&keys.keys))?)
+    }
+
+    /// Pins `keys` in the pool for `ttl_s` seconds: never evicted while pinned (pinning again
+    /// renews). Per key: "pinned", "renewed", "missing" (not in the pool) or "refused" (past
+    /// the bytes a namespace, or the pool, may pin).
+    fn pin(&self, py: Python<'_>, keys: &Keys, ttl_s: f64) -> Result<Vec<&'static str>> {
+        if !(ttl_s.is_finite() && ttl_s > 0.0) {
+            return Err(umbp_core::CoreError::option(
+                "ttl_s",
+                format!("{ttl_s} is not a positive number of seconds"),
+            )
+            .into());
+        }
+        let s = self.live()?;
+        let ttl = std::time::Duration::from_secs_f64(ttl_s);
+        let got = without_gil(py, || s.pin(&keys.keys, ttl))?;
+        Ok(got
+            .into_iter()
+            .map(|o| match o {
+                umbp_pool::KeepOutcome::Kept => "pinned",
+                umbp_pool::KeepOutcome::Renewed => "renewed",
+                umbp_pool::KeepOutcome::Missing => "missing",
+                umbp_pool::KeepOutcome::Refused => "refused",
+            })
+            .collect())
+    }
+
+    /// Releases the pins of `keys`; how many were pinned.
+    fn unpin(&self, py: Python<'_>, keys: &Keys) -> Result<u64> {
+        let s = self.live()?;
+        Ok(without_gil(py, || s.unpin(&keys.keys))?)
+    }
+
+    /// Counters of pins: pinned objects and bytes now, granted, renewed, released, expired,
+    /// refused, and ended with their objects (evicted on request or cleared).
+    fn pin_stats<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
+        let umbp_pool::KeepStats {
+            kept,
+            kept_bytes,
+            granted,
+            renewed,
+            released,
+            expired,
+            refused,
+            ended,
+        } = self.live()?.pin_stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("pinned", kept),
+            ("pinned_bytes", kept_bytes),
+            ("granted", granted),
+            ("renewed", renewed),
+            ("released", released),
+            ("expired", expired),
+            ("refused", refused),
+            ("ended", ended),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
     }
 
     /// How many keys, from the first, are in the pool.

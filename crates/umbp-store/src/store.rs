@@ -167,6 +167,34 @@ impl EmbeddedStore {
         Ok(self.shared.pool.holds_many(keys))
     }
 
+    /// Pins `keys` in the pool for `ttl` from now (the pool's keeps, `Pool::keep`): a pinned
+    /// object is never evicted while its pin lives; pinning a pinned one sets its expiry anew.
+    /// Pins are bounded in bytes per key namespace (`keep_namespace_bytes`, a quarter of the
+    /// pool by default) and for the pool (half of it): a pin past a bound is refused, and
+    /// counted. Keys not in the pool are `Missing` (nothing is read from the lower tiers
+    /// here). An explicit [`evict`](Self::evict) or a clear still removes a pinned object.
+    /// [`StoreError::Closed`] after `close`.
+    pub fn pin(
+        &self,
+        keys: &[BlockKey],
+        ttl: std::time::Duration,
+    ) -> Result<Vec<umbp_pool::KeepOutcome>, StoreError> {
+        self.check_open()?;
+        Ok(self.shared.pool.keep(keys, ttl))
+    }
+
+    /// Releases the pins of `keys`; how many were pinned. [`StoreError::Closed`] after
+    /// `close`.
+    pub fn unpin(&self, keys: &[BlockKey]) -> Result<u64, StoreError> {
+        self.check_open()?;
+        Ok(self.shared.pool.release_kept(keys))
+    }
+
+    /// Counters of pins (the pool's keeps).
+    pub fn pin_stats(&self) -> umbp_pool::KeepStats {
+        self.shared.pool.keep_stats()
+    }
+
     /// How many keys, from the first, are in the pool (with a disk or remote tier, as
     /// [`exists`](Self::exists), the missing rest is read from them first); each is leased as
     /// [`exists`](Self::exists) says. [`StoreError::Closed`] after `close`.

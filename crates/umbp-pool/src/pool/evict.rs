@@ -244,6 +244,7 @@ pub(super) fn evictor_loop(weak: Weak<Inner>) {
             return;
         }
         inner.sweep_leases();
+        inner.sweep_keeps();
         let used = inner.used_for_watermarks();
         if used > inner.high_bytes {
             let freed = inner.evict(

@@ -133,6 +133,8 @@ pub(super) struct Inner {
     pub(super) spill: Spill,
     /// Lookup leases: their clock, bound and counters ([`crate::lease`]).
     pub(super) leases: Arc<LeaseBook>,
+    /// Kept objects: their bounds and counters ([`crate::keep`]).
+    pub(super) keeps: Arc<crate::keep::KeepBook>,
     /// Whether objects are checksummed, and how many loads verify them.
     pub(super) integrity: umbp_core::Integrity,
     /// Loads asked whether to verify (the sampling's count).

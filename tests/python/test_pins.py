@@ -1,0 +1,89 @@
+"""Pins (issue 50's first part, the pool's side): a pinned object stays in the pool through
+a churn of stores forty times its size and loads byte-exact afterwards, while an unpinned one
+stored at the same time is evicted; pins are bounded per namespace, renewable and released,
+and every one is counted. A real EmbeddedStore of 4 MiB, both eviction policies."""
+
+import numpy as np
+import pytest
+import standalone_peer as peer
+
+import umbp
+
+POLICIES = ["s3fifo", "lru"]
+
+
+def store_seed(s, lid, buf, seed):
+    buf[:] = peer.pattern(seed)
+    got = s.store(lid, 0, list(range(peer.BLOCKS)), peer.keys(seed)).wait()
+    assert set(got) <= {"done", "already_present"}, got
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_pinned_prefix_survives_a_churn_that_evicts_an_unpinned_one(policy):
+    s = umbp.EmbeddedStore(
+        4 << 20, segment_bytes=64 << 10, prefault=False, num_workers=2, eviction_policy=policy
+    )
+    try:
+        buf = peer.own_buffer()
+        s.register_memory(buf.ctypes.data, buf.nbytes)
+        lid = s.register_layout(peer.layout(buf))
+        # Seeds 1 and 2: 32 objects of 16 KiB each (512 KiB); only seed 1 is pinned.
+        store_seed(s, lid, buf, 1)
+        store_seed(s, lid, buf, 2)
+        assert s.pin(peer.keys(1), 60.0) == ["pinned"] * peer.BLOCKS
+        # Forty other seeds (20 MiB through a 4 MiB pool).
+        for seed in range(100, 140):
+            store_seed(s, lid, buf, seed)
+        assert s.stats()["evictions"] > 0
+        assert all(s.exists(peer.keys(1))), "a pinned object was evicted"
+        assert not all(s.exists(peer.keys(2))), "the churn did not reach the unpinned seed"
+        buf[:] = 0
+        got = s.load(lid, 0, list(range(peer.BLOCKS)), peer.keys(1)).wait()
+        assert got == ["done"] * peer.BLOCKS
+        assert np.array_equal(buf, peer.pattern(1))
+        # Pinning again renews; unpinning releases every pin; a key not in the pool is missing.
+        assert s.pin(peer.keys(1)[:4], 60.0) == ["renewed"] * 4
+        assert s.unpin(peer.keys(1)) == peer.BLOCKS
+        assert s.unpin(peer.keys(1)) == 0
+        assert s.pin(peer.keys(999)[:2], 60.0) == ["missing", "missing"]
+        st = s.pin_stats()
+        assert st["pinned"] == st["pinned_bytes"] == 0, st
+        assert (st["granted"], st["renewed"], st["released"]) == (peer.BLOCKS, 4, peer.BLOCKS)
+    finally:
+        s.close()
+
+
+def test_pins_are_bounded_per_namespace_and_counted():
+    # A namespace may pin a quarter of the pool: 1 MiB of 4, 64 objects of 16 KiB.
+    s = umbp.EmbeddedStore(4 << 20, segment_bytes=64 << 10, prefault=False, num_workers=2)
+    try:
+        buf = peer.own_buffer()
+        s.register_memory(buf.ctypes.data, buf.nbytes)
+        lid = s.register_layout(peer.layout(buf))
+        for seed in (1, 2, 3):
+            store_seed(s, lid, buf, seed)
+        assert s.pin(peer.keys(1), 60.0) == ["pinned"] * peer.BLOCKS
+        assert s.pin(peer.keys(2), 60.0) == ["pinned"] * peer.BLOCKS
+        assert s.pin(peer.keys(3)[:3], 60.0) == ["refused"] * 3
+        st = s.pin_stats()
+        assert (st["pinned"], st["pinned_bytes"], st["refused"]) == (64, 1 << 20, 3), st
+        # An explicit evict still removes a pinned object, and ends its pin.
+        assert s.evict(peer.keys(1)[:2]) == 2
+        assert s.pin_stats()["ended"] == 2
+        assert s.pin(peer.keys(3)[:2], 60.0) == ["pinned", "pinned"]
+        # A clear ends every pin.
+        s.clear()
+        st = s.pin_stats()
+        assert (st["pinned"], st["pinned_bytes"], st["ended"]) == (0, 0, 2 + 64), st
+    finally:
+        s.close()
+
+
+def test_a_pin_without_a_positive_ttl_is_refused_with_the_reason():
+    s = umbp.EmbeddedStore(1 << 20, prefault=False)
+    try:
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(umbp.ConfigError, match="ttl_s"):
+                s.pin(peer.keys(1)[:1], bad)
+    finally:
+        s.close()
