@@ -301,6 +301,11 @@ class StandaloneClient:
     ) -> tuple[list[bool], int]:
         """`ranks`: (tp, pcp, dcp, pp) each; `hashes` packed, `hash_bytes` each. Returns the
         per-block answers (empty with `prefix_only`) and the leading blocks all ranks hold."""
+    def pin(self, keys: Keys, ttl_s: float) -> list[str]:
+        """Pins `keys` in the server's pool for `ttl_s` seconds (at most 24 h; pinning again
+        renews): per key "pinned", "renewed", "missing" or "refused". Pins outlive this client."""
+    def unpin(self, keys: Keys) -> int:
+        """Releases the pins of `keys` in the server's pool; how many were pinned."""
     def holds_across_ranks(
         self,
         namespace: str,

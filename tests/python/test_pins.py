@@ -1,13 +1,20 @@
-"""Pins (issue 50's first part, the pool's side): a pinned object stays in the pool through
-a churn of stores forty times its size and loads byte-exact afterwards, while an unpinned one
-stored at the same time is evicted; pins are bounded per namespace, renewable and released,
-and every one is counted. A real EmbeddedStore of 4 MiB, both eviction policies."""
+"""Pins (issue 50's first part): a pinned object stays in the pool through a churn of stores
+forty times its size and loads byte-exact afterwards, while an unpinned one stored at the same
+time is evicted; pins are bounded per namespace, renewable and released, and every one is
+counted. A real EmbeddedStore of 4 MiB (both eviction policies), and a real
+`umbp_standalone_server` whose pins, made by one engine, outlive it and serve another."""
+
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import standalone_peer as peer
 
 import umbp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from standalone_server import Server, server_binary, short_dir  # noqa: E402
 
 POLICIES = ["s3fifo", "lru"]
 
@@ -87,3 +94,50 @@ def test_a_pin_without_a_positive_ttl_is_refused_with_the_reason():
                 s.pin(peer.keys(1)[:1], bad)
     finally:
         s.close()
+
+
+def test_server_pins_outlive_the_engine_that_made_them_and_bound_each_namespace(tmp_path):
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(f"no umbp_standalone_server at {binary}")
+    # A namespace may pin 768 KiB: 48 objects of 16 KiB.
+    server = Server(
+        binary,
+        short_dir(tmp_path.name + "pin"),
+        capacity="4MiB",
+        extra_args=["--pin-namespace-bytes", "768KiB"],
+    )
+
+    def client(name):
+        c = umbp.StandaloneClient(server.endpoint, startup_timeout_ms=10000, client_name=name)
+        buf = peer.own_buffer()
+        c.register_memory(buf.ctypes.data, buf.nbytes)
+        return c, buf, c.register_layout(peer.layout(buf))
+
+    try:
+        server.start()
+        a, buf, lid = client("engine-a")
+        store_seed(a, lid, buf, 1)
+        store_seed(a, lid, buf, 2)
+        assert a.pin(peer.keys(1), 60.0) == ["pinned"] * peer.BLOCKS
+        # Past the bound, the pinned part is the prefix's beginning.
+        got = a.pin(peer.keys(2), 60.0)
+        assert got == ["pinned"] * 16 + ["refused"] * 16, got
+        a.close()  # the engine that pinned is gone; its pins stay
+        b, buf, lid = client("engine-b")
+        for seed in range(100, 140):  # 20 MiB through the 4 MiB pool
+            store_seed(b, lid, buf, seed)
+        assert b.stats()["evictions"] > 0
+        buf[:] = 0
+        got = b.load(lid, 0, list(range(peer.BLOCKS)), peer.keys(1)).wait()
+        assert got == ["done"] * peer.BLOCKS, "a pinned block was evicted"
+        assert np.array_equal(buf, peer.pattern(1))
+        assert b.pin(peer.keys(1)[:2], 60.0) == ["renewed"] * 2
+        assert b.unpin(peer.keys(1)) == peer.BLOCKS
+        with pytest.raises(umbp.ConfigError, match="ttl_s"):
+            b.pin(peer.keys(1)[:1], 0.0)
+        with pytest.raises(umbp.ConfigError, match="24 h"):
+            b.pin(peer.keys(1)[:1], 25 * 3600.0)
+        b.close()
+    finally:
+        server.stop()

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use umbp_core::{BlockKey, RankTopology};
+use umbp_core::{BlockKey, PinOutcome, RankTopology};
 use umbp_proto::v1;
 
 use crate::client::StandaloneClient;
@@ -62,6 +62,36 @@ impl StandaloneClient {
         req.peek = true;
         let r = self.lookup(req)?;
         Ok(r.present.iter().map(|p| *p != 0).collect())
+    }
+
+    /// Pins `keys` (one rank's) in the server's pool for `ttl` (1 ms to 24 h): never evicted
+    /// while pinned, whichever engine stored them; pinning a pinned block renews it. Pins are
+    /// bounded in bytes per namespace (the server's `--pin-namespace-bytes`) and outlive this
+    /// client.
+    pub fn pin(&self, keys: &[BlockKey], ttl: std::time::Duration) -> Result<Vec<PinOutcome>> {
+        let r = self.pin_call(
+            keys,
+            u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+            false,
+        )?;
+        Ok(r.outcomes.into_iter().map(PinOutcome::from_code).collect())
+    }
+
+    /// Releases the pins of `keys`; how many were pinned.
+    pub fn unpin(&self, keys: &[BlockKey]) -> Result<u64> {
+        Ok(self.pin_call(keys, 0, true)?.released)
+    }
+
+    fn pin_call(&self, keys: &[BlockKey], ttl_ms: u64, unpin: bool) -> Result<v1::PinReply> {
+        let blocks = packed_request(keys, 1, false);
+        self.call("pin", self.inner.opts.control_timeout, |mut g| async move {
+            g.pin(v1::PinRequest {
+                blocks: Some(blocks),
+                ttl_ms,
+                unpin,
+            })
+            .await
+        })
     }
 
     fn lookup(&self, req: v1::ExistsRequest) -> Result<v1::ExistsReply> {

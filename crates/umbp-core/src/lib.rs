@@ -42,5 +42,5 @@ pub use layout::{
     MAX_LAYOUT_RUNS, MAX_RUN_BLOCKS,
 };
 pub use options::ConnectorOptions;
-pub use outcome::{ErrorKind, FailureKind, KeyFailure, KeyOutcome};
+pub use outcome::{ErrorKind, FailureKind, KeyFailure, KeyOutcome, PinOutcome};
 pub use strided::TensorView;

@@ -284,6 +284,47 @@ pub fn failures(outcomes: &[KeyOutcome]) -> impl Iterator<Item = (usize, &KeyFai
         .filter_map(|(i, o)| o.failure().map(|f| (i, f)))
 }
 
+/// What pinning one block did (a pin keeps an object in the pool, out of every eviction, for a
+/// while: the pool's keeps). The numbers are wire values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PinOutcome {
+    /// No committed object has that key.
+    Missing = 0,
+    /// Pinned now (it was not).
+    Pinned = 1,
+    /// It was pinned already: its expiry is set anew.
+    Renewed = 2,
+    /// Pinning it would pass the bytes its namespace, or the pool, may pin (counted).
+    Refused = 3,
+}
+
+impl PinOutcome {
+    /// The wire value.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// From a wire value; an unknown one reads as [`PinOutcome::Missing`] (not pinned).
+    pub fn from_code(code: u8) -> PinOutcome {
+        match code {
+            1 => PinOutcome::Pinned,
+            2 => PinOutcome::Renewed,
+            3 => PinOutcome::Refused,
+            _ => PinOutcome::Missing,
+        }
+    }
+
+    /// The word the bindings and the CLI show.
+    pub fn name(self) -> &'static str {
+        match self {
+            PinOutcome::Missing => "missing",
+            PinOutcome::Pinned => "pinned",
+            PinOutcome::Renewed => "renewed",
+            PinOutcome::Refused => "refused",
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,10 +2,10 @@
 //! eviction policy's state for them ([`crate::policy`]).
 
 use hashbrown::HashTable;
-use umbp_core::BlockKey;
+use umbp_core::{BlockKey, PinOutcome};
 
 use crate::alloc::Slot;
-use crate::keep::{KeepOutcome, Keeps};
+use crate::keep::Keeps;
 use crate::lease::{Grant, Leases};
 use crate::policy::{new_policy, PolicyCounters, ShardPolicy, QUEUES};
 use umbp_core::caching::EvictionPolicy;
@@ -224,7 +224,7 @@ impl Shard {
     }
 
     /// Keeps live entry `idx` for `ttl_ms` ([`crate::keep`]).
-    pub fn keep(&mut self, idx: u32, ttl_ms: u64) -> KeepOutcome {
+    pub fn keep(&mut self, idx: u32, ttl_ms: u64) -> PinOutcome {
         let e = &self.entries[idx as usize];
         self.keeps.keep(idx, e.len, e.key.namespace_id(), ttl_ms)
     }

@@ -20,20 +20,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::lease::LeaseBook;
+use umbp_core::PinOutcome;
 
-/// What keeping one object did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeepOutcome {
-    /// Kept now (it was not).
-    Kept,
-    /// It was kept already: its expiry is set anew.
-    Renewed,
-    /// No committed object has that key.
-    Missing,
-    /// Keeping it would pass its namespace's bound or the pool's (counted).
-    Refused,
-}
+use crate::lease::LeaseBook;
 
 /// Counters of kept objects.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -195,25 +184,25 @@ impl Keeps {
     }
 
     /// Keeps entry `idx` (an object of `len` bytes in namespace `ns`) for `ttl_ms` from now.
-    pub fn keep(&mut self, idx: u32, len: u64, ns: [u8; 16], ttl_ms: u64) -> KeepOutcome {
+    pub fn keep(&mut self, idx: u32, len: u64, ns: [u8; 16], ttl_ms: u64) -> PinOutcome {
         let now = self.book.now_ms();
         let until = now.saturating_add(ttl_ms);
         if let Some(k) = self.map.get_mut(&idx) {
             if k.until > now {
                 k.until = until;
                 add(&self.book.renewed, 1);
-                return KeepOutcome::Renewed;
+                return PinOutcome::Renewed;
             }
             // Ran out and not yet counted: counted now, then kept anew below.
             let k = self.map.remove(&idx).expect("present above");
             self.book.give(&k, &self.book.expired);
         }
         if !self.book.take(ns, len) {
-            return KeepOutcome::Refused;
+            return PinOutcome::Refused;
         }
         add(&self.book.granted, 1);
         self.map.insert(idx, Kept { until, len, ns });
-        KeepOutcome::Kept
+        PinOutcome::Pinned
     }
 
     /// Releases the keep of `idx`; whether it was kept (a keep that had run out is counted
@@ -282,10 +271,10 @@ mod tests {
         let (clock, b) = book(1000, 1000);
         let mut k = Keeps::new(Arc::clone(&b));
         let ns = [1; 16];
-        assert_eq!(k.keep(7, 100, ns, 50), KeepOutcome::Kept);
+        assert_eq!(k.keep(7, 100, ns, 50), PinOutcome::Pinned);
         assert!(k.holds(7) && !k.holds(8));
         clock.advance(40);
-        assert_eq!(k.keep(7, 100, ns, 50), KeepOutcome::Renewed);
+        assert_eq!(k.keep(7, 100, ns, 50), PinOutcome::Renewed);
         clock.advance(40); // 80 ms after the first keep, 40 after the renewal
         assert!(k.holds(7));
         clock.advance(10);
@@ -296,7 +285,7 @@ mod tests {
             (s.kept, s.kept_bytes, s.granted, s.renewed, s.expired),
             (0, 0, 1, 1, 1)
         );
-        assert_eq!(k.keep(7, 100, ns, 50), KeepOutcome::Kept);
+        assert_eq!(k.keep(7, 100, ns, 50), PinOutcome::Pinned);
         assert!(k.release(7) && !k.release(7));
         k.keep(9, 100, ns, 50);
         k.end(9);
@@ -310,20 +299,20 @@ mod tests {
         let (_clock, b) = book(250, 400);
         let mut k = Keeps::new(Arc::clone(&b));
         let (a, c) = ([1; 16], [2; 16]);
-        assert_eq!(k.keep(1, 100, a, 1000), KeepOutcome::Kept);
-        assert_eq!(k.keep(2, 100, a, 1000), KeepOutcome::Kept);
-        assert_eq!(k.keep(3, 100, a, 1000), KeepOutcome::Refused, "a's 250");
-        assert_eq!(k.keep(4, 100, c, 1000), KeepOutcome::Kept);
+        assert_eq!(k.keep(1, 100, a, 1000), PinOutcome::Pinned);
+        assert_eq!(k.keep(2, 100, a, 1000), PinOutcome::Pinned);
+        assert_eq!(k.keep(3, 100, a, 1000), PinOutcome::Refused, "a's 250");
+        assert_eq!(k.keep(4, 100, c, 1000), PinOutcome::Pinned);
         assert_eq!(
             k.keep(5, 150, c, 1000),
-            KeepOutcome::Refused,
+            PinOutcome::Refused,
             "the pool's 400"
         );
-        assert_eq!(k.keep(5, 100, c, 1000), KeepOutcome::Kept);
+        assert_eq!(k.keep(5, 100, c, 1000), PinOutcome::Pinned);
         assert_eq!((b.namespace_bytes(&a), b.namespace_bytes(&c)), (200, 200));
         assert!(!k.holds(3));
         assert_eq!(b.stats().refused, 2);
         k.release(1);
-        assert_eq!(k.keep(3, 100, a, 1000), KeepOutcome::Kept, "room again");
+        assert_eq!(k.keep(3, 100, a, 1000), PinOutcome::Pinned, "room again");
     }
 }

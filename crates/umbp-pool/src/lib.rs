@@ -41,7 +41,7 @@ mod window;
 
 pub use checksum::{checksum, Summer};
 pub use error::PoolError;
-pub use keep::{KeepOutcome, KeepStats};
+pub use keep::KeepStats;
 pub use pool::clearing::Clearing;
 pub use pool::{
     CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use proptest::prelude::*;
-use umbp_core::{BlockKey, KeyBuilder, PoolConfig, RankTopology};
-use umbp_pool::{EvictionPolicy, KeepOutcome, Pool, PoolError};
+use umbp_core::{BlockKey, KeyBuilder, PinOutcome, PoolConfig, RankTopology};
+use umbp_pool::{EvictionPolicy, Pool, PoolError};
 
 /// The clock's steps: a case runs for well under one of real time, so the pool's clock (the
 /// test's steps plus real time) and the model's agree on what ran out.
@@ -112,21 +112,21 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
                 let live = m.live(k);
                 let got = pool.keep(&[key(k)], Duration::from_millis(units * UNIT))[0];
                 match got {
-                    KeepOutcome::Renewed => {
+                    PinOutcome::Renewed => {
                         prop_assert!(live, "key {} renewed, but its keep had run out", k);
                         m.renewed += 1;
                     }
-                    KeepOutcome::Kept => {
+                    PinOutcome::Pinned => {
                         prop_assert!(present && !live, "key {}: kept anew while {}", k, live);
                         m.granted += 1;
                     }
-                    KeepOutcome::Missing => prop_assert!(!present, "key {} is there", k),
-                    KeepOutcome::Refused => {
+                    PinOutcome::Missing => prop_assert!(!present, "key {} is there", k),
+                    PinOutcome::Refused => {
                         prop_assert!(present && !live, "key {}: refused while live", k);
                         m.refused += 1;
                     }
                 }
-                if matches!(got, KeepOutcome::Kept | KeepOutcome::Renewed) {
+                if matches!(got, PinOutcome::Pinned | PinOutcome::Renewed) {
                     m.until.insert(k, m.now + units * UNIT);
                 }
             }

@@ -228,6 +228,30 @@ impl StandaloneClient {
         })?)
     }
 
+    /// Pins `keys` in the server's pool for `ttl_s` seconds (at most 24 h): never evicted while
+    /// pinned, whichever engine stored them; pinning again renews. Per key: "pinned",
+    /// "renewed", "missing" or "refused" (past the bytes a namespace may pin: the server's
+    /// `--pin-namespace-bytes`). Pins outlive this client.
+    fn pin(&self, py: Python<'_>, keys: &Keys, ttl_s: f64) -> Result<Vec<&'static str>> {
+        if !(ttl_s.is_finite() && ttl_s > 0.0) {
+            return Err(umbp_core::CoreError::option(
+                "ttl_s",
+                format!("{ttl_s} is not a positive number of seconds"),
+            )
+            .into());
+        }
+        let c = self.live()?;
+        let ttl = std::time::Duration::from_secs_f64(ttl_s);
+        let got = without_gil(py, || c.pin(&keys.keys, ttl))?;
+        Ok(got.into_iter().map(umbp_core::PinOutcome::name).collect())
+    }
+
+    /// Releases the pins of `keys` in the server's pool; how many were pinned.
+    fn unpin(&self, py: Python<'_>, keys: &Keys) -> Result<u64> {
+        let c = self.live()?;
+        Ok(without_gil(py, || c.unpin(&keys.keys))?)
+    }
+
     /// Per block, whether every rank of `ranks` has it in the server's DRAM pool now, as
     /// `exists_across_ranks` but leasing nothing, reading no lower tier and counting no hit
     /// or miss (for watching evictions; never before a load).

@@ -345,15 +345,7 @@ impl EmbeddedStore {
         let s = self.live()?;
         let ttl = std::time::Duration::from_secs_f64(ttl_s);
         let got = without_gil(py, || s.pin(&keys.keys, ttl))?;
-        Ok(got
-            .into_iter()
-            .map(|o| match o {
-                umbp_pool::KeepOutcome::Kept => "pinned",
-                umbp_pool::KeepOutcome::Renewed => "renewed",
-                umbp_pool::KeepOutcome::Missing => "missing",
-                umbp_pool::KeepOutcome::Refused => "refused",
-            })
-            .collect())
+        Ok(got.into_iter().map(umbp_core::PinOutcome::name).collect())
     }
 
     /// Releases the pins of `keys`; how many were pinned.

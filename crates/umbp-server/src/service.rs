@@ -3,10 +3,10 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
-use umbp_core::ErrorKind;
+use umbp_core::{ErrorKind, PinOutcome};
 use umbp_proto::errors::status;
 use umbp_proto::v1::{self, store_server::Store};
 use umbp_proto::PROTOCOL;
@@ -18,6 +18,9 @@ use crate::refusal::{invalid, status_of};
 use crate::sessions::{Backing, ClientSession, CompletionMapping, EndReason};
 use crate::state::State;
 use crate::transfer::{self, CancelOnDrop};
+
+/// The longest one pin may last: 24 h (a holder renews it to keep it longer).
+const MAX_PIN_MS: u64 = 24 * 3_600_000;
 
 /// The `umbp.v1.Store` service.
 #[derive(Debug, Clone)]
@@ -320,6 +323,49 @@ impl Store for Service {
         m.lookups.fetch_add(1, Ordering::Relaxed);
         m.lookup_keys.fetch_add(n_keys as u64, Ordering::Relaxed);
         m.lookup_latency.observe(t.elapsed());
+        Ok(Response::new(reply))
+    }
+
+    async fn pin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinReply>, Status> {
+        let peer = self.peer(&req)?;
+        let r = req.into_inner();
+        let mut blocks = r
+            .blocks
+            .ok_or_else(|| self.refuse(status(ErrorKind::InvalidArgument, "blocks are missing")))?;
+        let keys = LookupKeys::parse(&mut blocks).map_err(|s| self.refuse(s))?;
+        if !r.unpin && !(1..=MAX_PIN_MS).contains(&r.ttl_ms) {
+            return Err(self.refuse(status(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "ttl_ms {} is out of range: a pin lasts 1 ms to {} h; renew it to keep it longer",
+                    r.ttl_ms,
+                    MAX_PIN_MS / 3_600_000
+                ),
+            )));
+        }
+        let (n_ranks, unpin, ttl) = (keys.n_ranks(), r.unpin, Duration::from_millis(r.ttl_ms));
+        let store = Arc::clone(&self.state.store);
+        let answer = move || -> Result<v1::PinReply, StoreError> {
+            let mut reply = v1::PinReply::default();
+            for i in 0..n_ranks {
+                let rank = keys.rank(i)?;
+                if unpin {
+                    reply.released += store.unpin(&rank)?;
+                } else {
+                    let got = store.pin(&rank, ttl)?;
+                    reply.outcomes.extend(got.into_iter().map(PinOutcome::code));
+                }
+            }
+            Ok(reply)
+        };
+        // On the lookup threads, as lookups are: it takes the index shards' locks.
+        let reply = self
+            .state
+            .lookups
+            .run(peer.conn, answer)
+            .await?
+            .map_err(|e| self.store_err(e))?;
+        tracing::debug!(pid = peer.pid, unpin, released = reply.released, "pin");
         Ok(Response::new(reply))
     }
 

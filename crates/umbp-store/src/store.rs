@@ -178,7 +178,7 @@ impl EmbeddedStore {
         &self,
         keys: &[BlockKey],
         ttl: std::time::Duration,
-    ) -> Result<Vec<umbp_pool::KeepOutcome>, StoreError> {
+    ) -> Result<Vec<umbp_core::PinOutcome>, StoreError> {
         self.check_open()?;
         Ok(self.shared.pool.keep(keys, ttl))
     }

@@ -3,23 +3,31 @@
 
 use std::time::Duration;
 
-use umbp_core::BlockKey;
+use umbp_core::{BlockKey, PinOutcome};
 
 use super::inner::{shard_of, SHARDS};
 use super::Pool;
-use crate::keep::{KeepOutcome, KeepStats};
+use crate::keep::KeepStats;
 
 impl Pool {
     /// Keeps each committed object of `keys` from eviction for `ttl` from now (a kept one:
     /// its expiry set anew), within the bounds on kept bytes per namespace and for the pool.
     /// An explicit [`Pool::evict`] or a clear still removes a kept object, and ends its keep.
-    pub fn keep(&self, keys: &[BlockKey], ttl: Duration) -> Vec<KeepOutcome> {
+    ///
+    /// Keys are taken in their order (a shard's lock each), so that when a bound is reached
+    /// the pinned part of a prefix is its beginning, the part a prefix lookup can use.
+    pub fn keep(&self, keys: &[BlockKey], ttl: Duration) -> Vec<PinOutcome> {
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
-        let mut out = vec![KeepOutcome::Missing; keys.len()];
-        self.each_in_shard(keys, |shard, i, idx| {
-            out[i] = shard.keep(idx, ttl_ms);
-        });
-        out
+        keys.iter()
+            .map(|k| {
+                let fp = k.fingerprint();
+                let mut shard = self.inner.shards[shard_of(fp)].write();
+                match shard.find(k, fp) {
+                    Some(idx) => shard.keep(idx, ttl_ms),
+                    None => PinOutcome::Missing,
+                }
+            })
+            .collect()
     }
 
     /// Releases the keeps of `keys`; how many were kept.

@@ -205,6 +205,11 @@ struct Args {
     /// keep nothing. See docs/disk.md ("Lookup leases").
     #[arg(long = "lookup-lease-ms", env = "UMBP_LOOKUP_LEASE_MS", default_value_t = umbp_core::DEFAULT_LOOKUP_LEASE_MS, value_parser = clap::value_parser!(u64).range(0..=600_000))]
     lookup_lease_ms: u64,
+    /// Bytes of objects the keys of one namespace may pin (the `Pin` call: kept from eviction
+    /// until the pin runs out), so that one tenant cannot pin the pool full; every namespace
+    /// together may pin half the pool. 0: a quarter of the pool. See docs/standalone.md.
+    #[arg(long = "pin-namespace-bytes", env = "UMBP_PIN_NAMESPACE_BYTES", default_value = "0", value_parser = parse_bytes)]
+    pin_namespace_bytes: ByteCount,
     /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
     #[arg(long, env = "UMBP_LOG", default_value = DEFAULT_LOG_FILTER)]
     log: String,
@@ -378,6 +383,7 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
                 .parse()
                 .context("--store-admission / UMBP_STORE_ADMISSION")?,
             lookup_lease_ms: a.lookup_lease_ms,
+            keep_namespace_bytes: a.pin_namespace_bytes.0,
             integrity: Integrity::from_options(&a.integrity, a.integrity_sample_every)
                 .context("--integrity / --integrity-sample-every (UMBP_INTEGRITY*)")?,
             ..PoolConfig::default()
@@ -618,6 +624,7 @@ mod tests {
         "remote_secret_file",
         "busy_poll_us",
         "lookup_lease_ms",
+        "pin_namespace_bytes",
         "max_fds_per_uid",
         "log",
     ];
