@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 
 use umbp_core::PinOutcome;
 
-use crate::lease::LeaseBook;
+use crate::lease::{add, sub, LeaseBook};
 
 /// Counters of kept objects.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -43,14 +43,6 @@ pub struct KeepStats {
     pub refused: u64,
     /// Keeps that ended with their object (evicted on request, or cleared).
     pub ended: u64,
-}
-
-fn add(c: &AtomicU64, n: u64) {
-    c.fetch_add(n, Ordering::Relaxed);
-}
-
-fn sub(c: &AtomicU64, n: u64) {
-    c.fetch_sub(n, Ordering::Relaxed);
 }
 
 /// The pool-wide side of keeps: the bounds, the clock, the counters.

@@ -42,11 +42,11 @@ pub(crate) struct LeaseBook {
     pub ended: AtomicU64,
 }
 
-fn add(c: &AtomicU64, n: u64) {
+pub(crate) fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
-fn sub(c: &AtomicU64, n: u64) {
+pub(crate) fn sub(c: &AtomicU64, n: u64) {
     c.fetch_sub(n, Ordering::Relaxed);
 }
 

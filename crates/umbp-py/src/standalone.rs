@@ -233,15 +233,8 @@ impl StandaloneClient {
     /// "renewed", "missing" or "refused" (past the bytes a namespace may pin: the server's
     /// `--pin-namespace-bytes`). Pins outlive this client.
     fn pin(&self, py: Python<'_>, keys: &Keys, ttl_s: f64) -> Result<Vec<&'static str>> {
-        if !(ttl_s.is_finite() && ttl_s > 0.0) {
-            return Err(umbp_core::CoreError::option(
-                "ttl_s",
-                format!("{ttl_s} is not a positive number of seconds"),
-            )
-            .into());
-        }
+        let ttl = crate::store::pin_ttl(ttl_s)?;
         let c = self.live()?;
-        let ttl = std::time::Duration::from_secs_f64(ttl_s);
         let got = without_gil(py, || c.pin(&keys.keys, ttl))?;
         Ok(got.into_iter().map(umbp_core::PinOutcome::name).collect())
     }

@@ -27,6 +27,18 @@ pub(crate) struct EmbeddedStore {
     inner: ReleaseGilOnDrop<Arc<CoreStore>>,
 }
 
+/// A pin's `ttl_s` as a duration: a positive, finite number of seconds (both store classes).
+pub(crate) fn pin_ttl(ttl_s: f64) -> Result<std::time::Duration> {
+    if !(ttl_s.is_finite() && ttl_s > 0.0) {
+        return Err(umbp_core::CoreError::option(
+            "ttl_s",
+            format!("{ttl_s} is not a positive number of seconds"),
+        )
+        .into());
+    }
+    Ok(std::time::Duration::from_secs_f64(ttl_s))
+}
+
 pub(crate) fn to_u64s(v: Vec<i64>, what: &str) -> Result<Vec<u64>> {
     v.into_iter()
         .map(|x| {
@@ -335,15 +347,8 @@ impl EmbeddedStore {
     /// renews). Per key: "pinned", "renewed", "missing" (not in the pool) or "refused" (past
     /// the bytes a namespace, or the pool, may pin).
     fn pin(&self, py: Python<'_>, keys: &Keys, ttl_s: f64) -> Result<Vec<&'static str>> {
-        if !(ttl_s.is_finite() && ttl_s > 0.0) {
-            return Err(umbp_core::CoreError::option(
-                "ttl_s",
-                format!("{ttl_s} is not a positive number of seconds"),
-            )
-            .into());
-        }
+        let ttl = pin_ttl(ttl_s)?;
         let s = self.live()?;
-        let ttl = std::time::Duration::from_secs_f64(ttl_s);
         let got = without_gil(py, || s.pin(&keys.keys, ttl))?;
         Ok(got.into_iter().map(umbp_core::PinOutcome::name).collect())
     }
