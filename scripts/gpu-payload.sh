@@ -13,9 +13,9 @@
 #                                                                           .vllm-bundle/pay
 #   later calls, at once: bash scripts/gpu-serve-device.sh wait /tmp/pay 560
 #
-# go.sh takes ARMS, WORKLOADS, EXTRA (more bench_serve.py flags), CALL_S, DEADLINE_S and
-# COPY_VARIANTS (`umbp bench copy` runs first; "none" skips them). The machine goes back 30 s
-# after a call ends: issue the next call at once.
+# go.sh takes ARMS, WORKLOADS, TWIN_ARMS, REPEATS, EXTRA (more bench_serve.py flags), CALL_S,
+# DEADLINE_S and COPY_VARIANTS (`umbp bench copy` runs first; "none" skips them). The machine
+# goes back 30 s after a call ends: issue the next call at once.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -51,9 +51,9 @@ tar -xJf .vllm-bundle/pay/umbp-payload.tar.xz -C /tmp/pay
 cp .vllm-bundle/pay/lmcache-*.whl /tmp/pay/ 2>/dev/null || true
 cp -r tests /tmp/pay/
 case "${COPY_VARIANTS:-auto}" in none) export COPY_VARIANTS=" " ;; *) export COPY_VARIANTS=${COPY_VARIANTS:-auto} ;; esac
-export ARMS=${ARMS:-lmcache,native,umbp-embedded,umbp-standalone,none}
-export WORKLOADS=${WORKLOADS:-prefix2,prefix8,chat2,chat8,random,twin}
-export BENCH_ARGS="--repeats 2 --saturation-from $R/docs/results/serve-h100-2026-12-07.json --twin-arms umbp-standalone,umbp-embedded,native --arm-estimate-s 150 ${EXTRA:-}"
+export ARMS=${ARMS:-none,umbp-embedded,lmcache-local,native,umbp-standalone,lmcache}
+export WORKLOADS=${WORKLOADS:-twin,random,chat8,prefix8,chat2,prefix2}
+export BENCH_ARGS="--repeats ${REPEATS:-2} --saturation-from $R/docs/results/serve-h100-2026-12-07.json --twin-arms ${TWIN_ARMS:-umbp-standalone,native,umbp-embedded} --arm-estimate-s 150 ${EXTRA:-}"
 bash scripts/gpu-serve-device.sh start /tmp/pay "${CALL_S:-540}" "${DEADLINE_S:-1400}"
 EOF
 chmod +x "$PAY/go.sh"

@@ -342,7 +342,8 @@ def disk(d: dict, plt):
 ARM_STYLE = {
     "none": ("no offload", "black", "^", "--"),
     "native": ("vLLM native CPU offload", "tab:green", "D", "-"),
-    "lmcache": ("LMCache", "tab:purple", "v", "-"),
+    "lmcache": ("LMCache (its server)", "tab:purple", "v", "-"),
+    "lmcache-local": ("LMCache (in the engine)", "tab:pink", "<", "-"),
     "umbp-embedded": ("UMBP embedded", "tab:blue", "o", "-"),
     "umbp-standalone": ("UMBP standalone", "tab:orange", "s", "-"),
     "umbp-dma": ("UMBP embedded, DMA only", "tab:cyan", "P", ":"),

@@ -13,6 +13,7 @@ for every arm; only the KV tier differs:
 | none | prefix caching, no connector |
 | native | `--kv-offloading-backend native --kv-offloading-size D` |
 | lmcache | LMCache's multiprocess server (`--l1-size-gb D --eviction-policy LRU`) + its `LMCacheMPConnector` |
+| lmcache-local | LMCache in the engine's process (vLLM's `LMCacheConnectorV1`, `LMCACHE_LOCAL_CPU=True`, `LMCACHE_MAX_LOCAL_CPU_SIZE=D`) |
 | umbp-embedded | `UMBPStoreConnector`, `mode: embedded`, `total_capacity_bytes: D` |
 | umbp-standalone | `umbp_standalone_server --capacity D`, `mode: standalone` |
 | umbp-dma | umbp-embedded with `cuda_staging_bytes: 0`: the GPU's copy engines only, no staging kernels |
@@ -100,7 +101,15 @@ PRESETS: dict[str, dict] = {
         extra_engine_args=["--enforce-eager"],
     ),
 }
-ARMS = ("none", "native", "lmcache", "umbp-embedded", "umbp-standalone", "umbp-dma")
+ARMS = (
+    "none",
+    "native",
+    "lmcache",
+    "lmcache-local",
+    "umbp-embedded",
+    "umbp-standalone",
+    "umbp-dma",
+)
 
 
 def kv_bytes_per_token(shape: str) -> int:
@@ -155,7 +164,7 @@ class Run:
 
     # -- engines -----------------------------------------------------------------------------
 
-    def env(self, arm: str) -> dict:
+    def env(self, arm: str, gib: float | None = None) -> dict:
         env = dict(os.environ)
         env.update(
             PYTHONHASHSEED="0",
@@ -167,6 +176,14 @@ class Run:
             PYTHONPATH=os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p),
         )
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM CPU only
+        if arm == "lmcache-local":
+            # LMCache's own cache in the engine's process, sized like every arm's host budget
+            # (read from the environment by LMCache's config; no server, no config file).
+            env.update(
+                LMCACHE_LOCAL_CPU="True",
+                LMCACHE_MAX_LOCAL_CPU_SIZE=str(gib if gib is not None else self.cfg["host_gib"]),
+                LMCACHE_CHUNK_SIZE="256",
+            )
         if arm.startswith("umbp"):
             env["UMBP_VERIFY"] = "1"
             env["UMBP_VERIFY_GATE"] = str(self.root / f"verify-{arm}.on")
@@ -230,6 +247,15 @@ class Run:
                 },
             }
             return ["--kv-transfer-config", json.dumps(ktc)], srv
+        if arm == "lmcache-local":
+            # vLLM's in-tree connector class, which loads LMCache's adapter from its wheel; the
+            # cache lives in each engine's process (a twin gets one per engine).
+            ktc = {
+                "kv_connector": "LMCacheConnectorV1",
+                "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
+            }
+            return ["--kv-transfer-config", json.dumps(ktc)], None
         extra: dict = {"mode": "embedded", "total_capacity_bytes": cap, "lookup_instance": tag}
         if arm == "umbp-dma":
             # No staging slots: every piece moves by the copy engines (DMA), no SM kernels.
@@ -279,7 +305,7 @@ class Run:
             for tag in tags:
                 args = self.engine_args(gpu_blocks, gpu_util) + flags_by_tag[tag]
                 log = self.root / f"engine-{self.prefix}{arm}-{tag}.log"
-                engines.append(Serve(self.model, args, log, self.env(arm)))
+                engines.append(Serve(self.model, args, log, self.env(arm, gib)))
             watch = tuple(servers)
             startup = [e.wait_healthy(self.cfg["engine_timeout"], watch) for e in engines]
         except BaseException:
