@@ -15,6 +15,7 @@ from umbp._native import (
     StandaloneClient,
     Transfer,
     __version__,
+    counter_fields,
     memory_available,
     socket_path,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "Transfer",
     "TRANSFER_STATUSES",
     "socket_path",
+    "counter_fields",
     "memory_available",
     "ConfigError",
     "CudaError",

@@ -384,6 +384,12 @@ def socket_path(
     dir: str | os.PathLike[str], tag: str, dp_rank: int, worker: int
 ) -> pathlib.Path: ...
 def memory_available() -> tuple[int, str] | None: ...
+def counter_fields() -> list[tuple[str, list[tuple[str, str, str, str]]]]:
+    """Every group of counters a stats dict may hold ("disk", "remote"): its fields
+    `(name, kind, series, help)` in order, kind "counter", "gauge" or "flag" (a bool), series
+    the standalone server's Prometheus name of it."""
+    ...
+
 def connector_options(extra_json: str, kv_role: str | None = None) -> dict[str, Any]:
     """Validates `kv_connector_extra_config` (a JSON object) and `kv_role` against the options
     schema; every option, defaulted. Raises `ConfigError` naming a bad option."""

@@ -4,6 +4,7 @@ started again on the same directory."""
 
 import contextlib
 import errno
+import json
 import shutil
 import socket
 import subprocess
@@ -103,6 +104,10 @@ def test_evicted_objects_come_back_from_disk_byte_exact(tmp_path):
         ds = s.disk_stats()
         assert ds["writes"] > 0 and ds["objects"] > 0 and ds["corrupt"] == 0, ds
         assert s.stats()["disk"]["writes"] == ds["writes"]
+        # Embedded mode's dicts hold every counter of the disk group's model, a flag as a bool.
+        for name, kind, _series, _help in dict(umbp.counter_fields())["disk"]:
+            assert name in ds and name in s.stats()["disk"], name
+            assert isinstance(ds[name], bool) == (kind == "flag"), name
         keys0 = seed_keys(0)
         # Seed 0 was stored first: the evictor took it; lookups promote it back from disk.
         assert s.stats()["objects"] < SEEDS * BLOCKS
@@ -231,6 +236,9 @@ def test_a_restarted_server_finds_everything_the_last_one_held(tmp_path):
             c.register_memory(buf.ctypes.data, buf.nbytes)
             for seed in seeds:
                 store_seed(c, buf, seed)
+            # The client's dict of the server's disk group: every counter of the model.
+            names = [f[0] for f in dict(umbp.counter_fields())["disk"]]
+            assert sorted(c.stats()["disk"]) == sorted(names), c.stats()["disk"]
         wait_until(lambda: server.stats()["disk"]["writes"] > 0, what="the server's disk writes")
         wait_until(
             lambda: server.stats()["disk"]["backlog_bytes"] == 0, what="the disk backlog drained"
@@ -243,6 +251,13 @@ def test_a_restarted_server_finds_everything_the_last_one_held(tmp_path):
             prom = r.read().decode()
         for series in ("umbp_disk_objects", "umbp_disk_writes_total", "umbp_disk_drops_total"):
             assert f"\n{series} " in prom, prom
+        # Every counter of the disk group on every surface: the Python dict, `umbp stats
+        # --json`, Prometheus (one model renders them all; a counter missing anywhere fails).
+        fields = dict(umbp.counter_fields())["disk"]
+        as_json = json.loads(server.umbp("stats", "--json"))["disk"]
+        for name, _kind, series, _help in fields:
+            assert name in server.stats()["disk"] and name in as_json, name
+            assert f"\n{series} " in prom, series
         server.stop()  # SIGTERM, exit 0
         # A new server on the same directory, with room for all it promotes: the spilled
         # objects answer lookups and load.

@@ -2,6 +2,7 @@
 `umbp_standalone_server` processes standing in for two nodes, against a real three-node Redis
 cluster started from the distribution's `redis-server` (tests/redis_cluster.py)."""
 
+import json
 import socket
 import sys
 import time
@@ -201,6 +202,13 @@ def test_two_standalone_servers_share_objects_through_the_cluster(cluster, tmp_p
             prom = r.read().decode()
         assert f"umbp_remote_hits_total {peer.BLOCKS}" in prom, prom
         assert "umbp_remote_connected 1" in prom, prom
+        # Every counter of the remote group on every surface (one model renders them all).
+        as_json = json.loads(sb.umbp("stats", "--json"))["remote"]
+        for name, kind, series, _help in dict(umbp.counter_fields())["remote"]:
+            assert name in st["remote"] and name in as_json, name
+            assert f"\n{series} " in prom, series
+            if kind == "flag":
+                assert isinstance(st["remote"][name], bool), name
 
 
 def test_an_engine_reset_clears_its_namespace_in_the_remote_tier(cluster, tmp_path):

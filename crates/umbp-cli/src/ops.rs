@@ -118,54 +118,14 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
     }
     let raw = a.target.raw()?;
     let s = raw.stats()?;
-    let remote = s.remote.as_ref().map(|r| {
-        json!({
-                    "lookup_keys": r.lookup_keys,
-                    "hits": r.hits,
-                    "misses": r.misses,
-                    "corrupt": r.corrupt,
-                    "timeouts": r.timeouts,
-                    "skipped_lookups": r.skipped_lookups,
-                    "bytes_fetched": r.bytes_fetched,
-                    "writes": r.writes,
-                    "bytes_written": r.bytes_written,
-                    "writes_dropped": r.writes_dropped,
-                    "writes_evicted": r.writes_evicted,
-                    "errors": r.errors,
-                    "connected": r.connected,
-                    "backlog_bytes": r.backlog_bytes,
-        })
-    });
-    let disk = s.disk.as_ref().map(|d| {
-        json!({
-                    "capacity_bytes": d.capacity_bytes,
-                    "used_bytes": d.used_bytes,
-                    "objects": d.objects,
-                    "writes": d.writes,
-                    "bytes_written": d.bytes_written,
-                    "writes_dropped": d.writes_dropped,
-                    "write_errors": d.write_errors,
-                    "backlog_bytes": d.backlog_bytes,
-                    "lookup_keys": d.lookup_keys,
-                    "hits": d.hits,
-                    "misses": d.misses,
-                    "corrupt": d.corrupt,
-                    "read_errors": d.read_errors,
-                    "timeouts": d.timeouts,
-                    "bytes_read": d.bytes_read,
-                    "segments_evicted": d.segments_evicted,
-                    "rebuilt_objects": d.rebuilt_objects,
-                    "rebuild_us": d.rebuild_us,
-                    "direct_io": d.direct_io == 1,
-                    "eager_queued": d.eager_queued,
-                    "eager_gone": d.eager_gone,
-                    "already_present": d.already_present,
-                    "evicted_queued": d.evicted_queued,
-                    "evicted_copied": d.evicted_copied,
-                    "evicted_dropped": d.evicted_dropped,
-                    "removed": d.removed,
-        })
-    });
+    let remote: Option<umbp_store::RemoteStats> = s
+        .remote
+        .as_ref()
+        .map(|r| umbp_proto::counters::from_wire(&r.counters));
+    let disk: Option<umbp_store::DiskStats> = s
+        .disk
+        .as_ref()
+        .map(|d| umbp_proto::counters::from_wire(&d.counters));
     if a.json {
         println!(
             "{}",
@@ -210,8 +170,8 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "integrity_sample_every": s.integrity_sample_every,
                 "verified": s.verified,
                 "corrupt_detected": s.corrupt_detected,
-                "remote": remote,
-                "disk": disk,
+                "remote": remote.as_ref().map(counters_json),
+                "disk": disk.as_ref().map(counters_json),
             })
         );
         return Ok(());
@@ -291,7 +251,7 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
     println!("  cuda imports         {}", s.cuda_imports);
     println!("  transfer channels    {}", s.transfer_channels);
     println!("  pending descriptors  {}", s.pending_descriptors);
-    match &s.remote {
+    match &remote {
         None => println!("remote tier          off (--remote-url)"),
         Some(r) => {
             println!(
@@ -318,7 +278,7 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
             println!("  errors               {}", r.errors);
         }
     }
-    match &s.disk {
+    match &disk {
         None => println!("disk tier            off (--disk-dir)"),
         Some(d) => {
             println!(
@@ -379,6 +339,19 @@ pub fn clear(a: &ClearArgs) -> Result<()> {
         ),
     }
     Ok(())
+}
+
+/// A group of counters as a JSON object, every field of its model by name (a flag as a bool).
+fn counters_json<S: umbp_core::CounterSet>(s: &S) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    for (f, v) in s.pairs() {
+        let v = match f.kind {
+            umbp_core::CounterKind::Flag => json!(v != 0),
+            umbp_core::CounterKind::Counter | umbp_core::CounterKind::Gauge => json!(v),
+        };
+        m.insert(f.name.to_owned(), v);
+    }
+    serde_json::Value::Object(m)
 }
 
 #[cfg(test)]

@@ -56,7 +56,11 @@ impl Source {
         match self {
             Source::Server(raw) => {
                 let s = raw.stats()?;
-                let (remote, remote_hits) = match &s.remote {
+                let remote: Option<umbp_store::RemoteStats> = s
+                    .remote
+                    .as_ref()
+                    .map(|r| umbp_proto::counters::from_wire(&r.counters));
+                let (remote, remote_hits) = match &remote {
                     None => ("off".to_owned(), 0),
                     Some(r) if r.connected => ("up".to_owned(), r.hits),
                     Some(r) => ("down".to_owned(), r.hits),

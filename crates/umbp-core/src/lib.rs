@@ -7,6 +7,8 @@
 //!   can be built from what the engine's tensors really look like.
 //! * [`integrity`]: whether objects are checksummed and how many loads verify them
 //!   ([`Integrity`]).
+//! * [`counters`]: the one model of a group of counters ([`counter_set!`]), from which every
+//!   surface (wire, Python, Prometheus, CLI) is rendered.
 //! * [`config`]: pool configuration ([`PoolConfig`]) with up-front validation.
 //! * [`outcome`]: the one vocabulary of failures ([`ErrorKind`]) and per-key outcomes
 //!   ([`KeyOutcome`], [`FailureKind`]) every crate and both modes use.
@@ -23,6 +25,7 @@
 pub mod address;
 pub mod caching;
 pub mod config;
+pub mod counters;
 pub mod error;
 pub mod integrity;
 pub mod key;
@@ -34,6 +37,7 @@ pub mod strided;
 
 pub use caching::{Admit, EvictionPolicy, StoreAdmission};
 pub use config::{HugepageSize, MemoryBacking, PoolConfig, DEFAULT_LOOKUP_LEASE_MS};
+pub use counters::{CounterSet, Field as CounterField, Kind as CounterKind};
 pub use error::CoreError;
 pub use integrity::Integrity;
 pub use key::{BlockKey, KeyBuilder, RankTopology};

@@ -2,70 +2,71 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A snapshot of the disk tier's counters (totals since start-up unless said otherwise).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DiskStats {
-    /// The configured size in bytes.
-    pub capacity_bytes: u64,
-    /// Bytes the segment files take now.
-    pub used_bytes: u64,
-    /// Objects the index holds now.
-    pub objects: u64,
-    /// Objects written.
-    pub writes: u64,
-    /// Bytes of objects written (without headers and padding).
-    pub bytes_written: u64,
-    /// Objects not written because the backlog was full or the tier closing.
-    pub writes_dropped: u64,
-    /// Objects not written because of an I/O error (disk full, directory gone, ...).
-    pub write_errors: u64,
-    /// Bytes of objects waiting to be written now.
-    pub backlog_bytes: u64,
-    /// Keys asked of the disk by lookups.
-    pub lookup_keys: u64,
-    /// Objects read back and handed over (promoted).
-    pub hits: u64,
-    /// Keys the disk did not hold (or could not hand over).
-    pub misses: u64,
-    /// Objects whose header, key, length or checksum was wrong (misses, dropped from the
-    /// index).
-    pub corrupt: u64,
-    /// Reads that failed with an I/O error (misses).
-    pub read_errors: u64,
-    /// Keys whose read had not finished by the lookup's deadline (misses).
-    pub timeouts: u64,
-    /// Bytes read back.
-    pub bytes_read: u64,
-    /// Segments dropped to make room (oldest first).
-    pub segments_evicted: u64,
-    /// Objects dropped with them.
-    pub objects_evicted: u64,
-    /// Objects found on disk at start-up.
-    pub rebuilt_objects: u64,
-    /// Microseconds the start-up index rebuild took.
-    pub rebuild_us: u64,
-    /// 1 when files are read and written with direct I/O (`O_DIRECT`).
-    pub direct_io: u64,
-    /// Objects queued for writing when committed (eager writes, `disk_write = "eager"`).
-    pub eager_queued: u64,
-    /// Eagerly queued objects that had left the pool before their write (evicted ones are
-    /// queued again by the eviction; removed ones are not written).
-    pub eager_gone: u64,
-    /// Objects handed over (evicted) that the disk held or had queued already: released at
-    /// once, not written again.
-    pub already_present: u64,
-    /// Objects handed over (evicted) that were queued to be written behind. Every object the
-    /// pool evicts is handed over, so the pool's `evictions` equal `evicted_queued +
-    /// evicted_dropped + already_present`.
-    pub evicted_queued: u64,
-    /// Of `evicted_queued`, those a store that found the pool full evicted: their bytes were
-    /// copied out of the pool (which needed the memory at once) into the backlog.
-    pub evicted_copied: u64,
-    /// Objects handed over (evicted) that were not queued: the backlog had no room for them
-    /// or the tier was closing (also in `writes_dropped`).
-    pub evicted_dropped: u64,
-    /// Objects removed from the disk tier by `evict`, `clear_namespace` or `clear`.
-    pub removed: u64,
+umbp_core::counter_set! {
+    /// A snapshot of the disk tier's counters (totals since start-up unless said otherwise).
+    pub struct DiskStats: "disk" {
+        /// The configured size in bytes.
+        gauge capacity_bytes: u64,
+        /// Bytes the segment files take now.
+        gauge used_bytes: u64 as "bytes",
+        /// Objects the index holds now.
+        gauge objects: u64,
+        /// Objects written.
+        counter writes: u64,
+        /// Bytes of objects written (without headers and padding).
+        counter bytes_written: u64 as "written_bytes",
+        /// Objects not written because the backlog was full or the tier closing.
+        counter writes_dropped: u64 as "drops",
+        /// Objects not written because of an I/O error (disk full, directory gone, ...).
+        counter write_errors: u64,
+        /// Bytes of objects waiting to be written now.
+        gauge backlog_bytes: u64,
+        /// Keys asked of the disk by lookups.
+        counter lookup_keys: u64,
+        /// Objects read back and handed over (promoted).
+        counter hits: u64 as "promotions",
+        /// Keys the disk did not hold (or could not hand over).
+        counter misses: u64,
+        /// Objects whose header, key, length or checksum was wrong (misses, dropped from the
+        /// index).
+        counter corrupt: u64 as "misses_corrupt",
+        /// Reads that failed with an I/O error (misses).
+        counter read_errors: u64,
+        /// Keys whose read had not finished by the lookup's deadline (misses).
+        counter timeouts: u64,
+        /// Bytes read back.
+        counter bytes_read: u64 as "read_bytes",
+        /// Segments dropped to make room (oldest first).
+        counter segments_evicted: u64,
+        /// Objects dropped with them.
+        counter objects_evicted: u64,
+        /// Objects found on disk at start-up.
+        gauge rebuilt_objects: u64,
+        /// Microseconds the start-up index rebuild took.
+        gauge rebuild_us: u64,
+        /// 1 when files are read and written with direct I/O (`O_DIRECT`).
+        flag direct_io: u64,
+        /// Objects queued for writing when committed (eager writes, `disk_write = "eager"`).
+        counter eager_queued: u64,
+        /// Eagerly queued objects that had left the pool before their write (evicted ones are
+        /// queued again by the eviction; removed ones are not written).
+        counter eager_gone: u64,
+        /// Objects handed over (evicted) that the disk held or had queued already: released at
+        /// once, not written again.
+        counter already_present: u64,
+        /// Objects handed over (evicted) that were queued to be written behind. Every object the
+        /// pool evicts is handed over, so the pool's `evictions` equal `evicted_queued +
+        /// evicted_dropped + already_present`.
+        counter evicted_queued: u64,
+        /// Of `evicted_queued`, those a store that found the pool full evicted: their bytes were
+        /// copied out of the pool (which needed the memory at once) into the backlog.
+        counter evicted_copied: u64,
+        /// Objects handed over (evicted) that were not queued: the backlog had no room for them
+        /// or the tier was closing (also in `writes_dropped`).
+        counter evicted_dropped: u64,
+        /// Objects removed from the disk tier by `evict`, `clear_namespace` or `clear`.
+        counter removed: u64,
+    }
 }
 
 /// The live counters behind [`DiskStats`].

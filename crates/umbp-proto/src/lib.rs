@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 pub mod channel;
 pub mod completion;
+pub mod counters;
 pub mod errors;
 pub mod outcomes;
 pub mod peer;

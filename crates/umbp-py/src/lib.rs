@@ -35,6 +35,35 @@ fn memory_available(py: Python<'_>) -> Option<(u64, String)> {
     })
 }
 
+/// One field of a group of counters: name, kind, Prometheus series, help.
+type FieldRow = (&'static str, &'static str, String, String);
+
+/// Every group of counters a stats dict may hold (`"disk"`, `"remote"`), each a list of its
+/// fields `(name, kind, series, help)` in order, from the groups' one model
+/// (`umbp_core::counters`): what `disk_stats()`, `remote_stats()` and a standalone `stats()`
+/// report under those keys, and the server's Prometheus series of each.
+#[pyfunction]
+fn counter_fields() -> Vec<(&'static str, Vec<FieldRow>)> {
+    fn group<S: umbp_core::CounterSet>() -> (&'static str, Vec<FieldRow>) {
+        let fields = S::FIELDS
+            .iter()
+            .map(|f| {
+                let kind = match f.kind {
+                    umbp_core::CounterKind::Counter => "counter",
+                    umbp_core::CounterKind::Gauge => "gauge",
+                    umbp_core::CounterKind::Flag => "flag",
+                };
+                (f.name, kind, f.series(S::GROUP), f.help())
+            })
+            .collect();
+        (S::GROUP, fields)
+    }
+    vec![
+        group::<umbp_store::DiskStats>(),
+        group::<umbp_store::RemoteStats>(),
+    ]
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Route Rust `log` records to Python's `logging` (logger names start with "umbp").
@@ -57,6 +86,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<standalone::StandaloneClient>()?;
     m.add_function(wrap_pyfunction!(lookup::socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(memory_available, m)?)?;
+    m.add_function(wrap_pyfunction!(counter_fields, m)?)?;
     options::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -391,62 +391,15 @@ impl StandaloneClient {
         d.set_item("corrupt_detected", corrupt_detected)?;
         let remote = remote
             .map(|r| {
-                crate::store::remote_stats_dict(
-                    py,
-                    &umbp_store::RemoteStats {
-                        lookup_keys: r.lookup_keys,
-                        hits: r.hits,
-                        misses: r.misses,
-                        corrupt: r.corrupt,
-                        timeouts: r.timeouts,
-                        skipped_lookups: r.skipped_lookups,
-                        bytes_fetched: r.bytes_fetched,
-                        writes: r.writes,
-                        bytes_written: r.bytes_written,
-                        writes_dropped: r.writes_dropped,
-                        writes_evicted: r.writes_evicted,
-                        errors: r.errors,
-                        connected: r.connected,
-                        backlog_bytes: r.backlog_bytes,
-                    },
-                )
+                let r: umbp_store::RemoteStats = umbp_proto::counters::from_wire(&r.counters);
+                crate::store::counters_dict(py, &r)
             })
             .transpose()?;
         d.set_item("remote", remote)?;
         let disk = disk
             .map(|x| {
-                crate::store::disk_stats_dict(
-                    py,
-                    &umbp_store::DiskStats {
-                        capacity_bytes: x.capacity_bytes,
-                        used_bytes: x.used_bytes,
-                        objects: x.objects,
-                        writes: x.writes,
-                        bytes_written: x.bytes_written,
-                        writes_dropped: x.writes_dropped,
-                        write_errors: x.write_errors,
-                        backlog_bytes: x.backlog_bytes,
-                        lookup_keys: x.lookup_keys,
-                        hits: x.hits,
-                        misses: x.misses,
-                        corrupt: x.corrupt,
-                        read_errors: x.read_errors,
-                        timeouts: x.timeouts,
-                        bytes_read: x.bytes_read,
-                        segments_evicted: x.segments_evicted,
-                        objects_evicted: x.objects_evicted,
-                        rebuilt_objects: x.rebuilt_objects,
-                        rebuild_us: x.rebuild_us,
-                        direct_io: x.direct_io,
-                        eager_queued: x.eager_queued,
-                        eager_gone: x.eager_gone,
-                        already_present: x.already_present,
-                        evicted_queued: x.evicted_queued,
-                        evicted_copied: x.evicted_copied,
-                        evicted_dropped: x.evicted_dropped,
-                        removed: x.removed,
-                    },
-                )
+                let x: umbp_store::DiskStats = umbp_proto::counters::from_wire(&x.counters);
+                crate::store::counters_dict(py, &x)
             })
             .transpose()?;
         d.set_item("disk", disk)?;

@@ -6,14 +6,14 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use umbp_copy::{Direction, JobHandle};
-use umbp_core::Admit;
 use umbp_core::{
     options, EvictionPolicy, GroupLayout, HugepageSize, Integrity, KvLayout, LayerSpec,
     LayoutSummary, MemoryBacking, PoolConfig, StoreAdmission, TensorView,
 };
+use umbp_core::{Admit, CounterKind, CounterSet};
 use umbp_store::{
-    CopyMethod, CudaOptions, DiskConfig, DiskStats, DiskWrite, EmbeddedStore as CoreStore,
-    RemoteConfig, RemoteStats, StoreConfig, StoreError, WritePolicy,
+    CopyMethod, CudaOptions, DiskConfig, DiskWrite, EmbeddedStore as CoreStore, RemoteConfig,
+    StoreConfig, StoreError, WritePolicy,
 };
 
 use crate::errors::{Error, Result};
@@ -494,7 +494,7 @@ impl EmbeddedStore {
     fn disk_stats<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyDict>>> {
         let st = self.live()?;
         without_gil(py, || st.disk_stats())
-            .map(|s| disk_stats_dict(py, &s))
+            .map(|s| counters_dict(py, &s))
             .transpose()
     }
 
@@ -512,7 +512,7 @@ impl EmbeddedStore {
     fn remote_stats<'py>(&self, py: Python<'py>) -> Result<Option<Bound<'py, PyDict>>> {
         let st = self.live()?;
         without_gil(py, || st.remote_stats())
-            .map(|s| remote_stats_dict(py, &s))
+            .map(|s| counters_dict(py, &s))
             .transpose()
     }
 
@@ -586,7 +586,7 @@ impl EmbeddedStore {
             },
         )?;
         let disk = without_gil(py, || st.disk_stats());
-        d.set_item("disk", disk.map(|s| disk_stats_dict(py, &s)).transpose()?)?;
+        d.set_item("disk", disk.map(|s| counters_dict(py, &s)).transpose()?)?;
         Ok(d)
     }
 
@@ -722,113 +722,19 @@ pub(crate) fn summary_dicts<'py>(
         .collect()
 }
 
-/// The remote tier's counters as a dict (embedded `remote_stats()`, standalone `stats()["remote"]`).
-pub(crate) fn remote_stats_dict<'py>(
+/// A group of counters as a dict, every field of its model by name (a flag as a bool): the
+/// remote tier's (embedded `remote_stats()`, standalone `stats()["remote"]`), the disk tier's
+/// (`disk_stats()`, `stats()["disk"]`).
+pub(crate) fn counters_dict<'py, S: CounterSet>(
     py: Python<'py>,
-    s: &RemoteStats,
+    s: &S,
 ) -> Result<Bound<'py, PyDict>> {
-    // Every field, by name: a counter added to the tier fails to compile here.
-    let RemoteStats {
-        lookup_keys,
-        hits,
-        misses,
-        corrupt,
-        timeouts,
-        skipped_lookups,
-        bytes_fetched,
-        writes,
-        bytes_written,
-        writes_dropped,
-        writes_evicted,
-        errors,
-        connected,
-        backlog_bytes,
-    } = *s;
     let d = PyDict::new(py);
-    for (k, v) in [
-        ("lookup_keys", lookup_keys),
-        ("hits", hits),
-        ("misses", misses),
-        ("corrupt", corrupt),
-        ("timeouts", timeouts),
-        ("skipped_lookups", skipped_lookups),
-        ("bytes_fetched", bytes_fetched),
-        ("writes", writes),
-        ("bytes_written", bytes_written),
-        ("writes_dropped", writes_dropped),
-        ("writes_evicted", writes_evicted),
-        ("errors", errors),
-        ("backlog_bytes", backlog_bytes),
-    ] {
-        d.set_item(k, v)?;
-    }
-    d.set_item("connected", connected)?;
-    Ok(d)
-}
-
-/// The disk tier's counters as a dict (embedded `disk_stats()`, standalone `stats()["disk"]`).
-pub(crate) fn disk_stats_dict<'py>(py: Python<'py>, s: &DiskStats) -> Result<Bound<'py, PyDict>> {
-    // Every field, by name: a counter added to the tier fails to compile here.
-    let DiskStats {
-        capacity_bytes,
-        used_bytes,
-        objects,
-        writes,
-        bytes_written,
-        writes_dropped,
-        write_errors,
-        backlog_bytes,
-        lookup_keys,
-        hits,
-        misses,
-        corrupt,
-        read_errors,
-        timeouts,
-        bytes_read,
-        segments_evicted,
-        objects_evicted,
-        rebuilt_objects,
-        rebuild_us,
-        direct_io,
-        eager_queued,
-        eager_gone,
-        already_present,
-        evicted_queued,
-        evicted_copied,
-        evicted_dropped,
-        removed,
-    } = *s;
-    let d = PyDict::new(py);
-    for (k, v) in [
-        ("capacity_bytes", capacity_bytes),
-        ("used_bytes", used_bytes),
-        ("objects", objects),
-        ("writes", writes),
-        ("bytes_written", bytes_written),
-        ("writes_dropped", writes_dropped),
-        ("write_errors", write_errors),
-        ("backlog_bytes", backlog_bytes),
-        ("lookup_keys", lookup_keys),
-        ("hits", hits),
-        ("misses", misses),
-        ("corrupt", corrupt),
-        ("read_errors", read_errors),
-        ("timeouts", timeouts),
-        ("bytes_read", bytes_read),
-        ("segments_evicted", segments_evicted),
-        ("objects_evicted", objects_evicted),
-        ("rebuilt_objects", rebuilt_objects),
-        ("rebuild_us", rebuild_us),
-        ("direct_io", direct_io),
-        ("eager_queued", eager_queued),
-        ("eager_gone", eager_gone),
-        ("already_present", already_present),
-        ("evicted_queued", evicted_queued),
-        ("evicted_copied", evicted_copied),
-        ("evicted_dropped", evicted_dropped),
-        ("removed", removed),
-    ] {
-        d.set_item(k, v)?;
+    for (f, v) in s.pairs() {
+        match f.kind {
+            CounterKind::Flag => d.set_item(f.name, v != 0)?,
+            CounterKind::Counter | CounterKind::Gauge => d.set_item(f.name, v)?,
+        }
     }
     Ok(d)
 }

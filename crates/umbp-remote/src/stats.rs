@@ -3,38 +3,40 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// Counters of the remote tier.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RemoteStats {
-    /// Keys the pool missed that were asked of the remote store.
-    pub lookup_keys: u64,
-    /// Objects fetched, checked and put in the pool.
-    pub hits: u64,
-    /// Keys the remote store did not have.
-    pub misses: u64,
-    /// Values rejected by their header or checksum (counted as misses too).
-    pub corrupt: u64,
-    /// Lookups that gave up waiting after the timeout.
-    pub timeouts: u64,
-    /// Lookups answered without asking because the remote was down (back-off) or busy.
-    pub skipped_lookups: u64,
-    /// Bytes fetched into the pool.
-    pub bytes_fetched: u64,
-    /// Objects written.
-    pub writes: u64,
-    /// Bytes written (payloads).
-    pub bytes_written: u64,
-    /// Objects not written: backlog full, or the remote down or failing.
-    pub writes_dropped: u64,
-    /// Objects that left the pool before their turn to be written.
-    pub writes_evicted: u64,
-    /// Failed requests (connects, commands, timeouts).
-    pub errors: u64,
-    /// Whether the last request succeeded.
-    pub connected: bool,
-    /// Bytes waiting to be written.
-    pub backlog_bytes: u64,
+umbp_core::counter_set! {
+    /// Counters of the remote tier.
+    pub struct RemoteStats: "remote" {
+        /// Keys the pool missed that were asked of the remote store.
+        counter lookup_keys: u64,
+        /// Objects fetched, checked and put in the pool.
+        counter hits: u64,
+        /// Keys the remote store did not have.
+        counter misses: u64,
+        /// Values rejected by their header or checksum (counted as misses too).
+        counter corrupt: u64,
+        /// Lookups that gave up waiting after the timeout.
+        counter timeouts: u64,
+        /// Lookups answered without asking because the remote was down (back-off) or busy.
+        counter skipped_lookups: u64,
+        /// Bytes fetched into the pool.
+        counter bytes_fetched: u64 as "fetched_bytes",
+        /// Objects written.
+        counter writes: u64,
+        /// Bytes written (payloads).
+        counter bytes_written: u64 as "written_bytes",
+        /// Objects not written: backlog full, or the remote down or failing.
+        counter writes_dropped: u64,
+        /// Objects that left the pool before their turn to be written.
+        counter writes_evicted: u64,
+        /// Failed requests (connects, commands, timeouts).
+        counter errors: u64,
+        /// Whether the last request succeeded.
+        flag connected: bool,
+        /// Bytes waiting to be written.
+        gauge backlog_bytes: u64,
+    }
 }
+
 /// The live counters behind [`RemoteStats`], plus what `flush` needs to know.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {

@@ -5,6 +5,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use umbp_core::{CounterKind, CounterSet};
+
 /// Upper bounds of the transfer latency buckets, in seconds.
 const BUCKETS: [f64; 14] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
@@ -103,133 +105,18 @@ pub(crate) struct Gauges {
     pub(crate) disk: Option<umbp_store::DiskStats>,
 }
 
-/// The disk tier's series (with --disk-dir).
-fn disk_series(
-    o: &mut String,
-    d: &umbp_store::DiskStats,
-    gauge: impl Fn(&mut String, &str, &str, u64),
-    counter: impl Fn(&mut String, &str, &str, u64),
-) {
-    for (name, help, v) in [
-        ("disk_objects", "Objects the disk tier holds.", d.objects),
-        (
-            "disk_bytes",
-            "Bytes the disk tier's segment files take.",
-            d.used_bytes,
-        ),
-        (
-            "disk_capacity_bytes",
-            "The disk tier's configured size (--disk-capacity).",
-            d.capacity_bytes,
-        ),
-        (
-            "disk_backlog_bytes",
-            "Bytes of objects waiting to be written to disk.",
-            d.backlog_bytes,
-        ),
-    ] {
-        gauge(o, name, help, v);
+/// Every field of a group of counters (the disk tier's, the remote tier's) as its series,
+/// named, typed and described by the group's model (`umbp_core::counters`).
+fn group_series<S: CounterSet>(o: &mut String, s: &S) {
+    for (f, v) in s.pairs() {
+        let name = f.series(S::GROUP);
+        let kind = match f.kind {
+            CounterKind::Counter => "counter",
+            CounterKind::Gauge | CounterKind::Flag => "gauge",
+        };
+        let help = f.help().replace('\\', "\\\\");
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
     }
-    for (name, help, v) in [
-        (
-            "disk_writes_total",
-            "Objects written to the disk tier.",
-            d.writes,
-        ),
-        (
-            "disk_written_bytes_total",
-            "Bytes of objects written to the disk tier.",
-            d.bytes_written,
-        ),
-        (
-            "disk_drops_total",
-            "Objects not written to disk (backlog full or closing).",
-            d.writes_dropped,
-        ),
-        (
-            "disk_lookup_keys_total",
-            "Keys the pool missed that were asked of the disk tier.",
-            d.lookup_keys,
-        ),
-        (
-            "disk_promotions_total",
-            "Objects read back from disk into the pool.",
-            d.hits,
-        ),
-        (
-            "disk_misses_total",
-            "Keys the disk tier did not hold or could not hand over.",
-            d.misses,
-        ),
-        (
-            "disk_misses_corrupt_total",
-            "Objects whose header, key, length or checksum was wrong (misses).",
-            d.corrupt,
-        ),
-        (
-            "disk_timeouts_total",
-            "Disk reads not finished by the lookup's deadline (misses).",
-            d.timeouts,
-        ),
-        (
-            "disk_read_bytes_total",
-            "Bytes read back from disk.",
-            d.bytes_read,
-        ),
-        (
-            "disk_errors_total",
-            "Disk reads and writes that failed with an I/O error.",
-            d.read_errors + d.write_errors,
-        ),
-        (
-            "disk_segments_evicted_total",
-            "Disk segments dropped to make room, oldest first.",
-            d.segments_evicted,
-        ),
-        (
-            "disk_eager_queued_total",
-            "Objects queued for the disk tier when stored (--disk-write eager).",
-            d.eager_queued,
-        ),
-        (
-            "disk_eager_gone_total",
-            "Eagerly queued objects that left the pool before their write.",
-            d.eager_gone,
-        ),
-        (
-            "disk_already_present_total",
-            "Evicted objects the disk tier held already: freed at once, not written again.",
-            d.already_present,
-        ),
-        (
-            "disk_evicted_queued_total",
-            "Evicted objects queued to be written to the disk tier.",
-            d.evicted_queued,
-        ),
-        (
-            "disk_evicted_copied_total",
-            "Evicted objects of stores that found the pool full, copied into the disk backlog.",
-            d.evicted_copied,
-        ),
-        (
-            "disk_evicted_dropped_total",
-            "Evicted objects not queued for the disk tier (backlog full or closing).",
-            d.evicted_dropped,
-        ),
-        (
-            "disk_removed_total",
-            "Objects removed from the disk tier by evict or clear.",
-            d.removed,
-        ),
-    ] {
-        counter(o, name, help, v);
-    }
-    gauge(
-        o,
-        "disk_rebuilt_objects",
-        "Objects found on disk at start-up.",
-        d.rebuilt_objects,
-    );
 }
 
 impl Metrics {
@@ -365,85 +252,16 @@ impl Metrics {
             g.corrupt_detected,
         );
         if let Some(r) = &g.remote {
-            for (name, help, v) in [
-                (
-                    "remote_lookup_keys_total",
-                    "Keys the pool missed that were asked of the remote tier.",
-                    r.lookup_keys,
-                ),
-                (
-                    "remote_hits_total",
-                    "Objects fetched from the remote tier into the pool.",
-                    r.hits,
-                ),
-                (
-                    "remote_misses_total",
-                    "Keys the remote tier did not have (or had corrupted).",
-                    r.misses,
-                ),
-                (
-                    "remote_corrupt_total",
-                    "Remote values rejected by their header or checksum.",
-                    r.corrupt,
-                ),
-                (
-                    "remote_timeouts_total",
-                    "Lookups that stopped waiting for the remote tier.",
-                    r.timeouts,
-                ),
-                (
-                    "remote_skipped_lookups_total",
-                    "Lookups that did not ask the remote tier (down or busy).",
-                    r.skipped_lookups,
-                ),
-                (
-                    "remote_fetched_bytes_total",
-                    "Bytes fetched from the remote tier.",
-                    r.bytes_fetched,
-                ),
-                (
-                    "remote_writes_total",
-                    "Objects written to the remote tier.",
-                    r.writes,
-                ),
-                (
-                    "remote_written_bytes_total",
-                    "Bytes written to the remote tier.",
-                    r.bytes_written,
-                ),
-                (
-                    "remote_writes_dropped_total",
-                    "Objects not written (backlog full, remote down or failing).",
-                    r.writes_dropped,
-                ),
-                (
-                    "remote_writes_evicted_total",
-                    "Objects evicted from the pool before being written.",
-                    r.writes_evicted,
-                ),
-                (
-                    "remote_errors_total",
-                    "Failed requests to the remote tier.",
-                    r.errors,
-                ),
-            ] {
-                counter(&mut o, name, help, v);
-            }
-            gauge(
-                &mut o,
-                "remote_connected",
-                "1 when the last remote request succeeded.",
-                u64::from(r.connected),
-            );
-            gauge(
-                &mut o,
-                "remote_backlog_bytes",
-                "Bytes waiting to be written to the remote tier.",
-                r.backlog_bytes,
-            );
+            group_series(&mut o, r);
         }
         if let Some(d) = &g.disk {
-            disk_series(&mut o, d, gauge, counter);
+            group_series(&mut o, d);
+            counter(
+                &mut o,
+                "disk_errors_total",
+                "Disk reads and writes that failed with an I/O error (read_errors + write_errors).",
+                d.read_errors + d.write_errors,
+            );
         }
         gauge(&mut o, "sessions", "Attached client sessions.", g.sessions);
         gauge(
@@ -538,5 +356,52 @@ impl Metrics {
             .latency
             .render(&mut o, "umbp_transfer_seconds", "direction=\"load\"");
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every counter of every tier group reaches Prometheus, typed as its model says: a field
+    /// added to a group without a series, or a series that lost its type line, fails here.
+    #[test]
+    fn every_counter_of_the_tier_groups_is_a_series() {
+        let g = Gauges {
+            remote: Some(umbp_store::RemoteStats::default()),
+            disk: Some(umbp_store::DiskStats::default()),
+            ..Gauges::default()
+        };
+        let text = Metrics::default().render(&g);
+        fn check<S: CounterSet>(text: &str) {
+            for f in S::FIELDS {
+                let name = f.series(S::GROUP);
+                let kind = match f.kind {
+                    CounterKind::Counter => "counter",
+                    CounterKind::Gauge | CounterKind::Flag => "gauge",
+                };
+                assert!(
+                    text.contains(&format!("# TYPE {name} {kind}\n{name} 0\n")),
+                    "{} {} has no series {name} in:\n{text}",
+                    S::GROUP,
+                    f.name
+                );
+                assert!(text.contains(&format!("# HELP {name} ")), "{name}: no help");
+            }
+        }
+        check::<umbp_store::RemoteStats>(&text);
+        check::<umbp_store::DiskStats>(&text);
+        // The names dashboards know, from before the model.
+        for old in [
+            "umbp_disk_bytes ",
+            "umbp_disk_promotions_total ",
+            "umbp_disk_drops_total ",
+            "umbp_disk_errors_total ",
+            "umbp_remote_fetched_bytes_total ",
+            "umbp_remote_connected ",
+            "umbp_remote_writes_evicted_total ",
+        ] {
+            assert!(text.contains(old), "{old} is gone");
+        }
     }
 }

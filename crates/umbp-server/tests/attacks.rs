@@ -593,7 +593,8 @@ fn a_disk_dir_others_could_change_is_refused_and_planted_links_are_not_followed(
     }
     let t = Instant::now();
     let disk = loop {
-        let d = stats(&server.endpoint).disk.unwrap();
+        let d: umbp_store::DiskStats =
+            umbp_proto::counters::from_wire(&stats(&server.endpoint).disk.unwrap().counters);
         if (d.write_errors > 0 && d.backlog_bytes == 0) || t.elapsed() > Duration::from_secs(30) {
             break d;
         }

@@ -109,7 +109,11 @@ counters! {
 
 impl Snapshot {
     pub(crate) fn from_server(s: &ServerStats) -> Self {
-        let d = s.disk.unwrap_or_default();
+        let d: umbp_disk::DiskStats = s
+            .disk
+            .as_ref()
+            .map(|d| umbp_proto::counters::from_wire(&d.counters))
+            .unwrap_or_default();
         Snapshot {
             capacity_bytes: s.capacity_bytes,
             used_bytes: s.used_bytes,
