@@ -4,7 +4,9 @@ time is evicted; pins are bounded per namespace, renewable and released, and eve
 counted. A real EmbeddedStore of 4 MiB (both eviction policies), and a real
 `umbp_standalone_server` whose pins, made by one engine, outlive it and serve another."""
 
+import socket
 import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +57,7 @@ def test_a_pinned_prefix_survives_a_churn_that_evicts_an_unpinned_one(policy):
         assert s.pin(peer.keys(999)[:2], 60.0) == ["missing", "missing"]
         st = s.pin_stats()
         assert st["pinned"] == st["pinned_bytes"] == 0, st
+        assert sorted(st) == sorted(f[0] for f in dict(umbp.counter_fields())["pins"])
         assert (st["granted"], st["renewed"], st["released"]) == (peer.BLOCKS, 4, peer.BLOCKS)
     finally:
         s.close()
@@ -101,11 +104,14 @@ def test_server_pins_outlive_the_engine_that_made_them_and_bound_each_namespace(
     if not binary.is_file():
         pytest.skip(f"no umbp_standalone_server at {binary}")
     # A namespace may pin 768 KiB: 48 objects of 16 KiB.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        metrics = f"127.0.0.1:{probe.getsockname()[1]}"
     server = Server(
         binary,
         short_dir(tmp_path.name + "pin"),
         capacity="4MiB",
-        extra_args=["--pin-namespace-bytes", "768KiB"],
+        extra_args=["--pin-namespace-bytes", "768KiB", "--metrics-address", metrics],
     )
 
     def client(name):
@@ -133,6 +139,17 @@ def test_server_pins_outlive_the_engine_that_made_them_and_bound_each_namespace(
         assert got == ["done"] * peer.BLOCKS, "a pinned block was evicted"
         assert np.array_equal(buf, peer.pattern(1))
         assert b.pin(peer.keys(1)[:2], 60.0) == ["renewed"] * 2
+        # The server's pin counters, on every surface of the one model: the client's dict,
+        # `umbp stats --json`, its text and Prometheus.
+        st = b.stats()["pins"]
+        assert (st["pinned"], st["granted"], st["renewed"], st["refused"]) == (48, 48, 2, 16), st
+        assert server.stats()["pins"] == st
+        assert "pins                 48 objects" in server.umbp("stats")
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as r:
+            prom = r.read().decode()
+        assert "\numbp_pins_pinned 48\n" in prom and "\numbp_pins_granted_total 48\n" in prom
+        for name, _kind, series, _help in dict(umbp.counter_fields())["pins"]:
+            assert name in st and f"\n{series} " in prom, name
         assert b.unpin(peer.keys(1)) == peer.BLOCKS
         with pytest.raises(umbp.ConfigError, match="ttl_s"):
             b.pin(peer.keys(1)[:1], 0.0)

@@ -126,6 +126,10 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
         .disk
         .as_ref()
         .map(|d| umbp_proto::counters::from_wire(&d.counters));
+    let pins: Option<umbp_pool::KeepStats> = s
+        .pins
+        .as_ref()
+        .map(|p| umbp_proto::counters::from_wire(&p.counters));
     if a.json {
         println!(
             "{}",
@@ -172,6 +176,7 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
                 "corrupt_detected": s.corrupt_detected,
                 "remote": remote.as_ref().map(counters_json),
                 "disk": disk.as_ref().map(counters_json),
+                "pins": pins.as_ref().map(counters_json),
             })
         );
         return Ok(());
@@ -277,6 +282,19 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
             );
             println!("  errors               {}", r.errors);
         }
+    }
+    if let Some(p) = &pins {
+        println!(
+            "pins                 {} objects ({}); {} granted, {} renewed, {} released, {} expired, {} refused, {} ended",
+            p.pinned,
+            b(p.pinned_bytes),
+            p.granted,
+            p.renewed,
+            p.released,
+            p.expired,
+            p.refused,
+            p.ended
+        );
     }
     match &disk {
         None => println!("disk tier            off (--disk-dir)"),

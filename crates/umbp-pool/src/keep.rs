@@ -24,25 +24,26 @@ use umbp_core::PinOutcome;
 
 use crate::lease::{add, sub, LeaseBook};
 
-/// Counters of kept objects.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct KeepStats {
-    /// Objects kept now (expired ones until they are counted).
-    pub kept: u64,
-    /// Bytes of the objects kept now.
-    pub kept_bytes: u64,
-    /// Keeps of objects that were not kept.
-    pub granted: u64,
-    /// Keeps of objects that were kept already (expiry set anew).
-    pub renewed: u64,
-    /// Keeps released by their holder.
-    pub released: u64,
-    /// Keeps that ran out.
-    pub expired: u64,
-    /// Keeps refused by a bound.
-    pub refused: u64,
-    /// Keeps that ended with their object (evicted on request, or cleared).
-    pub ended: u64,
+umbp_core::counter_set! {
+    /// Counters of kept objects (callers' pins).
+    pub struct KeepStats: "pins" {
+        /// Objects pinned now (expired ones until they are counted).
+        gauge pinned: u64,
+        /// Bytes of the objects pinned now.
+        gauge pinned_bytes: u64,
+        /// Pins of objects that were not pinned.
+        counter granted: u64,
+        /// Pins of objects that were pinned already (expiry set anew).
+        counter renewed: u64,
+        /// Pins released by their holder.
+        counter released: u64,
+        /// Pins that ran out.
+        counter expired: u64,
+        /// Pins refused by a bound (the namespace's or the pool's pinned bytes).
+        counter refused: u64,
+        /// Pins that ended with their object (evicted on request, or cleared).
+        counter ended: u64,
+    }
 }
 
 /// The pool-wide side of keeps: the bounds, the clock, the counters.
@@ -129,8 +130,8 @@ impl KeepBook {
     pub fn stats(&self) -> KeepStats {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         KeepStats {
-            kept: r(&self.active),
-            kept_bytes: r(&self.bytes),
+            pinned: r(&self.active),
+            pinned_bytes: r(&self.bytes),
             granted: r(&self.granted),
             renewed: r(&self.renewed),
             released: r(&self.released),
@@ -274,7 +275,7 @@ mod tests {
         k.sweep();
         let s = b.stats();
         assert_eq!(
-            (s.kept, s.kept_bytes, s.granted, s.renewed, s.expired),
+            (s.pinned, s.pinned_bytes, s.granted, s.renewed, s.expired),
             (0, 0, 1, 1, 1)
         );
         assert_eq!(k.keep(7, 100, ns, 50), PinOutcome::Pinned);
@@ -282,7 +283,10 @@ mod tests {
         k.keep(9, 100, ns, 50);
         k.end(9);
         let s = b.stats();
-        assert_eq!((s.released, s.ended, s.kept, s.kept_bytes), (1, 1, 0, 0));
+        assert_eq!(
+            (s.released, s.ended, s.pinned, s.pinned_bytes),
+            (1, 1, 0, 0)
+        );
         assert_eq!(b.namespace_bytes(&ns), 0);
     }
 

@@ -191,7 +191,7 @@ fn run(ops: Vec<Op>, policy: EvictionPolicy) -> Result<(), TestCaseError> {
     pool.advance_lease_clock(5 * UNIT);
     pool.sweep_keeps();
     let s = pool.keep_stats();
-    prop_assert_eq!((s.kept, s.kept_bytes), (0, 0));
+    prop_assert_eq!((s.pinned, s.pinned_bytes), (0, 0));
     prop_assert_eq!(
         (s.granted, s.renewed, s.released, s.ended, s.refused),
         (m.granted, m.renewed, m.released, m.ended, m.refused),

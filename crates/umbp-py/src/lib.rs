@@ -38,10 +38,10 @@ fn memory_available(py: Python<'_>) -> Option<(u64, String)> {
 /// One field of a group of counters: name, kind, Prometheus series, help.
 type FieldRow = (&'static str, &'static str, String, String);
 
-/// Every group of counters a stats dict may hold (`"disk"`, `"remote"`), each a list of its
+/// Every group of counters a stats dict may hold (`"disk"`, `"remote"`, `"pins"`), each a list of its
 /// fields `(name, kind, series, help)` in order, from the groups' one model
-/// (`umbp_core::counters`): what `disk_stats()`, `remote_stats()` and a standalone `stats()`
-/// report under those keys, and the server's Prometheus series of each.
+/// (`umbp_core::counters`): what `disk_stats()`, `remote_stats()`, `pin_stats()` and a
+/// standalone `stats()` report under those keys, and the server's Prometheus series of each.
 #[pyfunction]
 fn counter_fields() -> Vec<(&'static str, Vec<FieldRow>)> {
     fn group<S: umbp_core::CounterSet>() -> (&'static str, Vec<FieldRow>) {
@@ -61,6 +61,7 @@ fn counter_fields() -> Vec<(&'static str, Vec<FieldRow>)> {
     vec![
         group::<umbp_store::DiskStats>(),
         group::<umbp_store::RemoteStats>(),
+        group::<umbp_pool::KeepStats>(),
     ]
 }
 

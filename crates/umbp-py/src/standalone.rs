@@ -335,6 +335,7 @@ impl StandaloneClient {
             cuda_imports,
             remote,
             disk,
+            pins,
             channel_transfers,
             transfer_channels,
             leases,
@@ -396,6 +397,13 @@ impl StandaloneClient {
             })
             .transpose()?;
         d.set_item("remote", remote)?;
+        let pins = pins
+            .map(|p| {
+                let p: umbp_pool::KeepStats = umbp_proto::counters::from_wire(&p.counters);
+                crate::store::counters_dict(py, &p)
+            })
+            .transpose()?;
+        d.set_item("pins", pins)?;
         let disk = disk
             .map(|x| {
                 let x: umbp_store::DiskStats = umbp_proto::counters::from_wire(&x.counters);

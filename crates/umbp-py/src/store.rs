@@ -362,30 +362,7 @@ impl EmbeddedStore {
     /// Counters of pins: pinned objects and bytes now, granted, renewed, released, expired,
     /// refused, and ended with their objects (evicted on request or cleared).
     fn pin_stats<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
-        let umbp_pool::KeepStats {
-            kept,
-            kept_bytes,
-            granted,
-            renewed,
-            released,
-            expired,
-            refused,
-            ended,
-        } = self.live()?.pin_stats();
-        let d = PyDict::new(py);
-        for (k, v) in [
-            ("pinned", kept),
-            ("pinned_bytes", kept_bytes),
-            ("granted", granted),
-            ("renewed", renewed),
-            ("released", released),
-            ("expired", expired),
-            ("refused", refused),
-            ("ended", ended),
-        ] {
-            d.set_item(k, v)?;
-        }
-        Ok(d)
+        counters_dict(py, &self.live()?.pin_stats())
     }
 
     /// How many keys, from the first, are in the pool.

@@ -103,9 +103,10 @@ pub(crate) struct Gauges {
     pub(crate) corrupt_detected: u64,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
     pub(crate) disk: Option<umbp_store::DiskStats>,
+    pub(crate) pins: Option<umbp_pool::KeepStats>,
 }
 
-/// Every field of a group of counters (the disk tier's, the remote tier's) as its series,
+/// Every field of a group of counters (the disk tier's, the remote tier's, pins') as its series,
 /// named, typed and described by the group's model (`umbp_core::counters`).
 fn group_series<S: CounterSet>(o: &mut String, s: &S) {
     for (f, v) in s.pairs() {
@@ -254,6 +255,9 @@ impl Metrics {
         if let Some(r) = &g.remote {
             group_series(&mut o, r);
         }
+        if let Some(p) = &g.pins {
+            group_series(&mut o, p);
+        }
         if let Some(d) = &g.disk {
             group_series(&mut o, d);
             counter(
@@ -370,6 +374,7 @@ mod tests {
         let g = Gauges {
             remote: Some(umbp_store::RemoteStats::default()),
             disk: Some(umbp_store::DiskStats::default()),
+            pins: Some(umbp_pool::KeepStats::default()),
             ..Gauges::default()
         };
         let text = Metrics::default().render(&g);
@@ -391,6 +396,7 @@ mod tests {
         }
         check::<umbp_store::RemoteStats>(&text);
         check::<umbp_store::DiskStats>(&text);
+        check::<umbp_pool::KeepStats>(&text);
         // The names dashboards know, from before the model.
         for old in [
             "umbp_disk_bytes ",

@@ -188,6 +188,9 @@ impl Store for Service {
             remote: s.store.remote_stats().map(|r| v1::RemoteStats {
                 counters: umbp_proto::counters::to_wire(&r),
             }),
+            pins: Some(v1::PinStats {
+                counters: umbp_proto::counters::to_wire(&s.store.pin_stats()),
+            }),
         }))
     }
 

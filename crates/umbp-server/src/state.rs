@@ -72,6 +72,7 @@ impl State {
         }
         g.remote = self.store.remote_stats();
         g.disk = self.store.disk_stats();
+        g.pins = Some(self.store.pin_stats());
         g
     }
 
