@@ -216,6 +216,83 @@ impl Allocator {
         })
     }
 
+    /// Takes exactly `slot` (as an earlier allocator over the same space handed it out), for a
+    /// pool adopting memory another process filled. `None`, and nothing taken, when the slot
+    /// does not fit this allocator or overlaps what is taken already.
+    pub fn claim(&mut self, slot: Slot) -> Option<Slot> {
+        let seg = slot.segment as usize;
+        if seg >= self.segments.len() || slot.bytes == 0 {
+            return None;
+        }
+        if slot.index == SPAN {
+            let n = slot.bytes / self.segment_bytes;
+            let end = seg.checked_add(n as usize)?;
+            if n == 0
+                || !slot.bytes.is_multiple_of(self.segment_bytes)
+                || slot.offset != seg as u64 * self.segment_bytes
+                || end > self.segments.len()
+                || !self.segments[seg..end]
+                    .iter()
+                    .all(|s| matches!(s, Segment::Free))
+            {
+                return None;
+            }
+            for s in seg..end {
+                self.free_segments.remove(&(s as u32));
+                self.segments[s] = Segment::SpanTail;
+            }
+            self.segments[seg] = Segment::SpanHead {
+                segments: n as u32,
+                owner: NO_OWNER,
+            };
+            self.used += slot.bytes;
+            return Some(slot);
+        }
+        let class = slot.bytes;
+        if class > self.segment_bytes || size_class(class) != class {
+            return None;
+        }
+        let slots = (self.segment_bytes / class) as u32;
+        let offset = slot.segment as u64 * self.segment_bytes + u64::from(slot.index) * class;
+        if slot.index >= slots || slot.offset != offset {
+            return None;
+        }
+        if matches!(self.segments[seg], Segment::Free) {
+            self.free_segments.remove(&slot.segment);
+            self.segments[seg] = Segment::Slab(Slab {
+                class,
+                slots,
+                live: 0,
+                next_unused: 0,
+                free: BTreeSet::new(),
+                owners: vec![NO_OWNER; slots as usize],
+            });
+        }
+        let Segment::Slab(slab) = &mut self.segments[seg] else {
+            return None;
+        };
+        if slab.class != class {
+            return None;
+        }
+        if slot.index >= slab.next_unused {
+            // Slots skipped on the way are free.
+            slab.free.extend(slab.next_unused..slot.index);
+            slab.next_unused = slot.index + 1;
+        } else if !slab.free.remove(&slot.index) {
+            return None;
+        }
+        slab.live += 1;
+        let full = slab.live == slab.slots;
+        let partial = self.partial.entry(class).or_default();
+        if full {
+            partial.remove(&slot.segment);
+        } else {
+            partial.insert(slot.segment);
+        }
+        self.used += class;
+        Some(slot)
+    }
+
     /// Returns `slot` to the free space.
     pub fn free(&mut self, slot: Slot) {
         self.used -= slot.bytes;
@@ -319,7 +396,106 @@ impl Allocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{rngs::StdRng, Rng, SeedableRng};
+    use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+
+    /// Claiming, in any order, the slots one allocator holds after random churn gives a
+    /// second allocator the same space taken: the same bytes used, its invariants hold, a
+    /// taken slot cannot be claimed twice, and what it allocates next overlaps nothing.
+    #[test]
+    fn claimed_slots_rebuild_the_same_allocation() {
+        for seed in 0..40u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let seg = 1u64 << 20;
+            let mut a = Allocator::new(seg, 24);
+            let mut live: Vec<Slot> = Vec::new();
+            for _ in 0..400 {
+                if !live.is_empty() && rng.random_bool(0.4) {
+                    let i = rng.random_range(0..live.len());
+                    a.free(live.swap_remove(i));
+                } else {
+                    let size = match rng.random_range(0..4) {
+                        0 => rng.random_range(1..5000),
+                        1 => rng.random_range(16 << 10..200 << 10),
+                        2 => 1 << 20,
+                        _ => rng.random_range(1 << 20..3 << 20),
+                    };
+                    if let Some(s) = a.alloc(size) {
+                        live.push(s);
+                    }
+                }
+            }
+            let mut b = Allocator::new(seg, 24);
+            let mut order = live.clone();
+            order.shuffle(&mut rng);
+            for s in &order {
+                assert_eq!(b.claim(*s), Some(*s), "seed {seed}: {s:?}");
+                assert_eq!(b.claim(*s), None, "seed {seed}: claimed twice {s:?}");
+            }
+            b.check_invariants();
+            assert_eq!(b.used(), a.used(), "seed {seed}");
+            let mut taken: Vec<(u64, u64)> = live.iter().map(|s| (s.offset, s.bytes)).collect();
+            while let Some(s) = b.alloc(rng.random_range(1..300 << 10)) {
+                taken.push((s.offset, s.bytes));
+            }
+            b.check_invariants();
+            taken.sort_unstable();
+            for w in taken.windows(2) {
+                assert!(w[0].0 + w[0].1 <= w[1].0, "seed {seed}: overlap {w:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_claim_that_does_not_fit_takes_nothing() {
+        let mut a = Allocator::new(1 << 20, 4);
+        let bad = [
+            // Not a size class, offset off its slot, past the end, a span not on a boundary.
+            Slot {
+                offset: 0,
+                bytes: 5000,
+                segment: 0,
+                index: 0,
+            },
+            Slot {
+                offset: 10,
+                bytes: 4096,
+                segment: 0,
+                index: 0,
+            },
+            Slot {
+                offset: 4 << 20,
+                bytes: 4096,
+                segment: 4,
+                index: 0,
+            },
+            Slot {
+                offset: 3 << 20,
+                bytes: 2 << 20,
+                segment: 3,
+                index: SPAN,
+            },
+        ];
+        for s in bad {
+            assert_eq!(a.claim(s), None, "{s:?}");
+        }
+        assert_eq!(a.used(), 0);
+        let s = Slot {
+            offset: 8192,
+            bytes: 4096,
+            segment: 0,
+            index: 2,
+        };
+        assert_eq!(a.claim(s), Some(s));
+        // Another class in the same segment does not fit.
+        let other = Slot {
+            offset: 0,
+            bytes: 8192,
+            segment: 0,
+            index: 0,
+        };
+        assert_eq!(a.claim(other), None);
+        a.check_invariants();
+    }
 
     #[test]
     fn size_classes_bound_waste() {

@@ -54,6 +54,12 @@ pub enum PoolError {
     /// The pool was closed.
     #[error("the pool is closed")]
     Closed,
+    /// A handed-over pool (memory and image) that this pool cannot take over.
+    #[error("cannot take the pool over: {reason}")]
+    Image {
+        /// Why, and what to change.
+        reason: String,
+    },
 }
 
 impl PoolError {
@@ -67,6 +73,7 @@ impl PoolError {
             PoolError::Spawn { .. } => ErrorKind::Internal,
             PoolError::SharedFd { .. } => ErrorKind::Registration,
             PoolError::Closed => ErrorKind::Closed,
+            PoolError::Image { .. } => ErrorKind::InvalidArgument,
         }
     }
 }

@@ -229,6 +229,11 @@ impl Shard {
         self.keeps.keep(idx, e.len, e.key.namespace_id(), ttl_ms)
     }
 
+    /// Milliseconds the keep of `idx` has left (0: not kept).
+    pub fn keep_left_ms(&self, idx: u32) -> u64 {
+        self.keeps.left_ms(idx)
+    }
+
     /// Releases the keep of `idx`; whether it was kept.
     pub fn release_kept(&mut self, idx: u32) -> bool {
         self.keeps.release(idx)

@@ -176,6 +176,13 @@ impl Keeps {
             .is_some_and(|k| k.until > self.book.now_ms())
     }
 
+    /// Milliseconds entry `idx`'s keep has left (0: not kept, or run out).
+    pub fn left_ms(&self, idx: u32) -> u64 {
+        self.map
+            .get(&idx)
+            .map_or(0, |k| k.until.saturating_sub(self.book.now_ms()))
+    }
+
     /// Keeps entry `idx` (an object of `len` bytes in namespace `ns`) for `ttl_ms` from now.
     pub fn keep(&mut self, idx: u32, len: u64, ns: [u8; 16], ttl_ms: u64) -> PinOutcome {
         let now = self.book.now_ms();

@@ -18,6 +18,8 @@
 //!   [`Pool::exists_many_leased`], [`Pool::lease_prefix_with`]) is skipped by eviction until
 //!   a load ([`Pool::get`]) gives its lease back or the lease runs out (`lookup_lease_ms`),
 //!   bounded to half the pool's bytes.
+//! * [`image`]: the index a pool hands to the process taking its memory over
+//!   ([`Pool::hand_over`], [`Pool::adopt`]), with the checks that refuse a damaged or foreign one.
 //! * [`shared_fd`]: the standalone server's mapping of a client's KV cache (a sealed memfd the
 //!   client sends), after [`check_shareable_fd`].
 //!
@@ -30,6 +32,7 @@
 pub mod alloc;
 mod checksum;
 mod error;
+pub mod image;
 mod index;
 mod keep;
 mod lease;
@@ -44,8 +47,8 @@ pub use error::PoolError;
 pub use keep::KeepStats;
 pub use pool::clearing::Clearing;
 pub use pool::{
-    CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation, SpillFn,
-    SpillKind,
+    Adopted, CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation,
+    SpillFn, SpillKind,
 };
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};

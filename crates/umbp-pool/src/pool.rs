@@ -7,6 +7,7 @@
 mod admit;
 pub(crate) mod clearing;
 mod evict;
+mod handover;
 // The one module with `unsafe`: the handles' slices of the arena, valid by the allocator's
 // and the pins' invariants, which no wrapper below the pool can own (with the shared state
 // and the spill hook, which hands out handles).
@@ -35,6 +36,7 @@ use evict::evictor_loop;
 pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
+pub use handover::Adopted;
 pub use inner::{PinnedObject, Reservation};
 pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
 
@@ -51,6 +53,11 @@ impl Pool {
     /// (`eviction_policy`, `store_admission`, `admission_window`).
     pub fn new(cfg: PoolConfig) -> Result<Pool, PoolError> {
         let region = Region::map(&cfg)?;
+        Pool::with_region(cfg, region)
+    }
+
+    /// A pool of `cfg` over memory mapped already.
+    fn with_region(cfg: PoolConfig, region: Region) -> Result<Pool, PoolError> {
         let segment_bytes = cfg.effective_segment_bytes();
         let num_segments = (region.len() as u64 / segment_bytes) as u32;
         if num_segments == 0 {

@@ -272,6 +272,60 @@ impl Region {
         Ok(region)
     }
 
+    /// Maps pool memory another process filled and handed over (its memfd, `fd`): it must be
+    /// a memfd of exactly the bytes a pool of `cfg` maps, with `cfg`'s huge pages. Nothing is
+    /// prefaulted (the pages are there); NUMA binding is not applied again.
+    pub fn adopt(cfg: &PoolConfig, fd: OwnedFd) -> Result<Region, PoolError> {
+        let huge = cfg.use_hugepages.then_some(cfg.hugepage_size);
+        let page = huge.map_or(PAGE, HugepageSize::bytes);
+        let bytes = round_up(cfg.capacity_bytes, page);
+        let refuse = |why: String| PoolError::Image { reason: why };
+        let info = memfd::file_info(&fd)
+            .map_err(|e| refuse(format!("cannot fstat the pool's memfd: {}", e.to_io())))?;
+        if info.size != bytes {
+            return Err(refuse(format!(
+                "the pool's memory is {} bytes, this server's pool would be {bytes}: start it \
+                 with the old --capacity",
+                info.size
+            )));
+        }
+        let fd_huge = memfd::hugetlb_page_size(&fd);
+        if fd_huge != huge.map(HugepageSize::bytes) {
+            return Err(refuse(format!(
+                "the pool's memory has {} pages, this server asks for {}: start it with the \
+                 old huge page settings",
+                fd_huge.map_or("normal".into(), |p| format!("{p}-byte")),
+                huge.map_or("normal".into(), |h| format!("{}-byte", h.bytes()))
+            )));
+        }
+        let len = usize::try_from(bytes).map_err(|_| PoolError::Map {
+            bytes,
+            what: "size",
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "larger than this machine's address space",
+            ),
+        })?;
+        let arena = Arena::shared(&fd, len).map_err(|e| map_error(bytes, e))?;
+        if huge.is_none() {
+            arena.advise_hugepage();
+        }
+        Ok(Region {
+            arena,
+            fd: Some(fd),
+            placement: Placement {
+                bytes,
+                backing: MemoryBacking::Memfd,
+                hugepages_requested: huge,
+                hugepages_used: huge,
+                hugepage_fallback: None,
+                numa_node: None,
+                prefaulted: false,
+                prefault_seconds: 0.0,
+            },
+        })
+    }
+
     fn map_raw(cfg: &PoolConfig, huge: Option<HugepageSize>) -> Result<Region, PoolError> {
         let page = huge.map_or(PAGE, HugepageSize::bytes);
         let bytes = round_up(cfg.capacity_bytes, page);
