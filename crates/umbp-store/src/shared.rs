@@ -148,6 +148,36 @@ impl StoreShared {
         Ok(pinner)
     }
 
+    /// Closes the store for a hand-over of its pool (see `EmbeddedStore::hand_over`).
+    pub(crate) fn hand_over(
+        &self,
+        generation: u64,
+    ) -> Result<(std::os::fd::OwnedFd, umbp_pool::image::Image), StoreError> {
+        if self.pool.memfd().is_none() {
+            // Refused before anything stops: the store goes on serving.
+            return Err(umbp_pool::PoolError::Image {
+                reason: "the pool's memory is anonymous; only a memfd-backed pool \
+                         (dram_backing memfd) can be handed over"
+                    .into(),
+            }
+            .into());
+        }
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Err(StoreError::Closed);
+        }
+        // Every writer of the pool stops first: the tiers' fills (promotions, fetches), the
+        // copy workers (after the jobs queued), the device movers.
+        self.tiers.close_for_hand_over(&self.pool);
+        self.engine.close();
+        for m in self.cuda.lock().values() {
+            m.shutdown();
+        }
+        if let Some(p) = self.pinner.lock().as_ref() {
+            p.shutdown();
+        }
+        Ok(self.pool.hand_over(generation)?)
+    }
+
     pub(crate) fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             // The disk tier writes the pool's objects out (within its budget) for the next

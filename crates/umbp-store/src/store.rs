@@ -48,6 +48,50 @@ impl EmbeddedStore {
     pub fn with_tiers(cfg: StoreConfig, extra: Vec<Arc<dyn Tier>>) -> Result<Self, StoreError> {
         cfg.validate()?;
         let pool = Arc::new(Pool::new(cfg.pool.clone())?);
+        Self::around(cfg, pool, extra)
+    }
+
+    /// A store of `cfg` around the pool memory another store handed over
+    /// ([`EmbeddedStore::hand_over`]): its memfd and image. Every object of the image is
+    /// served from where it lies ([`Pool::adopt`]); `cfg.pool` must have the giver's
+    /// geometry (capacity, segment size, huge pages), else the error says what differs and
+    /// the caller starts an empty store instead.
+    pub fn adopt(
+        cfg: StoreConfig,
+        memfd: std::os::fd::OwnedFd,
+        image: &[u8],
+    ) -> Result<(Self, umbp_pool::Adopted), StoreError> {
+        cfg.validate()?;
+        let (pool, got) = Pool::adopt(cfg.pool.clone(), memfd, image)?;
+        log::info!(
+            "umbp: took over a pool of {} objects ({} bytes, {} pinned), hand-over {}",
+            got.objects,
+            got.bytes,
+            got.pinned,
+            got.generation
+        );
+        Ok((Self::around(cfg, Arc::new(pool), Vec::new())?, got))
+    }
+
+    /// Hands the pool over to another process: closes this store (every later call fails
+    /// with [`StoreError::Closed`]) after stopping every writer of the pool (copy workers,
+    /// the tiers' fills and write-backs: nothing is written out, the objects stay in the
+    /// pool's memory), and returns the pool's memfd with its image (encode it with
+    /// [`umbp_pool::image::Image::encode`]) for [`EmbeddedStore::adopt`] there.
+    /// `generation` counts the hand-overs (the adopter's [`umbp_pool::Adopted::generation`]).
+    /// Refused, with the store left serving, when the pool is not memfd-backed.
+    pub fn hand_over(
+        &self,
+        generation: u64,
+    ) -> Result<(std::os::fd::OwnedFd, umbp_pool::image::Image), StoreError> {
+        self.shared.hand_over(generation)
+    }
+
+    fn around(
+        cfg: StoreConfig,
+        pool: Arc<Pool>,
+        extra: Vec<Arc<dyn Tier>>,
+    ) -> Result<Self, StoreError> {
         let engine = CopyEngine::new(
             Arc::clone(&pool),
             Arc::new(MemoryRegistry::new()),

@@ -330,6 +330,16 @@ impl TierChain {
     /// Each tier writes out what it keeps of the pool, then the pool stops spilling, then
     /// every tier closes (objects still queued are dropped, their pins released, before the
     /// pool goes).
+    /// Stops every tier for a hand-over of the pool: nothing written out (the pool's
+    /// objects go on living in its memory, in the taker), no eviction offered any more, every
+    /// tier's threads stopped (so none fills the pool again).
+    pub(crate) fn close_for_hand_over(&self, pool: &Pool) {
+        pool.set_spill(None);
+        for t in &self.tiers {
+            t.close();
+        }
+    }
+
     pub(crate) fn close(&self, pool: &Pool) {
         for t in &self.tiers {
             t.write_out(pool);
