@@ -92,6 +92,12 @@ pub struct ServerConfig {
     /// Descriptors the clients of one uid may make the server hold, at most (None: half of
     /// the descriptors the server has for clients).
     pub max_fds_per_uid: Option<usize>,
+    /// Keep the pool in a memfd and hand it to a server that takes over (`--take-over`, at
+    /// `<endpoint>.handover`) or, under systemd, to the unit's descriptor store on SIGTERM.
+    pub hand_over: bool,
+    /// At start, take the pool of the server running at the endpoint (one started with
+    /// `hand_over`), then serve in its place.
+    pub take_over: bool,
 }
 
 impl ServerConfig {
@@ -114,6 +120,8 @@ impl ServerConfig {
             max_message_bytes: umbp_proto::DEFAULT_MAX_MESSAGE_BYTES,
             busy_poll: DEFAULT_BUSY_POLL,
             max_fds_per_uid: None,
+            hand_over: false,
+            take_over: false,
         }
     }
 }

@@ -25,6 +25,7 @@
 mod budget;
 mod config;
 mod error;
+mod handover;
 mod listen;
 mod lookup;
 mod lookup_pool;

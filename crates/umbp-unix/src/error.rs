@@ -81,6 +81,8 @@ pub enum Op {
     ReadDir,
     /// `fchmod`.
     Fchmod,
+    /// `fcntl(F_GETFD)` / `fcntl(F_SETFD)`.
+    FdFlags,
 }
 
 impl Op {
@@ -88,6 +90,7 @@ impl Op {
     pub fn name(self) -> &'static str {
         match self {
             Op::MemfdCreate => "memfd_create",
+            Op::FdFlags => "fcntl(F_GETFD/F_SETFD)",
             Op::Ftruncate => "ftruncate of the memfd",
             Op::AddSeals => "fcntl(F_ADD_SEALS)",
             Op::GetSeals => "fcntl(F_GET_SEALS)",

@@ -1,7 +1,7 @@
 //! Process-wide calls: a descriptor that tells when another process exits, the file-creation
-//! mask, and the kernel's random bytes.
+//! mask, the kernel's random bytes, and descriptors handed across an `exec`.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 
 use rustix::fs::Mode;
 use rustix::process::{Pid, PidfdFlags};
@@ -45,6 +45,38 @@ pub fn fill_random(buf: &mut [u8]) -> Result<(), UnixError> {
     Ok(())
 }
 
+/// Lets descriptor `fd` survive this process's next `exec` (clears close-on-exec), for a
+/// process that re-executes itself with something to hand its new image.
+pub fn keep_across_exec(fd: impl AsFd) -> Result<(), UnixError> {
+    rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())
+        .map_err(|e| UnixError::os(Op::FdFlags, e))
+}
+
+/// Takes descriptor `fd`, which this process inherited through an `exec` (from its own
+/// earlier image, or from systemd's `LISTEN_FDS`), and marks it close-on-exec. Fails, taking
+/// nothing, when no descriptor `fd` is open.
+///
+/// # Safety
+/// Nothing else in the process may own `fd`: the caller got its number from whoever passed
+/// it (an environment variable it owns), and takes it once.
+pub unsafe fn adopt_inherited_fd(fd: RawFd) -> Result<OwnedFd, UnixError> {
+    if fd < 0 {
+        return Err(UnixError::Os {
+            op: Op::FdFlags,
+            errno: libc::EBADF,
+        });
+    }
+    // SAFETY: `F_GETFD` on a raw number reads flags only; a closed number fails with EBADF.
+    let open = unsafe { rustix::io::fcntl_getfd(rustix::fd::BorrowedFd::borrow_raw(fd)) };
+    open.map_err(|e| UnixError::os(Op::FdFlags, e))?;
+    // SAFETY: the descriptor is open (above) and, by the caller's contract, owned by nobody
+    // else in this process.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    rustix::io::fcntl_setfd(&owned, rustix::io::FdFlags::CLOEXEC)
+        .map_err(|e| UnixError::os(Op::FdFlags, e))?;
+    Ok(owned)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,5 +105,19 @@ mod tests {
         fill_random(&mut a).unwrap();
         fill_random(&mut b).unwrap();
         assert_ne!(a, b);
+    }
+
+    #[test]
+    fn an_inherited_descriptor_is_taken_once_it_is_open() {
+        let fd = crate::memfd::create(c"inherit-test", 4096, None).unwrap();
+        keep_across_exec(&fd).unwrap();
+        let raw = std::os::fd::IntoRawFd::into_raw_fd(fd);
+        // SAFETY: `raw` was given up by its OwnedFd above and is taken once here.
+        let back = unsafe { adopt_inherited_fd(raw) }.unwrap();
+        let flags = rustix::io::fcntl_getfd(&back).unwrap();
+        assert!(flags.contains(rustix::io::FdFlags::CLOEXEC));
+        drop(back);
+        // SAFETY: a negative number is never a descriptor.
+        assert!(unsafe { adopt_inherited_fd(-1) }.is_err());
     }
 }

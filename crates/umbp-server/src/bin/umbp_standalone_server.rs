@@ -210,6 +210,15 @@ struct Args {
     /// together may pin half the pool. 0: a quarter of the pool. See docs/standalone.md.
     #[arg(long = "pin-namespace-bytes", env = "UMBP_PIN_NAMESPACE_BYTES", default_value = "0", value_parser = parse_bytes)]
     pin_namespace_bytes: ByteCount,
+    /// Keep the pool in a memfd and hand it, with every object, to the server that replaces
+    /// this one: a newer one started with --take-over, or under systemd (with
+    /// FileDescriptorStoreMax=2) the unit's next start. See docs/standalone.md ("Upgrading").
+    #[arg(long = "hand-over", env = "UMBP_HAND_OVER")]
+    hand_over: bool,
+    /// Take the pool of the server running at --address (one started with --hand-over): it
+    /// stops, and this one serves every object it held. With none running, start as usual.
+    #[arg(long = "take-over", env = "UMBP_TAKE_OVER")]
+    take_over: bool,
     /// Log filter (tracing's EnvFilter syntax, e.g. info or umbp_server=debug).
     #[arg(long, env = "UMBP_LOG", default_value = DEFAULT_LOG_FILTER)]
     log: String,
@@ -420,6 +429,8 @@ fn config(a: &Args) -> anyhow::Result<ServerConfig> {
     cfg.max_message_bytes = a.max_message_bytes as usize;
     cfg.busy_poll = Duration::from_micros(a.busy_poll_us);
     cfg.max_fds_per_uid = a.max_fds_per_uid.map(|n| n as usize);
+    cfg.hand_over = a.hand_over;
+    cfg.take_over = a.take_over;
     Ok(cfg)
 }
 
@@ -626,6 +637,8 @@ mod tests {
         "lookup_lease_ms",
         "pin_namespace_bytes",
         "max_fds_per_uid",
+        "hand_over",
+        "take_over",
         "log",
     ];
 

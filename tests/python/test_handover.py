@@ -1,0 +1,209 @@
+"""A node's server replaced under running clients without losing its pool (issue 49): a real
+`umbp_standalone_server --hand-over` full of objects, a second process started with
+`--take-over` on the same address. The new one serves every object byte-exact from the same
+memory, the old one exits 0; twice in a row (a chain of upgrades); a new server whose pool
+differs starts empty and says why; a taker that vanishes before acknowledging leaves the old
+server serving its pool again (it executes itself anew with it)."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import standalone_peer as peer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from standalone_server import Server, server_binary, short_dir  # noqa: E402
+
+SEEDS = range(1, 13)  # 12 x 512 KiB
+
+
+def need_binary():
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(f"no umbp_standalone_server at {binary}")
+    return binary
+
+
+def store_all(endpoint):
+    buf = peer.own_buffer()
+    c, lid = peer.attach(endpoint, buf, "writer")
+    with c:
+        for seed in SEEDS:
+            buf[:] = peer.pattern(seed)
+            got = c.store(lid, 0, list(range(peer.BLOCKS)), peer.keys(seed)).wait()
+            assert set(got) <= {"done", "already_present"}, got
+
+
+def load_all(endpoint):
+    """Every seed's blocks loaded from the server at `endpoint` and checked byte for byte."""
+    buf = peer.own_buffer()
+    c, lid = peer.attach(endpoint, buf, "reader")
+    with c:
+        for seed in SEEDS:
+            assert c.exists(peer.keys(seed)) == [True] * peer.BLOCKS, f"seed {seed} is gone"
+            buf[:] = 0
+            got = c.load(lid, 0, list(range(peer.BLOCKS)), peer.keys(seed)).wait()
+            assert got == ["done"] * peer.BLOCKS, got
+            assert np.array_equal(buf, peer.pattern(seed)), f"seed {seed} changed"
+
+
+def boot_id(server):
+    try:
+        return server.stats()["boot_id"]
+    except subprocess.CalledProcessError:
+        return None
+
+
+def replace(old, new):
+    """Starts `new` (--take-over) beside the running `old`; returns seconds from the start to
+    the first lookup the new server answered, once `old` has exited 0."""
+    before = boot_id(old)
+    t0 = time.monotonic()
+    new.launch()
+    took = None
+    while time.monotonic() - t0 < 30:
+        assert new.proc.poll() is None, new.log.read_text()
+        now = boot_id(new)
+        if now is not None and now != before:
+            took = time.monotonic() - t0
+            break
+        time.sleep(0.01)
+    assert took is not None, f"no new server: {new.log.read_text()}"
+    assert old.proc.wait(timeout=20) == 0, old.log.read_text()
+    old.proc = None
+    return took
+
+
+class Upgradable(Server):
+    """A server launched with `command()` (info logs, no grace override)."""
+
+    def launch(self):
+        self.starts += 1
+        self.log = self.dir / f"server-{self.starts}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def start(self):
+        self.launch()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            if boot_id(self) is not None:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"the server did not answer within 15 s: {self.log.read_text()}")
+
+    def command(self):
+        return [
+            str(self.binary),
+            "--address",
+            self.endpoint,
+            "--capacity",
+            self.capacity,
+            "--prefault",
+            "false",
+            "--workers",
+            "2",
+            "--log",
+            "info",
+            *self.extra_args,
+        ]
+
+
+def test_a_new_server_takes_the_pool_over_twice_and_serves_every_object(tmp_path):
+    binary = need_binary()
+    d = short_dir(tmp_path.name + "ho")
+    a = Upgradable(binary, d, capacity="64MiB", extra_args=["--hand-over"])
+    b = Upgradable(binary, d, capacity="64MiB", extra_args=["--take-over"])
+    c = Upgradable(binary, d, capacity="64MiB", extra_args=["--take-over"])
+    try:
+        a.start()
+        store_all(a.endpoint)
+        objects = a.stats()["objects"]
+        assert objects == len(SEEDS) * peer.BLOCKS
+        took_b = replace(a, b)
+        st = b.stats()
+        assert st["objects"] == objects, st
+        load_all(b.endpoint)
+        assert "took over the pool" in b.log.read_text()
+        # The server that took over hands on to the next (it listens for a taker too).
+        took_c = replace(b, c)
+        assert c.stats()["objects"] == objects
+        load_all(c.endpoint)
+        assert "generation=2" in c.log.read_text() or "generation: 2" in c.log.read_text()
+        print(f"hand-over to the first lookup answered: {took_b:.3f} s, then {took_c:.3f} s")
+    finally:
+        for s in (a, b, c):
+            if s.proc is not None:
+                s.stop()
+
+
+def test_a_server_whose_pool_differs_starts_empty_and_says_why(tmp_path):
+    binary = need_binary()
+    d = short_dir(tmp_path.name + "hx")
+    a = Upgradable(binary, d, capacity="64MiB", extra_args=["--hand-over"])
+    b = Upgradable(binary, d, capacity="128MiB", extra_args=["--take-over"])
+    try:
+        a.start()
+        store_all(a.endpoint)
+        replace(a, b)
+        assert b.stats()["objects"] == 0
+        log = b.log.read_text()
+        assert "--capacity" in log and "starting with an empty pool" in log, log
+    finally:
+        for s in (a, b):
+            if s.proc is not None:
+                s.stop()
+
+
+def test_a_taker_that_vanishes_leaves_the_old_server_serving_its_pool(tmp_path):
+    binary = need_binary()
+    d = short_dir(tmp_path.name + "hv")
+    a = Upgradable(binary, d, capacity="64MiB", extra_args=["--hand-over"])
+    try:
+        a.start()
+        store_all(a.endpoint)
+        before = boot_id(a)
+        pid = a.proc.pid
+        # A taker that asks, receives the pool and dies before acknowledging.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(a.endpoint + ".handover")
+            s.sendall(b"UMBP-TAKE-OVER 1\n")
+            s.settimeout(30)
+            head, fds, _flags, _addr = socket.recv_fds(s, 4096, 2)
+            assert head.startswith(b"POOL "), head
+            for fd in fds:
+                os.close(fd)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = boot_id(a)
+            if now is not None and now != before:
+                break
+            time.sleep(0.05)
+        assert a.proc.poll() is None, a.log.read_text()
+        assert a.proc.pid == pid  # the same process, executed anew
+        assert a.stats()["objects"] == len(SEEDS) * peer.BLOCKS, a.log.read_text()
+        load_all(a.endpoint)
+        assert "running this server again" in a.log.read_text()
+    finally:
+        if a.proc is not None:
+            a.stop()
+
+
+def test_a_take_over_without_a_running_server_starts_as_usual(tmp_path):
+    binary = need_binary()
+    d = short_dir(tmp_path.name + "hn")
+    b = Upgradable(binary, d, capacity="16MiB", extra_args=["--take-over"])
+    try:
+        b.start()
+        assert b.stats()["objects"] == 0
+        assert "no server hands a pool over" in b.log.read_text()
+    finally:
+        b.stop()
