@@ -170,8 +170,8 @@ macro_rules! counter_set {
                     $crate::counters::Field {
                         name: stringify!($field),
                         doc: concat!($($doc, "\n"),+),
-                        kind: $crate::counter_set!(@kind $kind),
-                        series_name: $crate::counter_set!(@series $($series)?),
+                        kind: $crate::counters::kinds::$kind,
+                        series_name: $crate::counters::series_name(&[$($series)?]),
                     },
                 )+
             ];
@@ -189,11 +189,28 @@ macro_rules! counter_set {
             }
         }
     };
-    (@kind counter) => { $crate::counters::Kind::Counter };
-    (@kind gauge) => { $crate::counters::Kind::Gauge };
-    (@kind flag) => { $crate::counters::Kind::Flag };
-    (@series) => { None };
-    (@series $s:literal) => { Some($s) };
+}
+
+/// The kinds by the words [`counter_set!`] takes (`counter`, `gauge`, `flag`).
+#[doc(hidden)]
+#[allow(non_upper_case_globals)]
+pub mod kinds {
+    use super::Kind;
+    /// `counter`.
+    pub const counter: Kind = Kind::Counter;
+    /// `gauge`.
+    pub const gauge: Kind = Kind::Gauge;
+    /// `flag`.
+    pub const flag: Kind = Kind::Flag;
+}
+
+/// A field's `as "series"`, if it has one (for [`counter_set!`]).
+#[doc(hidden)]
+pub const fn series_name(given: &[&'static str]) -> Option<&'static str> {
+    match given {
+        [s] => Some(s),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

@@ -36,9 +36,8 @@ use evict::evictor_loop;
 pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
-pub use handover::Adopted;
 pub use inner::{PinnedObject, Reservation};
-pub use types::{CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
+pub use types::{Adopted, CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
 
 /// The host-DRAM object pool. Cheap to share behind an `Arc`; objects, reservations and pins
 /// keep the memory alive on their own.

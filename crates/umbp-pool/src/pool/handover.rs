@@ -8,23 +8,11 @@ use std::sync::atomic::Ordering;
 use umbp_core::PoolConfig;
 
 use super::inner::{owner_tag, shard_of};
+use super::types::Adopted;
 use super::Pool;
 use crate::image::{Geometry, Image, Record};
 use crate::region::Region;
 use crate::PoolError;
-
-/// What [`Pool::adopt`] took over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Adopted {
-    /// The image's generation + 1: how many hand-overs this pool's memory has been through.
-    pub generation: u64,
-    /// Objects taken over.
-    pub objects: u64,
-    /// Their bytes.
-    pub bytes: u64,
-    /// Of them, pinned ones (their pins carried with the time they had left).
-    pub pinned: u64,
-}
 
 fn refuse(reason: impl Into<String>) -> PoolError {
     PoolError::Image {

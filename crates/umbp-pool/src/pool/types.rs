@@ -148,3 +148,16 @@ pub struct PoolStats {
     /// Bytes of the objects that hold leases now.
     pub leased_bytes: u64,
 }
+
+/// What [`Pool::adopt`](super::Pool::adopt) took over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Adopted {
+    /// The image's generation + 1: how many hand-overs this pool's memory has been through.
+    pub generation: u64,
+    /// Objects taken over.
+    pub objects: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Of them, pinned ones (their pins carried with the time they had left).
+    pub pinned: u64,
+}
