@@ -39,9 +39,10 @@ def short_dir(tag: str) -> Path:
 class Server:
     """One `umbp_standalone_server` on a socket in `directory`."""
 
-    def __init__(self, binary, directory, capacity="64MiB", extra_args=()):
+    def __init__(self, binary, directory, capacity="64MiB", extra_args=(), log_level="warn"):
         self.binary, self.dir, self.capacity = binary, directory, capacity
         self.extra_args = list(extra_args)
+        self.log_level = log_level
         self.path = directory / "umbp.sock"
         self.proc = None
         self.starts = 0
@@ -50,31 +51,42 @@ class Server:
     def endpoint(self):
         return str(self.path)
 
-    def start(self):
+    def command(self) -> list[str]:
+        return [
+            str(self.binary),
+            "--address",
+            self.endpoint,
+            "--capacity",
+            self.capacity,
+            "--prefault",
+            "false",
+            "--workers",
+            "2",
+            "--shutdown-grace-ms",
+            str(GRACE_MS),
+            "--log",
+            self.log_level,
+            *self.extra_args,
+        ]
+
+    def launch(self):
+        """Starts the process (its log in server-N.log) without waiting for it."""
         self.starts += 1
         self.log = self.dir / f"server-{self.starts}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [
-                    str(self.binary),
-                    "--address",
-                    self.endpoint,
-                    "--capacity",
-                    self.capacity,
-                    "--prefault",
-                    "false",
-                    "--workers",
-                    "2",
-                    "--shutdown-grace-ms",
-                    str(GRACE_MS),
-                    "--log",
-                    "warn",
-                    *self.extra_args,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
+
+    def boot_id(self):
+        """The running server's boot id, None when none answers."""
+        try:
+            return self.stats()["boot_id"]
+        except subprocess.CalledProcessError:
+            return None
+
+    def start(self):
+        self.launch()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"the server exited: {self.log.read_text()}"
@@ -137,6 +149,27 @@ class Server:
     def stats(self) -> dict:
         """`umbp stats --json` of the running server."""
         return json.loads(self.umbp("stats", "--json").strip().splitlines()[-1])
+
+
+def take_over(old: Server, new: Server, timeout: float = 30) -> float:
+    """Starts `new` (with `--take-over` in its arguments) beside the running `old` (started
+    with `--hand-over`) at the same address; returns the seconds from the start to the first
+    lookup the new server answered, once `old` has exited 0 (its `proc` is then None)."""
+    before = old.boot_id()
+    t0 = time.monotonic()
+    new.launch()
+    took = None
+    while time.monotonic() - t0 < timeout:
+        assert new.proc.poll() is None, new.log.read_text()
+        now = new.boot_id()
+        if now is not None and now != before:
+            took = time.monotonic() - t0
+            break
+        time.sleep(0.01)
+    assert took is not None, f"no new server within {timeout} s: {new.log.read_text()}"
+    assert old.proc.wait(timeout=20) == 0, old.log.read_text()
+    old.proc = None
+    return took
 
 
 @contextlib.contextmanager

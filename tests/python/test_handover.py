@@ -7,7 +7,6 @@ server serving its pool again (it executes itself anew with it)."""
 
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 import standalone_peer as peer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from standalone_server import Server, server_binary, short_dir  # noqa: E402
+from standalone_server import Server, server_binary, short_dir, take_over  # noqa: E402
 
 SEEDS = range(1, 13)  # 12 x 512 KiB
 
@@ -52,89 +51,28 @@ def load_all(endpoint):
             assert np.array_equal(buf, peer.pattern(seed)), f"seed {seed} changed"
 
 
-def boot_id(server):
-    try:
-        return server.stats()["boot_id"]
-    except subprocess.CalledProcessError:
-        return None
-
-
-def replace(old, new):
-    """Starts `new` (--take-over) beside the running `old`; returns seconds from the start to
-    the first lookup the new server answered, once `old` has exited 0."""
-    before = boot_id(old)
-    t0 = time.monotonic()
-    new.launch()
-    took = None
-    while time.monotonic() - t0 < 30:
-        assert new.proc.poll() is None, new.log.read_text()
-        now = boot_id(new)
-        if now is not None and now != before:
-            took = time.monotonic() - t0
-            break
-        time.sleep(0.01)
-    assert took is not None, f"no new server: {new.log.read_text()}"
-    assert old.proc.wait(timeout=20) == 0, old.log.read_text()
-    old.proc = None
-    return took
-
-
-class Upgradable(Server):
-    """A server launched with `command()` (info logs, no grace override)."""
-
-    def launch(self):
-        self.starts += 1
-        self.log = self.dir / f"server-{self.starts}.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-            )
-
-    def start(self):
-        self.launch()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            if boot_id(self) is not None:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"the server did not answer within 15 s: {self.log.read_text()}")
-
-    def command(self):
-        return [
-            str(self.binary),
-            "--address",
-            self.endpoint,
-            "--capacity",
-            self.capacity,
-            "--prefault",
-            "false",
-            "--workers",
-            "2",
-            "--log",
-            "info",
-            *self.extra_args,
-        ]
+def server(binary, d, capacity, *args):
+    return Server(binary, d, capacity=capacity, extra_args=list(args), log_level="info")
 
 
 def test_a_new_server_takes_the_pool_over_twice_and_serves_every_object(tmp_path):
     binary = need_binary()
     d = short_dir(tmp_path.name + "ho")
-    a = Upgradable(binary, d, capacity="64MiB", extra_args=["--hand-over"])
-    b = Upgradable(binary, d, capacity="64MiB", extra_args=["--take-over"])
-    c = Upgradable(binary, d, capacity="64MiB", extra_args=["--take-over"])
+    a = server(binary, d, "64MiB", "--hand-over")
+    b = server(binary, d, "64MiB", "--take-over")
+    c = server(binary, d, "64MiB", "--take-over")
     try:
         a.start()
         store_all(a.endpoint)
         objects = a.stats()["objects"]
         assert objects == len(SEEDS) * peer.BLOCKS
-        took_b = replace(a, b)
+        took_b = take_over(a, b)
         st = b.stats()
         assert st["objects"] == objects, st
         load_all(b.endpoint)
         assert "took over the pool" in b.log.read_text()
         # The server that took over hands on to the next (it listens for a taker too).
-        took_c = replace(b, c)
+        took_c = take_over(b, c)
         assert c.stats()["objects"] == objects
         load_all(c.endpoint)
         assert "generation=2" in c.log.read_text() or "generation: 2" in c.log.read_text()
@@ -148,12 +86,12 @@ def test_a_new_server_takes_the_pool_over_twice_and_serves_every_object(tmp_path
 def test_a_server_whose_pool_differs_starts_empty_and_says_why(tmp_path):
     binary = need_binary()
     d = short_dir(tmp_path.name + "hx")
-    a = Upgradable(binary, d, capacity="64MiB", extra_args=["--hand-over"])
-    b = Upgradable(binary, d, capacity="128MiB", extra_args=["--take-over"])
+    a = server(binary, d, "64MiB", "--hand-over")
+    b = server(binary, d, "128MiB", "--take-over")
     try:
         a.start()
         store_all(a.endpoint)
-        replace(a, b)
+        take_over(a, b)
         assert b.stats()["objects"] == 0
         log = b.log.read_text()
         assert "--capacity" in log and "starting with an empty pool" in log, log
@@ -166,11 +104,11 @@ def test_a_server_whose_pool_differs_starts_empty_and_says_why(tmp_path):
 def test_a_taker_that_vanishes_leaves_the_old_server_serving_its_pool(tmp_path):
     binary = need_binary()
     d = short_dir(tmp_path.name + "hv")
-    a = Upgradable(binary, d, capacity="64MiB", extra_args=["--hand-over"])
+    a = server(binary, d, "64MiB", "--hand-over")
     try:
         a.start()
         store_all(a.endpoint)
-        before = boot_id(a)
+        before = a.boot_id()
         pid = a.proc.pid
         # A taker that asks, receives the pool and dies before acknowledging.
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -183,7 +121,7 @@ def test_a_taker_that_vanishes_leaves_the_old_server_serving_its_pool(tmp_path):
                 os.close(fd)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            now = boot_id(a)
+            now = a.boot_id()
             if now is not None and now != before:
                 break
             time.sleep(0.05)
@@ -200,7 +138,7 @@ def test_a_taker_that_vanishes_leaves_the_old_server_serving_its_pool(tmp_path):
 def test_a_take_over_without_a_running_server_starts_as_usual(tmp_path):
     binary = need_binary()
     d = short_dir(tmp_path.name + "hn")
-    b = Upgradable(binary, d, capacity="16MiB", extra_args=["--take-over"])
+    b = server(binary, d, "16MiB", "--take-over")
     try:
         b.start()
         assert b.stats()["objects"] == 0

@@ -23,7 +23,13 @@ from conftest import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from standalone_server import Server, running, short_dir  # noqa: E402
+from standalone_server import (  # noqa: E402
+    Server,
+    running,
+    server_binary,
+    short_dir,
+    take_over,
+)
 
 BLOCK = 128  # vLLM CPU's default block size
 
@@ -51,6 +57,7 @@ PROMPTS = {
     "fresh": prompts(3, shared=0, seed=24),
     "tp2": prompts(2, shared=0, seed=25),
     "disk": prompts(2, shared=0, seed=26),
+    "handover": prompts(2, shared=0, seed=27),
 }
 
 
@@ -182,6 +189,53 @@ def test_a_server_restarted_on_its_disk_dir_restores_an_engines_prefixes(model, 
         assert_as_reference(after, baseline["disk"], "restored from disk")
         assert [o["cached"] for o in after] == [full_blocks(o) for o in after], after
         assert s.stats()["disk"]["hits"] > 0
+
+
+def test_a_server_replaced_by_take_over_keeps_a_running_engines_prefixes(model, tmp_path, baseline):
+    """The node's server replaced under a running engine (a second server started with
+    `--take-over` beside the `--hand-over` one): the engine is not restarted, and its prompts'
+    full blocks are restored from the new server, which took the old one's pool over."""
+    ps = PROMPTS["handover"]
+    binary = server_binary()
+    if not binary.is_file():
+        pytest.skip(f"no umbp_standalone_server at {binary}")
+    d = short_dir(tmp_path.name + "h")
+    old = Server(binary, d, capacity="256MiB", extra_args=["--hand-over"])
+    new = Server(binary, d, capacity="256MiB", extra_args=["--take-over"])
+    stored, replaced = tmp_path / "s", tmp_path / "r"
+    old.start()
+    try:
+        proc = run_engine(
+            {
+                "model": model,
+                "connector": standalone(old),
+                "steps": [
+                    {"generate": ps},
+                    {"reset": False},
+                    {"signal": str(stored)},
+                    {"wait_for": str(replaced)},
+                    {"generate": ps},  # vLLM's own cache is empty: from the new server
+                ],
+            },
+            background=True,
+        )
+        wait_for(stored)
+        objects = old.stats()["objects"]
+        assert objects > 0
+        took = take_over(old, new)
+        assert new.stats()["objects"] == objects
+        replaced.write_text("go")
+        r = finish(proc)
+        assert "error" not in r, r.get("error")
+        first, _, _, _, again = r["steps"]
+        assert_as_reference(first, baseline["handover"], "computed")
+        assert_as_reference(again, baseline["handover"], "restored after the hand-over")
+        print(f"hand-over: {took:.3f} s to the new server's first answered lookup")
+        assert [o["cached"] for o in again] == [full_blocks(o) for o in again], again
+    finally:
+        for s in (old, new):
+            if s.proc is not None:
+                s.stop()
 
 
 def test_killed_server_means_misses_and_a_restarted_one_is_used_again(
