@@ -7,6 +7,7 @@ server serving its pool again (it executes itself anew with it)."""
 
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -145,3 +146,71 @@ def test_a_take_over_without_a_running_server_starts_as_usual(tmp_path):
         assert "no server hands a pool over" in b.log.read_text()
     finally:
         b.stop()
+
+
+def test_under_systemd_the_pool_waits_in_the_descriptor_store_for_the_next_start(tmp_path):
+    """SIGTERM of a `--hand-over` server run by systemd (`$NOTIFY_SOCKET`) puts the pool's
+    memfd and image in the unit's descriptor store (`FDSTORE=1`, names umbp-pool and
+    umbp-image); the next start, given them as systemd does (`LISTEN_FDS`, `LISTEN_PID`,
+    `LISTEN_FDNAMES`, descriptors from 3), serves every object. This test plays systemd."""
+    binary = need_binary()
+    d = short_dir(tmp_path.name + "hs")
+    notify = d / "notify.sock"
+    store = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    store.bind(str(notify))
+    a = server(binary, d, "64MiB", "--hand-over")
+    old_env = os.environ.get("NOTIFY_SOCKET")
+    os.environ["NOTIFY_SOCKET"] = str(notify)
+    try:
+        a.start()
+    finally:
+        if old_env is None:
+            del os.environ["NOTIFY_SOCKET"]
+        else:
+            os.environ["NOTIFY_SOCKET"] = old_env
+    try:
+        store_all(a.endpoint)
+        objects = a.stats()["objects"]
+        a.stop()  # SIGTERM: exit 0, sockets removed, the pool in the store
+        store.settimeout(10)
+        kept = {}
+        for _ in range(2):
+            msg, fds, _flags, _addr = socket.recv_fds(store, 4096, 1)
+            fields = dict(line.split("=", 1) for line in msg.decode().split("\n") if line)
+            assert fields.get("FDSTORE") == "1" and len(fds) == 1, (msg, fds)
+            kept[fields["FDNAME"]] = fds[0]
+        assert set(kept) == {"umbp-pool", "umbp-image"}, kept
+
+        def as_systemd_does():
+            os.dup2(kept["umbp-pool"], 3)
+            os.dup2(kept["umbp-image"], 4)
+            os.environ["LISTEN_PID"] = str(os.getpid())
+            os.environ["LISTEN_FDS"] = "2"
+            os.environ["LISTEN_FDNAMES"] = "umbp-pool:umbp-image"
+
+        b = server(binary, d, "64MiB", "--hand-over")
+        b.starts += 1
+        b.log = b.dir / f"server-{b.starts}.log"
+        with open(b.log, "wb") as log:
+            b.proc = subprocess.Popen(
+                b.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=as_systemd_does,
+                close_fds=False,
+            )
+        for fd in kept.values():
+            os.close(fd)
+        deadline = time.monotonic() + 15
+        while b.boot_id() is None and time.monotonic() < deadline:
+            assert b.proc.poll() is None, b.log.read_text()
+            time.sleep(0.02)
+        assert b.stats()["objects"] == objects, b.log.read_text()
+        assert "systemd's descriptor store" in b.log.read_text()
+        load_all(b.endpoint)
+        b.stop()
+    finally:
+        store.close()
+        if a.proc is not None:
+            a.stop()
