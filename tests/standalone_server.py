@@ -5,6 +5,7 @@ release build (`cargo build --release -p umbp-server`).
 """
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -15,6 +16,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: Numbers the log files of every server process this test process starts.
+_LAUNCHES = itertools.count(1)
 
 GRACE_MS = 3000
 
@@ -72,7 +76,7 @@ class Server:
     def launch(self):
         """Starts the process (its log in server-N.log) without waiting for it."""
         self.starts += 1
-        self.log = self.dir / f"server-{self.starts}.log"
+        self.log = self.dir / f"server-{next(_LAUNCHES)}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT

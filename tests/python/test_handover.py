@@ -190,7 +190,7 @@ def test_under_systemd_the_pool_waits_in_the_descriptor_store_for_the_next_start
 
         b = server(binary, d, "64MiB", "--hand-over")
         b.starts += 1
-        b.log = b.dir / f"server-{b.starts}.log"
+        b.log = b.dir / "server-systemd.log"
         with open(b.log, "wb") as log:
             b.proc = subprocess.Popen(
                 b.command(),

@@ -229,6 +229,7 @@ pub(crate) enum Given {
 /// [`EmbeddedStore::hand_over`]), sends the memfd and the image, waits for the taker's
 /// acknowledgement.
 pub(crate) fn give(stream: &UnixStream, store: &EmbeddedStore, generation: u64) -> Given {
+    let t = std::time::Instant::now();
     let (pool, image) = match store.hand_over(generation) {
         Ok(x) => x,
         Err(e) => {
@@ -255,9 +256,17 @@ pub(crate) fn give(stream: &UnixStream, store: &EmbeddedStore, generation: u64) 
         tracing::warn!("could not send the pool to the taker: {}", e.to_io());
         return Given::Orphaned { pool, image };
     }
+    let sent_ms = t.elapsed().as_millis() as u64;
     let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
     let mut line = String::new();
-    match BufReader::new(stream).read_line(&mut line) {
+    let got = BufReader::new(stream).read_line(&mut line);
+    tracing::info!(
+        objects,
+        sent_ms,
+        acknowledged_ms = t.elapsed().as_millis() as u64,
+        "hand-over: the store stopped and the pool was sent, then the taker answered"
+    );
+    match got {
         Ok(_) if line.trim() == ACK => Given::Taken,
         _ => Given::Orphaned { pool, image },
     }

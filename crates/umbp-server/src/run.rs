@@ -52,6 +52,13 @@ pub async fn serve(
     let handed = match handover::inherited() {
         Some(h) => Some((h, None)),
         None if cfg.take_over => {
+            // What a store's start measures (the host copy, ~0.1-0.3 s) is measured before
+            // the running server is asked to stop, not while nobody serves.
+            let workers = cfg.store.num_workers;
+            let _ = tokio::task::spawn_blocking(move || {
+                umbp_copy::memcpy::calibrate(workers);
+            })
+            .await;
             let p = path.clone();
             match tokio::task::spawn_blocking(move || handover::take_over(&p)).await {
                 Ok(Some((h, stream))) => Some((h, Some(stream))),
@@ -62,6 +69,10 @@ pub async fn serve(
     };
     let mut early = None;
     if let Some((h, stream)) = handed {
+        tracing::info!(
+            asked_ms = t.elapsed().as_millis() as u64,
+            "the pool to take over arrived"
+        );
         early = Some(adopt_or_new(&cfg, h, t)?);
         if let Some(stream) = stream {
             let _ = tokio::task::spawn_blocking(move || {
