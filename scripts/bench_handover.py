@@ -115,7 +115,6 @@ def one(size_gib: float, fill: float) -> dict:
             "new_adopt_ms": logged_ms(new.log.read_text(), "took over the pool"),
             "fill_s": round(fill_s, 1),
             "checked_s": round(check_s, 1),
-            "wrong_objects": 0,
         }
     finally:
         for s in (old, new):
