@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import standalone_peer as peer
 
+import umbp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from standalone_server import Server, server_binary, short_dir, take_over  # noqa: E402
 
@@ -214,3 +216,67 @@ def test_under_systemd_the_pool_waits_in_the_descriptor_store_for_the_next_start
         store.close()
         if a.proc is not None:
             a.stop()
+
+
+def test_transfers_during_a_hand_over_fail_cleanly_and_go_on_after_it(tmp_path):
+    """A client loops loads (each checked byte for byte) and stores while its server is
+    replaced: calls during the hand-over fail with ServerUnavailable or a failed status (the
+    engine would recompute), never with wrong bytes, and the same client goes on against the
+    new server, whose pool still holds what was stored."""
+    import threading
+
+    binary = need_binary()
+    d = short_dir(tmp_path.name + "ht")
+    a = server(binary, d, "64MiB", "--hand-over")
+    b = server(binary, d, "64MiB", "--take-over")
+    a.start()
+    stop = threading.Event()
+    seen = {"ok": 0, "failed": 0, "wrong": 0, "ok_after": 0}
+    handed = threading.Event()
+
+    def loop():
+        buf = peer.own_buffer()
+        c, lid = peer.attach(a.endpoint, buf, "looper")
+        ids = list(range(peer.BLOCKS))
+        with c:
+            buf[:] = peer.pattern(7)
+            c.store(lid, 0, ids, peer.keys(7)).wait()
+            while not stop.is_set():
+                try:
+                    buf[:] = 0
+                    got = c.load(lid, 0, ids, peer.keys(7)).wait()
+                    if got == ["done"] * peer.BLOCKS:
+                        if not np.array_equal(buf, peer.pattern(7)):
+                            seen["wrong"] += 1
+                        seen["ok"] += 1
+                        seen["ok_after"] += handed.is_set()
+                    else:
+                        seen["failed"] += 1
+                    buf[:] = peer.pattern(7)
+                    c.store(lid, 0, ids, peer.keys(7)).wait()
+                except umbp.UmbpError:
+                    seen["failed"] += 1
+                    time.sleep(0.01)
+
+    t = threading.Thread(target=loop)
+    try:
+        t.start()
+        deadline = time.monotonic() + 20
+        while seen["ok"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        take_over(a, b)
+        handed.set()
+        deadline = time.monotonic() + 20
+        while seen["ok_after"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+        t.join(timeout=30)
+        print(f"loads during and around a hand-over: {seen}")
+        assert seen["wrong"] == 0, seen
+        assert seen["ok_after"] >= 20, f"the client did not go on with the new server: {seen}"
+    finally:
+        stop.set()
+        t.join(timeout=30)
+        for s in (a, b):
+            if s.proc is not None:
+                s.stop()
