@@ -158,9 +158,9 @@ pub(crate) fn finish_taking(stream: UnixStream, wait: Duration) {
 /// A pool handed through an `exec` ([`ADOPT_FDS_ENV`]) or by systemd's descriptor store
 /// (`LISTEN_FDS` with the names `umbp-pool` and `umbp-image`), if any: taken once.
 pub(crate) fn inherited() -> Option<Result<Handed, String>> {
+    // Read once, at start (the variable stays: the runtime's threads run already, so the
+    // environment is not changed under them; a later re-execution sets its own).
     if let Ok(v) = std::env::var(ADOPT_FDS_ENV) {
-        // SAFETY: not read by any other thread: the server starts its threads later.
-        unsafe { std::env::remove_var(ADOPT_FDS_ENV) };
         let nums: Vec<i32> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
         let [pool, image] = nums[..] else {
             return Some(Err(format!(
