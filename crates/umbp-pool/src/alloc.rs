@@ -71,6 +71,21 @@ struct Slab {
     owners: Vec<u64>,
 }
 
+impl Slab {
+    /// An empty slab of `class`-byte slots filling a segment of `segment_bytes`.
+    fn new(class: u64, segment_bytes: u64) -> Slab {
+        let slots = (segment_bytes / class) as u32;
+        Slab {
+            class,
+            slots,
+            live: 0,
+            next_unused: 0,
+            free: BTreeSet::new(),
+            owners: vec![NO_OWNER; slots as usize],
+        }
+    }
+}
+
 /// The allocator's state. Not synchronised: the pool wraps it in a lock.
 #[derive(Debug)]
 pub struct Allocator {
@@ -139,15 +154,7 @@ impl Allocator {
             Some(seg) => seg,
             None => {
                 let seg = self.free_segments.pop_first()?;
-                let slots = (self.segment_bytes / class) as u32;
-                self.segments[seg as usize] = Segment::Slab(Slab {
-                    class,
-                    slots,
-                    live: 0,
-                    next_unused: 0,
-                    free: BTreeSet::new(),
-                    owners: vec![NO_OWNER; slots as usize],
-                });
+                self.segments[seg as usize] = Segment::Slab(Slab::new(class, self.segment_bytes));
                 self.partial.entry(class).or_default().insert(seg);
                 seg
             }
@@ -259,14 +266,7 @@ impl Allocator {
         }
         if matches!(self.segments[seg], Segment::Free) {
             self.free_segments.remove(&slot.segment);
-            self.segments[seg] = Segment::Slab(Slab {
-                class,
-                slots,
-                live: 0,
-                next_unused: 0,
-                free: BTreeSet::new(),
-                owners: vec![NO_OWNER; slots as usize],
-            });
+            self.segments[seg] = Segment::Slab(Slab::new(class, self.segment_bytes));
         }
         let Segment::Slab(slab) = &mut self.segments[seg] else {
             return None;

@@ -298,14 +298,7 @@ impl Region {
                 huge.map_or("normal".into(), |h| format!("{}-byte", h.bytes()))
             )));
         }
-        let len = usize::try_from(bytes).map_err(|_| PoolError::Map {
-            bytes,
-            what: "size",
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "larger than this machine's address space",
-            ),
-        })?;
+        let len = mappable_len(bytes)?;
         let arena = Arena::shared(&fd, len).map_err(|e| map_error(bytes, e))?;
         if huge.is_none() {
             arena.advise_hugepage();
@@ -329,14 +322,7 @@ impl Region {
     fn map_raw(cfg: &PoolConfig, huge: Option<HugepageSize>) -> Result<Region, PoolError> {
         let page = huge.map_or(PAGE, HugepageSize::bytes);
         let bytes = round_up(cfg.capacity_bytes, page);
-        let len = usize::try_from(bytes).map_err(|_| PoolError::Map {
-            bytes,
-            what: "size",
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "larger than this machine's address space",
-            ),
-        })?;
+        let len = mappable_len(bytes)?;
         let failed = |e: UnixError| map_error(bytes, e);
         let huge_page = huge.map(HugepageSize::bytes);
         let (arena, fd) = match cfg.backing {
@@ -480,6 +466,18 @@ impl Region {
     pub fn placement(&self) -> &Placement {
         &self.placement
     }
+}
+
+/// `bytes` as a mapping's length, refused where the address space is smaller.
+fn mappable_len(bytes: u64) -> Result<usize, PoolError> {
+    usize::try_from(bytes).map_err(|_| PoolError::Map {
+        bytes,
+        what: "size",
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "larger than this machine's address space",
+        ),
+    })
 }
 
 /// A failed mapping call as the pool reports it: the call (named as before the calls moved to

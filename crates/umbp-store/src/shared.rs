@@ -148,6 +148,20 @@ impl StoreShared {
         Ok(pinner)
     }
 
+    /// Stops the copy workers (after the jobs queued) and every device's mover, then
+    /// unregisters the pool from the devices: nothing copies into or out of it afterwards.
+    fn stop_copies(&self) {
+        self.engine.close();
+        for m in self.cuda.lock().values() {
+            m.shutdown();
+        }
+        if let Some(p) = self.pinner.lock().as_ref() {
+            // Every copy of every device has finished: unregister the pool before it can be
+            // unmapped.
+            p.shutdown();
+        }
+    }
+
     /// Closes the store for a hand-over of its pool (see `EmbeddedStore::hand_over`).
     pub(crate) fn hand_over(
         &self,
@@ -168,13 +182,7 @@ impl StoreShared {
         // Every writer of the pool stops first: the tiers' fills (promotions, fetches), the
         // copy workers (after the jobs queued), the device movers.
         self.tiers.close_for_hand_over(&self.pool);
-        self.engine.close();
-        for m in self.cuda.lock().values() {
-            m.shutdown();
-        }
-        if let Some(p) = self.pinner.lock().as_ref() {
-            p.shutdown();
-        }
+        self.stop_copies();
         Ok(self.pool.hand_over(generation)?)
     }
 
@@ -184,15 +192,7 @@ impl StoreShared {
             // start; then objects still queued are dropped (their pins released) before the
             // pool goes.
             self.tiers.close(&self.pool);
-            self.engine.close();
-            for m in self.cuda.lock().values() {
-                m.shutdown();
-            }
-            if let Some(p) = self.pinner.lock().as_ref() {
-                // Every copy of every device has finished: unregister the pool before it can
-                // be unmapped.
-                p.shutdown();
-            }
+            self.stop_copies();
             self.pool.close();
         }
     }
