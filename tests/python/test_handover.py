@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,8 +224,6 @@ def test_transfers_during_a_hand_over_fail_cleanly_and_go_on_after_it(tmp_path):
     replaced: calls during the hand-over fail with ServerUnavailable or a failed status (the
     engine would recompute), never with wrong bytes, and the same client goes on against the
     new server, whose pool still holds what was stored."""
-    import threading
-
     binary = need_binary()
     d = short_dir(tmp_path.name + "ht")
     a = server(binary, d, "64MiB", "--hand-over")
@@ -280,3 +279,33 @@ def test_transfers_during_a_hand_over_fail_cleanly_and_go_on_after_it(tmp_path):
         for s in (a, b):
             if s.proc is not None:
                 s.stop()
+
+
+def test_a_giver_that_dies_mid_hand_over_leaves_the_taker_serving_an_empty_pool(tmp_path):
+    """The old server killed after the request and before sending its pool (played by a
+    socket that takes the request and closes): the new server starts with an empty pool,
+    says why, and serves."""
+    binary = need_binary()
+    d = short_dir(tmp_path.name + "hk")
+    b = server(binary, d, "16MiB", "--take-over")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as giver:
+        giver.bind(str(d / "umbp.sock.handover"))
+        giver.listen(1)
+
+        def die_on_request():
+            conn, _ = giver.accept()
+            conn.recv(64)
+            conn.close()  # as a SIGKILLed process's sockets: closed, its file left behind
+            giver.close()
+
+        t = threading.Thread(target=die_on_request)
+        t.start()
+        try:
+            b.start()
+            t.join(timeout=10)
+            assert b.stats()["objects"] == 0
+            log = b.log.read_text()
+            assert "ended before it handed its pool over" in log, log
+            assert "starting with an empty pool" in log, log
+        finally:
+            b.stop()
