@@ -134,6 +134,12 @@ def test_a_taker_that_vanishes_leaves_the_old_server_serving_its_pool(tmp_path):
         assert a.stats()["objects"] == len(SEEDS) * peer.BLOCKS, a.log.read_text()
         load_all(a.endpoint)
         assert "running this server again" in a.log.read_text()
+        # Executed anew, it still hands over: a real taker now gets the pool.
+        c = server(binary, d, "64MiB", "--take-over")
+        take_over(a, c)
+        assert c.stats()["objects"] == len(SEEDS) * peer.BLOCKS
+        load_all(c.endpoint)
+        c.stop()
     finally:
         if a.proc is not None:
             a.stop()

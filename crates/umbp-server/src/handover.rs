@@ -332,14 +332,17 @@ pub(crate) fn reexec_adopting(pool: &OwnedFd, image: &OwnedFd) -> String {
             return format!("cannot keep the pool across exec: {}", e.to_io());
         }
     }
-    let args: Vec<_> = std::env::args_os()
+    // Without --take-over (it has the pool), still handing over (which --take-over implies).
+    let mut args: Vec<_> = std::env::args_os()
         .skip(1)
-        .filter(|a| a != "--take-over")
+        .filter(|a| a != "--take-over" && a != "--hand-over")
         .collect();
+    args.push("--hand-over".into());
     let err = std::os::unix::process::CommandExt::exec(
         std::process::Command::new("/proc/self/exe")
             .args(args)
             .env_remove("UMBP_TAKE_OVER")
+            .env_remove("UMBP_HAND_OVER")
             .env(
                 ADOPT_FDS_ENV,
                 format!("{},{}", pool.as_raw_fd(), image.as_raw_fd()),
