@@ -4,6 +4,7 @@ time is evicted; pins are bounded per namespace, renewable and released, and eve
 counted. A real EmbeddedStore of 4 MiB (both eviction policies), and a real
 `umbp_standalone_server` whose pins, made by one engine, outlive it and serve another."""
 
+import json
 import socket
 import sys
 import urllib.request
@@ -150,6 +151,19 @@ def test_server_pins_outlive_the_engine_that_made_them_and_bound_each_namespace(
         assert "\numbp_pins_pinned 48\n" in prom and "\numbp_pins_granted_total 48\n" in prom
         for name, _kind, series, _help in dict(umbp.counter_fields())["pins"]:
             assert name in st and f"\n{series} " in prom, name
+        # `umbp pins` lists them by namespace, with when they run out.
+        listed = json.loads(server.umbp("pins", "--json"))["namespaces"]
+        assert len(listed) == 1, listed
+        (ns,) = listed
+        assert (ns["objects"], ns["bytes"]) == (48, 768 << 10), ns
+        assert 0 < ns["soonest_ms"] <= ns["latest_ms"] <= 60_000, ns
+        mine = json.loads(server.umbp("pins", "--json", "--namespace", peer.NAMESPACE))
+        assert [(n["namespace_id"], n["objects"]) for n in mine["namespaces"]] == [
+            (ns["namespace_id"], 48)
+        ]
+        other = json.loads(server.umbp("pins", "--json", "--namespace", "someone-else"))
+        assert other["namespaces"] == []
+        assert "48" in server.umbp("pins")
         assert b.unpin(peer.keys(1)) == peer.BLOCKS
         with pytest.raises(umbp.ConfigError, match="ttl_s"):
             b.pin(peer.keys(1)[:1], 0.0)

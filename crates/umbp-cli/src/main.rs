@@ -47,6 +47,8 @@ enum Command {
     Stats(ops::StatsArgs),
     /// Removes the objects of a standalone server's pool (all, or one namespace's).
     Clear(ops::ClearArgs),
+    /// A standalone server's live pins by key namespace: objects, bytes, when they run out.
+    Pins(ops::PinsArgs),
     /// Client processes storing, loading and looking up KV blocks for a given time while the
     /// server (or an embedded store) is restarted and cleared; every loaded byte is checked
     /// and every object accounted for (exit 1 on a wrong byte or an unaccounted object).
@@ -119,6 +121,7 @@ fn run() -> i32 {
         Command::Ping(a) => ops::ping(&a),
         Command::Stats(a) => ops::stats(&a),
         Command::Clear(a) => ops::clear(&a),
+        Command::Pins(a) => ops::pins(&a),
         Command::Soak(a) => soak::run(&a),
         Command::SoakClient(a) => soak::run_client(&a),
     };

@@ -66,6 +66,18 @@ pub struct ClearArgs {
     namespace: Option<String>,
 }
 
+#[derive(Debug, clap::Args)]
+pub struct PinsArgs {
+    #[command(flatten)]
+    target: Target,
+    /// Only the pins of this key namespace (the name an engine's keys are built with).
+    #[arg(long)]
+    namespace: Option<String>,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
 /// `3d 4h 5m 6.7s`-style duration.
 fn human_duration(ms: u64) -> String {
     let s = ms / 1000;
@@ -93,6 +105,64 @@ pub fn ping(a: &PingArgs) -> Result<()> {
         r.uptime_ms
     );
     println!("  answered  in {:.3} ms", rtt.as_secs_f64() * 1e3);
+    Ok(())
+}
+
+/// `umbp pins`: a standalone server's live pins by key namespace.
+pub fn pins(a: &PinsArgs) -> Result<()> {
+    let raw = a.target.raw()?;
+    let want = match &a.namespace {
+        Some(n) => Some(
+            umbp_core::KeyBuilder::new(n, umbp_core::RankTopology::default())
+                .map_err(|e| anyhow!("--namespace {n:?}: {e}"))?
+                .namespace_id(),
+        ),
+        None => None,
+    };
+    let rows: Vec<_> = raw
+        .pins()?
+        .namespaces
+        .into_iter()
+        .filter(|p| want.is_none_or(|w| p.namespace_id == w))
+        .collect();
+    if a.json {
+        let list: Vec<_> = rows
+            .iter()
+            .map(|p| {
+                json!({
+                    "namespace_id": umbp_core::key::hex(&p.namespace_id),
+                    "objects": p.objects,
+                    "bytes": p.bytes,
+                    "soonest_ms": p.soonest_ms,
+                    "latest_ms": p.latest_ms,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({ "endpoint": raw.endpoint.to_string(), "namespaces": list })
+        );
+        return Ok(());
+    }
+    println!("pins of the UMBP server at {}", raw.endpoint);
+    if rows.is_empty() {
+        println!("  none");
+        return Ok(());
+    }
+    println!(
+        "  {:<32}  {:>8}  {:>10}  runs out in",
+        "namespace id", "objects", "bytes"
+    );
+    for p in &rows {
+        println!(
+            "  {:<32}  {:>8}  {:>10}  {} to {}",
+            umbp_core::key::hex(&p.namespace_id),
+            p.objects,
+            human_bytes(p.bytes),
+            human_duration(p.soonest_ms),
+            human_duration(p.latest_ms)
+        );
+    }
     Ok(())
 }
 

@@ -89,6 +89,14 @@ impl Raw {
         })
     }
 
+    /// The live pins by key namespace.
+    pub fn pins(&self) -> Result<v1::PinsReply> {
+        self.call(
+            "pins",
+            |mut g| async move { g.pins(v1::PinsRequest {}).await },
+        )
+    }
+
     /// Removes every object, or those of one namespace; returns how many.
     pub fn clear(&self, namespace: Option<&str>) -> Result<u64> {
         let namespace = namespace.unwrap_or_default().to_string();

@@ -229,6 +229,14 @@ impl Shard {
         self.keeps.keep(idx, e.len, e.key.namespace_id(), ttl_ms)
     }
 
+    /// Adds this shard's live keeps to `out`, by namespace.
+    pub fn summarize_keeps(
+        &self,
+        out: &mut std::collections::HashMap<[u8; 16], crate::keep::NamespacePins>,
+    ) {
+        self.keeps.summarize(out);
+    }
+
     /// Milliseconds the keep of `idx` has left (0: not kept).
     pub fn keep_left_ms(&self, idx: u32) -> u64 {
         self.keeps.left_ms(idx)

@@ -142,6 +142,21 @@ impl KeepBook {
     }
 }
 
+/// The pins of one key namespace, as `umbp pins` lists them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NamespacePins {
+    /// The namespace's id (the first 16 bytes of its keys: `KeyBuilder::namespace_id`).
+    pub namespace_id: [u8; 16],
+    /// Objects pinned now.
+    pub objects: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Milliseconds until the soonest of them runs out.
+    pub soonest_ms: u64,
+    /// Milliseconds until the last of them runs out.
+    pub latest_ms: u64,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Kept {
     /// When it runs out (lease clock).
@@ -174,6 +189,23 @@ impl Keeps {
         self.map
             .get(&idx)
             .is_some_and(|k| k.until > self.book.now_ms())
+    }
+
+    /// Adds this shard's live keeps to `out`, by namespace.
+    pub fn summarize(&self, out: &mut HashMap<[u8; 16], NamespacePins>) {
+        let now = self.book.now_ms();
+        for k in self.map.values().filter(|k| k.until > now) {
+            let left = k.until - now;
+            let e = out.entry(k.ns).or_insert(NamespacePins {
+                namespace_id: k.ns,
+                soonest_ms: u64::MAX,
+                ..NamespacePins::default()
+            });
+            e.objects += 1;
+            e.bytes += k.len;
+            e.soonest_ms = e.soonest_ms.min(left);
+            e.latest_ms = e.latest_ms.max(left);
+        }
     }
 
     /// Milliseconds entry `idx`'s keep has left (0: not kept, or run out).

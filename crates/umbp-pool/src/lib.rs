@@ -44,7 +44,7 @@ mod window;
 
 pub use checksum::{checksum, Summer};
 pub use error::PoolError;
-pub use keep::KeepStats;
+pub use keep::{KeepStats, NamespacePins};
 pub use pool::clearing::Clearing;
 pub use pool::{
     Adopted, CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation,

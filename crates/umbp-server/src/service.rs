@@ -290,6 +290,24 @@ impl Store for Service {
         Ok(Response::new(reply))
     }
 
+    async fn pins(&self, req: Request<v1::PinsRequest>) -> Result<Response<v1::PinsReply>, Status> {
+        self.peer(&req)?;
+        let namespaces = self
+            .state
+            .store
+            .pins_by_namespace()
+            .into_iter()
+            .map(|p| v1::NamespacePins {
+                namespace_id: p.namespace_id.to_vec(),
+                objects: p.objects,
+                bytes: p.bytes,
+                soonest_ms: p.soonest_ms,
+                latest_ms: p.latest_ms,
+            })
+            .collect();
+        Ok(Response::new(v1::PinsReply { namespaces }))
+    }
+
     async fn pin(&self, req: Request<v1::PinRequest>) -> Result<Response<v1::PinReply>, Status> {
         let peer = self.peer(&req)?;
         let r = req.into_inner();

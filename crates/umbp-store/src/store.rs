@@ -234,6 +234,11 @@ impl EmbeddedStore {
         Ok(self.shared.pool.release_kept(keys))
     }
 
+    /// The live pins by key namespace, most pinned bytes first (`umbp pins`).
+    pub fn pins_by_namespace(&self) -> Vec<umbp_pool::NamespacePins> {
+        self.shared.pool.pins_by_namespace()
+    }
+
     /// Counters of pins (the pool's keeps).
     pub fn pin_stats(&self) -> umbp_pool::KeepStats {
         self.shared.pool.keep_stats()

@@ -44,6 +44,21 @@ impl Pool {
         self.inner.keeps.stats()
     }
 
+    /// The live pins by key namespace, most pinned bytes first.
+    pub fn pins_by_namespace(&self) -> Vec<crate::keep::NamespacePins> {
+        let mut by = std::collections::HashMap::new();
+        for shard in &self.inner.shards {
+            shard.read().summarize_keeps(&mut by);
+        }
+        let mut out: Vec<_> = by.into_values().collect();
+        out.sort_by(|a, b| {
+            b.bytes
+                .cmp(&a.bytes)
+                .then(a.namespace_id.cmp(&b.namespace_id))
+        });
+        out
+    }
+
     /// Bytes that key namespace `namespace_id` keeps now.
     pub fn kept_bytes_of(&self, namespace_id: &[u8; 16]) -> u64 {
         self.inner.keeps.namespace_bytes(namespace_id)

@@ -467,3 +467,34 @@ fn a_full_pools_reservations_hand_every_evicted_object_to_the_spill_hook_now() {
         p.check_invariants();
     }
 }
+
+#[test]
+fn live_pins_are_listed_by_namespace_most_bytes_first() {
+    let p = pool(8 << 20, 1 << 20);
+    let other = KeyBuilder::new("other-tenant", RankTopology::default()).unwrap();
+    let theirs: Vec<BlockKey> = (0..3u64)
+        .map(|i| other.key(0, &i.to_le_bytes()).unwrap())
+        .collect();
+    for i in 0..5 {
+        p.put(key(i), &[1u8; 4096]).unwrap();
+    }
+    for k in &theirs {
+        p.put(*k, &[2u8; 1024]).unwrap();
+    }
+    p.keep(&[key(0), key(1)], Duration::from_secs(60));
+    p.keep(&[key(2)], Duration::from_secs(5));
+    p.keep(&theirs, Duration::from_secs(30));
+    let listed = p.pins_by_namespace();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    let (mine, them) = (listed[0], listed[1]);
+    assert_eq!((mine.objects, mine.bytes), (3, 3 * 4096));
+    assert_eq!(mine.namespace_id, key(0).namespace_id());
+    assert!(
+        mine.soonest_ms <= 5_000 && mine.latest_ms > 55_000,
+        "{mine:?}"
+    );
+    assert_eq!((them.objects, them.bytes), (3, 3 * 1024));
+    // Released pins leave the list.
+    p.release_kept(&theirs);
+    assert_eq!(p.pins_by_namespace().len(), 1);
+}
