@@ -339,6 +339,33 @@ def disk(d: dict, plt):
     )
 
 
+def handover(d: dict, plt):
+    """scripts/bench_handover.py: per pool size, the time nobody served (old server stops →
+    new one ready) and the new process's start → its first answered lookup."""
+    rows = d["rows"] + (d.get("second_run") or {}).get("rows", [])
+    rows = sorted(rows, key=lambda r: r["pool_gib"])
+    labels = [f"{r['pool_gib']:g} GiB\n{r['objects']:,} obj" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4), dpi=120)
+    for ax, key, scale, title, color in (
+        (axes[0], "gap_ms", 1.0, "nobody serving (ms)", "tab:blue"),
+        (axes[1], "first_lookup_s", 1000.0, "new process start → first lookup (ms)", "tab:gray"),
+    ):
+        vals = [r[key] * scale for r in rows]
+        bars = ax.bar(range(len(rows)), vals, color=color)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(0, 1.3 * max(vals))
+        for b, v in zip(bars, vals):
+            ax.text(
+                b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7
+            )
+    fig.suptitle(
+        f"A server replaced by --take-over, every object byte-exact; {d['machine']}, {d['date']}",
+        fontsize=8,
+    )
+    return fig
+
+
 ARM_STYLE = {
     "none": ("no offload", "black", "^", "--"),
     "native": ("vLLM native CPU offload", "tab:green", "D", "-"),
@@ -483,6 +510,7 @@ KINDS = {
     "gpu-sweep": gpu_sweep,
     "gpu-under-load": gpu_under_load,
     "server": server,
+    "handover": handover,
 }
 
 
