@@ -42,6 +42,23 @@ pub struct Placement {
     pub prefault_seconds: f64,
 }
 
+impl Placement {
+    /// Memory just mapped: `bytes` of `backing` with huge pages `huge`, not yet bound to a
+    /// node or prefaulted.
+    fn mapped(bytes: u64, backing: MemoryBacking, huge: Option<HugepageSize>) -> Placement {
+        Placement {
+            bytes,
+            backing,
+            hugepages_requested: huge,
+            hugepages_used: huge,
+            hugepage_fallback: None,
+            numa_node: None,
+            prefaulted: false,
+            prefault_seconds: 0.0,
+        }
+    }
+}
+
 /// One mapping of pool memory (a [`umbp_unix::arena::Arena`]). Unmapped on drop.
 #[derive(Debug)]
 pub struct Region {
@@ -306,16 +323,7 @@ impl Region {
         Ok(Region {
             arena,
             fd: Some(fd),
-            placement: Placement {
-                bytes,
-                backing: MemoryBacking::Memfd,
-                hugepages_requested: huge,
-                hugepages_used: huge,
-                hugepage_fallback: None,
-                numa_node: None,
-                prefaulted: false,
-                prefault_seconds: 0.0,
-            },
+            placement: Placement::mapped(bytes, MemoryBacking::Memfd, huge),
         })
     }
 
@@ -347,16 +355,7 @@ impl Region {
         Ok(Region {
             arena,
             fd,
-            placement: Placement {
-                bytes,
-                backing: cfg.backing,
-                hugepages_requested: huge,
-                hugepages_used: huge,
-                hugepage_fallback: None,
-                numa_node: None,
-                prefaulted: false,
-                prefault_seconds: 0.0,
-            },
+            placement: Placement::mapped(bytes, cfg.backing, huge),
         })
     }
 

@@ -390,27 +390,27 @@ impl StandaloneClient {
         d.set_item("integrity_sample_every", integrity_sample_every)?;
         d.set_item("verified", verified)?;
         d.set_item("corrupt_detected", corrupt_detected)?;
-        let remote = remote
-            .map(|r| {
-                let r: umbp_store::RemoteStats = umbp_proto::counters::from_wire(&r.counters);
-                crate::store::counters_dict(py, &r)
-            })
-            .transpose()?;
-        d.set_item("remote", remote)?;
-        let pins = pins
-            .map(|p| {
-                let p: umbp_pool::KeepStats = umbp_proto::counters::from_wire(&p.counters);
-                crate::store::counters_dict(py, &p)
-            })
-            .transpose()?;
-        d.set_item("pins", pins)?;
-        let disk = disk
-            .map(|x| {
-                let x: umbp_store::DiskStats = umbp_proto::counters::from_wire(&x.counters);
-                crate::store::counters_dict(py, &x)
-            })
-            .transpose()?;
-        d.set_item("disk", disk)?;
+        // Each tier's group of counters, from the wire by the group's model.
+        fn group<'py, S: umbp_core::CounterSet>(
+            py: Python<'py>,
+            counters: Option<&std::collections::HashMap<String, u64>>,
+        ) -> Result<Option<Bound<'py, PyDict>>> {
+            counters
+                .map(|c| crate::store::counters_dict(py, &umbp_proto::counters::from_wire::<S>(c)))
+                .transpose()
+        }
+        d.set_item(
+            "remote",
+            group::<umbp_store::RemoteStats>(py, remote.as_ref().map(|r| &r.counters))?,
+        )?;
+        d.set_item(
+            "pins",
+            group::<umbp_pool::KeepStats>(py, pins.as_ref().map(|p| &p.counters))?,
+        )?;
+        d.set_item(
+            "disk",
+            group::<umbp_store::DiskStats>(py, disk.as_ref().map(|x| &x.counters))?,
+        )?;
         Ok(d)
     }
 
