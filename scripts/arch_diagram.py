@@ -54,6 +54,7 @@ LAYERS: dict[str, tuple[str, dict[str, str]]] = {
             "umbp-copy": "registrations, copy jobs",
         },
     ),
+    "driver": ("CUDA driver", {"umbp-cuda-driver": "driver API, IPC"}),
     "tiers": (
         "memory and tiers",
         {

@@ -78,6 +78,13 @@ def test_the_store_and_the_lookup_service_do_not_depend_on_each_other():
     assert "umbp-store" not in cargo_tree("umbp-lookup")
 
 
+def test_the_client_links_neither_the_pool_nor_the_copy_engine():
+    """The standalone client needs the CUDA driver (to export its memory), not the mover."""
+    deps = {d for d in cargo_tree("umbp-client") if d.startswith("umbp-")}
+    assert deps == {"umbp-client", "umbp-core", "umbp-unix", "umbp-proto", "umbp-cuda-driver"}
+    assert {"umbp-pool", "umbp-copy", "umbp-cuda"} & cargo_tree("umbp-cuda-driver") == set()
+
+
 def test_a_built_wheel_ships_no_benchmarks():
     """Runs on the wheel named by UMBP_WHEEL (scripts/test.sh builds one and sets it)."""
     wheel = os.environ.get("UMBP_WHEEL")

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 use umbp_core::ErrorKind;
-use umbp_cuda::CudaError;
+use umbp_cuda_driver::CudaError;
 use umbp_proto::ProtoError;
 
 /// Result of the client.

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use umbp_copy::{KvError, KvStore, KvTransfer};
 use umbp_core::{BlockKey, ErrorKind, KeyOutcome, KvLayout};
+use umbp_core::{KvError, KvStore, KvTransfer};
 
 use crate::error::{ClientError, Result};
 use crate::{StandaloneClient, Transfer};

@@ -22,7 +22,7 @@
 //! (exists and prefix hits) and `rpc` (the runtime, the gRPC channel and one call with a
 //! deadline). Below them: `channel` (the transfer channel), `completions` (the completion
 //! page), `eta`, `fdsend`, `peer`, `error`, and [`host_share`] (host memory shared through
-//! memfds). `kv_store` makes the client a [`umbp_copy::KvStore`], as the embedded store's
+//! memfds). `kv_store` makes the client a [`umbp_core::KvStore`], as the embedded store's
 //! session is.
 
 mod attach;

@@ -8,8 +8,8 @@
 //!   poll / wait (with timeout) / cancel and one [`umbp_core::KeyOutcome`] per key. A job can
 //!   also be awaited ([`JobHandle::finished`], a runtime-free [`std::future::Future`]) or given a
 //!   callback ([`JobHandle::on_done`]); a [`JobSet`] cancels and waits for an owner's jobs.
-//! * [`KvStore`] and [`KvTransfer`]: the surface both modes give a process that copies its KV
-//!   cache (the embedded store's session and the standalone client implement it).
+//! * [`JobHandle`] is a [`umbp_core::KvTransfer`] and [`CopyError`] a [`umbp_core::KvError`]:
+//!   the embedded store's side of the one surface both modes give ([`umbp_core::kv_store`]).
 //!
 //! The host backend moves bytes with the bulk copy [`memcpy`] measured fastest on this CPU at the
 //! first engine's start. Device backends plug in behind [`Mover`].
@@ -26,6 +26,5 @@ mod registry;
 pub use engine::{CopyEngine, Direction, JobHandle};
 pub use error::CopyError;
 pub use jobs::{JobFinished, JobSet};
-pub use kv_store::{KvError, KvStore, KvTransfer};
 pub use mover::{BlockCopy, HostMover, MoveError, MoveResult, Mover, OrderToken, TokenOwner};
 pub use registry::{MemoryKind, MemoryRegistry, RegionId};

@@ -20,7 +20,7 @@
 //!
 //! Nothing here allocates threads, maps memory or knows about Python or CUDA.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod address;
 pub mod caching;
@@ -29,6 +29,7 @@ pub mod counters;
 pub mod error;
 pub mod integrity;
 pub mod key;
+pub mod kv_store;
 pub mod layout;
 pub mod options;
 pub mod outcome;
@@ -41,6 +42,7 @@ pub use counters::{CounterSet, Field as CounterField, Kind as CounterKind};
 pub use error::CoreError;
 pub use integrity::Integrity;
 pub use key::{BlockKey, KeyBuilder, RankTopology};
+pub use kv_store::{KvError, KvStore, KvTransfer};
 pub use layout::{
     CopyRange, GroupLayout, KvLayout, LayerSpec, LayoutSummary, RangePlan, MAX_GROUP_STRIDES,
     MAX_LAYOUT_RUNS, MAX_RUN_BLOCKS,

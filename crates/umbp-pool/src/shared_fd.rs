@@ -22,17 +22,14 @@
 
 use std::os::fd::BorrowedFd;
 
-use umbp_unix::mapping::SharedMapping;
+use umbp_unix::clock::page_size;
+use umbp_unix::mapping::{SharedMapping, HUGE_PAGE_ALIGN};
 use umbp_unix::memfd::{self, FileType, Seals};
 
 use crate::PoolError;
 
 /// Seals a client's descriptor must carry before the server maps it.
 pub const REQUIRED_SEALS: Seals = Seals::SHRINK;
-
-/// Server mappings of normal pages start on this boundary, so transparent huge pages of the
-/// file (where the host enables them for shared memory) can be mapped whole.
-pub const MAP_ALIGN: usize = 2 << 20;
 
 fn refuse(reason: impl Into<String>) -> PoolError {
     PoolError::SharedFd {
@@ -42,11 +39,6 @@ fn refuse(reason: impl Into<String>) -> PoolError {
 
 fn os_refuse(what: &str, e: umbp_unix::UnixError) -> PoolError {
     refuse(format!("{what}: {}", e.to_io()))
-}
-
-/// The system page size.
-pub fn page_size() -> u64 {
-    umbp_unix::clock::page_size()
 }
 
 /// What [`inspect`] learned of a descriptor that passed the checks.
@@ -139,7 +131,7 @@ impl ServerMapping {
         let mapping = if info.hugetlb {
             SharedMapping::map(fd, n)
         } else {
-            SharedMapping::map_aligned(fd, n, MAP_ALIGN).inspect(|m| m.advise_hugepage())
+            SharedMapping::map_aligned(fd, n, HUGE_PAGE_ALIGN).inspect(|m| m.advise_hugepage())
         }
         .map_err(|e| os_refuse("mmap of the client's memfd failed", e))?;
         Ok(ServerMapping {
@@ -255,7 +247,7 @@ mod tests {
         assert_eq!(a.len(), len);
         assert!(!a.is_empty() && !a.is_hugetlb());
         assert_eq!(a.page_size(), page_size());
-        assert_eq!(a.addr() % MAP_ALIGN as u64, 0, "2 MiB-aligned");
+        assert_eq!(a.addr() % HUGE_PAGE_ALIGN as u64, 0, "2 MiB-aligned");
         assert_ne!(a.addr(), b.addr());
         for (i, at) in [0usize, 4095, 1 << 20, len as usize - 1]
             .into_iter()

@@ -33,7 +33,7 @@ pub(crate) struct Service {
 /// server's copies would allocate and have charged to the server. None when the kernel cannot
 /// tell.
 fn pages_missing(addr: u64, len: u64) -> Option<usize> {
-    let page = umbp_pool::shared_fd::page_size();
+    let page = umbp_unix::clock::page_size();
     let mut v = vec![0u8; len.div_ceil(page) as usize];
     // SAFETY: `[addr, addr + len)` is the server's live mapping of the memfd, page-aligned;
     // mincore writes one byte per page into `v`, which has one per page.
@@ -456,7 +456,7 @@ impl Store for Service {
             if let Some(missing @ 1..) = pages_missing(mapping.addr(), mapping.len()) {
                 return Err(status(ErrorKind::Registration, format!(
                     "the shared memory is not populated: {missing} of its {} pages do not exist (never allocated, or swapped out); allocate every page before registering (UMBP clients do: upgrade the client)",
-                    mapping.len().div_ceil(umbp_pool::shared_fd::page_size())
+                    mapping.len().div_ceil(umbp_unix::clock::page_size())
                 )));
             }
             // SAFETY: the mapping stays in place until this registration is gone: it is kept

@@ -88,7 +88,7 @@ pub(crate) struct CompletionMapping {
 impl CompletionMapping {
     /// Maps `len` bytes of the client's sealed memfd `fd` as a completion page.
     pub(crate) fn map(fd: std::os::fd::BorrowedFd<'_>, len: u64) -> Result<Self, String> {
-        let page = umbp_pool::shared_fd::page_size().max(SLOT_BYTES);
+        let page = umbp_unix::clock::page_size().max(SLOT_BYTES);
         if len == 0 || len > MAX_PAGE_BYTES || !len.is_multiple_of(page) {
             return Err(format!(
                 "a completion page of {len} bytes; give a multiple of the page size ({page} bytes), at most {MAX_PAGE_BYTES}"

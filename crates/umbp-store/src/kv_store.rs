@@ -1,7 +1,8 @@
 //! [`Session`] as a [`KvStore`]: the embedded side of the surface both modes share.
 
-use umbp_copy::{JobHandle, KvError, KvStore};
+use umbp_copy::JobHandle;
 use umbp_core::{BlockKey, ErrorKind, KvLayout};
+use umbp_core::{KvError, KvStore};
 
 use crate::{Session, StoreError};
 
@@ -67,7 +68,7 @@ impl KvStore for Session {
 mod tests {
     use std::time::Duration;
 
-    use umbp_copy::KvTransfer;
+    use umbp_core::KvTransfer;
     use umbp_core::{GroupLayout, KeyBuilder, KeyOutcome, LayerSpec, PoolConfig, RankTopology};
 
     use super::*;

@@ -6,7 +6,7 @@
 //!
 //! Registrations, layouts and jobs belong to a [`Session`] (one client); dropping it releases
 //! them. Embedded mode is one session, which the store owns and its calls go to. A session is
-//! a [`umbp_copy::KvStore`], as the standalone client is.
+//! a [`umbp_core::KvStore`], as the standalone client is.
 
 mod config;
 mod disk;

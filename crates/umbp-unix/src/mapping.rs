@@ -13,6 +13,11 @@ use rustix::mm::{Advice, MapFlags, ProtFlags};
 
 use crate::{Op, UnixError};
 
+/// The boundary shared memory is mapped on (by the server, and by a client making fresh
+/// memory), so transparent huge pages of the file (where the host enables them for shared
+/// memory) can be mapped whole.
+pub const HUGE_PAGE_ALIGN: usize = 2 << 20;
+
 /// A `MAP_SHARED` read-write mapping this value owns; unmapped on drop.
 #[derive(Debug)]
 pub struct SharedMapping {

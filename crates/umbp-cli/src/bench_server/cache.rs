@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use anyhow::{bail, ensure, Result};
 use umbp_client::host_share;
-use umbp_copy::{KvStore, KvTransfer};
 use umbp_core::{BlockKey, KeyBuilder, KeyOutcome, LayerSpec};
+use umbp_core::{KvStore, KvTransfer};
 use umbp_cuda::{Device, DeviceBuffer, Stream};
 
 use super::args::Args;

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use umbp_client::{ClientOptions, StandaloneClient};
-use umbp_copy::{KvStore, KvTransfer};
 use umbp_core::{BlockKey, ErrorKind, GroupLayout, KeyOutcome, KvLayout, PoolConfig};
+use umbp_core::{KvStore, KvTransfer};
 use umbp_proto::Endpoint;
 use umbp_store::{DiskConfig, EmbeddedStore, Session, StoreConfig};
 

@@ -4,7 +4,7 @@
 
 use std::os::fd::AsRawFd;
 
-use umbp_pool::shared_fd::page_size;
+use umbp_unix::clock::page_size;
 use umbp_unix::memfd::Seals;
 
 use super::maps::{classify, find_open_fd, vmas_overlapping, Kind, Vma};

@@ -5,7 +5,7 @@
 use std::io::{BufRead, BufReader};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use umbp_pool::shared_fd::page_size;
+use umbp_unix::clock::page_size;
 
 use crate::error::ClientError;
 

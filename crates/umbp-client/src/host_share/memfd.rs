@@ -5,7 +5,7 @@
 use std::ffi::CStr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use umbp_pool::shared_fd::page_size;
+use umbp_unix::clock::page_size;
 use umbp_unix::mapping::SharedMapping;
 use umbp_unix::memfd::Seals;
 use umbp_unix::{Op, UnixError};
@@ -19,7 +19,7 @@ pub const MEMFD_NAME: &CStr = c"umbp-kv";
 pub const SEALS: Seals = Seals::SHRINK.union(Seals::GROW).union(Seals::SEAL);
 
 /// Fresh shared memory starts on this boundary, so huge pages can back it where allowed.
-pub(super) const ALLOC_ALIGN: u64 = umbp_pool::shared_fd::MAP_ALIGN as u64;
+pub(super) const ALLOC_ALIGN: u64 = umbp_unix::mapping::HUGE_PAGE_ALIGN as u64;
 
 /// Host memory of this process backed by a sealed memfd that the server can map.
 ///

@@ -6,7 +6,7 @@ pub(crate) mod records;
 use std::os::fd::{AsFd, BorrowedFd};
 
 use umbp_core::LayerSpec;
-use umbp_cuda::DeviceExport;
+use umbp_cuda_driver::DeviceExport;
 use umbp_proto::v1;
 
 use self::records::{Records, Source};
@@ -54,7 +54,7 @@ impl StandaloneClient {
                 Ok(r.region_id)
             }
             Source::Cuda => {
-                let export = umbp_cuda::export_device_range(addr, len)?;
+                let export = umbp_cuda_driver::export_device_range(addr, len)?;
                 let device = Some(v1::CudaDevice {
                     uuid: export.device_uuid().to_vec(),
                 });

@@ -9,10 +9,10 @@ use umbp_copy::{BlockCopy, MoveResult};
 
 use super::spans::Timed;
 use super::{CudaMover, Dir};
-use crate::device::{Event, Stream};
+use umbp_cuda_driver::{Event, Stream};
 use crate::plan::{self, Run};
-use crate::sys::types::*;
-use crate::CudaError;
+use umbp_cuda_driver::sys::types::*;
+use umbp_cuda_driver::CudaError;
 
 impl CudaMover {
     pub(super) fn run_dma(

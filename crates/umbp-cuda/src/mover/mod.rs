@@ -43,11 +43,11 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use umbp_copy::{BlockCopy, MoveError, MoveResult, Mover, OrderToken, TokenOwner};
 
-use crate::device::{Device, DeviceBuffer, Event, Stream};
+use umbp_cuda_driver::{Device, DeviceBuffer, Event, Stream};
 use crate::pin::{PinProgress, PinStatus, PoolPinner};
 use crate::plan;
-use crate::sys::types::*;
-use crate::CudaError;
+use umbp_cuda_driver::sys::types::*;
+use umbp_cuda_driver::CudaError;
 use kernels::{load_kernels, Kernels};
 pub use options::{CopyMethod, CudaOptions};
 pub use spans::TraceSpan;

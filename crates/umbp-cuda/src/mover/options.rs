@@ -3,7 +3,7 @@
 use std::str::FromStr;
 
 use crate::pin::SPLIT_BYTES;
-use crate::CudaError;
+use umbp_cuda_driver::CudaError;
 
 /// How batches move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! What a traced copy records: the spans callers get ([`TraceSpan`]), the recorder the mover
 //! holds while tracing, and a device step waiting for its timing events.
 
-use crate::device::Event;
+use umbp_cuda_driver::Event;
 
 /// One step of a traced copy (see [`CudaMover::start_trace`]). Device steps are timed with
 /// CUDA events, host steps with the host clock; both count microseconds from the start of the

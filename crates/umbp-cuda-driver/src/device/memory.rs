@@ -137,7 +137,7 @@ impl Device {
     ///
     /// # Safety
     /// The memory must stay mapped until it is unregistered.
-    pub(crate) unsafe fn host_register(&self, addr: u64, len: u64) -> Result<(), CudaError> {
+    pub unsafe fn host_register(&self, addr: u64, len: u64) -> Result<(), CudaError> {
         // SAFETY: forwarded contract; PORTABLE makes it pinned for every context, DEVICEMAP
         // maps it for the device.
         unsafe {
@@ -155,7 +155,7 @@ impl Device {
     ///
     /// # Safety
     /// No copy may use the memory any more.
-    pub(crate) unsafe fn host_unregister(&self, addr: u64) -> Result<(), CudaError> {
+    pub unsafe fn host_unregister(&self, addr: u64) -> Result<(), CudaError> {
         // SAFETY: forwarded contract.
         unsafe { result::memory::mem_host_unregister(self.drv, addr as *mut c_void) }
     }

@@ -12,5 +12,5 @@ mod stream;
 pub use context::{CtxGuard, Device};
 pub use event::Event;
 pub use memory::{DeviceBuffer, HostBuffer, HostRegistration};
-pub(crate) use module::Module;
+pub use module::Module;
 pub use stream::Stream;

@@ -10,7 +10,7 @@ use crate::sys::types::*;
 
 /// A loaded PTX module; unloaded when dropped.
 #[derive(Debug)]
-pub(crate) struct Module {
+pub struct Module {
     dev: Arc<Device>,
     raw: CUmodule,
 }
@@ -24,7 +24,7 @@ unsafe impl Sync for Module {}
 impl Module {
     /// JIT-compiles and loads `ptx` (NUL-terminated) into the device's context; the error
     /// carries the JIT log.
-    pub(crate) fn load_ptx(dev: &Arc<Device>, ptx: &str) -> Result<Module, CudaError> {
+    pub fn load_ptx(dev: &Arc<Device>, ptx: &str) -> Result<Module, CudaError> {
         if !ptx.ends_with('\0') {
             return Err(CudaError::Invalid("PTX must be NUL-terminated".into()));
         }
@@ -50,7 +50,7 @@ impl Module {
     }
 
     /// The kernel `name` of this module.
-    pub(crate) fn function(&self, name: &CStr) -> Result<CUfunction, CudaError> {
+    pub fn function(&self, name: &CStr) -> Result<CUfunction, CudaError> {
         // SAFETY: a loaded module.
         unsafe { result::module::module_get_function(self.dev.drv, self.raw, name) }
     }

@@ -21,8 +21,8 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_cuda::ipc::{describe_pointer, VmmAllocation};
-use umbp_cuda::{
+use umbp_cuda_driver::ipc::{describe_pointer, VmmAllocation};
+use umbp_cuda_driver::{
     device_by_uuid, export_device_range, vmm_granularity, CudaError, Device, DeviceExport,
     ImportedIpc, ImportedVmm,
 };

@@ -42,7 +42,7 @@ impl Device {
     ///
     /// # Safety
     /// `stream` must be 0 or a live stream handle of this device's context.
-    pub(crate) unsafe fn is_capturing(&self, stream: CUstream) -> Result<bool, CudaError> {
+    pub unsafe fn is_capturing(&self, stream: CUstream) -> Result<bool, CudaError> {
         // SAFETY: forwarded contract.
         unsafe { result::stream::stream_is_capturing(self.drv, stream) }
     }
@@ -76,7 +76,7 @@ impl Stream {
     ///
     /// # Safety
     /// `event` must be a live event of this device's context.
-    pub(crate) unsafe fn wait(&self, event: CUevent) -> Result<(), CudaError> {
+    pub unsafe fn wait(&self, event: CUevent) -> Result<(), CudaError> {
         // SAFETY: a live stream; forwarded contract for the event.
         unsafe { result::stream::stream_wait_event(self.dev.drv, self.raw, event) }
     }
@@ -88,7 +88,7 @@ impl Stream {
     /// # Safety
     /// `flag` must be a 4-byte-aligned word of device memory of this device that stays
     /// allocated until the wait has completed.
-    pub(crate) unsafe fn wait_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
+    pub unsafe fn wait_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
         // SAFETY: a live stream; forwarded contract for `flag`.
         unsafe {
             result::stream::stream_wait_value32(
@@ -107,7 +107,7 @@ impl Stream {
     ///
     /// # Safety
     /// As [`Stream::wait_flag`]; nothing else may use the word but flag waits and writes.
-    pub(crate) unsafe fn write_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
+    pub unsafe fn write_flag(&self, flag: u64, value: u32) -> Result<(), CudaError> {
         // SAFETY: as for `wait_flag`: a live stream, forwarded contract.
         unsafe {
             result::stream::stream_write_value32(
@@ -126,7 +126,7 @@ impl Stream {
     /// Every row of both sides must be valid memory (device memory of this device, or host
     /// memory registered or pageable) until the copy has completed, and nothing else may write
     /// the destination meanwhile.
-    pub(crate) unsafe fn copy_2d(&self, c: &CUDA_MEMCPY2D) -> Result<(), CudaError> {
+    pub unsafe fn copy_2d(&self, c: &CUDA_MEMCPY2D) -> Result<(), CudaError> {
         // SAFETY: forwarded contract; a live stream.
         unsafe { result::memory::memcpy_2d_async(self.dev.drv, c, self.raw) }
     }
@@ -135,13 +135,13 @@ impl Stream {
     ///
     /// # Safety
     /// As [`Stream::copy_2d`], for every slice.
-    pub(crate) unsafe fn copy_3d(&self, c: &CUDA_MEMCPY3D) -> Result<(), CudaError> {
+    pub unsafe fn copy_3d(&self, c: &CUDA_MEMCPY3D) -> Result<(), CudaError> {
         // SAFETY: forwarded contract; a live stream.
         unsafe { result::memory::memcpy_3d_async(self.dev.drv, c, self.raw) }
     }
 
     /// Whether the driver can batch copies ([`Stream::copy_batch`]).
-    pub(crate) fn can_batch(&self) -> bool {
+    pub fn can_batch(&self) -> bool {
         self.dev.drv.has_batch_copy()
     }
 
@@ -152,7 +152,7 @@ impl Stream {
     /// The three slices have the same length; each pair of ranges is valid device memory of
     /// this device or registered host memory until the copies complete, and nothing else
     /// writes the destinations meanwhile.
-    pub(crate) unsafe fn copy_batch(
+    pub unsafe fn copy_batch(
         &self,
         dsts: &mut [u64],
         srcs: &mut [u64],
@@ -187,7 +187,7 @@ impl Stream {
     /// `f` is a function of a live module of this context, `params` points at one live value
     /// per kernel parameter with the kernel's types, and every address the kernel reads or
     /// writes through them stays valid until the kernel has completed.
-    pub(crate) unsafe fn launch(
+    pub unsafe fn launch(
         &self,
         f: CUfunction,
         grid: u32,

@@ -30,7 +30,7 @@ impl Device {
     ///
     /// # Safety
     /// `event` must be a live event handle of this device's context.
-    pub(crate) unsafe fn wait_event(&self, event: CUevent) -> Result<(), CudaError> {
+    pub unsafe fn wait_event(&self, event: CUevent) -> Result<(), CudaError> {
         // SAFETY: forwarded contract.
         unsafe { result::event::event_synchronize(self.drv, event) }
     }
@@ -40,7 +40,7 @@ impl Device {
     ///
     /// # Safety
     /// `event` must be a live event handle of this device's context.
-    pub(crate) unsafe fn event_done(&self, event: CUevent) -> bool {
+    pub unsafe fn event_done(&self, event: CUevent) -> bool {
         // SAFETY: forwarded contract.
         unsafe { result::event::event_query(self.drv, event) }.unwrap_or(false)
     }
@@ -69,7 +69,7 @@ impl Event {
     ///
     /// # Safety
     /// `stream` must be 0 or a live stream of this device's primary context.
-    pub(crate) unsafe fn record_raw(&self, stream: CUstream) -> Result<(), CudaError> {
+    pub unsafe fn record_raw(&self, stream: CUstream) -> Result<(), CudaError> {
         // SAFETY: a live event; forwarded contract for the stream.
         unsafe { result::event::event_record(self.dev.drv, self.raw, stream) }
     }

@@ -106,7 +106,7 @@ impl Device {
     }
 
     /// The driver's handle of the device.
-    pub(crate) fn raw_device(&self) -> CUdevice {
+    pub fn raw_device(&self) -> CUdevice {
         self.dev
     }
 
