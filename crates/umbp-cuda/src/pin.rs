@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use umbp_pool::Pool;
 
-use umbp_cuda_driver::Device;
 use umbp_cuda_driver::sys::types::*;
 use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::Device;
 
 /// Registration chunks are multiples of this; pool segments (at most 64 MiB, powers of two)
 /// never cross it.

@@ -1,68 +1,78 @@
 //! Counters and latency histograms, rendered for the opt-in Prometheus endpoint
-//! (`metrics_port`).
+//! (`metrics_port`) by the `prometheus-client` crate (the Prometheus text format, 0.0.4).
+//!
+//! Hot paths bump plain atomics and observe the crate's histograms; a scrape builds a
+//! registry of the moment: the histograms (shared, not copied) and one collector holding every
+//! counter and gauge read then, the tier and pin groups rendered from their model
+//! (`umbp_core::counters`).
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use umbp_core::{CounterKind, CounterSet};
 
-/// Upper bounds of the transfer latency buckets, in seconds.
+/// The `Content-Type` of what [`Metrics::render`] returns.
+pub(crate) use prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
+
+/// Upper bounds of the latency buckets, in seconds.
 const BUCKETS: [f64; 14] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
 ];
 
-/// A latency histogram (Prometheus' cumulative buckets are computed when rendered).
-#[derive(Debug, Default)]
-pub(crate) struct Histogram {
-    counts: [AtomicU64; BUCKETS.len() + 1],
-    sum_ns: AtomicU64,
+/// One label (`direction="store"`, `service="exists"`).
+type Label = [(&'static str, &'static str); 1];
+/// No label.
+const NO_LABEL: [(&str, &str); 0] = [];
+/// Histograms of one name, one per label value.
+type Latencies = Family<Label, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(BUCKETS)
 }
 
-impl Histogram {
-    pub(crate) fn observe(&self, d: Duration) {
-        let s = d.as_secs_f64();
-        let i = BUCKETS
-            .iter()
-            .position(|b| s <= *b)
-            .unwrap_or(BUCKETS.len());
-        self.counts[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_ns
-            .fetch_add(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+fn latencies() -> Latencies {
+    Family::new_with_constructor(latency_histogram)
+}
+
+/// A latency histogram: one member of a [`Latencies`] family (its state is shared with it).
+#[derive(Debug, Clone)]
+pub(crate) struct Latency(Histogram);
+
+impl Latency {
+    fn of(family: &Latencies, label: Label) -> Self {
+        Self(family.get_or_create(&label).clone())
     }
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let mut cum = 0;
-        for (i, b) in BUCKETS.iter().enumerate() {
-            cum += self.counts[i].load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {cum}");
-        }
-        cum += self.counts[BUCKETS.len()].load(Ordering::Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cum}");
-        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
-        let _ = writeln!(out, "{name}_count{{{labels}}} {cum}");
+    pub(crate) fn observe(&self, d: Duration) {
+        self.0.observe(d.as_secs_f64());
     }
 }
 
 /// Per direction: transfers, keys, bytes and latency.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct DirectionMetrics {
     pub(crate) transfers: AtomicU64,
     pub(crate) keys_ok: AtomicU64,
     pub(crate) keys_failed: AtomicU64,
     pub(crate) bytes: AtomicU64,
-    pub(crate) latency: Histogram,
+    pub(crate) latency: Latency,
 }
 
 /// What the server counts.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Metrics {
     pub(crate) store: DirectionMetrics,
     pub(crate) load: DirectionMetrics,
     pub(crate) lookups: AtomicU64,
     pub(crate) lookup_keys: AtomicU64,
-    pub(crate) lookup_latency: Histogram,
+    pub(crate) lookup_latency: Latency,
     pub(crate) sessions_attached: AtomicU64,
     pub(crate) sessions_released: AtomicU64,
     /// Sessions ended whose release has not finished.
@@ -72,6 +82,44 @@ pub(crate) struct Metrics {
     pub(crate) channel_transfers: AtomicU64,
     /// Transfer channels open now.
     pub(crate) channels_open: AtomicU64,
+    /// `umbp_transfer_seconds{direction}` (the members are `store.latency`, `load.latency`).
+    transfer_seconds: Latencies,
+    /// `umbp_lookup_seconds{service}` (the member is `lookup_latency`).
+    lookup_seconds: Latencies,
+}
+
+impl DirectionMetrics {
+    fn new(latency: Latency) -> Self {
+        Self {
+            transfers: AtomicU64::new(0),
+            keys_ok: AtomicU64::new(0),
+            keys_failed: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            latency,
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let transfer_seconds = latencies();
+        let lookup_seconds = latencies();
+        Self {
+            store: DirectionMetrics::new(Latency::of(&transfer_seconds, [("direction", "store")])),
+            load: DirectionMetrics::new(Latency::of(&transfer_seconds, [("direction", "load")])),
+            lookups: AtomicU64::new(0),
+            lookup_keys: AtomicU64::new(0),
+            lookup_latency: Latency::of(&lookup_seconds, [("service", "exists")]),
+            sessions_attached: AtomicU64::new(0),
+            sessions_released: AtomicU64::new(0),
+            releasing: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            channel_transfers: AtomicU64::new(0),
+            channels_open: AtomicU64::new(0),
+            transfer_seconds,
+            lookup_seconds,
+        }
+    }
 }
 
 /// Gauges read when rendering.
@@ -106,260 +154,283 @@ pub(crate) struct Gauges {
     pub(crate) pins: Option<umbp_pool::KeepStats>,
 }
 
-/// Every field of a group of counters (the disk tier's, the remote tier's, pins') as its series,
-/// named, typed and described by the group's model (`umbp_core::counters`).
-fn group_series<S: CounterSet>(o: &mut String, s: &S) {
-    for (f, v) in s.pairs() {
-        let name = f.series(S::GROUP);
-        let kind = match f.kind {
-            CounterKind::Counter => "counter",
-            CounterKind::Gauge | CounterKind::Flag => "gauge",
+/// One series of a scrape: a counter or a gauge, with or without one label.
+#[derive(Debug)]
+struct Series {
+    /// The name without `umbp_` and, for a counter, without `_total` (the encoder adds both).
+    name: String,
+    help: String,
+    counter: bool,
+    samples: Vec<(Option<Label>, u64)>,
+}
+
+/// Every counter and gauge of one scrape, read when it was built.
+#[derive(Debug, Default)]
+struct Snapshot(Vec<Series>);
+
+impl Snapshot {
+    fn push(
+        &mut self,
+        series: &str,
+        help: &str,
+        counter: bool,
+        samples: Vec<(Option<Label>, u64)>,
+    ) {
+        let name = series.strip_prefix("umbp_").unwrap_or(series);
+        let name = if counter {
+            name.strip_suffix("_total").unwrap_or(name)
+        } else {
+            name
         };
-        let help = f.help().replace('\\', "\\\\");
-        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+        self.0.push(Series {
+            name: name.to_string(),
+            help: help.to_string(),
+            counter,
+            samples,
+        });
+    }
+
+    fn counter(&mut self, series: &str, help: &str, v: u64) {
+        self.push(series, help, true, vec![(None, v)]);
+    }
+
+    fn gauge(&mut self, series: &str, help: &str, v: u64) {
+        self.push(series, help, false, vec![(None, v)]);
+    }
+
+    /// Every field of a group of counters (the disk tier's, the remote tier's, pins') as its
+    /// series, named, typed and described by the group's model (`umbp_core::counters`).
+    fn group<S: CounterSet>(&mut self, s: &S) {
+        for (f, v) in s.pairs() {
+            let counter = matches!(f.kind, CounterKind::Counter);
+            self.push(&f.series(S::GROUP), &f.help(), counter, vec![(None, v)]);
+        }
+    }
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for s in &self.0 {
+            let kind = if s.counter {
+                ConstCounter::new(0u64).metric_type()
+            } else {
+                ConstGauge::new(0u64).metric_type()
+            };
+            let mut family = encoder.encode_descriptor(&s.name, &s.help, None, kind)?;
+            for (label, v) in &s.samples {
+                let sample = match label {
+                    Some(l) => family.encode_family(l)?,
+                    None => family.encode_family(&NO_LABEL)?,
+                };
+                if s.counter {
+                    ConstCounter::new(*v).encode(sample)?;
+                } else {
+                    ConstGauge::new(*v).encode(sample)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
 impl Metrics {
-    /// The Prometheus text exposition of everything.
+    /// The Prometheus text exposition of everything ([`CONTENT_TYPE`]).
     pub(crate) fn render(&self, g: &Gauges) -> String {
-        let mut o = String::with_capacity(8192);
-        let gauge = |o: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                o,
-                "# HELP umbp_{name} {help}\n# TYPE umbp_{name} gauge\numbp_{name} {v}"
-            );
-        };
-        let counter = |o: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                o,
-                "# HELP umbp_{name} {help}\n# TYPE umbp_{name} counter\numbp_{name} {v}"
-            );
-        };
-        gauge(
-            &mut o,
+        let mut o = Snapshot::default();
+        o.gauge(
             "pool_capacity_bytes",
             "Usable bytes of the pool.",
             g.capacity_bytes,
         );
-        gauge(
-            &mut o,
+        o.gauge(
             "pool_used_bytes",
             "Bytes held by objects and open reservations.",
             g.used_bytes,
         );
-        gauge(&mut o, "pool_objects", "Objects in the pool.", g.objects);
-        gauge(
-            &mut o,
+        o.gauge("pool_objects", "Objects in the pool.", g.objects);
+        o.gauge(
             "pool_reservations",
             "Reservations open now.",
             g.reservations,
         );
-        gauge(
-            &mut o,
+        o.gauge(
             "pool_pinned_objects",
             "Objects pinned by loads now.",
             g.pinned,
         );
-        counter(
-            &mut o,
+        o.counter(
             "pool_hits_total",
             "Keys found by lookups and loads.",
             g.hits,
         );
-        counter(
-            &mut o,
+        o.counter(
             "pool_misses_total",
             "Keys not found by lookups and loads.",
             g.misses,
         );
-        counter(
-            &mut o,
-            "pool_evictions_total",
-            "Objects evicted.",
-            g.evictions,
-        );
-        counter(
-            &mut o,
+        o.counter("pool_evictions_total", "Objects evicted.", g.evictions);
+        o.counter(
             "pool_promotions_total",
             "Objects S3-FIFO moved from its small queue to its main queue (used again).",
             g.promotions,
         );
-        counter(
-            &mut o,
+        o.counter(
             "pool_ghost_hits_total",
             "Objects stored again soon after S3-FIFO evicted them (they enter the main queue).",
             g.ghost_hits,
         );
-        counter(
-            &mut o,
+        o.counter(
             "pool_admissions_skipped_total",
             "Stores not kept by store_admission=on_reuse (the key's first sighting).",
             g.admissions_skipped,
         );
-        counter(
-            &mut o,
+        o.counter(
             "pool_admissions_forced_total",
             "Stores kept on the key's first sighting because the client asked (admit_now: a \
              request's priority or umbp_store=now) where store_admission=on_reuse would not.",
             g.admissions_forced,
         );
-        for (name, help, v) in [
-            (
-                "pool_leases_total",
-                "Leases lookups took on the hits they reported (kept from eviction until loaded).",
-                g.leases,
-            ),
-            (
-                "pool_leases_released_total",
-                "Lookup leases given back by the loads that used them.",
-                g.leases_released,
-            ),
-            (
-                "pool_leases_expired_total",
-                "Lookup leases that ran out before a load used them.",
-                g.leases_expired,
-            ),
-            (
-                "pool_leases_refused_total",
-                "Lookup leases refused because leased objects held half the pool (reported as misses).",
-                g.leases_refused,
-            ),
-            (
-                "pool_leases_ended_total",
-                "Lookup leases that ended with their object (removed or cleared).",
-                g.leases_ended,
-            ),
-        ] {
-            counter(&mut o, name, help, v);
-        }
-        gauge(
-            &mut o,
+        o.counter(
+            "pool_leases_total",
+            "Leases lookups took on the hits they reported (kept from eviction until loaded).",
+            g.leases,
+        );
+        o.counter(
+            "pool_leases_released_total",
+            "Lookup leases given back by the loads that used them.",
+            g.leases_released,
+        );
+        o.counter(
+            "pool_leases_expired_total",
+            "Lookup leases that ran out before a load used them.",
+            g.leases_expired,
+        );
+        o.counter(
+            "pool_leases_refused_total",
+            "Lookup leases refused because leased objects held half the pool (reported as misses).",
+            g.leases_refused,
+        );
+        o.counter(
+            "pool_leases_ended_total",
+            "Lookup leases that ended with their object (removed or cleared).",
+            g.leases_ended,
+        );
+        o.gauge(
             "pool_leased_bytes",
             "Bytes of the objects that hold lookup leases now.",
             g.leased_bytes,
         );
-        counter(
-            &mut o,
+        o.counter(
             "pool_verified_total",
             "Objects whose bytes a load checked against their checksum (--integrity).",
             g.verified,
         );
-        counter(
-            &mut o,
+        o.counter(
             "corrupt_detected_total",
             "Objects whose bytes failed their checksum on the way to a client, in any tier \
              (pool, disk, remote): each removed and its load failed, never copied out.",
             g.corrupt_detected,
         );
         if let Some(r) = &g.remote {
-            group_series(&mut o, r);
+            o.group(r);
         }
         if let Some(p) = &g.pins {
-            group_series(&mut o, p);
+            o.group(p);
         }
         if let Some(d) = &g.disk {
-            group_series(&mut o, d);
-            counter(
-                &mut o,
+            o.group(d);
+            o.counter(
                 "disk_errors_total",
                 "Disk reads and writes that failed with an I/O error (read_errors + write_errors).",
                 d.read_errors + d.write_errors,
             );
         }
-        gauge(&mut o, "sessions", "Attached client sessions.", g.sessions);
-        gauge(
-            &mut o,
+        o.gauge("sessions", "Attached client sessions.", g.sessions);
+        o.gauge(
             "registrations",
             "Memory registrations of attached sessions.",
             g.registrations,
         );
-        gauge(
-            &mut o,
-            "layouts",
-            "KV layouts of attached sessions.",
-            g.layouts,
-        );
-        gauge(
-            &mut o,
+        o.gauge("layouts", "KV layouts of attached sessions.", g.layouts);
+        o.gauge(
             "transfers_in_flight",
             "Transfers being copied.",
             g.transfers_in_flight,
         );
-        counter(
-            &mut o,
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        o.counter(
             "sessions_attached_total",
             "Sessions attached since start.",
-            self.sessions_attached.load(Ordering::Relaxed),
+            get(&self.sessions_attached),
         );
-        counter(
-            &mut o,
+        o.counter(
             "sessions_released_total",
             "Sessions released since start.",
-            self.sessions_released.load(Ordering::Relaxed),
+            get(&self.sessions_released),
         );
-        counter(
-            &mut o,
+        o.counter(
             "requests_refused_total",
             "Requests refused (bad input, unknown ids, other uids).",
-            self.refused.load(Ordering::Relaxed),
+            get(&self.refused),
         );
-        counter(
-            &mut o,
+        o.counter(
             "channel_transfers_total",
             "Transfers that came on transfer channels (the rest over gRPC).",
-            self.channel_transfers.load(Ordering::Relaxed),
+            get(&self.channel_transfers),
         );
-        counter(
-            &mut o,
-            "lookups_total",
-            "Lookup requests.",
-            self.lookups.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut o,
+        o.counter("lookups_total", "Lookup requests.", get(&self.lookups));
+        o.counter(
             "lookup_keys_total",
             "Keys looked up.",
-            self.lookup_keys.load(Ordering::Relaxed),
+            get(&self.lookup_keys),
         );
-        let _ = writeln!(o, "# HELP umbp_lookup_seconds Lookup latency in the server.\n# TYPE umbp_lookup_seconds histogram");
-        self.lookup_latency
-            .render(&mut o, "umbp_lookup_seconds", "service=\"exists\"");
-        for (name, help) in [
-            ("transfers_total", "Transfers finished."),
-            (
-                "transfer_keys_ok_total",
-                "Keys transferred (or already present).",
-            ),
-            (
-                "transfer_keys_failed_total",
-                "Keys that failed, were missing or cancelled.",
-            ),
-            ("transfer_bytes_total", "Bytes copied."),
-        ] {
-            let _ = writeln!(o, "# HELP umbp_{name} {help}\n# TYPE umbp_{name} counter");
-            for (dir, m) in [("store", &self.store), ("load", &self.load)] {
-                let v = match name {
-                    "transfers_total" => &m.transfers,
-                    "transfer_keys_ok_total" => &m.keys_ok,
-                    "transfer_keys_failed_total" => &m.keys_failed,
-                    _ => &m.bytes,
-                };
-                let _ = writeln!(
-                    o,
-                    "umbp_{name}{{direction=\"{dir}\"}} {}",
-                    v.load(Ordering::Relaxed)
-                );
-            }
-        }
-        let _ = writeln!(o, "# HELP umbp_transfer_seconds Transfer latency in the server, from request to reply.\n# TYPE umbp_transfer_seconds histogram");
-        self.store
-            .latency
-            .render(&mut o, "umbp_transfer_seconds", "direction=\"store\"");
-        self.load
-            .latency
-            .render(&mut o, "umbp_transfer_seconds", "direction=\"load\"");
-        o
+        let by_direction = |f: fn(&DirectionMetrics) -> &AtomicU64| {
+            vec![
+                (Some([("direction", "store")]), get(f(&self.store))),
+                (Some([("direction", "load")]), get(f(&self.load))),
+            ]
+        };
+        o.push(
+            "transfers_total",
+            "Transfers finished.",
+            true,
+            by_direction(|m| &m.transfers),
+        );
+        o.push(
+            "transfer_keys_ok_total",
+            "Keys transferred (or already present).",
+            true,
+            by_direction(|m| &m.keys_ok),
+        );
+        o.push(
+            "transfer_keys_failed_total",
+            "Keys that failed, were missing or cancelled.",
+            true,
+            by_direction(|m| &m.keys_failed),
+        );
+        o.push(
+            "transfer_bytes_total",
+            "Bytes copied.",
+            true,
+            by_direction(|m| &m.bytes),
+        );
+        let mut registry = Registry::with_prefix("umbp");
+        registry.register_collector(Box::new(o));
+        // The registry ends these helps with a full stop (a collector's are written as given).
+        registry.register(
+            "lookup_seconds",
+            "Lookup latency in the server",
+            self.lookup_seconds.clone(),
+        );
+        registry.register(
+            "transfer_seconds",
+            "Transfer latency in the server, from request to reply",
+            self.transfer_seconds.clone(),
+        );
+        let mut text = String::with_capacity(16 << 10);
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut text, &registry);
+        text
     }
 }
 

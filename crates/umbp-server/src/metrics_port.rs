@@ -1,6 +1,7 @@
-//! The opt-in Prometheus endpoint (`--metrics-address`): `GET /metrics` over TCP, which any
-//! local uid can reach, so it is held to a few descriptors of the server's reserve and can
-//! neither exhaust the server nor spin it:
+//! The opt-in Prometheus endpoint (`--metrics-address`): `GET /metrics` over TCP, answered by
+//! hyper's HTTP/1 server with the text `crate::metrics` renders. Any local uid can reach it, so
+//! it is held to a few descriptors of the server's reserve and can neither exhaust the server
+//! nor spin it:
 //!
 //! - at most [`MAX_CONNECTIONS`] connections at once; past that nothing more is accepted
 //!   (connections wait in the kernel's backlog, holding no descriptor of the server's);
@@ -9,11 +10,16 @@
 //! - a failed `accept` (out of descriptors, say) is retried after a pause, logged at most once
 //!   a second.
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONNECTION, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
@@ -22,15 +28,20 @@ use crate::ratelog::{RateLimited, ACCEPT_BACKOFF};
 pub(crate) const MAX_CONNECTIONS: usize = 16;
 /// How long one connection may take, request and answer together: 5 s.
 pub(crate) const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
-/// Bytes of a request head read at most: 8 KiB.
+/// Bytes of a request head read at most: 8 KiB (hyper's smallest read buffer).
 const MAX_HEAD: usize = 8192;
+/// Header lines of a request read at most.
+const MAX_HEADERS: usize = 32;
+
+/// What a scrape answers: the body and its content type.
+pub(crate) type Render = Arc<dyn Fn() -> (String, &'static str) + Send + Sync>;
 
 static ACCEPT_FAILED: RateLimited = RateLimited::new();
 
 /// Serves `GET /metrics` on `listener` until `stop` changes; every other path is a 404.
 pub(crate) async fn serve(
     listener: TcpListener,
-    render: Arc<dyn Fn() -> String + Send + Sync>,
+    render: Render,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -69,34 +80,41 @@ pub(crate) async fn serve(
     }
 }
 
-/// Reads one request head and answers it.
-async fn answer(mut sock: TcpStream, render: Arc<dyn Fn() -> String + Send + Sync>) {
-    let mut buf = vec![0u8; MAX_HEAD];
-    let mut n = 0;
-    while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-        match sock.read(&mut buf[n..]).await {
-            Ok(0) | Err(_) => break,
-            Ok(k) => n += k,
-        }
-    }
-    let req = String::from_utf8_lossy(&buf[..n]);
-    let path = req.split_whitespace().nth(1).unwrap_or("");
-    let (status, body) =
-        if req.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
-            ("200 OK", render())
+/// Answers one request on `sock` (hyper's HTTP/1 server, no keep-alive), then closes it.
+async fn answer(sock: TcpStream, render: Render) {
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let render = Arc::clone(&render);
+        async move { Ok::<_, Infallible>(respond(&req, &render)) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .keep_alive(false)
+        .max_buf_size(MAX_HEAD)
+        .max_headers(MAX_HEADERS)
+        .serve_connection(TokioIo::new(sock), service)
+        .await;
+}
+
+fn respond(req: &Request<Incoming>, render: &Render) -> Response<Full<Bytes>> {
+    let (status, body, content_type) =
+        if req.method() == Method::GET && req.uri().path() == "/metrics" {
+            let (body, content_type) = render();
+            (StatusCode::OK, body, content_type)
         } else {
             (
-                "404 Not Found",
+                StatusCode::NOT_FOUND,
                 "only GET /metrics is served here\n".to_string(),
+                "text/plain; charset=utf-8",
             )
         };
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(
+        CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(content_type),
     );
-    let _ = sock.write_all(head.as_bytes()).await;
-    let _ = sock.write_all(body.as_bytes()).await;
-    let _ = sock.shutdown().await;
+    h.insert(CONNECTION, hyper::header::HeaderValue::from_static("close"));
+    r
 }
 
 /// Binds the metrics listener, refusing a non-loopback address unless allowed.

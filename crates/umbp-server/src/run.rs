@@ -172,8 +172,8 @@ pub async fn serve(
             }
         };
         let st = Arc::clone(&state);
-        let render: Arc<dyn Fn() -> String + Send + Sync> =
-            Arc::new(move || st.metrics.render(&st.gauges()));
+        let render: metrics_port::Render =
+            Arc::new(move || (st.metrics.render(&st.gauges()), metrics::CONTENT_TYPE));
         tracing::info!(%addr, "Prometheus metrics at http://{addr}/metrics");
         tasks.push(tokio::spawn(metrics_port::serve(
             l,

@@ -9,10 +9,10 @@ use umbp_copy::{BlockCopy, MoveResult};
 
 use super::spans::Timed;
 use super::{CudaMover, Dir};
-use umbp_cuda_driver::{Event, Stream};
 use crate::plan::{self, Run};
 use umbp_cuda_driver::sys::types::*;
 use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::{Event, Stream};
 
 impl CudaMover {
     pub(super) fn run_dma(

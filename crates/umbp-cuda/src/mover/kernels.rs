@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use umbp_cuda_driver::{Device, Module};
 use umbp_cuda_driver::sys::types::CUfunction;
 use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::{Device, Module};
 
 pub(super) const PTX: &str = concat!(include_str!("../umbp_copy.ptx"), "\0");
 

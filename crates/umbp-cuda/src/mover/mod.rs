@@ -43,11 +43,8 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use umbp_copy::{BlockCopy, MoveError, MoveResult, Mover, OrderToken, TokenOwner};
 
-use umbp_cuda_driver::{Device, DeviceBuffer, Event, Stream};
 use crate::pin::{PinProgress, PinStatus, PoolPinner};
 use crate::plan;
-use umbp_cuda_driver::sys::types::*;
-use umbp_cuda_driver::CudaError;
 use kernels::{load_kernels, Kernels};
 pub use options::{CopyMethod, CudaOptions};
 pub use spans::TraceSpan;
@@ -55,6 +52,9 @@ use spans::Tracer;
 use staging::{
     device_flags, Ring, Slot, StagedHealth, DESC_BUFFERS, MAX_DESCS, STAGED_PROBE_EVERY,
 };
+use umbp_cuda_driver::sys::types::*;
+use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::{Device, DeviceBuffer, Event, Stream};
 
 /// Counters of the CUDA mover.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -10,10 +10,10 @@ use umbp_copy::MoveResult;
 use super::spans::Timed;
 use super::staging::*;
 use super::{CopyMethod, CudaMover, Dir};
-use umbp_cuda_driver::{Event, Stream};
 use crate::plan::{Run, Slice};
 use umbp_cuda_driver::sys::types::*;
 use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::{Event, Stream};
 
 impl CudaMover {
     /// Folds one staged call's kernel time per GB (its kernels moved `bytes`) into `auto`'s

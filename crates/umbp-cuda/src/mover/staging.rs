@@ -5,8 +5,8 @@
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use umbp_cuda_driver::{Device, DeviceBuffer, Event, HostBuffer, Stream};
 use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::{Device, DeviceBuffer, Event, HostBuffer, Stream};
 
 /// Most descriptors one staging slot carries.
 pub(super) const MAX_DESCS: usize = 16384;

@@ -4,8 +4,8 @@ use std::sync::atomic::Ordering;
 
 use super::spans::{Timed, TraceSpan, Tracer};
 use super::{CudaMover, Dir};
-use umbp_cuda_driver::{Event, Stream};
 use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::{Event, Stream};
 
 impl CudaMover {
     /// Starts recording a timeline of every copy step (kernels, DMAs, mover calls and waits

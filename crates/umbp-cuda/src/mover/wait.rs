@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use umbp_cuda_driver::Event;
 use umbp_cuda_driver::CudaError;
+use umbp_cuda_driver::Event;
 
 /// The first estimate of a direction's rate, before any call was seen: 64 GB/s, more than a
 /// PCIe Gen5 x16 link moves, so a first call is polled early rather than late.
