@@ -258,6 +258,11 @@ def test_a_restarted_server_finds_everything_the_last_one_held(tmp_path):
         for name, _kind, series, _help in fields:
             assert name in server.stats()["disk"] and name in as_json, name
             assert f"\n{series} " in prom, series
+        # And the pool's group, flat in the dict and in `umbp stats --json`.
+        top = json.loads(server.umbp("stats", "--json"))
+        for name, _kind, series, _help in dict(umbp.counter_fields())["pool"]:
+            assert name in server.stats() and name in top, name
+            assert f"\n{series} " in prom, series
         server.stop()  # SIGTERM, exit 0
         # A new server on the same directory, with room for all it promotes: the spilled
         # objects answer lookups and load.

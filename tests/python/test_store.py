@@ -20,6 +20,17 @@ def attach(store, cache):
     return store.register_layout(cache.layout())
 
 
+def test_stats_hold_every_counter_of_the_pool_group(store):
+    """The embedded dict is rendered from the pool's counter model: each field, by name."""
+    s = store.stats()
+    fields = dict(umbp.counter_fields())["pool"]
+    assert {"hits", "misses", "evictions", "leases", "events_dropped"} <= {f[0] for f in fields}
+    for name, kind, series, help_ in fields:
+        assert isinstance(s[name], int), name
+        assert kind in ("counter", "gauge") and series.startswith("umbp_pool_") and help_, name
+    assert s["capacity_bytes"] > 0 and s["eviction_policy"] in ("lru", "s3fifo")
+
+
 def test_round_trip_is_byte_exact(store, kb):
     src, dst = KvCache(fill_seed=1), KvCache()
     ls, ld = attach(store, src), attach(store, dst)

@@ -188,6 +188,7 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
     }
     let raw = a.target.raw()?;
     let s = raw.stats()?;
+    let p: umbp_pool::PoolCounters = umbp_proto::counters::pool_counters(&s);
     let remote: Option<umbp_store::RemoteStats> = s
         .remote
         .as_ref()
@@ -201,54 +202,34 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
         .as_ref()
         .map(|p| umbp_proto::counters::from_wire(&p.counters));
     if a.json {
-        println!(
-            "{}",
-            json!({
-                "endpoint": raw.endpoint.to_string(),
-                "boot_id": s.boot_id,
-                "capacity_bytes": s.capacity_bytes,
-                "used_bytes": s.used_bytes,
-                "objects": s.objects,
-                "hits": s.hits,
-                "misses": s.misses,
-                "evictions": s.evictions,
-                "leases": s.leases,
-                "leases_released": s.leases_released,
-                "leases_expired": s.leases_expired,
-                "leases_refused": s.leases_refused,
-                "leases_ended": s.leases_ended,
-                "leases_active": s.leases_active,
-                "leased_bytes": s.leased_bytes,
-                "puts": s.puts,
-                "duplicate_puts": s.duplicate_puts,
-                "gets": s.gets,
-                "bytes_in": s.bytes_in,
-                "bytes_out": s.bytes_out,
-                "reservations": s.reservations,
-                "pinned": s.pinned,
-                "sessions": s.sessions,
-                "registrations": s.registrations,
-                "layouts": s.layouts,
-                "transfers_in_flight": s.transfers_in_flight,
-                "pending_descriptors": s.pending_descriptors,
-                "stores": s.stores,
-                "loads": s.loads,
-                "store_bytes": s.store_bytes,
-                "load_bytes": s.load_bytes,
-                "metadata_bytes": s.metadata_bytes,
-                "placement": s.placement,
-                "cuda_imports": s.cuda_imports,
-                "channel_transfers": s.channel_transfers,
-                "transfer_channels": s.transfer_channels,
-                "integrity": s.integrity,
-                "integrity_sample_every": s.integrity_sample_every,
-                "verified": s.verified,
-                "corrupt_detected": s.corrupt_detected,
-                "remote": remote.as_ref().map(counters_json),
-                "disk": disk.as_ref().map(counters_json),
-                "pins": pins.as_ref().map(counters_json),
-            })
-        );
+        let mut out = json!({
+            "endpoint": raw.endpoint.to_string(),
+            "boot_id": s.boot_id,
+            "sessions": s.sessions,
+            "registrations": s.registrations,
+            "layouts": s.layouts,
+            "transfers_in_flight": s.transfers_in_flight,
+            "pending_descriptors": s.pending_descriptors,
+            "stores": s.stores,
+            "loads": s.loads,
+            "store_bytes": s.store_bytes,
+            "load_bytes": s.load_bytes,
+            "placement": s.placement,
+            "cuda_imports": s.cuda_imports,
+            "channel_transfers": s.channel_transfers,
+            "transfer_channels": s.transfer_channels,
+            "integrity": s.integrity,
+            "integrity_sample_every": s.integrity_sample_every,
+            "remote": remote.as_ref().map(counters_json),
+            "disk": disk.as_ref().map(counters_json),
+            "pins": pins.as_ref().map(counters_json),
+        });
+        // Every pool counter by its model's name, beside the rest.
+        if let (Some(o), serde_json::Value::Object(pool)) = (out.as_object_mut(), counters_json(&p))
+        {
+            o.extend(pool);
+        }
+        println!("{out}");
         return Ok(());
     }
     let pct = |n: u64, d: u64| {
@@ -267,41 +248,41 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
     };
     println!("UMBP server at {} (boot id {})", raw.endpoint, s.boot_id);
     println!("pool");
-    println!("  capacity             {}", b(s.capacity_bytes));
+    println!("  capacity             {}", b(p.capacity_bytes));
     println!(
         "  used                 {}{}",
-        b(s.used_bytes),
-        pct(s.used_bytes, s.capacity_bytes)
+        b(p.used_bytes),
+        pct(p.used_bytes, p.capacity_bytes)
     );
-    println!("  objects              {}", s.objects);
-    println!("  metadata             {}", b(s.metadata_bytes));
+    println!("  objects              {}", p.objects);
+    println!("  metadata             {}", b(p.metadata_bytes));
     println!("  placement            {}", s.placement);
-    println!("  reservations         {}", s.reservations);
-    println!("  pinned               {}", s.pinned);
+    println!("  reservations         {}", p.reservations);
+    println!("  pinned               {}", p.pinned);
     println!("lookups");
     println!(
         "  hits                 {}{}",
-        s.hits,
-        pct(s.hits, s.hits + s.misses)
+        p.hits,
+        pct(p.hits, p.hits + p.misses)
     );
-    println!("  misses               {}", s.misses);
+    println!("  misses               {}", p.misses);
     println!(
         "  leases               {} taken, {} used by loads, {} expired, {} refused, {} ended, {} held ({})",
-        s.leases,
-        s.leases_released,
-        s.leases_expired,
-        s.leases_refused,
-        s.leases_ended,
-        s.leases_active,
-        b(s.leased_bytes)
+        p.leases,
+        p.leases_released,
+        p.leases_expired,
+        p.leases_refused,
+        p.leases_ended,
+        p.leases_active,
+        b(p.leased_bytes)
     );
     println!("pool objects");
-    println!("  puts                 {}", s.puts);
-    println!("  duplicate puts       {}", s.duplicate_puts);
-    println!("  gets                 {}", s.gets);
-    println!("  evictions            {}", s.evictions);
-    println!("  bytes in             {}", b(s.bytes_in));
-    println!("  bytes out            {}", b(s.bytes_out));
+    println!("  puts                 {}", p.puts);
+    println!("  duplicate puts       {}", p.duplicate_puts);
+    println!("  gets                 {}", p.gets);
+    println!("  evictions            {}", p.evictions);
+    println!("  bytes in             {}", b(p.bytes_in));
+    println!("  bytes out            {}", b(p.bytes_out));
     println!("integrity");
     println!(
         "  checksums            {}",
@@ -310,8 +291,8 @@ pub fn stats(a: &StatsArgs) -> Result<()> {
             other => other.to_owned(),
         }
     );
-    println!("  verified             {}", s.verified);
-    println!("  corrupt detected     {}", s.corrupt_detected);
+    println!("  verified             {}", p.verified);
+    println!("  corrupt detected     {}", p.corrupt_detected);
     println!("transfers");
     println!("  stores               {}", s.stores);
     println!("  loads                {}", s.loads);

@@ -56,6 +56,7 @@ impl Source {
         match self {
             Source::Server(raw) => {
                 let s = raw.stats()?;
+                let p: umbp_pool::PoolCounters = umbp_proto::counters::pool_counters(&s);
                 let remote: Option<umbp_store::RemoteStats> = s
                     .remote
                     .as_ref()
@@ -66,14 +67,14 @@ impl Source {
                     Some(r) => ("down".to_owned(), r.hits),
                 };
                 Ok(Snapshot {
-                    capacity_bytes: s.capacity_bytes,
-                    used_bytes: s.used_bytes,
-                    objects: s.objects,
-                    hits: s.hits,
-                    misses: s.misses,
-                    evictions: s.evictions,
-                    bytes_in: s.bytes_in,
-                    bytes_out: s.bytes_out,
+                    capacity_bytes: p.capacity_bytes,
+                    used_bytes: p.used_bytes,
+                    objects: p.objects,
+                    hits: p.hits,
+                    misses: p.misses,
+                    evictions: p.evictions,
+                    bytes_in: p.bytes_in,
+                    bytes_out: p.bytes_out,
                     clients: s.sessions,
                     expected_clients: 0,
                     remote,

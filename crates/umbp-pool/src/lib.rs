@@ -47,8 +47,8 @@ pub use error::PoolError;
 pub use keep::{KeepStats, NamespacePins};
 pub use pool::clearing::Clearing;
 pub use pool::{
-    Adopted, CommitOutcome, PinnedObject, Pool, PoolEvent, PoolStats, RemoveCause, Reservation,
-    SpillFn, SpillKind,
+    Adopted, CommitOutcome, PinnedObject, Pool, PoolCounters, PoolEvent, PoolStats, RemoveCause,
+    Reservation, SpillFn, SpillKind,
 };
 pub use region::{memory_available, MemoryAvailable, Placement};
 pub use shared_fd::{check_shareable_fd, ServerMapping};

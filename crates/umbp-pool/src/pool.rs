@@ -37,7 +37,9 @@ pub use inner::SpillFn;
 use inner::{owner_tag, shard_of, Counters, EventHub, Inner, SHARDS};
 
 pub use inner::{PinnedObject, Reservation};
-pub use types::{Adopted, CommitOutcome, PoolEvent, PoolStats, RemoveCause, SpillKind};
+pub use types::{
+    Adopted, CommitOutcome, PoolCounters, PoolEvent, PoolStats, RemoveCause, SpillKind,
+};
 
 /// The host-DRAM object pool. Cheap to share behind an `Arc`; objects, reservations and pins
 /// keep the memory alive on their own.
@@ -629,48 +631,50 @@ impl Pool {
             inner.lease_counts();
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
         PoolStats {
-            capacity_bytes: inner.capacity,
-            used_bytes: used,
-            objects: r(&c.objects),
-            puts: r(&c.puts),
-            duplicate_puts: r(&c.duplicate_puts),
-            gets: r(&c.gets),
-            hits: r(&c.hits),
-            misses: r(&c.misses),
-            evictions: r(&c.evictions),
+            counters: PoolCounters {
+                capacity_bytes: inner.capacity,
+                used_bytes: used,
+                objects: r(&c.objects),
+                puts: r(&c.puts),
+                duplicate_puts: r(&c.duplicate_puts),
+                gets: r(&c.gets),
+                hits: r(&c.hits),
+                misses: r(&c.misses),
+                evictions: r(&c.evictions),
+                evictions_small: policy.evicted[crate::policy::s3fifo::SMALL],
+                evictions_main: policy.evicted[crate::policy::s3fifo::MAIN],
+                promotions: policy.promotions,
+                ghost_hits: policy.ghost_hits,
+                admissions_skipped: r(&c.admissions_skipped),
+                admissions_forced: r(&c.admissions_forced),
+                admission_seen,
+                verified: r(&c.verified),
+                corrupt_detected: r(&c.corrupt_detected),
+                bytes_in: r(&c.bytes_in),
+                bytes_out: r(&c.bytes_out),
+                reservations: r(&c.reservations),
+                pinned: r(&c.pinned),
+                events_dropped: inner.events.dropped.load(Ordering::Relaxed),
+                segment_bytes,
+                free_segments,
+                metadata_bytes: metadata,
+                leases,
+                leases_released,
+                leases_expired,
+                leases_refused,
+                leases_ended,
+                leases_active,
+                leased_bytes,
+            },
             eviction_policy: inner.policy,
-            evictions_small: policy.evicted[crate::policy::s3fifo::SMALL],
-            evictions_main: policy.evicted[crate::policy::s3fifo::MAIN],
-            promotions: policy.promotions,
-            ghost_hits: policy.ghost_hits,
             store_admission: if inner.admission.is_some() {
                 umbp_core::caching::StoreAdmission::OnReuse
             } else {
                 umbp_core::caching::StoreAdmission::All
             },
-            admissions_skipped: r(&c.admissions_skipped),
-            admissions_forced: r(&c.admissions_forced),
             integrity: inner.integrity,
-            verified: r(&c.verified),
-            corrupt_detected: r(&c.corrupt_detected),
-            admission_seen,
-            bytes_in: r(&c.bytes_in),
-            bytes_out: r(&c.bytes_out),
-            reservations: r(&c.reservations),
-            pinned: r(&c.pinned),
-            events_dropped: inner.events.dropped.load(Ordering::Relaxed),
-            segment_bytes,
-            free_segments,
-            metadata_bytes: metadata,
             placement: inner.region.placement().clone(),
             lookup_lease_ms: inner.leases.ms,
-            leases,
-            leases_released,
-            leases_expired,
-            leases_refused,
-            leases_ended,
-            leases_active,
-            leased_bytes,
         }
     }
 

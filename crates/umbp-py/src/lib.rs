@@ -59,6 +59,7 @@ fn counter_fields() -> Vec<(&'static str, Vec<FieldRow>)> {
         (S::GROUP, fields)
     }
     vec![
+        group::<umbp_pool::PoolCounters>(),
         group::<umbp_store::DiskStats>(),
         group::<umbp_store::RemoteStats>(),
         group::<umbp_pool::KeepStats>(),

@@ -19,6 +19,7 @@ use umbp_client::{
     ClientError, ClientOptions, ServerStats, StandaloneClient as CoreClient,
     Transfer as CoreTransfer,
 };
+use umbp_core::CounterSet;
 use umbp_core::{Admit, KvLayout, LayerSpec, LayoutSummary, RankTopology};
 use umbp_proto::Endpoint;
 
@@ -305,22 +306,11 @@ impl StandaloneClient {
     fn stats<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         let c = self.live()?;
         let s = without_gil(py, || c.stats())?;
-        // Every field, by name: a field added to the protocol fails to compile here.
+        let pool: umbp_pool::PoolCounters = umbp_proto::counters::pool_counters(&s);
+        // Every other field, by name: a field added to the protocol fails to compile here (the
+        // pool's frozen fields are read through `pool_counters`).
         let ServerStats {
             boot_id,
-            capacity_bytes,
-            used_bytes,
-            objects,
-            hits,
-            misses,
-            evictions,
-            puts,
-            duplicate_puts,
-            gets,
-            bytes_in,
-            bytes_out,
-            reservations,
-            pinned,
             sessions,
             registrations,
             layouts,
@@ -330,7 +320,6 @@ impl StandaloneClient {
             loads,
             store_bytes,
             load_bytes,
-            metadata_bytes,
             placement,
             cuda_imports,
             remote,
@@ -338,40 +327,17 @@ impl StandaloneClient {
             pins,
             channel_transfers,
             transfer_channels,
-            leases,
-            leases_released,
-            leases_expired,
-            leases_refused,
-            leases_ended,
-            leases_active,
-            leased_bytes,
-            verified,
-            corrupt_detected,
             integrity,
             integrity_sample_every,
+            pool: _,
+            ..
         } = s;
         let d = PyDict::new(py);
         d.set_item("boot_id", boot_id)?;
-        d.set_item("capacity_bytes", capacity_bytes)?;
-        d.set_item("used_bytes", used_bytes)?;
-        d.set_item("objects", objects)?;
-        d.set_item("hits", hits)?;
-        d.set_item("misses", misses)?;
-        d.set_item("evictions", evictions)?;
-        d.set_item("leases", leases)?;
-        d.set_item("leases_released", leases_released)?;
-        d.set_item("leases_expired", leases_expired)?;
-        d.set_item("leases_refused", leases_refused)?;
-        d.set_item("leases_ended", leases_ended)?;
-        d.set_item("leases_active", leases_active)?;
-        d.set_item("leased_bytes", leased_bytes)?;
-        d.set_item("puts", puts)?;
-        d.set_item("duplicate_puts", duplicate_puts)?;
-        d.set_item("gets", gets)?;
-        d.set_item("bytes_in", bytes_in)?;
-        d.set_item("bytes_out", bytes_out)?;
-        d.set_item("reservations", reservations)?;
-        d.set_item("pinned", pinned)?;
+        // Every pool counter by its model's name.
+        for (f, v) in pool.pairs() {
+            d.set_item(f.name, v)?;
+        }
         d.set_item("sessions", sessions)?;
         d.set_item("registrations", registrations)?;
         d.set_item("layouts", layouts)?;
@@ -381,15 +347,12 @@ impl StandaloneClient {
         d.set_item("loads", loads)?;
         d.set_item("store_bytes", store_bytes)?;
         d.set_item("load_bytes", load_bytes)?;
-        d.set_item("metadata_bytes", metadata_bytes)?;
         d.set_item("placement", placement)?;
         d.set_item("cuda_imports", cuda_imports)?;
         d.set_item("channel_transfers", channel_transfers)?;
         d.set_item("transfer_channels", transfer_channels)?;
         d.set_item("integrity", integrity)?;
         d.set_item("integrity_sample_every", integrity_sample_every)?;
-        d.set_item("verified", verified)?;
-        d.set_item("corrupt_detected", corrupt_detected)?;
         // Each tier's group of counters, from the wire by the group's model.
         fn group<'py, S: umbp_core::CounterSet>(
             py: Python<'py>,

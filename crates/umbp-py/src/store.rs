@@ -507,44 +507,15 @@ impl EmbeddedStore {
         let st = self.live()?;
         let s = without_gil(py, || st.stats())?;
         let d = PyDict::new(py);
-        d.set_item("capacity_bytes", s.capacity_bytes)?;
-        d.set_item("used_bytes", s.used_bytes)?;
-        d.set_item("objects", s.objects)?;
-        d.set_item("puts", s.puts)?;
-        d.set_item("duplicate_puts", s.duplicate_puts)?;
-        d.set_item("gets", s.gets)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item("evictions", s.evictions)?;
-        d.set_item("bytes_in", s.bytes_in)?;
-        d.set_item("bytes_out", s.bytes_out)?;
-        d.set_item("reservations", s.reservations)?;
-        d.set_item("pinned", s.pinned)?;
-        d.set_item("events_dropped", s.events_dropped)?;
-        d.set_item("segment_bytes", s.segment_bytes)?;
-        d.set_item("free_segments", s.free_segments)?;
-        d.set_item("metadata_bytes", s.metadata_bytes)?;
+        // Every pool counter by its model's name, then the settings.
+        for (f, v) in s.counters.pairs() {
+            d.set_item(f.name, v)?;
+        }
         d.set_item("eviction_policy", s.eviction_policy.as_str())?;
-        d.set_item("evictions_small", s.evictions_small)?;
-        d.set_item("evictions_main", s.evictions_main)?;
-        d.set_item("promotions", s.promotions)?;
-        d.set_item("ghost_hits", s.ghost_hits)?;
         d.set_item("store_admission", s.store_admission.as_str())?;
-        d.set_item("admissions_skipped", s.admissions_skipped)?;
-        d.set_item("admissions_forced", s.admissions_forced)?;
-        d.set_item("admission_seen", s.admission_seen)?;
         d.set_item("lookup_lease_ms", s.lookup_lease_ms)?;
-        d.set_item("leases", s.leases)?;
-        d.set_item("leases_released", s.leases_released)?;
-        d.set_item("leases_expired", s.leases_expired)?;
-        d.set_item("leases_refused", s.leases_refused)?;
-        d.set_item("leases_ended", s.leases_ended)?;
-        d.set_item("leases_active", s.leases_active)?;
-        d.set_item("leased_bytes", s.leased_bytes)?;
         d.set_item("integrity", s.integrity.as_str())?;
         d.set_item("integrity_sample_every", s.integrity.verify_every())?;
-        d.set_item("verified", s.verified)?;
-        d.set_item("corrupt_detected", s.corrupt_detected)?;
         let p = &s.placement;
         d.set_item(
             "hugepages_requested",

@@ -129,26 +129,8 @@ pub(crate) struct Gauges {
     pub(crate) registrations: u64,
     pub(crate) layouts: u64,
     pub(crate) transfers_in_flight: u64,
-    pub(crate) capacity_bytes: u64,
-    pub(crate) used_bytes: u64,
-    pub(crate) objects: u64,
-    pub(crate) hits: u64,
-    pub(crate) misses: u64,
-    pub(crate) evictions: u64,
-    pub(crate) reservations: u64,
-    pub(crate) pinned: u64,
-    pub(crate) ghost_hits: u64,
-    pub(crate) promotions: u64,
-    pub(crate) admissions_skipped: u64,
-    pub(crate) admissions_forced: u64,
-    pub(crate) leases: u64,
-    pub(crate) leases_released: u64,
-    pub(crate) leases_expired: u64,
-    pub(crate) leases_refused: u64,
-    pub(crate) leases_ended: u64,
-    pub(crate) leased_bytes: u64,
-    pub(crate) verified: u64,
-    pub(crate) corrupt_detected: u64,
+    /// The pool's counters (None when the store could not give them).
+    pub(crate) pool: Option<umbp_pool::PoolCounters>,
     pub(crate) remote: Option<umbp_store::RemoteStats>,
     pub(crate) disk: Option<umbp_store::DiskStats>,
     pub(crate) pins: Option<umbp_pool::KeepStats>,
@@ -198,7 +180,7 @@ impl Snapshot {
         self.push(series, help, false, vec![(None, v)]);
     }
 
-    /// Every field of a group of counters (the disk tier's, the remote tier's, pins') as its
+    /// Every field of a group of counters (the pool's, the tiers', pins') as its
     /// series, named, typed and described by the group's model (`umbp_core::counters`).
     fn group<S: CounterSet>(&mut self, s: &S) {
         for (f, v) in s.pairs() {
@@ -237,100 +219,17 @@ impl Metrics {
     /// The Prometheus text exposition of everything ([`CONTENT_TYPE`]).
     pub(crate) fn render(&self, g: &Gauges) -> String {
         let mut o = Snapshot::default();
-        o.gauge(
-            "pool_capacity_bytes",
-            "Usable bytes of the pool.",
-            g.capacity_bytes,
-        );
-        o.gauge(
-            "pool_used_bytes",
-            "Bytes held by objects and open reservations.",
-            g.used_bytes,
-        );
-        o.gauge("pool_objects", "Objects in the pool.", g.objects);
-        o.gauge(
-            "pool_reservations",
-            "Reservations open now.",
-            g.reservations,
-        );
-        o.gauge(
-            "pool_pinned_objects",
-            "Objects pinned by loads now.",
-            g.pinned,
-        );
-        o.counter(
-            "pool_hits_total",
-            "Keys found by lookups and loads.",
-            g.hits,
-        );
-        o.counter(
-            "pool_misses_total",
-            "Keys not found by lookups and loads.",
-            g.misses,
-        );
-        o.counter("pool_evictions_total", "Objects evicted.", g.evictions);
-        o.counter(
-            "pool_promotions_total",
-            "Objects S3-FIFO moved from its small queue to its main queue (used again).",
-            g.promotions,
-        );
-        o.counter(
-            "pool_ghost_hits_total",
-            "Objects stored again soon after S3-FIFO evicted them (they enter the main queue).",
-            g.ghost_hits,
-        );
-        o.counter(
-            "pool_admissions_skipped_total",
-            "Stores not kept by store_admission=on_reuse (the key's first sighting).",
-            g.admissions_skipped,
-        );
-        o.counter(
-            "pool_admissions_forced_total",
-            "Stores kept on the key's first sighting because the client asked (admit_now: a \
-             request's priority or umbp_store=now) where store_admission=on_reuse would not.",
-            g.admissions_forced,
-        );
-        o.counter(
-            "pool_leases_total",
-            "Leases lookups took on the hits they reported (kept from eviction until loaded).",
-            g.leases,
-        );
-        o.counter(
-            "pool_leases_released_total",
-            "Lookup leases given back by the loads that used them.",
-            g.leases_released,
-        );
-        o.counter(
-            "pool_leases_expired_total",
-            "Lookup leases that ran out before a load used them.",
-            g.leases_expired,
-        );
-        o.counter(
-            "pool_leases_refused_total",
-            "Lookup leases refused because leased objects held half the pool (reported as misses).",
-            g.leases_refused,
-        );
-        o.counter(
-            "pool_leases_ended_total",
-            "Lookup leases that ended with their object (removed or cleared).",
-            g.leases_ended,
-        );
-        o.gauge(
-            "pool_leased_bytes",
-            "Bytes of the objects that hold lookup leases now.",
-            g.leased_bytes,
-        );
-        o.counter(
-            "pool_verified_total",
-            "Objects whose bytes a load checked against their checksum (--integrity).",
-            g.verified,
-        );
-        o.counter(
-            "corrupt_detected_total",
-            "Objects whose bytes failed their checksum on the way to a client, in any tier \
-             (pool, disk, remote): each removed and its load failed, never copied out.",
-            g.corrupt_detected,
-        );
+        if let Some(p) = &g.pool {
+            o.group(p);
+            // The store-wide count (every tier's damaged objects), under its name from before
+            // the pool's group.
+            o.counter(
+                "corrupt_detected_total",
+                "Objects whose bytes failed their checksum on the way to a client, in any tier \
+                 (pool, disk, remote): each removed and its load failed, never copied out.",
+                p.corrupt_detected,
+            );
+        }
         if let Some(r) = &g.remote {
             o.group(r);
         }
@@ -441,8 +340,9 @@ mod tests {
     /// Every counter of every tier group reaches Prometheus, typed as its model says: a field
     /// added to a group without a series, or a series that lost its type line, fails here.
     #[test]
-    fn every_counter_of_the_tier_groups_is_a_series() {
+    fn every_counter_of_every_group_is_a_series() {
         let g = Gauges {
+            pool: Some(umbp_pool::PoolCounters::default()),
             remote: Some(umbp_store::RemoteStats::default()),
             disk: Some(umbp_store::DiskStats::default()),
             pins: Some(umbp_pool::KeepStats::default()),
@@ -468,8 +368,29 @@ mod tests {
         check::<umbp_store::RemoteStats>(&text);
         check::<umbp_store::DiskStats>(&text);
         check::<umbp_pool::KeepStats>(&text);
+        check::<umbp_pool::PoolCounters>(&text);
         // The names dashboards know, from before the model.
         for old in [
+            "umbp_pool_capacity_bytes ",
+            "umbp_pool_used_bytes ",
+            "umbp_pool_objects ",
+            "umbp_pool_reservations ",
+            "umbp_pool_pinned_objects ",
+            "umbp_pool_hits_total ",
+            "umbp_pool_misses_total ",
+            "umbp_pool_evictions_total ",
+            "umbp_pool_promotions_total ",
+            "umbp_pool_ghost_hits_total ",
+            "umbp_pool_admissions_skipped_total ",
+            "umbp_pool_admissions_forced_total ",
+            "umbp_pool_leases_total ",
+            "umbp_pool_leases_released_total ",
+            "umbp_pool_leases_expired_total ",
+            "umbp_pool_leases_refused_total ",
+            "umbp_pool_leases_ended_total ",
+            "umbp_pool_leased_bytes ",
+            "umbp_pool_verified_total ",
+            "umbp_corrupt_detected_total ",
             "umbp_disk_bytes ",
             "umbp_disk_promotions_total ",
             "umbp_disk_drops_total ",

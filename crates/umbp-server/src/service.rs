@@ -142,21 +142,8 @@ impl Store for Service {
         let p = s.store.stats().map_err(|e| self.store_err(e))?;
         let t = s.sessions.totals();
         let m = &s.metrics;
-        Ok(Response::new(v1::StatsReply {
+        let mut reply = v1::StatsReply {
             boot_id: s.boot_id.clone(),
-            capacity_bytes: p.capacity_bytes,
-            used_bytes: p.used_bytes,
-            objects: p.objects,
-            hits: p.hits,
-            misses: p.misses,
-            evictions: p.evictions,
-            puts: p.puts,
-            duplicate_puts: p.duplicate_puts,
-            gets: p.gets,
-            bytes_in: p.bytes_in,
-            bytes_out: p.bytes_out,
-            reservations: p.reservations,
-            pinned: p.pinned,
             sessions: s.sessions.len() as u64 + m.releasing.load(Ordering::Relaxed),
             registrations: t.registrations,
             layouts: t.layouts,
@@ -166,17 +153,7 @@ impl Store for Service {
             loads: m.load.transfers.load(Ordering::Relaxed),
             store_bytes: m.store.bytes.load(Ordering::Relaxed),
             load_bytes: m.load.bytes.load(Ordering::Relaxed),
-            metadata_bytes: p.metadata_bytes,
             placement: format!("{:?}", p.placement),
-            leases: p.leases,
-            leases_released: p.leases_released,
-            leases_expired: p.leases_expired,
-            leases_refused: p.leases_refused,
-            leases_ended: p.leases_ended,
-            leases_active: p.leases_active,
-            leased_bytes: p.leased_bytes,
-            verified: p.verified,
-            corrupt_detected: p.corrupt_detected,
             integrity: p.integrity.as_str().to_owned(),
             integrity_sample_every: u64::from(p.integrity.verify_every()),
             cuda_imports: t.cuda_imports,
@@ -191,7 +168,10 @@ impl Store for Service {
             pins: Some(v1::PinStats {
                 counters: umbp_proto::counters::to_wire(&s.store.pin_stats()),
             }),
-        }))
+            ..Default::default()
+        };
+        umbp_proto::counters::set_pool_counters(&mut reply, &p.counters);
+        Ok(Response::new(reply))
     }
 
     async fn clear(

@@ -48,28 +48,7 @@ impl State {
             transfers_in_flight: self.in_flight.load(Ordering::Relaxed),
             ..Gauges::default()
         };
-        if let Ok(p) = self.store.stats() {
-            g.capacity_bytes = p.capacity_bytes;
-            g.used_bytes = p.used_bytes;
-            g.objects = p.objects;
-            g.hits = p.hits;
-            g.misses = p.misses;
-            g.evictions = p.evictions;
-            g.reservations = p.reservations;
-            g.pinned = p.pinned;
-            g.promotions = p.promotions;
-            g.ghost_hits = p.ghost_hits;
-            g.admissions_skipped = p.admissions_skipped;
-            g.admissions_forced = p.admissions_forced;
-            g.leases = p.leases;
-            g.leases_released = p.leases_released;
-            g.leases_expired = p.leases_expired;
-            g.leases_refused = p.leases_refused;
-            g.leases_ended = p.leases_ended;
-            g.leased_bytes = p.leased_bytes;
-            g.verified = p.verified;
-            g.corrupt_detected = p.corrupt_detected;
-        }
+        g.pool = self.store.stats().ok().map(|p| p.counters);
         g.remote = self.store.remote_stats();
         g.disk = self.store.disk_stats();
         g.pins = Some(self.store.pin_stats());

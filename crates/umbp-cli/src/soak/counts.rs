@@ -109,20 +109,21 @@ counters! {
 
 impl Snapshot {
     pub(crate) fn from_server(s: &ServerStats) -> Self {
+        let p: umbp_pool::PoolCounters = umbp_proto::counters::pool_counters(s);
         let d: umbp_disk::DiskStats = s
             .disk
             .as_ref()
             .map(|d| umbp_proto::counters::from_wire(&d.counters))
             .unwrap_or_default();
         Snapshot {
-            capacity_bytes: s.capacity_bytes,
-            used_bytes: s.used_bytes,
-            objects: s.objects,
-            puts: s.puts,
-            duplicate_puts: s.duplicate_puts,
-            evictions: s.evictions,
-            hits: s.hits,
-            misses: s.misses,
+            capacity_bytes: p.capacity_bytes,
+            used_bytes: p.used_bytes,
+            objects: p.objects,
+            puts: p.puts,
+            duplicate_puts: p.duplicate_puts,
+            evictions: p.evictions,
+            hits: p.hits,
+            misses: p.misses,
             sessions: s.sessions,
             disk_capacity_bytes: d.capacity_bytes,
             disk_used_bytes: d.used_bytes,

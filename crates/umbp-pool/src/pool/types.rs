@@ -62,91 +62,116 @@ pub enum CommitOutcome {
     Skipped,
 }
 
-/// A snapshot of the pool's counters.
+umbp_core::counter_set! {
+    /// The pool's counters and readings: one group (`pool`) from which the wire, Python's
+    /// stats dicts, Prometheus (`umbp_pool_*`) and `umbp stats` are rendered.
+    pub struct PoolCounters: "pool" {
+        /// Usable bytes of the pool.
+        gauge capacity_bytes: u64,
+        /// Bytes held by objects and open reservations (rounded sizes).
+        gauge used_bytes: u64,
+        /// Objects in the pool.
+        gauge objects: u64,
+        /// Successful commits.
+        counter puts: u64,
+        /// Commits that lost to an earlier writer of the same key.
+        counter duplicate_puts: u64,
+        /// Pinned reads served.
+        counter gets: u64,
+        /// Keys found by lookups and loads.
+        counter hits: u64,
+        /// Keys not found by lookups and loads.
+        counter misses: u64,
+        /// Objects evicted.
+        counter evictions: u64,
+        /// Objects evicted from S3-FIFO's small (probation) queue.
+        counter evictions_small: u64,
+        /// Objects evicted from the main queue (LRU's only one, S3-FIFO's main).
+        counter evictions_main: u64,
+        /// Objects S3-FIFO kept by moving them on instead of evicting them (used objects
+        /// leaving the small queue for main, or going round main again).
+        counter promotions: u64,
+        /// Objects stored again soon after S3-FIFO evicted them (its ghost set): stored
+        /// straight in its main queue.
+        counter ghost_hits: u64,
+        /// Stores not kept by store_admission=on_reuse (the key's first sighting).
+        counter admissions_skipped: u64,
+        /// Stores kept on the key's first sighting because the writer asked (admit_now: a
+        /// request's priority or umbp_store=now) where store_admission=on_reuse would not.
+        counter admissions_forced: u64,
+        /// Keys the on_reuse admission remembers as seen once.
+        gauge admission_seen: u64,
+        /// Objects whose bytes a load checked against their checksum (integrity).
+        counter verified: u64,
+        /// Objects whose bytes did not match their checksum (each removed, its load failed).
+        /// The store's stats add the objects its disk and remote tiers refused as damaged.
+        counter corrupt_detected: u64,
+        /// Bytes committed.
+        counter bytes_in: u64,
+        /// Bytes handed to pinned readers.
+        counter bytes_out: u64,
+        /// Reservations open now.
+        gauge reservations: u64,
+        /// Objects pinned by loads now.
+        gauge pinned: u64 as "pinned_objects",
+        /// Pool events dropped because a subscriber was not keeping up.
+        counter events_dropped: u64,
+        /// The allocator's segment size.
+        gauge segment_bytes: u64,
+        /// Allocator segments serving no size class.
+        gauge free_segments: u64,
+        /// Bytes of index and allocator metadata.
+        gauge metadata_bytes: u64,
+        /// Leases lookups took on the hits they reported (kept from eviction until loaded).
+        /// Every lease is given back by a load, expires, ends with its object or is still
+        /// outstanding: this is their sum.
+        counter leases: u64,
+        /// Lookup leases given back by the loads that used them.
+        counter leases_released: u64,
+        /// Lookup leases that ran out before a load used them.
+        counter leases_expired: u64,
+        /// Lookup leases refused because leased objects held half the pool (reported as
+        /// misses).
+        counter leases_refused: u64,
+        /// Lookup leases that ended with their object (removed or cleared).
+        counter leases_ended: u64,
+        /// Lookup leases outstanding now.
+        gauge leases_active: u64,
+        /// Bytes of the objects that hold lookup leases now.
+        gauge leased_bytes: u64,
+    }
+}
+
+/// A snapshot of the pool: its settings and its [`PoolCounters`] (which it dereferences to, so
+/// `stats.hits` reads a counter).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolStats {
-    /// Usable bytes.
-    pub capacity_bytes: u64,
-    /// Bytes allocated to objects and open reservations (rounded sizes).
-    pub used_bytes: u64,
-    /// Committed objects.
-    pub objects: u64,
-    /// Successful commits.
-    pub puts: u64,
-    /// Commits that lost to an earlier writer of the same key.
-    pub duplicate_puts: u64,
-    /// Pinned reads served.
-    pub gets: u64,
-    /// Keys found by lookups and reads.
-    pub hits: u64,
-    /// Keys not found by lookups and reads.
-    pub misses: u64,
-    /// Objects evicted.
-    pub evictions: u64,
+    /// Every counter and reading.
+    pub counters: PoolCounters,
     /// The eviction policy.
     pub eviction_policy: EvictionPolicy,
-    /// Objects evicted from S3-FIFO's small (probation) queue.
-    pub evictions_small: u64,
-    /// Objects evicted from the main queue (LRU's only one, S3-FIFO's main).
-    pub evictions_main: u64,
-    /// Objects the policy kept by moving them on instead of evicting them (S3-FIFO: used
-    /// objects leaving the small queue for main, or going round main again).
-    pub promotions: u64,
-    /// Commits of keys S3-FIFO had evicted recently (its ghost set): stored straight in main.
-    pub ghost_hits: u64,
     /// The store admission.
     pub store_admission: StoreAdmission,
-    /// Commits the admission skipped ([`CommitOutcome::Skipped`]).
-    pub admissions_skipped: u64,
-    /// Commits stored on a key's first sighting because the writer asked for it
-    /// ([`umbp_core::Admit::Now`]) where `on_reuse` would have skipped them.
-    pub admissions_forced: u64,
     /// Whether objects are checksummed, and how many loads verify them.
     pub integrity: umbp_core::Integrity,
-    /// Objects whose bytes were checked against their checksum.
-    pub verified: u64,
-    /// Objects whose bytes did not match their checksum (each removed, its load failed). The
-    /// store's stats (umbp-store) add the objects its disk and remote tiers refused as damaged.
-    pub corrupt_detected: u64,
-    /// Keys the `on_reuse` admission remembers as seen once.
-    pub admission_seen: u64,
-    /// Bytes committed.
-    pub bytes_in: u64,
-    /// Bytes handed to pinned readers.
-    pub bytes_out: u64,
-    /// Reservations open now.
-    pub reservations: u64,
-    /// Objects pinned now.
-    pub pinned: u64,
-    /// Events dropped because a subscriber was not keeping up.
-    pub events_dropped: u64,
-    /// Allocator segment size.
-    pub segment_bytes: u64,
-    /// Segments serving no size class.
-    pub free_segments: u64,
-    /// Bytes of index and allocator metadata.
-    pub metadata_bytes: u64,
     /// How the memory was placed.
     pub placement: Placement,
     /// How long a lookup's lease keeps a hit from eviction, in ms (0: no leases).
     pub lookup_lease_ms: u64,
-    /// Leases taken by lookups (one per hit reported). Every lease is given back by a load
-    /// (`leases_released`), expires (`leases_expired`), ends with its object
-    /// (`leases_ended`) or is still outstanding (`leases_active`): `leases` is their sum.
-    pub leases: u64,
-    /// Leases given back by the loads that used them.
-    pub leases_released: u64,
-    /// Leases that ran out before a load used them (the object became evictable again).
-    pub leases_expired: u64,
-    /// Leases refused because leased objects held half the pool already (the lookup
-    /// reported a miss for the key instead).
-    pub leases_refused: u64,
-    /// Leases that ended because their object was removed (`remove`, `clear`).
-    pub leases_ended: u64,
-    /// Leases outstanding now.
-    pub leases_active: u64,
-    /// Bytes of the objects that hold leases now.
-    pub leased_bytes: u64,
+}
+
+impl std::ops::Deref for PoolStats {
+    type Target = PoolCounters;
+
+    fn deref(&self) -> &PoolCounters {
+        &self.counters
+    }
+}
+
+impl std::ops::DerefMut for PoolStats {
+    fn deref_mut(&mut self) -> &mut PoolCounters {
+        &mut self.counters
+    }
 }
 
 /// What [`Pool::adopt`](super::Pool::adopt) took over.
