@@ -2,6 +2,7 @@
 (`--take-over` beside `--hand-over`), at several pool sizes, every object checked afterwards.
 
     python scripts/bench_handover.py [--sizes-gib 1,4] [--fill 0.85] [--json out.json]
+                                     [--old-binary PATH]
 
 Per size: a real `umbp_standalone_server --hand-over` is filled to `--fill` of its pool with
 2 MiB objects (KV blocks of 32 pieces of 64 KiB, stored by a real client), then a second server
@@ -11,6 +12,10 @@ the old server's log line "asks to take the pool over" (it stops serving) to the
 answered (its own start-up included); the old server's hand-over after its drain and the new
 server's start to adoption (their logs); then every object is loaded from the new server and
 compared byte for byte.
+
+`--old-binary` makes the server that hands over another build (an older release: the upgrade
+case), the one taking over this checkout's; the client is this checkout's, so it also reads an
+older server's stats.
 """
 
 from __future__ import annotations
@@ -73,11 +78,13 @@ def logged_ms(log: str, what: str) -> float | None:
     return None
 
 
-def one(size_gib: float, fill: float) -> dict:
+def one(size_gib: float, fill: float, old_binary: Path | None = None) -> dict:
     binary = server_binary()
     d = short_dir(f"bh{int(size_gib * 1024)}")
     cap = f"{int(size_gib * 1024)}MiB"
-    old = Server(binary, d, capacity=cap, extra_args=["--hand-over"], log_level="info")
+    old = Server(
+        old_binary or binary, d, capacity=cap, extra_args=["--hand-over"], log_level="info"
+    )
     new = Server(binary, d, capacity=cap, extra_args=["--take-over"], log_level="info")
     old.start()
     try:
@@ -127,13 +134,16 @@ def main() -> int:
     ap.add_argument("--sizes-gib", default="1,4")
     ap.add_argument("--fill", type=float, default=0.85)
     ap.add_argument("--json")
+    ap.add_argument("--old-binary", type=Path, help="the server that hands over (default: ours)")
     a = ap.parse_args()
+    if a.old_binary is not None and not a.old_binary.is_file():
+        ap.error(f"--old-binary {a.old_binary}: no such file; build that release's server first")
     rows = []
     print(
         "pool     objects   gap (nobody serves)   start to first lookup   old gives   new adopts   checked"
     )
     for size in [float(x) for x in a.sizes_gib.split(",")]:
-        r = one(size, a.fill)
+        r = one(size, a.fill, a.old_binary)
         rows.append(r)
         print(
             f"{size:4.1f} GiB {r['objects']:8,}   {r['gap_ms']} ms"
@@ -142,7 +152,10 @@ def main() -> int:
             f"     {r['objects']:,} byte-exact ({r['checked_s']} s)"
         )
     if a.json:
-        Path(a.json).write_text(json.dumps({"bench": "handover", "rows": rows}, indent=1))
+        doc = {"bench": "handover", "rows": rows}
+        if a.old_binary is not None:
+            doc["old_binary"] = str(a.old_binary)
+        Path(a.json).write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -166,6 +166,18 @@ class EmbeddedStore:
         """An argument left out takes the store's default, the one of the connector option of
         the same meaning (docs/configuration.md); the defaults live in the Rust schema only."""
         ...
+    @staticmethod
+    def for_connector(
+        options_json: str,
+        kv_role: str | None = None,
+        *,
+        capacity_bytes: int,
+        disk_subdir: str,
+        remote_read_only: bool = False,
+    ) -> EmbeddedStore:
+        """One connector worker's store, from `kv_connector_extra_config` as JSON (validated and
+        turned into the store's settings in Rust at once), its capacity share, its directory
+        under `disk_dir`, and whether it writes nothing to the remote tier."""
     def disk_stats(self) -> dict[str, int] | None:
         """The disk tier's counters (None without `disk_dir`)."""
     def flush_disk(self, timeout_ms: int = 10000) -> bool:

@@ -219,7 +219,11 @@ def test_docs_option_tables_are_the_schema():
 def test_connector_config_fields_are_the_schemas_options():
     from umbp.vllm import config
 
-    fields = {f.name for f in dataclasses.fields(ConnectorConfig)} - {"extra", "kv_role"}
+    fields = {f.name for f in dataclasses.fields(ConnectorConfig)} - {
+        "extra",
+        "kv_role",
+        "source_json",
+    }
     assert fields == set(config.OPTIONS)
     parsed = ConnectorConfig.parse({}, None)
     for s in config.SCHEMA:
@@ -383,3 +387,33 @@ def test_null_means_unset_only_for_optional_options():
         ConnectorConfig.parse({"num_workers": None}, None)
     with pytest.raises(ConfigError, match="kv_role"):
         ConnectorConfig.parse({}, 3)  # type: ignore[arg-type]
+
+
+def test_a_workers_store_is_built_from_the_users_options_in_rust(tmp_path):
+    """The connector hands the user's JSON to Rust once (`EmbeddedStore.for_connector`): the
+    options reach the pool, the disk tier and the copy engine with nothing re-typed between."""
+    (tmp_path / "disk").mkdir()
+    extra = {
+        "disk_dir": str(tmp_path / "disk"),
+        "disk_capacity_bytes": 64 << 20,
+        "eviction_policy": "lru",
+        "store_admission": "on_reuse",
+        "integrity": "sample",
+        "integrity_sample_every": 7,
+        "num_workers": 2,
+    }
+    cfg = ConnectorConfig.parse(extra, "kv_both")
+    with umbp.EmbeddedStore.for_connector(
+        cfg.source_json, cfg.kv_role, capacity_bytes=8 << 20, disk_subdir="umbp-t-dp0-w1"
+    ) as store:
+        s = store.stats()
+        assert s["capacity_bytes"] == 8 << 20
+        assert (s["eviction_policy"], s["store_admission"]) == ("lru", "on_reuse")
+        assert (s["integrity"], s["integrity_sample_every"]) == ("sample", 7)
+        assert store.disk_stats()["capacity_bytes"] == 64 << 20
+        assert (tmp_path / "disk" / "umbp-t-dp0-w1").is_dir()
+    # A bad option is refused by name there too, as the connector's parse refuses it.
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        umbp.EmbeddedStore.for_connector(
+            '{"eviction_policy": "fifo"}', capacity_bytes=8 << 20, disk_subdir="x"
+        )

@@ -268,6 +268,36 @@ impl EmbeddedStore {
         })
     }
 
+    /// One connector worker's store, shaped by the connector's options
+    /// (`kv_connector_extra_config` as JSON, and `kv_role`), validated and turned into the
+    /// store's settings in Rust at once (`StoreConfig::for_connector`), plus what the worker
+    /// adds: its share of the capacity, its own directory under `disk_dir`, and whether it
+    /// writes nothing to the remote tier (an MLA rank the first of its group writes for).
+    #[staticmethod]
+    #[pyo3(signature = (options_json, kv_role=None, *, capacity_bytes, disk_subdir,
+        remote_read_only=false))]
+    fn for_connector(
+        py: Python<'_>,
+        options_json: &str,
+        kv_role: Option<&str>,
+        capacity_bytes: u64,
+        disk_subdir: String,
+        remote_read_only: bool,
+    ) -> Result<Self> {
+        let opts = umbp_core::ConnectorOptions::from_json(options_json, kv_role)?;
+        let worker = umbp_store::WorkerPlacement {
+            capacity_bytes,
+            disk_subdir,
+            remote_read_only,
+        };
+        let cfg = StoreConfig::for_connector(&opts, &worker)?;
+        let inner = Arc::new(without_gil(py, move || CoreStore::new(cfg))?);
+        track_store(&inner);
+        Ok(EmbeddedStore {
+            inner: ReleaseGilOnDrop::new(inner),
+        })
+    }
+
     /// Registers host memory (e.g. a KV cache tensor's `data_ptr()` and byte size). The memory
     /// must stay alive until `deregister_memory` returns or the store is closed.
     fn register_memory(&self, py: Python<'_>, addr: u64, length: u64) -> Result<u64> {

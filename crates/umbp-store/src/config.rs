@@ -2,9 +2,13 @@
 
 use std::time::Duration;
 
-use umbp_core::{options, CoreError, PoolConfig};
+use umbp_core::caching::{EvictionPolicy, StoreAdmission};
+use umbp_core::{options, ConnectorOptions, CoreError, HugepageSize, Integrity, PoolConfig};
 use umbp_cuda::{CudaError, CudaOptions};
-use umbp_remote::{RemoteConfig, RemoteError};
+use umbp_disk::{DiskConfig, DiskWrite};
+use umbp_remote::{RemoteConfig, RemoteError, WritePolicy};
+
+use crate::StoreError;
 
 /// Everything that shapes an embedded store.
 #[derive(Debug, Clone, PartialEq)]
@@ -36,7 +40,86 @@ impl Default for StoreConfig {
     }
 }
 
+/// What one worker of an engine adds to the connector's options to shape its store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerPlacement {
+    /// This worker's pool: its share of the connector's capacity.
+    pub capacity_bytes: u64,
+    /// This worker's own directory under `disk_dir` (a name, not a path: workers never share
+    /// segment files).
+    pub disk_subdir: String,
+    /// The worker writes nothing to the remote tier: an MLA rank whose blocks the first rank
+    /// of its group writes (its `remote_write` is `never`).
+    pub remote_read_only: bool,
+}
+
 impl StoreConfig {
+    /// One worker's store, from the connector's validated options: the one place an option
+    /// of `kv_connector_extra_config` becomes a setting of the embedded store.
+    pub fn for_connector(
+        opts: &ConnectorOptions,
+        worker: &WorkerPlacement,
+    ) -> Result<StoreConfig, StoreError> {
+        let defaults = StoreConfig::default();
+        let pool = PoolConfig {
+            capacity_bytes: worker.capacity_bytes,
+            high_watermark: opts.dram_high_watermark,
+            low_watermark: opts.dram_low_watermark,
+            use_hugepages: opts.dram_use_hugepages,
+            hugepage_size: opts.dram_hugepage_size.parse::<HugepageSize>()?,
+            numa_node: opts.dram_numa_node,
+            prefault: opts.dram_prefault,
+            eviction_policy: opts.eviction_policy.parse::<EvictionPolicy>()?,
+            store_admission: opts.store_admission.parse::<StoreAdmission>()?,
+            integrity: Integrity::from_options(&opts.integrity, opts.integrity_sample_every)?,
+            ..defaults.pool
+        };
+        let disk = match &opts.disk_dir {
+            None => None,
+            Some(dir) => {
+                let mut d = DiskConfig::new(
+                    std::path::absolute(dir)
+                        .map_err(|e| CoreError::option("disk_dir", e.to_string()))?
+                        .join(&worker.disk_subdir),
+                    opts.disk_capacity_bytes,
+                );
+                d.write_bytes_per_s = opts.disk_write_mb_per_s.saturating_mul(1_000_000);
+                d.write = opts.disk_write.parse::<DiskWrite>()?;
+                d.close_write = Duration::from_secs(opts.disk_close_write_s);
+                Some(d)
+            }
+        };
+        let remote = match &opts.remote_url {
+            None => None,
+            Some(url) => {
+                let r = RemoteConfig::new(url.clone());
+                Some(RemoteConfig {
+                    ttl: (opts.remote_ttl_s > 0).then(|| Duration::from_secs(opts.remote_ttl_s)),
+                    write: if worker.remote_read_only {
+                        WritePolicy::parse("never")?
+                    } else {
+                        WritePolicy::parse(&opts.remote_write)?
+                    },
+                    timeout: Duration::from_millis(opts.remote_timeout_ms),
+                    write_backlog_bytes: opts.remote_write_backlog,
+                    write_bytes_per_s: opts.remote_write_mb_per_s.saturating_mul(1_000_000),
+                    ..r
+                })
+            }
+        };
+        Ok(StoreConfig {
+            pool,
+            num_workers: opts.num_workers as usize,
+            timeout: Duration::from_millis(opts.timeout_ms),
+            cuda: CudaOptions {
+                staging_bytes: opts.cuda_staging_bytes,
+                ..defaults.cuda
+            },
+            remote,
+            disk,
+        })
+    }
+
     /// Checks every option.
     pub fn validate(&self) -> Result<(), CoreError> {
         self.pool.validate()?;

@@ -97,6 +97,9 @@ class ConnectorConfig:
     startup_timeout_ms: int
     kv_cache_export: str
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The options as the user gave them (JSON): the embedded store is built from these in Rust
+    # (`EmbeddedStore.for_connector`), so no option is re-typed on its way to the store.
+    source_json: str = field(default="{}", compare=False, repr=False)
 
     @property
     def stores(self) -> bool:
@@ -131,9 +134,10 @@ class ConnectorConfig:
         role = kv_role or None  # unset (or empty): kv_both
         if role is not None and not isinstance(role, str):
             role = repr(role)  # refused by name like any other wrong role
-        opts = _native.connector_options(_json(extra), role)
+        source = _json(extra)
+        opts = _native.connector_options(source, role)
         extra.pop("mode", None)
-        return cls(**opts, extra=extra)
+        return cls(**opts, extra=extra, source_json=source)
 
 
 def parse_endpoint(ep: str) -> str:

@@ -207,21 +207,16 @@ class EmbeddedRuntime:
 
     # -- worker side -------------------------------------------------------------------------
 
-    def disk_dir(self, worker: int) -> str | None:
-        """Worker `worker`'s private disk tier directory under `disk_dir` (None: no tier)."""
-        if self.cfg.disk_dir is None:
-            return None
-        name = f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}-w{worker}"
-        return os.path.join(os.path.abspath(self.cfg.disk_dir), name)
+    def disk_subdir(self, worker: int) -> str:
+        """Worker `worker`'s own directory name under `disk_dir` (workers never share one)."""
+        return f"umbp-{self.topo.tag}-dp{self.topo.dp_rank}-w{worker}"
 
     def open_store(self, ranks: Ranks) -> umbp.EmbeddedStore:
         cfg, topo = self.cfg, self.topo
         worker = ranks.worker(topo)
-        remote_write = cfg.remote_write
-        if cfg.remote_url is not None and not topo.writes_shared(ranks.tp):
-            # MLA: this rank's blocks are the first rank's, which writes the shared objects.
-            remote_write = "never"
-        elif cfg.remote_url is not None and topo.tp_replicas > 1:
+        # MLA: this rank's blocks are the first rank's, which writes the shared objects.
+        remote_read_only = cfg.remote_url is not None and not topo.writes_shared(ranks.tp)
+        if not remote_read_only and cfg.remote_url is not None and topo.tp_replicas > 1:
             logger.info(
                 "umbp: the KV of every %d consecutive TP ranks is identical (MLA): the remote "
                 "tier gets one object per block, written by the first rank of each group",
@@ -233,32 +228,13 @@ class EmbeddedRuntime:
             claims = self._claims_path()
             check_engine_memory(claims, capacity, topo.workers_per_host)
             self.claims = str(claims)
-        store = umbp.EmbeddedStore(
-            capacity,
-            high_watermark=cfg.dram_high_watermark,
-            low_watermark=cfg.dram_low_watermark,
-            use_hugepages=cfg.dram_use_hugepages,
-            hugepage_size=cfg.dram_hugepage_size,
-            numa_node=cfg.dram_numa_node,
-            prefault=cfg.dram_prefault,
-            eviction_policy=cfg.eviction_policy,
-            store_admission=cfg.store_admission,
-            integrity=cfg.integrity,
-            integrity_sample_every=cfg.integrity_sample_every,
-            num_workers=cfg.num_workers,
-            timeout_ms=cfg.timeout_ms,
-            remote_url=cfg.remote_url,
-            remote_ttl_s=cfg.remote_ttl_s,
-            remote_write=remote_write,
-            remote_timeout_ms=cfg.remote_timeout_ms,
-            remote_write_backlog=cfg.remote_write_backlog,
-            remote_write_mb_per_s=cfg.remote_write_mb_per_s,
-            disk_dir=self.disk_dir(worker),
-            disk_capacity_bytes=cfg.disk_capacity_bytes,
-            disk_write_mb_per_s=cfg.disk_write_mb_per_s,
-            disk_write=cfg.disk_write,
-            disk_close_write_s=cfg.disk_close_write_s,
-            cuda_staging_bytes=cfg.cuda_staging_bytes,
+        # Every option reaches the store from the user's JSON in Rust (one crossing).
+        store = umbp.EmbeddedStore.for_connector(
+            cfg.source_json,
+            cfg.kv_role,
+            capacity_bytes=capacity,
+            disk_subdir=self.disk_subdir(worker),
+            remote_read_only=remote_read_only,
         )
         self.capacity = capacity
         return store
