@@ -341,28 +341,45 @@ def disk(d: dict, plt):
 
 def handover(d: dict, plt):
     """scripts/bench_handover.py: per pool size, the time nobody served (old server stops →
-    new one ready) and the new process's start → its first answered lookup."""
+    new one ready) and the new process's start → its first answered lookup. With `same_build`
+    (an upgrade run: `--old-binary`), the upgrade's bars beside the same build's."""
     rows = d["rows"] + (d.get("second_run") or {}).get("rows", [])
     rows = sorted(rows, key=lambda r: r["pool_gib"])
+    same = sorted((d.get("same_build") or {}).get("rows", []), key=lambda r: r["pool_gib"])
+    series = [(rows, "upgrade (older build → this one)" if same else None, 0.0)]
+    if same:
+        series.append((same, "same build", 0.4))
+    width = 0.4 if same else 0.8
     labels = [f"{r['pool_gib']:g} GiB\n{r['objects']:,} obj" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4), dpi=120)
     for ax, key, scale, title, color in (
         (axes[0], "gap_ms", 1.0, "nobody serving (ms)", "tab:blue"),
         (axes[1], "first_lookup_s", 1000.0, "new process start → first lookup (ms)", "tab:gray"),
     ):
-        vals = [r[key] * scale for r in rows]
-        bars = ax.bar(range(len(rows)), vals, color=color)
+        top = 0.0
+        for rs, label, shift in series:
+            vals = [r[key] * scale for r in rs]
+            top = max([top, *vals])
+            xs = [i + shift - (0.2 if same else 0.0) for i in range(len(rs))]
+            bars = ax.bar(
+                xs, vals, width, color=color, alpha=1.0 if shift == 0 else 0.45, label=label
+            )
+            for b, v in zip(bars, vals):
+                ax.text(
+                    b.get_x() + b.get_width() / 2,
+                    v,
+                    f"{v:.1f}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
         ax.set_title(title, fontsize=9)
-        ax.set_ylim(0, 1.3 * max(vals))
-        for b, v in zip(bars, vals):
-            ax.text(
-                b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7
-            )
-    fig.suptitle(
-        f"A server replaced by --take-over, every object byte-exact; {d['machine']}, {d['date']}",
-        fontsize=8,
-    )
+        ax.set_ylim(0, 1.3 * top)
+        if same:
+            ax.legend(fontsize=7)
+    what = "An upgrade by --take-over" if same else "A server replaced by --take-over"
+    fig.suptitle(f"{what}, every object byte-exact; {d['machine']}, {d['date']}", fontsize=8)
     return fig
 
 
