@@ -97,6 +97,20 @@ impl Shard {
 
     /// Inserts a live entry (the policy places it). The key must not be present.
     pub fn insert(&mut self, key: BlockKey, fp: u64, slot: Slot, len: u64, tick: u64) -> u32 {
+        self.insert_placed(key, fp, slot, len, tick, None)
+    }
+
+    /// Inserts a live entry taken over from another pool, at `place` in the policy when the
+    /// image carried one (else as [`insert`](Self::insert) places it).
+    pub fn insert_placed(
+        &mut self,
+        key: BlockKey,
+        fp: u64,
+        slot: Slot,
+        len: u64,
+        tick: u64,
+        place: Option<crate::image::Place>,
+    ) -> u32 {
         let entry = Entry {
             key,
             slot,
@@ -117,9 +131,17 @@ impl Shard {
         };
         self.table
             .insert_unique(fp, TableSlot { fp, idx }, |s| s.fp);
-        self.policy.insert(idx, fp, len, tick);
+        match place {
+            Some(p) => self.policy.insert_at(idx, fp, len, tick, p),
+            None => self.policy.insert(idx, fp, len, tick),
+        }
         self.live += 1;
         idx
+    }
+
+    /// Where live entry `idx` sits in the policy.
+    pub fn place(&self, idx: u32) -> crate::image::Place {
+        self.policy.place(idx)
     }
 
     /// Records the checksum of `idx`'s object.

@@ -164,3 +164,63 @@ fn anonymous_memory_cannot_be_handed_over() {
     // Nothing was closed by the refusal.
     pool.put(key(1), b"still here").unwrap();
 }
+
+/// Each object's place in S3-FIFO (its queue, its use count, its order) survives a hand-over:
+/// objects the giver had promoted to its main queue, or used, are where they were in the taker,
+/// so an upgrade does not turn the hot part of a pool into the first to be evicted.
+#[test]
+fn s3fifo_places_survive_a_hand_over() {
+    let c = PoolConfig {
+        eviction_policy: umbp_core::EvictionPolicy::S3Fifo,
+        ..cfg(16 << 20)
+    };
+    let giver = Pool::new(c.clone()).unwrap();
+    let obj = 256 << 10;
+    // Used objects among new ones, through enough churn that S3-FIFO moves the used ones to
+    // its main queue and evicts unused ones (the background evictor: wait for it).
+    let mut next = 0u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while giver.stats().promotions < 8 || giver.stats().evictions < 16 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", giver.stats());
+        giver.put(key(next), &content(next, obj)).unwrap();
+        if next.is_multiple_of(4) {
+            let _ = giver.get(&key(next));
+        }
+        next += 1;
+        if next.is_multiple_of(16) {
+            // Use a few older ones again.
+            for i in next.saturating_sub(12)..next {
+                let _ = giver.get(&key(i));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100)); // let the evictor finish its round
+    for i in next - 6..next {
+        let _ = giver.get(&key(i)); // used, and twice: counts of 1 and 2 to carry
+        if i % 2 == 0 {
+            let _ = giver.get(&key(i));
+        }
+    }
+    let (fd, first) = giver.hand_over(0).unwrap();
+    let placed = |img: &umbp_pool::image::Image| {
+        let mut v: Vec<_> = img
+            .records
+            .iter()
+            .map(|r| (r.place.expect("format 2 carries places"), r.key))
+            .collect();
+        v.sort_by_key(|(p, _)| p.rank);
+        v.into_iter()
+            .map(|(p, k)| (k, p.queue, p.freq))
+            .collect::<Vec<_>>()
+    };
+    let before = placed(&first);
+    assert!(before.iter().any(|&(_, q, _)| q == 1), "nothing in main");
+    assert!(before.iter().any(|&(_, q, _)| q == 0), "nothing in small");
+    assert!(before.iter().any(|&(_, _, f)| f > 0), "nothing used");
+    let (taker, got) = Pool::adopt(c, fd, &first.encode()).unwrap();
+    assert_eq!(got.objects as usize, before.len());
+    let (_fd, second) = taker.hand_over(1).unwrap();
+    // Same queue, same count, same order (by when each entered its queue), every object.
+    assert_eq!(placed(&second), before);
+}

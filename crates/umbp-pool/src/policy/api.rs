@@ -1,5 +1,7 @@
 //! The trait every eviction policy implements, and what policies share.
 
+pub(crate) use crate::image::Place;
+
 /// Queues a policy may have (LRU uses one, S3-FIFO two).
 pub(crate) const QUEUES: usize = 2;
 
@@ -31,6 +33,12 @@ pub(crate) trait ShardPolicy: std::fmt::Debug + Send + Sync {
     /// A new live entry: `fp` is its key's fingerprint, `len` its bytes, `tick` the pool's
     /// clock now.
     fn insert(&mut self, idx: u32, fp: u64, len: u64, tick: u64);
+    /// A live entry taken over from another pool (a hand-over): as [`insert`](Self::insert),
+    /// but at `place` (its queue and use count there; a queue this policy lacks or a count
+    /// past its bound is clamped), entering its queue at `tick`.
+    fn insert_at(&mut self, idx: u32, fp: u64, len: u64, tick: u64, place: Place);
+    /// Where `idx` sits: its queue, its use count and the tick it entered its queue.
+    fn place(&self, idx: u32) -> Place;
     /// The entry was read.
     fn access(&mut self, idx: u32, tick: u64);
     /// The entry left the index: evicted (`evicted`) or removed by its owner.

@@ -2,7 +2,7 @@
 //! tail and stamps it with the pool's tick, so merging the shards' heads by tick is the
 //! pool-wide LRU order.
 
-use super::api::{slot_for, PolicyCounters, ShardPolicy, QUEUES};
+use super::api::{slot_for, Place, PolicyCounters, ShardPolicy, QUEUES};
 use super::list::{Link, List, NIL};
 
 /// LRU's only queue.
@@ -38,6 +38,19 @@ impl ShardPolicy for Lru {
         };
         self.list.push_tail(&mut self.nodes, idx);
         self.bytes += len;
+    }
+
+    fn insert_at(&mut self, idx: u32, fp: u64, len: u64, tick: u64, _place: Place) {
+        // One queue, ordered by use: the taker inserts in the giver's order.
+        self.insert(idx, fp, len, tick);
+    }
+
+    fn place(&self, idx: u32) -> Place {
+        Place {
+            queue: QUEUE as u8,
+            freq: 0,
+            rank: self.nodes[idx as usize].tick,
+        }
     }
 
     fn access(&mut self, idx: u32, tick: u64) {

@@ -12,7 +12,7 @@
 //! what is not exact is that a shard moves used entries out of the head of its queues while
 //! collecting candidates, up to a batch ahead of the pool-wide order.
 
-use super::api::{slot_for, PolicyCounters, ShardPolicy, QUEUES};
+use super::api::{slot_for, Place, PolicyCounters, ShardPolicy, QUEUES};
 use super::list::{Link, List, NIL};
 use crate::window::FpWindow;
 
@@ -115,6 +115,25 @@ impl ShardPolicy for S3Fifo {
         };
         self.push(idx, queue, tick);
         self.fit_ghost();
+    }
+
+    fn insert_at(&mut self, idx: u32, _fp: u64, len: u64, tick: u64, place: Place) {
+        *slot_for(&mut self.nodes, idx) = Node {
+            len,
+            freq: place.freq.min(MAX_FREQ),
+            ..Node::default()
+        };
+        self.push(idx, usize::from(place.queue).min(MAIN), tick);
+        self.fit_ghost();
+    }
+
+    fn place(&self, idx: u32) -> Place {
+        let n = &self.nodes[idx as usize];
+        Place {
+            queue: n.queue,
+            freq: n.freq,
+            rank: n.rank,
+        }
     }
 
     fn access(&mut self, idx: u32, _tick: u64) {

@@ -63,6 +63,7 @@ impl Pool {
                     len: e.len,
                     sum: shard.sum(idx),
                     pin_ms: shard.keep_left_ms(idx),
+                    place: Some(shard.place(idx)),
                 });
             }
         }
@@ -78,7 +79,8 @@ impl Pool {
 
     /// A pool of `cfg` over memory another pool handed over (`memfd`, with its `image`
     /// bytes): every object of the image is served from where it is, byte for byte, in the
-    /// same eviction order, pinned ones pinned for the time they had left. Refuses (and maps
+    /// same eviction order (each in the queue it held, with its use count), pinned ones
+    /// pinned for the time they had left. Refuses (and maps
     /// nothing further) an image it cannot trust or a geometry not its own; the error says
     /// why and what to change, and the caller starts an empty pool instead.
     pub fn adopt(
@@ -96,7 +98,11 @@ impl Pool {
             bytes: 0,
             pinned: 0,
         };
-        for r in &img.records {
+        // Oldest first across every shard, so each queue's order is the giver's pool-wide
+        // (a format-1 image has no ranks: its order is kept).
+        let mut records: Vec<&Record> = img.records.iter().collect();
+        records.sort_by_key(|r| r.place.map_or(0, |p| p.rank));
+        for r in records {
             let fp = r.key.fingerprint();
             let si = shard_of(fp);
             // The shard's lock before the allocator's, as commits take them.
@@ -113,7 +119,7 @@ impl Pool {
                 )));
             }
             let tick = inner.tick.fetch_add(1, Ordering::Relaxed);
-            let idx = shard.insert(r.key, fp, r.slot, r.len, tick);
+            let idx = shard.insert_placed(r.key, fp, r.slot, r.len, tick, r.place);
             shard.set_sum(idx, r.sum);
             alloc.set_owner(r.slot, owner_tag(si, idx));
             drop(alloc);
