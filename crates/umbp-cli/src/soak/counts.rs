@@ -109,43 +109,20 @@ counters! {
 
 impl Snapshot {
     pub(crate) fn from_server(s: &ServerStats) -> Self {
-        let p: umbp_pool::PoolCounters = umbp_proto::counters::pool_counters(s);
         let d: umbp_disk::DiskStats = s
             .disk
             .as_ref()
             .map(|d| umbp_proto::counters::from_wire(&d.counters))
             .unwrap_or_default();
-        Snapshot {
-            capacity_bytes: p.capacity_bytes,
-            used_bytes: p.used_bytes,
-            objects: p.objects,
-            puts: p.puts,
-            duplicate_puts: p.duplicate_puts,
-            evictions: p.evictions,
-            hits: p.hits,
-            misses: p.misses,
-            sessions: s.sessions,
-            disk_capacity_bytes: d.capacity_bytes,
-            disk_used_bytes: d.used_bytes,
-            disk_objects: d.objects,
-            disk_writes: d.writes,
-            disk_writes_dropped: d.writes_dropped,
-            disk_write_errors: d.write_errors,
-            disk_backlog_bytes: d.backlog_bytes,
-            disk_hits: d.hits,
-            disk_corrupt: d.corrupt,
-            disk_read_errors: d.read_errors,
-            disk_objects_evicted: d.objects_evicted,
-            disk_already_present: d.already_present,
-            disk_evicted_queued: d.evicted_queued,
-            disk_evicted_dropped: d.evicted_dropped,
-            disk_rebuilt_objects: d.rebuilt_objects,
-            disk_removed: d.removed,
-        }
+        Self::of(&umbp_proto::counters::pool_counters(s), &d, s.sessions)
     }
 
     pub(crate) fn from_store(p: &umbp_pool::PoolStats, d: Option<&umbp_disk::DiskStats>) -> Self {
-        let d = d.copied().unwrap_or_default();
+        Self::of(p, &d.copied().unwrap_or_default(), 0)
+    }
+
+    /// From a pool's counters and its disk tier's, either mode's.
+    fn of(p: &umbp_pool::PoolCounters, d: &umbp_disk::DiskStats, sessions: u64) -> Self {
         Snapshot {
             capacity_bytes: p.capacity_bytes,
             used_bytes: p.used_bytes,
@@ -155,7 +132,7 @@ impl Snapshot {
             evictions: p.evictions,
             hits: p.hits,
             misses: p.misses,
-            sessions: 0,
+            sessions,
             disk_capacity_bytes: d.capacity_bytes,
             disk_used_bytes: d.used_bytes,
             disk_objects: d.objects,
