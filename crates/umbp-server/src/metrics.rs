@@ -3,7 +3,7 @@
 //!
 //! Hot paths bump plain atomics and observe the crate's histograms; a scrape builds a
 //! registry of the moment: the histograms (shared, not copied) and one collector holding every
-//! counter and gauge read then, the tier and pin groups rendered from their model
+//! counter and gauge read then, the pool's, the tiers' and pins' groups rendered from their model
 //! (`umbp_core::counters`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
