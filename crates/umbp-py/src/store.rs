@@ -11,10 +11,7 @@ use umbp_core::{
     LayoutSummary, MemoryBacking, PoolConfig, StoreAdmission, TensorView,
 };
 use umbp_core::{Admit, CounterKind, CounterSet};
-use umbp_store::{
-    CopyMethod, CudaOptions, DiskConfig, DiskWrite, EmbeddedStore as CoreStore, RemoteConfig,
-    StoreConfig, StoreError, WritePolicy,
-};
+use umbp_store::{CopyMethod, CudaOptions, EmbeddedStore as CoreStore, StoreConfig};
 
 use crate::errors::{Error, Result};
 use crate::keys::Keys;
@@ -221,44 +218,27 @@ impl EmbeddedStore {
             disk: match disk_dir {
                 None => None,
                 Some(dir) => {
-                    let mut d = DiskConfig::new(
+                    let mut d = umbp_store::disk_tier(
                         dir,
-                        disk_capacity_bytes.unwrap_or(options::DISK_CAPACITY_BYTES.default_u64()),
-                    );
-                    d.write_bytes_per_s =
-                        disk_write_mb_per_s.unwrap_or(0).saturating_mul(1_000_000);
+                        disk_capacity_bytes,
+                        disk_write_mb_per_s,
+                        disk_write,
+                        disk_close_write_s,
+                    )?;
                     d.segment_bytes = disk_segment_bytes.unwrap_or(0);
-                    d.write = disk_write
-                        .unwrap_or(options::DISK_WRITE.default_str())
-                        .parse::<DiskWrite>()
-                        .map_err(StoreError::from)?;
-                    d.close_write = Duration::from_secs(
-                        disk_close_write_s.unwrap_or(options::DISK_CLOSE_WRITE_S.default_u64()),
-                    );
                     Some(d)
                 }
             },
             remote: match remote_url {
                 None => None,
-                Some(url) => {
-                    let remote = RemoteConfig::new(url);
-                    Some(RemoteConfig {
-                        ttl: match remote_ttl_s {
-                            Some(s) => (s > 0).then(|| Duration::from_secs(s)),
-                            None => remote.ttl,
-                        },
-                        write: match remote_write {
-                            Some(w) => WritePolicy::parse(w).map_err(StoreError::from)?,
-                            None => remote.write,
-                        },
-                        timeout: remote_timeout_ms.map_or(remote.timeout, Duration::from_millis),
-                        write_backlog_bytes: remote_write_backlog
-                            .unwrap_or(remote.write_backlog_bytes),
-                        write_bytes_per_s: remote_write_mb_per_s
-                            .map_or(remote.write_bytes_per_s, |mb| mb.saturating_mul(1_000_000)),
-                        ..remote
-                    })
-                }
+                Some(url) => Some(umbp_store::remote_tier(
+                    url,
+                    remote_ttl_s,
+                    remote_write,
+                    remote_timeout_ms,
+                    remote_write_backlog,
+                    remote_write_mb_per_s,
+                )?),
             },
         };
         let inner = Arc::new(without_gil(py, move || CoreStore::new(cfg))?);

@@ -15,6 +15,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use umbp_core::{CounterKind, CounterSet};
 
@@ -194,9 +195,9 @@ impl Collector for Snapshot {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         for s in &self.0 {
             let kind = if s.counter {
-                ConstCounter::new(0u64).metric_type()
+                MetricType::Counter
             } else {
-                ConstGauge::new(0u64).metric_type()
+                MetricType::Gauge
             };
             let mut family = encoder.encode_descriptor(&s.name, &s.help, None, kind)?;
             for (label, v) in &s.samples {

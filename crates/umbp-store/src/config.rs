@@ -40,6 +40,58 @@ impl Default for StoreConfig {
     }
 }
 
+/// A disk tier in `dir` from the options' values and units (bytes, MB/s, a policy name,
+/// seconds); each None takes the option's default (`umbp_core::options`).
+pub fn disk_tier(
+    dir: std::path::PathBuf,
+    capacity_bytes: Option<u64>,
+    write_mb_per_s: Option<u64>,
+    write: Option<&str>,
+    close_write_s: Option<u64>,
+) -> Result<DiskConfig, StoreError> {
+    let mut d = DiskConfig::new(
+        dir,
+        capacity_bytes.unwrap_or(options::DISK_CAPACITY_BYTES.default_u64()),
+    );
+    d.write_bytes_per_s = write_mb_per_s
+        .unwrap_or(options::DISK_WRITE_MB_PER_S.default_u64())
+        .saturating_mul(1_000_000);
+    d.write = write
+        .unwrap_or(options::DISK_WRITE.default_str())
+        .parse::<DiskWrite>()?;
+    d.close_write =
+        Duration::from_secs(close_write_s.unwrap_or(options::DISK_CLOSE_WRITE_S.default_u64()));
+    Ok(d)
+}
+
+/// A remote tier at `url` from the options' values and units (seconds, a policy name, ms,
+/// bytes, MB/s; a TTL of 0 is none); each None takes the option's default.
+pub fn remote_tier(
+    url: String,
+    ttl_s: Option<u64>,
+    write: Option<&str>,
+    timeout_ms: Option<u64>,
+    write_backlog: Option<u64>,
+    write_mb_per_s: Option<u64>,
+) -> Result<RemoteConfig, StoreError> {
+    let r = RemoteConfig::new(url);
+    Ok(RemoteConfig {
+        ttl: match ttl_s {
+            Some(s) => (s > 0).then(|| Duration::from_secs(s)),
+            None => r.ttl,
+        },
+        write: match write {
+            Some(w) => WritePolicy::parse(w)?,
+            None => r.write,
+        },
+        timeout: timeout_ms.map_or(r.timeout, Duration::from_millis),
+        write_backlog_bytes: write_backlog.unwrap_or(r.write_backlog_bytes),
+        write_bytes_per_s: write_mb_per_s
+            .map_or(r.write_bytes_per_s, |mb| mb.saturating_mul(1_000_000)),
+        ..r
+    })
+}
+
 /// What one worker of an engine adds to the connector's options to shape its store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerPlacement {
@@ -76,36 +128,30 @@ impl StoreConfig {
         };
         let disk = match &opts.disk_dir {
             None => None,
-            Some(dir) => {
-                let mut d = DiskConfig::new(
-                    std::path::absolute(dir)
-                        .map_err(|e| CoreError::option("disk_dir", e.to_string()))?
-                        .join(&worker.disk_subdir),
-                    opts.disk_capacity_bytes,
-                );
-                d.write_bytes_per_s = opts.disk_write_mb_per_s.saturating_mul(1_000_000);
-                d.write = opts.disk_write.parse::<DiskWrite>()?;
-                d.close_write = Duration::from_secs(opts.disk_close_write_s);
-                Some(d)
-            }
+            Some(dir) => Some(disk_tier(
+                std::path::absolute(dir)
+                    .map_err(|e| CoreError::option("disk_dir", e.to_string()))?
+                    .join(&worker.disk_subdir),
+                Some(opts.disk_capacity_bytes),
+                Some(opts.disk_write_mb_per_s),
+                Some(&opts.disk_write),
+                Some(opts.disk_close_write_s),
+            )?),
         };
         let remote = match &opts.remote_url {
             None => None,
-            Some(url) => {
-                let r = RemoteConfig::new(url.clone());
-                Some(RemoteConfig {
-                    ttl: (opts.remote_ttl_s > 0).then(|| Duration::from_secs(opts.remote_ttl_s)),
-                    write: if worker.remote_read_only {
-                        WritePolicy::parse("never")?
-                    } else {
-                        WritePolicy::parse(&opts.remote_write)?
-                    },
-                    timeout: Duration::from_millis(opts.remote_timeout_ms),
-                    write_backlog_bytes: opts.remote_write_backlog,
-                    write_bytes_per_s: opts.remote_write_mb_per_s.saturating_mul(1_000_000),
-                    ..r
-                })
-            }
+            Some(url) => Some(remote_tier(
+                url.clone(),
+                Some(opts.remote_ttl_s),
+                Some(if worker.remote_read_only {
+                    "never"
+                } else {
+                    &opts.remote_write
+                }),
+                Some(opts.remote_timeout_ms),
+                Some(opts.remote_write_backlog),
+                Some(opts.remote_write_mb_per_s),
+            )?),
         };
         Ok(StoreConfig {
             pool,

@@ -20,7 +20,7 @@ mod shared;
 mod store;
 mod tier;
 
-pub use config::{StoreConfig, WorkerPlacement};
+pub use config::{disk_tier, remote_tier, StoreConfig, WorkerPlacement};
 pub use error::StoreError;
 pub use ids::{LayoutId, SessionId};
 pub use remote::start_remote_tier;
